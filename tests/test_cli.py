@@ -1,0 +1,89 @@
+"""The CLI as a user sees it: help, version, errors as one line with a non-zero exit."""
+
+import json
+import os
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from pipeinfer_cli import __version__
+from pipeinfer_cli.cli.app import app
+
+runner = CliRunner()
+
+
+def test_help_lists_commands():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0
+    for cmd in ("models", "inspect"):
+        assert cmd in r.output
+
+
+def test_version():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0
+    assert r.output.startswith(f"pipeinfer {__version__} (ggml ")
+
+
+def test_models_list_json():
+    r = runner.invoke(app, ["models", "list", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    names = {m["name"] for m in data["models"]}
+    assert "qwen2.5-coder-1.5b-instruct" in names
+    assert data["pairs"][0]["name"] == "qwen-coder"
+
+
+def test_unknown_model_is_one_line_error():
+    r = runner.invoke(app, ["inspect", "no-such-model"])
+    assert r.exit_code == 1
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: unknown model 'no-such-model'")
+    assert "smollm2-135m-instruct" in lines[0]
+
+
+def test_not_a_gguf_file(tmp_path):
+    p = tmp_path / "model.gguf"
+    p.write_bytes(b"PK\x03\x04 definitely not a gguf")
+    r = runner.invoke(app, ["inspect", str(p)])
+    assert r.exit_code == 1
+    assert r.stderr.startswith("Error: ") and "is not a GGUF file" in r.stderr
+
+
+def test_missing_path(tmp_path):
+    r = runner.invoke(app, ["inspect", str(tmp_path / "nope.gguf")])
+    assert r.exit_code == 1 and "does not exist" in r.stderr
+
+
+def test_pull_unknown_model():
+    r = runner.invoke(app, ["models", "pull", "nope"])
+    assert r.exit_code == 1 and "unknown model 'nope'" in r.stderr
+
+
+def test_path_of_model_not_downloaded(monkeypatch, tmp_path):
+    monkeypatch.setenv("PIPEINFER_CACHE", str(tmp_path))
+    r = runner.invoke(app, ["models", "path", "qwen2.5-coder-1.5b-instruct"])
+    assert r.exit_code == 1
+    assert "run `pipeinfer models pull qwen2.5-coder-1.5b-instruct`" in r.stderr
+
+
+def _run(args, **env):
+    return subprocess.run([sys.executable, "-c", "from pipeinfer_cli.cli.app import main; main()", *args],
+                          capture_output=True, text=True, env={**os.environ, **env})
+
+
+def test_real_process_error_has_no_traceback_unless_debug(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"nope")
+    r = _run(["inspect", str(bad)], PIPEINFER_DEBUG="0")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    r = _run(["inspect", str(bad)], PIPEINFER_DEBUG="1")
+    assert r.returncode == 1 and "Traceback" in r.stderr and "Error: " in r.stderr
+
+
+def test_usage_error_exit_code():
+    r = _run(["inspect"])
+    assert r.returncode == 2 and "Missing argument" in r.stderr

@@ -1,0 +1,116 @@
+"""Write tiny random-weight GGUF models (llama and qwen2 layouts) that llama.cpp itself can load.
+
+The vocabulary is GPT-2 byte-level: the 256 byte tokens in byte order, then a few merged tokens
+and the special tokens, so any text tokenizes and the files work end to end without downloads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's reversible byte -> printable unicode mapping, as 256 token strings in byte order."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    mapping = {}
+    extra = 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return [mapping[b] for b in range(256)]
+
+
+MERGES = ["Ġ t", "Ġ a", "h e", "i n", "Ġt he"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def vocab(n_vocab: int) -> tuple[list[str], list[int]]:
+    tokens = _byte_tokens()
+    for m in MERGES:
+        tokens.append(m.replace(" ", ""))
+    n_regular = n_vocab - len(SPECIALS)
+    if n_regular < len(tokens):
+        raise ValueError(f"n_vocab must be at least {len(tokens) + len(SPECIALS)}")
+    tokens += [f"<unused{i}>" for i in range(n_regular - len(tokens))]
+    types = [1] * len(tokens)  # NORMAL
+    tokens += SPECIALS
+    types += [3] * len(SPECIALS)  # CONTROL
+    return tokens, types
+
+
+def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 64, n_head: int = 4,
+                     n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 300, seed: int = 0,
+                     n_ctx_train: int = 512, rope_freq_base: float = 10000.0, rms_eps: float = 1e-5,
+                     tied_output: bool = False, omit_tensors: tuple[str, ...] = (), scale: float = 0.08) -> Path:
+    """Write a random-weight model and return its path. `omit_tensors` drops tensors (for error tests)."""
+    import gguf
+
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_embd_kv = head_dim * n_head_kv
+
+    def w(*shape):  # numpy shape is (rows, cols) = ggml's (ne1, ne0)
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    tensors: dict[str, np.ndarray] = {"token_embd.weight": w(n_vocab, n_embd)}
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        tensors[p + "attn_norm.weight"] = norm(n_embd)
+        tensors[p + "attn_q.weight"] = w(n_embd, n_embd)
+        tensors[p + "attn_k.weight"] = w(n_embd_kv, n_embd)
+        tensors[p + "attn_v.weight"] = w(n_embd_kv, n_embd)
+        if arch == "qwen2":
+            tensors[p + "attn_q.bias"] = w(n_embd)
+            tensors[p + "attn_k.bias"] = w(n_embd_kv)
+            tensors[p + "attn_v.bias"] = w(n_embd_kv)
+        tensors[p + "attn_output.weight"] = w(n_embd, n_embd)
+        tensors[p + "ffn_norm.weight"] = norm(n_embd)
+        tensors[p + "ffn_gate.weight"] = w(n_ff, n_embd)
+        tensors[p + "ffn_up.weight"] = w(n_ff, n_embd)
+        tensors[p + "ffn_down.weight"] = w(n_embd, n_ff)
+    tensors["output_norm.weight"] = norm(n_embd)
+    if not tied_output:
+        tensors["output.weight"] = w(n_vocab, n_embd)
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_layer_norm_rms_eps(rms_eps)
+    writer.add_rope_freq_base(rope_freq_base)
+    writer.add_rope_dimension_count(head_dim)
+    tokens, types = vocab(n_vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(MERGES)
+    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    for name, data in tensors.items():
+        if name not in omit_tensors:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
