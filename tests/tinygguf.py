@@ -46,8 +46,15 @@ def vocab(n_vocab: int) -> tuple[list[str], list[int]]:
 def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 64, n_head: int = 4,
                      n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 300, seed: int = 0,
                      n_ctx_train: int = 512, rope_freq_base: float = 10000.0, rms_eps: float = 1e-5,
-                     tied_output: bool = False, omit_tensors: tuple[str, ...] = (), scale: float = 0.08) -> Path:
-    """Write a random-weight model and return its path. `omit_tensors` drops tensors (for error tests)."""
+                     tied_output: bool = False, omit_tensors: tuple[str, ...] = (), scale: float = 0.08,
+                     weight_type: str = "f32", arch_name: str | None = None) -> Path:
+    """Write a random-weight model and return its path.
+
+    `omit_tensors` drops tensors (for error tests). `weight_type` ("f32", "f16", "q8_0", "q4_0")
+    stores the matrices of the layers and the LM head in that type, so quantized code paths
+    (ggml's CPU_REPACK buffers) can be tested without a download. `arch_name` writes another
+    `general.architecture` with the `arch` layout (to test an unsupported architecture).
+    """
     import gguf
 
     path = Path(path)
@@ -81,7 +88,15 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
     if not tied_output:
         tensors["output.weight"] = w(n_vocab, n_embd)
 
-    writer = gguf.GGUFWriter(str(path), arch)
+    matrix_suffixes = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                       "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+    qtype = {"f32": None, "f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+             "q4_0": gguf.GGMLQuantizationType.Q4_0}[weight_type]
+
+    def is_matrix(name: str) -> bool:
+        return name == "output.weight" or name.endswith(matrix_suffixes)
+
+    writer = gguf.GGUFWriter(str(path), arch_name or arch)
     writer.add_name(f"tiny-{arch}")
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_context_length(n_ctx_train)
@@ -107,7 +122,14 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     for name, data in tensors.items():
-        if name not in omit_tensors:
+        if name in omit_tensors:
+            continue
+        if qtype is not None and is_matrix(name):
+            if qtype == gguf.GGMLQuantizationType.F16:
+                writer.add_tensor(name, data.astype(np.float16))
+            else:
+                writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
             writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

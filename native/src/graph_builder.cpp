@@ -1,0 +1,146 @@
+#include "graph_builder.h"
+
+#include <cmath>
+
+namespace pipeinfer {
+
+namespace {
+
+// Runs after a layer's last op; lets the engine count the layers that finished when a cancel
+// aborts the graph midway (the abort callback alone cannot tell which node it stopped at).
+void mark_layer_done(ggml_tensor * /*dst*/, const ggml_tensor * /*a*/, int ith, int /*nth*/, void * userdata) {
+    if (ith != 0) return;
+    const auto * m = (const layer_marker *) userdata;
+    m->layers_done->store(m->value, std::memory_order_relaxed);
+}
+
+ggml_tensor * norm_rms(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, float eps) {
+    return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
+}
+
+ggml_tensor * matmul_bias(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x) {
+    ggml_tensor * y = ggml_mul_mat(ctx, w, x);
+    return b ? ggml_add(ctx, y, b) : y;
+}
+
+}  // namespace
+
+ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weights & w, const kv_cache & kv,
+                          const graph_shape & shape, graph_inputs & in, layer_progress & progress) {
+    const model_hparams & hp = w.hparams;
+    const int64_t n_tokens = shape.n_tokens;
+    const int64_t n_kv = shape.n_kv;
+    const int64_t n_head = hp.n_head, n_head_kv = hp.n_head_kv, d_head = hp.n_embd_head;
+    const int64_t n_embd_gqa = hp.n_embd_gqa();
+    const int64_t kv_size = kv.size();
+    const float kq_scale = 1.0f / std::sqrt((float) d_head);
+
+    // inputs
+    ggml_tensor * inpL;
+    if (w.is_first()) {
+        in.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
+        ggml_set_input(in.tokens);
+        inpL = ggml_get_rows(ctx, w.tok_embd, in.tokens);
+    } else {
+        in.embd = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hp.n_embd, n_tokens);
+        ggml_set_input(in.embd);
+        inpL = in.embd;
+    }
+    in.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
+    ggml_set_input(in.pos);
+    in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n_tokens);
+    ggml_set_input(in.kq_mask);
+    in.k_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
+    ggml_set_input(in.k_idxs);
+    in.v_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens * n_embd_gqa);
+    ggml_set_input(in.v_idxs);
+    // Like llama.cpp, drop the rows nobody wants before the last layer's FFN and the LM head.
+    if (w.is_last() && shape.n_outputs < n_tokens) {
+        in.out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, shape.n_outputs);
+        ggml_set_input(in.out_ids);
+    }
+
+    const int n_local = (int) w.layers.size();
+    progress.markers.assign(n_local, layer_marker{&progress.layers_done, 0});
+
+    for (int li = 0; li < n_local; ++li) {
+        const layer_weights & L = w.layers[li];
+        const bool model_last_layer = w.layer_begin + li == (int) hp.n_layer - 1;
+        ggml_tensor * inpSA = inpL;
+
+        // attention: x [n_embd, n_tokens]
+        ggml_tensor * cur = norm_rms(ctx, inpL, L.attn_norm, hp.f_norm_rms_eps);
+        ggml_tensor * Qcur = matmul_bias(ctx, L.wq, L.bq, cur);
+        ggml_tensor * Kcur = matmul_bias(ctx, L.wk, L.bk, cur);
+        ggml_tensor * Vcur = matmul_bias(ctx, L.wv, L.bv, cur);
+        Qcur = ggml_reshape_3d(ctx, Qcur, d_head, n_head, n_tokens);
+        Kcur = ggml_reshape_3d(ctx, Kcur, d_head, n_head_kv, n_tokens);
+        Vcur = ggml_reshape_3d(ctx, Vcur, d_head, n_head_kv, n_tokens);
+        Qcur = ggml_rope_ext(ctx, Qcur, in.pos, w.rope_freqs, hp.n_rot, hp.rope_type, hp.n_ctx_orig_yarn,
+                             hp.rope_freq_base, hp.rope_freq_scale, hp.yarn_ext_factor, hp.yarn_attn_factor,
+                             hp.yarn_beta_fast, hp.yarn_beta_slow);
+        Kcur = ggml_rope_ext(ctx, Kcur, in.pos, w.rope_freqs, hp.n_rot, hp.rope_type, hp.n_ctx_orig_yarn,
+                             hp.rope_freq_base, hp.rope_freq_scale, hp.yarn_ext_factor, hp.yarn_attn_factor,
+                             hp.yarn_beta_fast, hp.yarn_beta_slow);
+        ggml_build_forward_expand(gf, Qcur);
+        ggml_build_forward_expand(gf, Vcur);
+        ggml_build_forward_expand(gf, Kcur);
+
+        // Store K and V of the batch into their cells before attention reads the cache: the
+        // graph runs in insertion order, and the cache views below do not depend on these nodes.
+        ggml_tensor * kc = kv.k(li);
+        ggml_tensor * vc = kv.v(li);
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, kc, ggml_reshape_2d(ctx, Kcur, n_embd_gqa, n_tokens), in.k_idxs));
+        ggml_tensor * v_flat = ggml_reshape_2d(ctx, Vcur, 1, n_embd_gqa * n_tokens);
+        ggml_tensor * vc_flat = ggml_reshape_2d(ctx, vc, 1, ggml_nelements(vc));
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc_flat, v_flat, in.v_idxs));
+
+        // views of the first n_kv cells: k [d_head, n_head_kv, n_kv], v [n_kv, n_head_kv, d_head]
+        ggml_tensor * k = ggml_view_3d(ctx, kc, d_head, n_head_kv, n_kv,
+                                       ggml_row_size(kc->type, d_head), ggml_row_size(kc->type, n_embd_gqa), 0);
+        ggml_tensor * v = ggml_view_3d(ctx, vc, n_kv, n_head_kv, d_head,
+                                       ggml_row_size(vc->type, kv_size * d_head), ggml_row_size(vc->type, kv_size), 0);
+        ggml_tensor * q = ggml_permute(ctx, Qcur, 0, 2, 1, 3);  // [d_head, n_tokens, n_head]
+        k = ggml_permute(ctx, k, 0, 2, 1, 3);                    // [d_head, n_kv, n_head_kv]
+        v = ggml_permute(ctx, v, 0, 2, 1, 3);                    // [n_kv, d_head, n_head_kv]
+
+        ggml_tensor * kq = ggml_mul_mat(ctx, k, q);              // [n_kv, n_tokens, n_head]
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        kq = ggml_soft_max_ext(ctx, kq, in.kq_mask, kq_scale, 0.0f);
+        ggml_tensor * kqv = ggml_mul_mat(ctx, v, kq);            // [d_head, n_tokens, n_head]
+        cur = ggml_permute(ctx, kqv, 0, 2, 1, 3);
+        cur = ggml_cont_2d(ctx, cur, d_head * n_head, n_tokens);
+        ggml_build_forward_expand(gf, cur);
+        cur = matmul_bias(ctx, L.wo, L.bo, cur);
+
+        if (model_last_layer && in.out_ids) {
+            cur   = ggml_get_rows(ctx, cur, in.out_ids);
+            inpSA = ggml_get_rows(ctx, inpSA, in.out_ids);
+        }
+        ggml_tensor * ffn_inp = ggml_add(ctx, cur, inpSA);
+
+        // SwiGLU feed-forward
+        cur = norm_rms(ctx, ffn_inp, L.ffn_norm, hp.f_norm_rms_eps);
+        ggml_tensor * up   = ggml_mul_mat(ctx, L.ffn_up, cur);
+        ggml_tensor * gate = ggml_mul_mat(ctx, L.ffn_gate, cur);
+        cur = ggml_swiglu_split(ctx, gate, up);
+        cur = ggml_mul_mat(ctx, L.ffn_down, cur);
+        cur = ggml_add(ctx, cur, ffn_inp);
+
+        progress.markers[li].value = li + 1;
+        cur = ggml_map_custom1_inplace(ctx, cur, mark_layer_done, 1, &progress.markers[li]);
+        ggml_build_forward_expand(gf, cur);
+        inpL = cur;
+    }
+
+    ggml_tensor * out = inpL;
+    if (w.is_last()) {
+        out = norm_rms(ctx, out, w.output_norm, hp.f_norm_rms_eps);
+        out = matmul_bias(ctx, w.output, w.output_b, out);
+    }
+    ggml_set_output(out);
+    ggml_build_forward_expand(gf, out);
+    return out;
+}
+
+}  // namespace pipeinfer

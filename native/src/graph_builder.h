@@ -1,0 +1,44 @@
+// Builds the ggml graph of one eval over a stage's layer range (llama / qwen2 decoder layers).
+#pragma once
+
+#include "kv_cache.h"
+#include "model_loader.h"
+
+#include <atomic>
+
+namespace pipeinfer {
+
+// Shape of one eval; everything the graph topology depends on.
+struct graph_shape {
+    int64_t  n_tokens  = 0;  // rows in the batch
+    uint32_t n_kv      = 0;  // leading cache cells attention reads
+    int64_t  n_outputs = 0;  // rows returned (last stage: rows with output; else n_tokens)
+};
+
+// Input tensors of the graph, filled after allocation.
+struct graph_inputs {
+    ggml_tensor * tokens  = nullptr;  // I32 [n_tokens]            first stage
+    ggml_tensor * embd    = nullptr;  // F32 [n_embd, n_tokens]    later stages
+    ggml_tensor * pos     = nullptr;  // I32 [n_tokens]
+    ggml_tensor * kq_mask = nullptr;  // F32 [n_kv, n_tokens]
+    ggml_tensor * k_idxs  = nullptr;  // I64 [n_tokens]            cache row of each token
+    ggml_tensor * v_idxs  = nullptr;  // I64 [n_tokens*n_embd_gqa] element index in the transposed V
+    ggml_tensor * out_ids = nullptr;  // I32 [n_outputs]           only when the last stage drops rows
+};
+
+// Progress of a running graph: the marker op after each layer stores how many layers finished.
+struct layer_marker {
+    std::atomic<int> * layers_done;   // counter to update
+    int value;                        // layers finished once this marker runs
+};
+struct layer_progress {
+    std::atomic<int> layers_done{0};  // layers of the range finished in the current graph
+    std::vector<layer_marker> markers;  // userdata of the marker ops; sized before building
+};
+
+// Builds the graph into ctx (a no_alloc context). Returns the output tensor:
+// F32 [n_embd, n_tokens] hidden states, or F32 [n_vocab, n_outputs] logits on the last stage.
+ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weights & w, const kv_cache & kv,
+                          const graph_shape & shape, graph_inputs & in, layer_progress & progress);
+
+}  // namespace pipeinfer

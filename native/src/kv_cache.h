@@ -1,0 +1,78 @@
+// Multi-sequence KV cache of one stage: cell metadata (position + set of sequence ids) and the
+// F16 K/V tensors of the stage's layers, laid out as llama.cpp lays out its unified cache when
+// flash attention is off (K rows per cell; V transposed, one row per channel).
+#pragma once
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace pipeinfer {
+
+constexpr uint32_t kv_max_seq = 64;  // sequence ids are bits of a uint64_t
+
+// One cache cell. It is empty when no sequence owns it.
+struct kv_cell {
+    int32_t  pos  = -1;  // position of the token stored in the cell (-1 when empty)
+    uint64_t seqs = 0;   // bit s set <=> the cell belongs to sequence s
+    bool empty() const { return seqs == 0; }
+};
+
+// A token as the cache sees it: where it goes and which sequences it belongs to.
+struct kv_token {
+    int32_t  pos;   // position of the token
+    uint64_t seqs;  // non-empty sequence set
+};
+
+class kv_cache {
+public:
+    kv_cache(uint32_t size, uint32_t n_seq_max, int n_layer, int64_t n_embd_gqa);
+    ~kv_cache();
+    kv_cache(const kv_cache &) = delete;
+    kv_cache & operator=(const kv_cache &) = delete;
+
+    uint32_t size() const { return (uint32_t) cells_.size(); }
+    uint32_t n_seq_max() const { return n_seq_max_; }
+    uint32_t n_used() const { return n_used_; }
+
+    // Claims one free cell per token and stores pos/seqs there. Throws kv_cache_full (cache
+    // unchanged) when there are not enough free cells. Returns the cell index of each token.
+    std::vector<uint32_t> claim(const std::vector<kv_token> & tokens);
+    // Frees cells returned by claim (a failed or cancelled eval).
+    void release(const std::vector<uint32_t> & idxs);
+
+    // Number of leading cells attention looks at: the used cells rounded up to 256 like
+    // llama.cpp, so that graph shapes stay constant between decode steps.
+    uint32_t n_kv() const;
+
+    // mask[i*n_kv + j] = 0 if token i may attend cell j (shared sequence and cell.pos <= pos), else -inf.
+    void fill_mask(float * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const;
+
+    // llama.cpp semantics: [p0, p1) with negative = open end; seq_id < 0 means every sequence.
+    bool seq_rm(int32_t seq_id, int32_t p0, int32_t p1);
+    void seq_cp(int32_t src, int32_t dst, int32_t p0, int32_t p1);
+    void seq_cp_many(int32_t src, const std::vector<int32_t> & dsts, int32_t p0, int32_t p1);
+    void seq_keep(int32_t seq_id);
+    int32_t seq_pos_max(int32_t seq_id) const;
+    int32_t seq_pos_min(int32_t seq_id) const;
+    void clear();
+
+    ggml_tensor * k(int il) const { return k_[il]; }  // [n_embd_gqa, size] F16, il = local layer
+    ggml_tensor * v(int il) const { return v_[il]; }  // [size, n_embd_gqa] F16 (transposed)
+    size_t bytes() const;
+
+private:
+    void check_seq(int32_t seq_id, const char * what) const;
+    void erase_cell(uint32_t i);
+
+    std::vector<kv_cell> cells_;
+    uint32_t n_seq_max_;
+    uint32_t n_used_ = 0;        // non-empty cells
+    ggml_context * ctx_ = nullptr;
+    ggml_backend_buffer_t buf_ = nullptr;
+    std::vector<ggml_tensor *> k_, v_;
+};
+
+}  // namespace pipeinfer

@@ -1,0 +1,269 @@
+"""Typed wrapper of the native layer engine (`pipeinfer_cli._native`, C++ on ggml).
+
+A `LayerEngine` holds the layers `[layer_begin, layer_end)` of a llama/qwen2 GGUF file, its own
+multi-sequence KV cache, and computes one pipeline stage:
+
+    eng = LayerEngine(path, 0, 12, n_ctx=4096, n_threads=2)
+    hidden = eng.eval(tokens=np.array([1, 2, 3], np.int32), pos=np.arange(3, dtype=np.int32),
+                      seq_ids=[[0], [0], [0]])          # (3, n_embd) float32 for the next stage
+
+The last stage returns logits `(n_out, n_vocab)` for the rows whose `output` flag is set.
+
+Errors:
+- `pipeinfer_cli.errors.ModelFileError`: missing, truncated or non-GGUF file, missing tensor,
+  unsupported architecture.
+- `ValueError`: bad arguments (layer range, token ids, shapes, dtypes, sequence ids).
+- `KVCacheFullError` (a `ValueError`): the batch does not fit in the free KV cells; the cache is
+  unchanged.
+- `EvalCancelled` (a `RuntimeError`): `cancel()` was called; the cells the eval claimed are freed,
+  so the cache is as it was before the call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _native
+from .errors import ModelFileError
+
+__all__ = ["LayerEngine", "EvalCancelled", "KVCacheFullError", "EngineStats", "SUPPORTED_ARCHS"]
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+EvalCancelled = _native.EvalCancelled
+"""Raised by `LayerEngine.eval` when the cancel flag was set before or during the eval."""
+
+KVCacheFullError = _native.KVCacheFullError
+"""Raised when a batch needs more free KV cells than the cache has (a `ValueError`)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine was opened (`LayerEngine.stats()` returns them as a dict)."""
+
+    evals: int                  # eval calls that passed validation
+    evals_cancelled: int        # evals that raised EvalCancelled
+    cancelled_mid_compute: int  # ... of which were aborted after compute had started
+    layer_evals: int            # layers computed, summed over evals
+    layer_evals_skipped: int    # layers not computed because of a cancel
+    t_compute_us: int           # wall time spent in ggml graph compute
+
+
+class LayerEngine:
+    """One pipeline stage: the layers `[layer_begin, layer_end)` of a GGUF model plus a KV cache.
+
+    Args:
+        path: GGUF file (architecture `llama` or `qwen2`).
+        layer_begin, layer_end: the layer range; `0 <= layer_begin < layer_end <= n_layer`.
+            The first stage (layer_begin == 0) also loads the token embeddings, the last stage
+            (layer_end == n_layer) the output norm and LM head.
+        n_ctx: KV cache cells (tokens, summed over all sequences, that can be cached).
+        n_threads: ggml compute threads.
+        n_seq_max: sequence ids are in `[0, n_seq_max)`, at most 64.
+        use_repack: put quantized matrices in ggml's CPU_REPACK buffers (as llama.cpp does);
+            turning it off is only useful to measure its effect.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], layer_begin: int, layer_end: int, *, n_ctx: int = 4096,
+                 n_threads: int = 1, n_seq_max: int = 64, use_repack: bool = True) -> None:
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ModelFileError(f"model file not found: {path}")
+        for name, value, lo in (("n_ctx", n_ctx, 1), ("n_threads", n_threads, 1), ("n_seq_max", n_seq_max, 1)):
+            if not isinstance(value, (int, np.integer)) or value < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+        if n_seq_max > 64:
+            raise ValueError(f"n_seq_max must be <= 64, got {n_seq_max}")
+        try:
+            self._eng = _native.LayerEngine(path, int(layer_begin), int(layer_end), n_ctx=int(n_ctx),
+                                            n_threads=int(n_threads), n_seq_max=int(n_seq_max),
+                                            use_repack=bool(use_repack))
+        except _native.ModelFileError as e:
+            raise ModelFileError(str(e)) from None
+        self.path = path
+
+    # --- read-only properties -------------------------------------------------------------
+    @property
+    def arch(self) -> str:
+        """`general.architecture` of the file: "llama" or "qwen2"."""
+        return self._eng.arch
+
+    @property
+    def n_layer(self) -> int:
+        """Layers in the whole model file."""
+        return self._eng.n_layer
+
+    @property
+    def layer_begin(self) -> int:
+        return self._eng.layer_begin
+
+    @property
+    def layer_end(self) -> int:
+        return self._eng.layer_end
+
+    @property
+    def n_embd(self) -> int:
+        return self._eng.n_embd
+
+    @property
+    def n_vocab(self) -> int:
+        return self._eng.n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        return self._eng.n_ctx
+
+    @property
+    def n_seq_max(self) -> int:
+        return self._eng.n_seq_max
+
+    @property
+    def n_threads(self) -> int:
+        return self._eng.n_threads
+
+    @property
+    def is_first(self) -> bool:
+        """True when the range starts at layer 0 (eval takes token ids)."""
+        return self._eng.is_first
+
+    @property
+    def is_last(self) -> bool:
+        """True when the range ends at the last layer (eval returns logits)."""
+        return self._eng.is_last
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the tensors this range loaded (a tied LM head counts as a second copy)."""
+        return self._eng.weight_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of this stage's K and V cache tensors."""
+        return self._eng.kv_bytes
+
+    @property
+    def n_repacked(self) -> int:
+        """Weight matrices placed in a CPU extra buffer type (CPU_REPACK)."""
+        return self._eng.n_repacked
+
+    def hparams(self) -> dict[str, Any]:
+        """Hyperparameters read from the file (n_head, n_head_kv, n_ff, rope settings, ...)."""
+        return self._eng.hparams()
+
+    # --- compute --------------------------------------------------------------------------
+    def eval(self, tokens: np.ndarray | Sequence[int] | None = None, embd: np.ndarray | None = None, *,
+             pos: np.ndarray | Sequence[int], seq_ids: Sequence[Sequence[int]],
+             output: np.ndarray | Sequence[bool] | None = None) -> np.ndarray:
+        """Run one batch through the stage's layers and store its K/V in the cache.
+
+        Args:
+            tokens: int32 `(n,)` token ids; first stage only.
+            embd: float32 `(n, n_embd)` hidden states from the previous stage; other stages.
+            pos: int32 `(n,)` position of each token.
+            seq_ids: `n` non-empty lists of sequence ids; a token attends to cached cells that
+                share one of its sequences and sit at a position <= its own.
+            output: bool `(n,)`, rows whose logits the last stage returns (None: last row only).
+                Ignored by the other stages, which return every row.
+
+        Returns:
+            float32 `(n, n_embd)` hidden states, or `(n_out, n_vocab)` logits on the last stage.
+
+        Raises:
+            EvalCancelled: `cancel()` was called; the cache is unchanged.
+            KVCacheFullError: not enough free cells; the cache is unchanged.
+            ValueError: malformed inputs.
+        """
+        if tokens is not None:
+            tokens = _as_int32(tokens, "tokens")
+        if embd is not None:
+            if not isinstance(embd, np.ndarray) or embd.dtype != np.float32:
+                got = embd.dtype if isinstance(embd, np.ndarray) else type(embd).__name__
+                raise ValueError(f"embd must be a float32 numpy array of shape (n_tokens, {self.n_embd}), got {got}")
+            if embd.ndim != 2 or embd.shape[1] != self.n_embd:
+                raise ValueError(f"embd must have shape (n_tokens, {self.n_embd}), got {embd.shape}")
+            embd = np.ascontiguousarray(embd)
+        pos = _as_int32(pos, "pos")
+        if output is not None:
+            output = np.ascontiguousarray(output, dtype=np.bool_)
+        return self._eng.eval(tokens=tokens, embd=embd, pos=pos, seq_ids=seq_ids, output=output)
+
+    def cancel(self) -> None:
+        """Make the running (or next) eval stop as soon as possible. Thread-safe.
+
+        The flag stays set until `clear_cancel()`: eval does not reset it, so a listener thread
+        cannot race with the caller."""
+        self._eng.cancel()
+
+    def clear_cancel(self) -> None:
+        """Reset the cancel flag. Thread-safe; call it before an eval that must run."""
+        self._eng.clear_cancel()
+
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether the cancel flag is set."""
+        return self._eng.cancel_requested()
+
+    def eval_progress(self) -> int:
+        """Layers of the running (or last) eval that have finished. Lock-free; for monitoring."""
+        return self._eng.eval_progress()
+
+    # --- KV cache (llama.cpp semantics: [p0, p1), negative = open end) --------------------
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove `seq_id` from the cells with position in [p0, p1); seq_id < 0 removes all sequences."""
+        return self._eng.seq_rm(int(seq_id), int(p0), int(p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Add `dst` to the cells of `src` with position in [p0, p1) (no data is copied)."""
+        self._eng.seq_cp(int(src), int(dst), int(p0), int(p1))
+
+    def seq_cp_many(self, src: int, dsts: Sequence[int], p0: int = -1, p1: int = -1) -> None:
+        """`seq_cp` to several sequences in one pass (e.g. commit a prefix to every live sequence)."""
+        self._eng.seq_cp_many(int(src), [int(d) for d in dsts], int(p0), int(p1))
+
+    def seq_keep(self, seq_id: int) -> None:
+        """Drop every other sequence: cells of `seq_id` keep only it, all other cells are freed."""
+        self._eng.seq_keep(int(seq_id))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest cached position of `seq_id`, or -1 if it has no cells."""
+        return self._eng.seq_pos_max(int(seq_id))
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """Smallest cached position of `seq_id`, or -1 if it has no cells."""
+        return self._eng.seq_pos_min(int(seq_id))
+
+    def kv_clear(self) -> None:
+        """Free every cell."""
+        self._eng.kv_clear()
+
+    def kv_used_cells(self) -> int:
+        """Cells that belong to at least one sequence."""
+        return self._eng.kv_used_cells()
+
+    def stats(self) -> dict[str, int]:
+        """Counters: evals, evals_cancelled, cancelled_mid_compute, layer_evals,
+        layer_evals_skipped, t_compute_us (see `EngineStats`)."""
+        return self._eng.stats()
+
+    def __repr__(self) -> str:
+        return (f"LayerEngine({self.path!r}, {self.layer_begin}, {self.layer_end}, arch={self.arch!r}, "
+                f"n_ctx={self.n_ctx}, n_threads={self.n_threads})")
+
+
+def _as_int32(x: Any, name: str) -> np.ndarray:
+    """Integer array-like -> contiguous int32 1-D array; refuses floats instead of truncating them."""
+    a = np.asarray(x)
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.dtype != np.int32:
+        if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"{name} has values outside the int32 range")
+        a = a.astype(np.int32)
+    return np.ascontiguousarray(a)

@@ -1,0 +1,173 @@
+"""The native layer engine computes what llama.cpp computes on the same GGUF file.
+
+Measured tolerance: the native graph uses the same ggml ops in the same order, the same F16 KV
+layout, the same KV padding (256 cells) and the same weight buffer types as llama.cpp, so the logits
+are bit-identical to `llama_cpp.Llama(logits_all=True)` on every file tested here (tiny llama and
+qwen2, SmolLM2 Q4_1, Qwen2.5-Coder 0.5B/1.5B Q4_K_M): max |Δ| = 0.0. The tests allow
+`ATOL = 1e-3` absolute so that a harmless reordering in a future ggml does not fail them, and
+require the argmax and the greedy tokens to be exactly equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeinfer_cli.native import LayerEngine
+from tinygguf import write_tiny_model
+
+ATOL = 1e-3
+N_DECODE = 16
+
+
+def native_prefill(stages: list[LayerEngine], tokens: list[int], pos0: int = 0, all_rows: bool = True) -> np.ndarray:
+    """Run tokens through consecutive stages (one sequence, id 0); return the last stage's logits."""
+    n = len(tokens)
+    pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+    seq_ids = [[0]] * n
+    x = None
+    for st in stages:
+        if st.is_first:
+            x = st.eval(tokens=np.array(tokens, np.int32), pos=pos, seq_ids=seq_ids,
+                        output=np.ones(n, bool) if all_rows else None)
+        else:
+            x = st.eval(embd=x, pos=pos, seq_ids=seq_ids, output=np.ones(n, bool) if all_rows else None)
+    return x
+
+
+def native_greedy(stages: list[LayerEngine], prompt: list[int], n_new: int) -> tuple[np.ndarray, list[int]]:
+    logits = native_prefill(stages, prompt)
+    out, cur, pos = [], int(logits[-1].argmax()), len(prompt)
+    for _ in range(n_new):
+        out.append(cur)
+        cur = int(native_prefill(stages, [cur], pos0=pos, all_rows=False)[-1].argmax())
+        pos += 1
+    return logits, out
+
+
+def llama_cpp_greedy(path, prompt: list[int], n_new: int, n_threads: int = 1) -> tuple[np.ndarray, list[int]]:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=512, n_threads=n_threads, verbose=False)
+    llm.eval(prompt)
+    logits = np.array(llm.scores[: len(prompt)], dtype=np.float32)
+    out, cur = [], int(logits[-1].argmax())
+    for _ in range(n_new):
+        out.append(cur)
+        llm.eval([cur])
+        cur = int(np.asarray(llm.scores[llm.n_tokens - 1]).argmax())
+    return logits, out
+
+
+def split_ranges(n_layer: int, n_parts: int) -> list[tuple[int, int]]:
+    bounds = [round(i * n_layer / n_parts) for i in range(n_parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def open_stages(path, n_layer: int, n_parts: int, n_threads: int = 1) -> list[LayerEngine]:
+    return [LayerEngine(path, b, e, n_ctx=512, n_threads=n_threads) for b, e in split_ranges(n_layer, n_parts)]
+
+
+def assert_parity(native: np.ndarray, ref: np.ndarray) -> None:
+    assert native.shape == ref.shape
+    np.testing.assert_allclose(native, ref, rtol=0, atol=ATOL)
+    assert (native.argmax(axis=1) == ref.argmax(axis=1)).all()
+
+
+TINY_PROMPT = [5, 17, 42, 100, 255, 7, 3, 280, 64, 1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_parity_and_greedy(tmp_path, arch):
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, seed=3)
+    ref_logits, ref_tokens = llama_cpp_greedy(path, TINY_PROMPT, N_DECODE)
+    logits, tokens = native_greedy(open_stages(path, 4, 1), TINY_PROMPT, N_DECODE)
+    assert_parity(logits, ref_logits)
+    assert tokens == ref_tokens
+
+
+def test_tiny_tied_output_parity(tmp_path):
+    path = write_tiny_model(tmp_path / "tied.gguf", arch="qwen2", tied_output=True, seed=4)
+    ref_logits, _ = llama_cpp_greedy(path, TINY_PROMPT, 0)
+    assert_parity(native_prefill(open_stages(path, 4, 1), TINY_PROMPT), ref_logits)
+
+
+@pytest.mark.parametrize("weight_type", ["q8_0", "q4_0"])
+def test_tiny_quantized_repacked_parity(tmp_path, weight_type):
+    """Quantized matrices go through CPU_REPACK (as in llama.cpp) and still match exactly."""
+    path = write_tiny_model(tmp_path / f"{weight_type}.gguf", arch="llama", n_embd=128, n_head=4, n_head_kv=2,
+                            n_ff=256, weight_type=weight_type, seed=5)
+    ref_logits, ref_tokens = llama_cpp_greedy(path, TINY_PROMPT, 8)
+    stages = open_stages(path, 4, 1)
+    logits, tokens = native_greedy(stages, TINY_PROMPT, 8)
+    assert_parity(logits, ref_logits)
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("n_parts", [2, 3])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_split_equals_single(tmp_path, arch, n_parts):
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, n_layer=6, seed=6)
+    single_logits, single_tokens = native_greedy(open_stages(path, 6, 1), TINY_PROMPT, N_DECODE)
+    split_logits, split_tokens = native_greedy(open_stages(path, 6, n_parts), TINY_PROMPT, N_DECODE)
+    np.testing.assert_array_equal(split_logits, single_logits)
+    assert split_tokens == single_tokens
+
+
+SMOL_TEXT = b"The quick brown fox jumps over the lazy dog. Once upon a time, in a small village,"
+
+
+@pytest.fixture(scope="module")
+def smol_prompt(smollm2_path) -> list[int]:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(smollm2_path), vocab_only=True, verbose=False)
+    return llm.tokenize(SMOL_TEXT, add_bos=True)
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smollm2_path, smol_prompt):
+    return llama_cpp_greedy(smollm2_path, smol_prompt, N_DECODE)
+
+
+def test_smollm2_parity_and_greedy(smollm2_path, smol_prompt, smol_reference):
+    ref_logits, ref_tokens = smol_reference
+    logits, tokens = native_greedy(open_stages(smollm2_path, 30, 1), smol_prompt, N_DECODE)
+    assert_parity(logits, ref_logits)
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("n_parts", [2, 3])
+def test_smollm2_split_equals_single(smollm2_path, smol_prompt, smol_reference, n_parts):
+    ref_logits, ref_tokens = smol_reference
+    stages = open_stages(smollm2_path, 30, n_parts)
+    assert stages[0].is_first and stages[-1].is_last
+    assert not any(s.is_last for s in stages[:-1])
+    logits, tokens = native_greedy(stages, smol_prompt, N_DECODE)
+    assert_parity(logits, ref_logits)
+    assert tokens == ref_tokens
+
+
+def test_smollm2_two_threads_parity(smollm2_path, smol_prompt, smol_reference):
+    ref_logits, ref_tokens = smol_reference
+    logits, tokens = native_greedy(open_stages(smollm2_path, 30, 1, n_threads=2), smol_prompt, N_DECODE)
+    assert_parity(logits, ref_logits)
+    assert tokens == ref_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["qwen05_path", "qwen15_path"])
+def test_qwen_parity_and_split(request, which):
+    path = request.getfixturevalue(which)
+    import llama_cpp
+
+    prompt = llama_cpp.Llama(str(path), vocab_only=True, verbose=False).tokenize(
+        b"def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", add_bos=False)
+    ref_logits, ref_tokens = llama_cpp_greedy(path, prompt, N_DECODE, n_threads=2)
+    n_layer = LayerEngine(path, 0, 1, n_ctx=16).n_layer
+    logits, tokens = native_greedy(open_stages(path, n_layer, 1, n_threads=2), prompt, N_DECODE)
+    assert_parity(logits, ref_logits)
+    assert tokens == ref_tokens
+    split_logits, split_tokens = native_greedy(open_stages(path, n_layer, 2, n_threads=2), prompt, N_DECODE)
+    np.testing.assert_array_equal(split_logits, logits)
+    assert split_tokens == tokens
