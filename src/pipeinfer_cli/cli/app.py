@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from .. import __version__
-from . import inspect_cmd, models_cmd
+from . import generate_cmd, inspect_cmd, models_cmd
 from .console import err
 from .errors import ErrorHandlingGroup, report
 
@@ -26,6 +26,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(models_cmd.app, name="models")
+app.command("generate", epilog=generate_cmd.EPILOG)(generate_cmd.generate)
 app.command("inspect")(inspect_cmd.inspect)
 
 

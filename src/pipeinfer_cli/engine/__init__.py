@@ -1,0 +1,1 @@
+"""The generation engine: topology, sampling, drafting, the head's decoding loops and the stage workers."""

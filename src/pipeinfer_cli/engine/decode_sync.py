@@ -1,0 +1,69 @@
+"""The two synchronous baselines: `iterative` (one token per pass) and `speculative`
+(draft k tokens, verify them in one batch, keep the longest matching prefix plus one token)."""
+
+from __future__ import annotations
+
+from .pipeline import Pipeline
+from .session import CANONICAL_SEQ, DecodeOptions, Session
+
+PREFILL_CHUNK = 256  # prompt tokens per run: bounds the size of one compute graph
+
+
+def prefill(pipe: Pipeline, s: Session) -> None:
+    """Process the prompt into the canonical sequence and commit the first token."""
+    prompt = s.tokens
+    last_logits = None
+    for b in range(0, len(prompt), PREFILL_CHUNK):
+        chunk = prompt[b:b + PREFILL_CHUNK]
+        last = b + len(chunk) == len(prompt)
+        pipe.launch(chunk, list(range(b, b + len(chunk))), [[CANONICAL_SEQ]] * len(chunk),
+                    [False] * (len(chunk) - 1) + [last])
+        res = pipe.next_result()
+        last_logits = res.logits
+    s.metrics.runs.launched += -(-len(prompt) // PREFILL_CHUNK)
+    s.commit([s.sample_at(last_logits[0], len(prompt))])
+
+
+def decode_iterative(pipe: Pipeline, s: Session, opts: DecodeOptions) -> None:
+    while not s.done:
+        pos = len(s.tokens) - 1  # the last committed token is not in the KV yet
+        pipe.launch([s.tokens[-1]], [pos], [[CANONICAL_SEQ]], [True])
+        s.metrics.runs.launched += 1
+        res = pipe.next_result()
+        s.commit([s.sample_at(res.logits[0], pos + 1)])
+
+
+def verify(s: Session, logits, draft: list[int], first_pos: int) -> list[int]:
+    """Target tokens for a batch [last, d0, d1, …] at positions first_pos…: the accepted drafts
+    (those equal to the target's own sample) plus the target's token after them."""
+    out: list[int] = []
+    for i in range(len(draft) + 1):
+        t = s.sample_at(logits[i], first_pos + 1 + i)
+        out.append(t)
+        if i == len(draft) or t != draft[i]:
+            break
+    return out
+
+
+def decode_speculative(pipe: Pipeline, s: Session, opts: DecodeOptions, drafter) -> None:
+    while not s.done:
+        pos = len(s.tokens) - 1
+        # Never draft past -n: tokens beyond it would be verified for nothing.
+        n_max = min(opts.n_draft, s.remaining - 1)
+        draft = drafter.propose(s.tokens, n_max, opts.p_min).tokens if n_max > 0 else []
+        batch = [s.tokens[-1]] + draft
+        pipe.launch(batch, list(range(pos, pos + len(batch))), [[CANONICAL_SEQ]] * len(batch), [True] * len(batch),
+                    speculative=bool(draft))
+        s.metrics.runs.launched += 1
+        s.metrics.runs.speculative += bool(draft)
+        res = pipe.next_result()
+        new = verify(s, res.logits, draft, pos)
+        n_acc = len(new) - 1
+        if draft:
+            s.metrics.acceptance.drafted += len(draft)
+            s.metrics.acceptance.accepted += n_acc
+            s.metrics.acceptance.verified_runs += 1
+        if n_acc < len(draft):
+            # Roll back the rejected drafts' KV on every stage (the batch wrote positions pos…).
+            pipe.seq_rm(CANONICAL_SEQ, pos + 1 + n_acc, -1)
+        s.commit(new)

@@ -1,0 +1,167 @@
+"""Drafters propose continuations of a token path. All share one small interface.
+
+`propose(path, n_max, p_min)` returns up to n_max (token, probability) pairs that continue
+`path` (the committed tokens plus any tokens already in flight), stopping early when the
+drafter's confidence falls under p_min. A drafter keeps whatever state helps it (the GGUF
+draft keeps its KV cache for the longest prefix it shares with the new path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from ..errors import UsageError
+from .sampling import softmax_top
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: list[float]  # drafter's confidence in each token
+    # Per position, the runner-up candidates (token, p) the drafter saw; used to split token trees.
+    alternatives: list[list[tuple[int, float]]]
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal: ...
+
+    def close(self) -> None: ...
+
+
+class LlamaDrafter:
+    """A GGUF draft model run by llama.cpp (llama-cpp-python's low-level API) on this rank."""
+
+    name = "model"
+
+    def __init__(self, path: Path, n_ctx: int, n_threads: int, n_alternatives: int = 4):
+        import llama_cpp
+        from llama_cpp._utils import suppress_stdout_stderr
+
+        self.lib = llama_cpp
+        with suppress_stdout_stderr(disable=False):
+            self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=n_threads,
+                                       n_threads_batch=n_threads, verbose=False)
+        self.ctx = self.llm.ctx
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        self.n_vocab = self.llm.n_vocab()
+        self.n_batch = 512
+        self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.kv_tokens: list[int] = []  # tokens whose KV the draft context holds, positions 0..
+        self.n_alternatives = n_alternatives
+        self.n_evals = 0
+
+    def vocab_texts(self, ids) -> list[bytes]:
+        return [self.lib.llama_vocab_get_text(self.vocab, i) for i in ids]
+
+    def _decode(self, tokens: list[int], start: int) -> np.ndarray:
+        """Append tokens at positions start.. to sequence 0; return the last row's logits."""
+        lib = self.lib
+        for off in range(0, len(tokens), self.n_batch):
+            chunk = tokens[off:off + self.n_batch]
+            b = self.batch
+            b.n_tokens = len(chunk)
+            for i, t in enumerate(chunk):
+                b.token[i] = t
+                b.pos[i] = start + off + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = i == len(chunk) - 1
+            rc = lib.llama_decode(self.ctx, b)
+            if rc != 0:
+                raise RuntimeError(f"draft model decode failed (llama_decode returned {rc}); the draft context may be full, raise --ctx")
+            self.n_evals += 1
+        ptr = lib.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,)).copy()
+
+    def _sync(self, path: list[int]) -> np.ndarray:
+        """Make the KV hold path[:-1]... plus path[-1], reusing the longest shared prefix."""
+        common = 0
+        limit = min(len(self.kv_tokens), len(path) - 1)  # always re-feed at least the last token
+        while common < limit and self.kv_tokens[common] == path[common]:
+            common += 1
+        if common < len(self.kv_tokens):
+            self.lib.llama_memory_seq_rm(self.mem, 0, common, -1)
+            del self.kv_tokens[common:]
+        logits = self._decode(path[common:], common)
+        self.kv_tokens.extend(path[common:])
+        return logits
+
+    def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
+        out = Proposal([], [], [])
+        if n_max <= 0:
+            return out
+        logits = self._sync(path)
+        while True:
+            top, p = softmax_top(logits, self.n_alternatives)
+            tok, conf = int(top[0]), float(p[0])
+            if conf < p_min and out.tokens:
+                break
+            out.tokens.append(tok)
+            out.probs.append(conf)
+            out.alternatives.append([(int(t), float(q)) for t, q in zip(top[1:], p[1:])])
+            if len(out.tokens) >= n_max or conf < p_min:
+                break
+            logits = self._decode([tok], len(self.kv_tokens))
+            self.kv_tokens.append(tok)
+        return out
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self.lib.llama_batch_free(self.batch)
+            self.batch = None
+        self.llm.close()
+
+
+class LookupDrafter:
+    """Prompt-lookup drafting: continue the path with what followed its last n-gram earlier on.
+
+    It costs no model, so it does not compete with the target stages for the cores.
+    """
+
+    name = "lookup"
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
+        arr = path
+        for n in range(min(self.ngram_max, len(arr) - 1), self.ngram_min - 1, -1):
+            key = arr[-n:]
+            # Most recent earlier occurrence of the n-gram.
+            for start in range(len(arr) - n - 1, -1, -1):
+                if arr[start:start + n] == key:
+                    cont = arr[start + n:start + n + n_max]
+                    if cont:
+                        # Longer matches are more trustworthy; the confidence is a fixed prior.
+                        conf = min(0.9, 0.4 + 0.15 * n)
+                        return Proposal(list(cont), [conf] * len(cont), [[] for _ in cont])
+                    break
+        return Proposal([], [], [])
+
+    def close(self) -> None:
+        pass
+
+
+def check_vocab_compatible(target_tok, drafter: LlamaDrafter, target_label: str, draft_label: str) -> None:
+    """Refuse a draft whose vocabulary differs from the target's, as llama.cpp's speculative does."""
+    n_t, n_d = target_tok.n_vocab, drafter.n_vocab
+    if abs(n_t - n_d) > 128:
+        raise UsageError(
+            f"draft {draft_label} has a vocabulary of {n_d} tokens but target {target_label} has {n_t}; "
+            "the draft must share the target's tokenizer (pick a model of the same family)"
+        )
+    lib = drafter.lib
+    for i in range(5, min(n_t, n_d)):
+        if lib.llama_vocab_get_text(target_tok.vocab, i) != lib.llama_vocab_get_text(drafter.vocab, i):
+            raise UsageError(
+                f"draft {draft_label} and target {target_label} tokenize differently (token {i} differs); "
+                "the draft must share the target's tokenizer"
+            )

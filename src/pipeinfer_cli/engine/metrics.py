@@ -1,0 +1,71 @@
+"""Generation metrics, with the field names of the JSON output (see README, "Metrics")."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+@dataclass
+class RunCounters:
+    launched: int = 0
+    speculative: int = 0
+    cancelled: int = 0  # runs the head cancelled (before or during compute on some stage)
+    cancelled_mid_compute: int = 0  # summed over stages: evals aborted between/inside layers
+    layer_evals_skipped: int = 0  # summed over stages: layers not computed thanks to cancellation
+
+
+@dataclass
+class Acceptance:
+    drafted: int = 0  # draft tokens whose verification completed
+    accepted: int = 0
+    verified_runs: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "rate": (self.accepted / self.drafted) if self.drafted else None,
+            "mean_accepted_len": (self.accepted / self.verified_runs) if self.verified_runs else None,
+        }
+
+
+@dataclass
+class GenerationMetrics:
+    n_prompt: int = 0
+    t_start: float = 0.0  # start of prompt processing (models loaded)
+    token_times: list[float] = field(default_factory=list)  # head clock when each token was committed
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    runs: RunCounters = field(default_factory=RunCounters)
+
+    def committed(self, n: int) -> None:
+        t = now()
+        self.token_times.extend([t] * n)
+
+    def to_dict(self) -> dict:
+        n_gen = len(self.token_times)
+        d: dict = {"n_prompt": self.n_prompt, "n_gen": n_gen}
+        if n_gen:
+            t_first, t_last = self.token_times[0], self.token_times[-1]
+            d["ttft_s"] = t_first - self.t_start
+            d["tok_per_s"] = n_gen / (t_last - self.t_start) if t_last > self.t_start else None
+            d["decode_tok_per_s"] = (n_gen - 1) / (t_last - t_first) if n_gen > 1 and t_last > t_first else None
+            gaps = np.diff(np.asarray(self.token_times)) * 1e3
+            d["itl_ms"] = ({"mean": float(gaps.mean()), "p50": float(np.percentile(gaps, 50)),
+                            "p90": float(np.percentile(gaps, 90))} if len(gaps) else None)
+        else:
+            d.update(ttft_s=None, tok_per_s=None, decode_tok_per_s=None, itl_ms=None)
+        d["acceptance"] = self.acceptance.to_dict()
+        d["runs"] = vars(self.runs).copy()
+        return d

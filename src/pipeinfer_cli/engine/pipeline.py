@@ -1,0 +1,131 @@
+"""The head's side of the pipeline: launch runs, send KV operations, cancel runs, collect logits.
+
+Rank 0 computes the first layers itself, then streams hidden states to rank 1. The last stage
+sends the logits of the rows the head asked for straight back to rank 0. With one stage the head
+computes everything and a run's logits are ready when `launch` returns.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import PipeinferError
+from ..transport.messages import SHUTDOWN, KvCommand, KvOp, RunHeader, Tag
+from ..transport.mpi_link import Backoff, Link
+from .metrics import now
+
+
+class PipelineError(PipeinferError):
+    """A rank of the job failed; the message names the rank."""
+
+
+@dataclass
+class RunResult:
+    run_id: int
+    logits: np.ndarray | None  # (n_out, n_vocab), None when the run was cancelled on some stage
+
+
+class Pipeline:
+    def __init__(self, link: Link | None, engine, n_stages: int, trace, draft_rank: int | None = None):
+        self.link, self.engine, self.n_stages, self.trace = link, engine, n_stages, trace
+        self.draft_rank = draft_rank
+        self.next_run_id = 1
+        self.ready: deque[RunResult] = deque()  # results already received, oldest first
+        self.busy_s = 0.0
+
+    # -- runs ------------------------------------------------------------------------------
+    def launch(self, tokens: list[int], pos: list[int], seq_ids: list[list[int]], output: list[bool],
+               speculative: bool = False) -> int:
+        """Compute the head's layers for a batch and send it down the pipe; return its run id."""
+        run_id = self.next_run_id
+        self.next_run_id += 1
+        hdr = RunHeader(run_id, np.asarray(pos, np.int32), seq_ids, np.asarray(output, bool), speculative=speculative)
+        t0 = now()
+        out = self.engine.eval(tokens=np.asarray(tokens, np.int32), pos=hdr.pos, seq_ids=seq_ids,
+                               output=hdr.output if self.n_stages == 1 else None)
+        t1 = now()
+        self.busy_s += t1 - t0
+        self.trace.slice("stage", t0, t1, run=run_id, n_tokens=len(tokens), spec=speculative)
+        if self.n_stages == 1:
+            self.ready.append(RunResult(run_id, out))
+        else:
+            self.link.send_array(hdr.encode(), 1, Tag.STREAM)
+            self.link.send_array(out, 1, Tag.PAYLOAD)
+        return run_id
+
+    def kv(self, cmd: KvCommand) -> None:
+        """Apply a KV operation here and on every stage, in stream order behind earlier runs."""
+        cmd.apply(self.engine)
+        if self.n_stages > 1:
+            self.link.send_array(cmd.encode(), 1, Tag.STREAM)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        self.kv(KvCommand(KvOp.SEQ_RM, seq, p0, p1))
+
+    def seq_cp(self, src: int, dsts: list[int], p0: int = -1, p1: int = -1) -> None:
+        self.kv(KvCommand(KvOp.SEQ_CP, src, p0, p1, list(dsts)))
+
+    def cancel(self, run_ids: list[int]) -> None:
+        """Tell every stage directly (not hop by hop) to drop these runs."""
+        if self.n_stages > 1 and run_ids:
+            ids = np.asarray(run_ids, np.int64)
+            for r in range(1, self.n_stages):
+                self.link.send_array(ids, r, Tag.CANCEL)
+        self.trace.instant("cancel", now(), runs=list(run_ids))
+
+    # -- results ---------------------------------------------------------------------------
+    def poll(self) -> bool:
+        """Receive every result that has arrived, without waiting. True if any arrived."""
+        if self.n_stages == 1:
+            return bool(self.ready)
+        self.check_errors()
+        got = False
+        last = self.n_stages - 1
+        while (st := self.link.probe(last, Tag.LOGITS)) is not None:
+            run_id, n_out, cancelled = (int(x) for x in self.link.recv_array(last, Tag.LOGITS, np.int64, st))
+            logits = None
+            if not cancelled:
+                logits = self.link.recv_array(last, Tag.LOGITS_DATA, np.float32).reshape(n_out, -1)
+            self.ready.append(RunResult(run_id, logits))
+            got = True
+        self.link.progress_sends()
+        return got
+
+    def next_result(self) -> RunResult:
+        """Wait (without spinning) for the oldest outstanding result. Results arrive in launch order."""
+        backoff = Backoff()
+        while not self.ready:
+            if self.poll():
+                break
+            backoff.idle()
+        return self.ready.popleft()
+
+    def check_errors(self) -> None:
+        st = self.link.probe(MPI.ANY_SOURCE, Tag.ERROR) if self.link is not None else None
+        if st is not None:
+            msg = self.link.comm.recv(source=st.Get_source(), tag=int(Tag.ERROR))
+            raise PipelineError(f"rank {st.Get_source()}: {msg}")
+
+    # -- end of job ------------------------------------------------------------------------
+    def shutdown(self) -> list[dict]:
+        """Stop the stages and collect their counters."""
+        if self.n_stages == 1 and self.draft_rank is None:
+            return []
+        if self.n_stages > 1:
+            self.link.send_array(SHUTDOWN, 1, Tag.STREAM)
+        if self.draft_rank is not None:
+            self.link.send_array(SHUTDOWN, self.draft_rank, Tag.DRAFT_REQ)
+        stats = []
+        others = list(range(1, self.n_stages)) + ([self.draft_rank] if self.draft_rank is not None else [])
+        for r in others:
+            backoff = Backoff()
+            while self.link.probe(r, Tag.STATS) is None:
+                self.check_errors()
+                backoff.idle()
+            stats.append(self.link.comm.recv(source=r, tag=int(Tag.STATS)))
+        self.link.flush()
+        return stats

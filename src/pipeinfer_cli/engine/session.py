@@ -1,0 +1,70 @@
+"""The committed state of one generation at the head: tokens, stopping rules, streaming, metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .metrics import GenerationMetrics, now
+from .sampling import SamplingParams, sample
+
+CANONICAL_SEQ = 0  # the KV sequence that holds committed tokens on every stage
+
+
+@dataclass
+class DecodeOptions:
+    """Knobs of the decoding modes (documented in `pipeinfer generate --help`)."""
+
+    n_predict: int = 128
+    n_draft: int = 4  # max draft tokens per speculative run
+    p_min: float = 0.0  # speculative: stop drafting when the draft's top probability is lower
+    p_accept: float = 0.5  # pipeinfer: keep speculating while draft confidence >= p_accept + p_adjust
+    p_split: float = 0.1  # pipeinfer: split a tree branch when a runner-up candidate has p > p_split
+    p_recovery: float = 0.0  # pipeinfer: p_adjust grows by this per run launched this round
+    p_decay: float = 0.0  # pipeinfer: p_adjust shrinks by this per rejection
+    max_branches: int = 1  # pipeinfer: sequences a token tree may use (1 = no trees)
+    max_inflight: int = 8  # pipeinfer: runs in flight at once
+
+
+class Session:
+    def __init__(self, prompt: list[int], sampling: SamplingParams, n_predict: int,
+                 is_eog: Callable[[int], bool], on_token: Callable[[int], None] | None = None):
+        self.tokens = list(prompt)
+        self.n_prompt = len(prompt)
+        self.sampling = sampling
+        self.n_predict = n_predict
+        self.is_eog = is_eog
+        self.on_token = on_token
+        self.done = n_predict <= 0
+        self.metrics = GenerationMetrics(n_prompt=len(prompt), t_start=now())
+
+    @property
+    def n_gen(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+    @property
+    def remaining(self) -> int:
+        return self.n_predict - self.n_gen
+
+    def sample_at(self, logits_row, position: int) -> int:
+        """The target's token for sequence index `position` (a pure function of logits, seed, position)."""
+        return sample(logits_row, self.sampling, position)
+
+    def commit(self, new_tokens: list[int]) -> int:
+        """Append tokens (stopping at end-of-generation or -n); return how many were taken."""
+        taken = 0
+        for t in new_tokens:
+            if self.done:
+                break
+            self.tokens.append(t)
+            taken += 1
+            if self.on_token:
+                self.on_token(t)
+            if self.is_eog(t) or self.n_gen >= self.n_predict:
+                self.done = True
+        self.metrics.committed(taken)
+        return taken
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.n_prompt:]

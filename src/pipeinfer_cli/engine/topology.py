@@ -1,0 +1,115 @@
+"""Which rank does what: target stages in layer order, an optional draft rank, and thread counts.
+
+`--layer-split 0.2,0.4,0.4/1` means three target stages holding 20 %, 40 % and 40 % of the layers,
+plus one rank that runs the draft model (PipeInfer's notation). Without `/`, the draft runs on
+the head (rank 0). Without `--layer-split`, the layers are balanced by bytes of weights.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from ..layer_split import balanced_split
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    role: str  # "head", "stage" or "draft"
+    layers: tuple[int, int]  # [begin, end) of the target's layers; (0, 0) for the draft rank
+    threads: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    ranks: list[RankPlan]
+    n_stages: int  # target stages (ranks 0..n_stages-1)
+    draft_rank: int | None  # rank of the dedicated draft process, if any
+    split_fractions: list[float]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def describe(self) -> str:
+        return ",".join(f"{f:g}" for f in self.split_fractions) + ("/1" if self.draft_rank is not None else "")
+
+
+def parse_layer_split(text: str) -> tuple[list[float], int]:
+    """'0.5,0.5/1' -> ([0.5, 0.5], 1 draft rank). Fractions are normalised to sum to 1."""
+    main, _, draft = text.partition("/")
+    try:
+        fractions = [float(x) for x in main.split(",")]
+    except ValueError:
+        raise UsageError(f"--layer-split {text!r}: expected comma-separated numbers such as 0.5,0.5 or 0.5,0.5/1") from None
+    if any(f <= 0 for f in fractions):
+        raise UsageError(f"--layer-split {text!r}: every fraction must be positive")
+    n_draft = 0
+    if draft:
+        if draft.strip() != "1":
+            raise UsageError(f"--layer-split {text!r}: after '/' only 1 draft rank is supported (write /1)")
+        n_draft = 1
+    total = sum(fractions)
+    return [f / total for f in fractions], n_draft
+
+
+def ranges_from_fractions(fractions: list[float], n_layer: int) -> list[tuple[int, int]]:
+    if len(fractions) > n_layer:
+        raise UsageError(f"--layer-split has {len(fractions)} stages but the model has only {n_layer} layers")
+    bounds = [0]
+    acc = 0.0
+    for f in fractions[:-1]:
+        acc += f
+        bounds.append(round(acc * n_layer))
+    bounds.append(n_layer)
+    # Every stage needs at least one layer; nudge rounding where a small fraction rounded to zero.
+    for i in range(1, len(bounds)):
+        bounds[i] = max(bounds[i], bounds[i - 1] + 1)
+    for i in range(len(bounds) - 2, 0, -1):
+        bounds[i] = min(bounds[i], bounds[i + 1] - 1)
+    return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
+
+
+def parse_threads(text: str | None, world_size: int, ranks_per_host: int) -> list[int]:
+    if text:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise UsageError(f"--threads {text!r}: expected an integer or one integer per rank, such as 1,1") from None
+        if any(v < 1 for v in values):
+            raise UsageError(f"--threads {text!r}: thread counts must be >= 1")
+        if len(values) == 1:
+            return values * world_size
+        if len(values) != world_size:
+            raise UsageError(f"--threads {text!r}: give one value, or one per rank ({world_size} ranks)")
+        return values
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return [max(1, cores // max(1, ranks_per_host))] * world_size
+
+
+def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[int], output_bytes: int,
+                  threads: str | None, ranks_per_host: int) -> Topology:
+    """Assign roles and layers to world_size ranks (checked against --layer-split if given)."""
+    n_layer = len(layer_bytes)
+    if layer_split:
+        fractions, n_draft = parse_layer_split(layer_split)
+        if len(fractions) + n_draft != world_size:
+            raise UsageError(
+                f"--layer-split {layer_split!r} describes {len(fractions) + n_draft} ranks but the job has {world_size}; "
+                f"use --ranks {len(fractions) + n_draft} or change the split"
+            )
+        ranges = ranges_from_fractions(fractions, n_layer)
+    else:
+        n_draft = 0
+        if world_size > n_layer:
+            raise UsageError(f"cannot split {n_layer} layers over {world_size} ranks; use at most {n_layer} ranks")
+        ranges = balanced_split(layer_bytes, world_size, last_extra=output_bytes)
+    n_stages = len(ranges)
+    thr = parse_threads(threads, world_size, ranks_per_host)
+    plans = [RankPlan(r, "head" if r == 0 else "stage", ranges[r], thr[r]) for r in range(n_stages)]
+    if n_draft:
+        plans.append(RankPlan(n_stages, "draft", (0, 0), thr[n_stages]))
+    fr = [round((e - b) / n_layer, 4) for b, e in ranges]
+    return Topology(plans, n_stages, n_stages if n_draft else None, fr)

@@ -1,0 +1,1 @@
+"""MPI transport: wire messages, polling without spinning, and launching under mpiexec."""
