@@ -11,8 +11,6 @@ namespace pipeinfer {
 
 namespace {
 
-struct ggml_ctx_deleter { void operator()(ggml_context * c) const { ggml_free(c); } };
-
 size_t graph_size_for(size_t n_layers) { return std::max<size_t>(1024, 64 * n_layers + 256); }
 
 // While loading, keep ggml's debug/info lines (one "repack tensor ..." line per weight) out of the
@@ -68,8 +66,33 @@ layer_engine::layer_engine(const engine_params & params) : params_(params) {
 }
 
 layer_engine::~layer_engine() {
+    graph_drop();
     if (galloc_) ggml_gallocr_free(galloc_);
     if (backend_) ggml_backend_free(backend_);
+}
+
+void layer_engine::graph_drop() {
+    if (graph_.ctx) ggml_free(graph_.ctx);
+    graph_ = cached_graph{};
+}
+
+layer_engine::cached_graph & layer_engine::graph_for(const graph_shape & shape) {
+    if (graph_.ctx && graph_.shape == shape) return graph_;
+    graph_drop();
+    const size_t gs = graph_size_for(w_->layers.size());
+    ggml_init_params ip = { graph_meta_.size(), graph_meta_.data(), true };
+    graph_.ctx = ggml_init(ip);
+    if (!graph_.ctx) throw engine_failure("failed to create the graph context");
+    try {
+        graph_.gf = ggml_new_graph_custom(graph_.ctx, gs, false);
+        graph_.res = graph_build(graph_.ctx, graph_.gf, *w_, *kv_, shape, graph_.in, progress_);
+        if (!ggml_gallocr_alloc_graph(galloc_, graph_.gf)) throw engine_failure("failed to allocate the compute graph");
+    } catch (...) {
+        graph_drop();
+        throw;
+    }
+    graph_.shape = shape;
+    return graph_;
 }
 
 bool layer_engine::abort_cb(void * data) {
@@ -161,14 +184,10 @@ void layer_engine::eval(const eval_batch & b, float * out) {
         shape.n_kv = kv_->n_kv();
         shape.n_outputs = out_rows(b);
 
-        const size_t gs = graph_size_for(w_->layers.size());
-        ggml_init_params ip = { graph_meta_.size(), graph_meta_.data(), true };
-        std::unique_ptr<ggml_context, ggml_ctx_deleter> ctx(ggml_init(ip));
-        if (!ctx) throw engine_failure("failed to create the graph context");
-        ggml_cgraph * gf = ggml_new_graph_custom(ctx.get(), gs, false);
-        graph_inputs in;
-        ggml_tensor * res = graph_build(ctx.get(), gf, *w_, *kv_, shape, in, progress_);
-        if (!ggml_gallocr_alloc_graph(galloc_, gf)) throw engine_failure("failed to allocate the compute graph");
+        cached_graph & g = graph_for(shape);
+        ggml_cgraph * gf = g.gf;
+        const graph_inputs & in = g.in;
+        ggml_tensor * res = g.res;
 
         // inputs (the gallocr buffer is host memory)
         const model_hparams & hp = w_->hparams;

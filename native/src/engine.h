@@ -95,7 +95,20 @@ private:
     std::unique_ptr<kv_cache> kv_;
     ggml_backend_t backend_ = nullptr;
     ggml_gallocr_t galloc_ = nullptr;
-    std::vector<uint8_t> graph_meta_;  // memory of the per-eval no_alloc graph context
+    // The last graph, kept allocated: a decode step has the same shape as the previous one
+    // (1 token, n_kv padded to 256), so it only needs new input data, like llama.cpp's graph reuse.
+    struct cached_graph {
+        ggml_context * ctx = nullptr;  // no_alloc context in graph_meta_
+        ggml_cgraph  * gf  = nullptr;
+        graph_inputs   in;
+        ggml_tensor  * res = nullptr;  // output tensor
+        graph_shape    shape;
+    };
+    cached_graph & graph_for(const graph_shape & shape);
+    void graph_drop();
+
+    std::vector<uint8_t> graph_meta_;  // memory of the graph context (tensor and graph metadata)
+    cached_graph graph_;
     layer_progress progress_;
     std::atomic<bool> cancel_{false};
     std::mutex mutex_;                 // one eval or cache op at a time
