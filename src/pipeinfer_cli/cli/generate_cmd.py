@@ -124,7 +124,7 @@ def generate(
 
     from mpi4py import MPI
 
-    from ..engine.job import JobConfig, JobFailed, run_job
+    from ..engine.job import JobConfig, Request, run_job
     from ..engine.sampling import SamplingParams
     from ..engine.session import DecodeOptions
 
@@ -135,7 +135,6 @@ def generate(
         model_path=target.path, model_label=target.label,
         draft_path=None if draft_ref in (None, "lookup") else draft_ref.path,
         draft_label=draft_ref if draft_ref in (None, "lookup") else draft_ref.label,
-        mode=mode, prompt=prompt, chat=[{"role": "user", "content": chat}] if chat is not None else None,
         sampling=SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed),
         decode=DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_min=p_min, p_accept=p_accept, p_split=p_split,
                              p_recovery=p_recovery, p_decay=p_decay, max_branches=max_branches, max_inflight=max_inflight),
@@ -152,12 +151,11 @@ def generate(
             sys.stdout.write(stream["dec"].push(t))
             sys.stdout.flush()
 
-    try:
-        result = run_job(cfg, on_token=on_token, on_start=on_start)
-    except JobFailed:
-        raise
-    if result is None:  # a worker rank: the head reports
+    request = Request(mode=mode, prompt=prompt, chat=[{"role": "user", "content": chat}] if chat is not None else None)
+    results = run_job(cfg, [request], on_start=on_start, on_token=on_token)
+    if results is None:  # a worker rank: the head reports
         return
+    result = results[0]
     if as_json:
         for r in result["ranks"]:
             r.pop("trace", None)

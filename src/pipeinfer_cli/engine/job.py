@@ -1,6 +1,10 @@
-"""One generation job on every rank: plan, load, run the mode on the head, serve on the others.
+"""A generation job on every rank: plan, load once, run each request on the head, serve elsewhere.
 
-Fault handling: any rank that fails tells the head (ERROR); the head prints the error once and
+A job runs one or more requests (prompt + mode) on models loaded once, so `bench` can interleave
+modes on the same ranks. Between requests the head clears the KV caches (a stream operation) and
+collects every rank's counters and trace events.
+
+Fault handling: any rank that fails tells the head (ERROR); the head reports the error once and
 tells every rank to stop (ABORT); every process then exits with status 1 within seconds, so an
 `mpiexec` never hangs on a dead job.
 """
@@ -23,7 +27,7 @@ from ..gguf_info import read_model_info
 from ..transport.messages import Tag
 from ..transport.mpi_link import Backoff, Link
 from .decode_sync import decode_iterative, decode_speculative, prefill
-from .metrics import peak_rss_mib
+from .metrics import now, peak_rss_mib
 from .sampling import SamplingParams
 from .session import DecodeOptions, Session
 from .topology import Topology, plan_topology
@@ -33,14 +37,21 @@ MODES = ("iterative", "speculative", "pipeinfer")
 
 
 @dataclass
+class Request:
+    """One generation: a raw prompt or chat messages, and the decoding mode."""
+
+    mode: str
+    prompt: str | None = None  # raw text
+    chat: list[dict] | None = None  # messages, formatted with the model's chat template
+    label: str = ""  # prompt id, for reports
+
+
+@dataclass
 class JobConfig:
     model_path: Path
     model_label: str
     draft_path: Path | None  # GGUF draft model, or None
     draft_label: str | None  # registry name / path / "lookup"
-    mode: str
-    prompt: str | None = None  # raw prompt text
-    chat: list[dict] | None = None  # chat messages, formatted with the model's template
     sampling: SamplingParams = field(default_factory=SamplingParams)
     decode: DecodeOptions = field(default_factory=DecodeOptions)
     n_ctx: int = 4096
@@ -53,15 +64,15 @@ class JobFailed(PipeinferError):
     pass
 
 
-def _debug_detail(exc: BaseException, debug: bool) -> str:
+def _error_text(exc: BaseException, debug: bool) -> str:
     msg = str(exc) if isinstance(exc, PipeinferError) else f"{type(exc).__name__}: {exc}"
     if debug:
         msg += "\n" + "".join(traceback.format_exception(exc))
     return msg
 
 
-def _hard_exit(code: int) -> None:
-    """Leave without MPI_Finalize, which could wait on a dead peer."""
+def hard_exit(code: int) -> None:
+    """Leave without MPI_Finalize, which could wait forever on a dead peer."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -82,78 +93,109 @@ def make_drafter(cfg: JobConfig, threads: int):
     return LlamaDrafter(cfg.draft_path, n_ctx=cfg.n_ctx, n_threads=threads)
 
 
-def run_job(cfg: JobConfig, on_token: Callable[[int], None] | None = None,
-            on_start: Callable[[object], None] | None = None) -> dict | None:
-    """Run on every rank of COMM_WORLD. Returns the result dict on the head, None elsewhere.
+def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,
+            on_token: Callable[[int], None] | None = None,
+            on_result: Callable[[dict], None] | None = None) -> list[dict] | None:
+    """Run on every rank of COMM_WORLD. Returns one result dict per request on the head, None elsewhere.
 
-    on_start(tokenizer) is called on the head once the models are loaded (to set up streaming).
+    on_start(tokenizer) is called on the head once the models are loaded; on_token(token) as each
+    token is committed; on_result(result) after each request.
     """
     comm = MPI.COMM_WORLD
     link = Link(comm)
     rank, size = link.rank, link.size
     local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
     trace = TraceRecorder(rank)
+    needs_draft = any(r.mode != "iterative" for r in requests)
 
-    # Phase 1: plan and load everywhere; a failure on any rank is reported by the head.
+    # Plan and load everywhere; a failure on any rank is reported once, by the head.
     state: dict = {}
     err = None
     try:
         topo = plan(cfg, size, local)
         state["topo"] = topo
-        me = topo.ranks[rank]
-        state.update(_load(cfg, topo, me, rank))
+        state.update(_load(cfg, topo, topo.ranks[rank], requests, needs_draft))
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there
-        err = _debug_detail(exc, cfg.debug)
+        err = _error_text(exc, cfg.debug)
     errors = comm.allgather(err)
     if any(errors):
         if rank == 0:
-            first = next((r, e) for r, e in enumerate(errors) if e)
-            raise JobFailed(first[1] if first[0] == 0 or size == 1 else f"rank {first[0]}: {first[1]}")
-        _hard_exit(1)
+            bad = next(r for r, e in enumerate(errors) if e)
+            raise JobFailed(errors[bad] if bad == 0 else f"rank {bad}: {errors[bad]}")
+        hard_exit(1)
+    offsets = _clock_offsets(link)
 
-    topo, me = state["topo"], state["topo"].ranks[rank]
+    topo = state["topo"]
     if rank != 0:
-        _serve(link, cfg, state, me, trace)
+        _serve(link, cfg, state, topo.ranks[rank], trace)
         return None
-    return _head(link, cfg, state, topo, trace, on_token, on_start)
+    return _head(link, cfg, state, topo, trace, requests, offsets, on_start, on_token, on_result)
 
 
-def _load(cfg: JobConfig, topo: Topology, me, rank: int) -> dict:
+def _clock_offsets(link: Link) -> list[float]:
+    """Offset of each rank's perf_counter from the head's (NTP-style, best of 5 round trips)."""
+    if link.size == 1:
+        return [0.0]
+    comm = link.comm
+    if link.rank != 0:
+        for _ in range(5):
+            comm.recv(source=0, tag=int(Tag.CLOCK))
+            comm.send(now(), dest=0, tag=int(Tag.CLOCK))
+        return []
+    offsets = [0.0]
+    for r in range(1, link.size):
+        best = None
+        for _ in range(5):
+            t0 = now()
+            comm.send(None, dest=r, tag=int(Tag.CLOCK))
+            t_r = comm.recv(source=r, tag=int(Tag.CLOCK))
+            t1 = now()
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, t_r - (t0 + t1) / 2)
+        offsets.append(best[1])
+    return offsets
+
+
+def _load(cfg: JobConfig, topo: Topology, me, requests: list[Request], needs_draft: bool) -> dict:
     from ..native import LayerEngine
 
     out: dict = {}
     if me.role == "draft":
-        out["drafter"] = make_drafter(cfg, me.threads)
+        if needs_draft:
+            out["drafter"] = make_drafter(cfg, me.threads)
         return out
-    n_seq = max(2, cfg.decode.max_inflight * max(1, cfg.decode.max_branches) + 2)
+    # Sequences: the canonical one, plus one per in-flight run and tree branch (pipeinfer).
+    n_seq = min(64, 2 + cfg.decode.max_inflight * max(1, cfg.decode.max_branches))
     out["engine"] = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=cfg.n_ctx,
-                                n_threads=me.threads, n_seq_max=min(n_seq, 64))
-    if rank == 0:
-        from .tokenizer import Tokenizer
+                                n_threads=me.threads, n_seq_max=n_seq)
+    if me.role != "head":
+        return out
+    from .tokenizer import Tokenizer
 
-        tok = Tokenizer(cfg.model_path)
-        out["tokenizer"] = tok
-        if cfg.chat is not None:
-            prompt = tok.chat_messages(cfg.chat)
-        else:
-            prompt = tok.encode(cfg.prompt or "")
-        if not prompt:
-            raise UsageError("the prompt is empty; pass text with -p, -f or --chat")
-        if len(prompt) + cfg.decode.n_predict + cfg.decode.n_draft + 2 > cfg.n_ctx:
+    tok = Tokenizer(cfg.model_path)
+    out["tokenizer"] = tok
+    prompts = []
+    for req in requests:
+        ids = tok.chat_messages(req.chat) if req.chat is not None else tok.encode(req.prompt or "")
+        if not ids:
+            raise UsageError(f"prompt {req.label or ''} is empty; pass text with -p, -f or --chat".replace("  ", " "))
+        need = len(ids) + cfg.decode.n_predict + cfg.decode.n_draft * cfg.decode.max_inflight + 2
+        if need > cfg.n_ctx:
             raise UsageError(
-                f"the prompt has {len(prompt)} tokens and -n asks for {cfg.decode.n_predict} more, which does not fit "
-                f"--ctx {cfg.n_ctx}; raise --ctx or shorten the prompt"
+                f"prompt {req.label + ' ' if req.label else ''}has {len(ids)} tokens; with -n {cfg.decode.n_predict} "
+                f"and speculation it needs {need} KV cells, more than --ctx {cfg.n_ctx}; raise --ctx or shorten the prompt"
             )
-        out["prompt"] = prompt
-        if cfg.mode != "iterative" and topo.draft_rank is None:
-            if cfg.draft_label is None:
-                raise UsageError(f"--mode {cfg.mode} needs a draft: pass --draft MODEL, --draft lookup, or a pair name")
-            drafter = make_drafter(cfg, me.threads)
-            if cfg.draft_label != "lookup":
-                from .drafters import check_vocab_compatible
+        prompts.append(ids)
+    out["prompts"] = prompts
+    if needs_draft and topo.draft_rank is None:
+        if cfg.draft_label is None:
+            raise UsageError("speculative and pipeinfer modes need a draft: pass --draft MODEL, --draft lookup, or a pair name")
+        drafter = make_drafter(cfg, me.threads)
+        if cfg.draft_label != "lookup":
+            from .drafters import check_vocab_compatible
 
-                check_vocab_compatible(tok, drafter, cfg.model_label, cfg.draft_label)
-            out["drafter"] = drafter
+            check_vocab_compatible(tok, drafter, cfg.model_label, cfg.draft_label)
+        out["drafter"] = drafter
     return out
 
 
@@ -163,74 +205,103 @@ def _serve(link: Link, cfg: JobConfig, state: dict, me, trace) -> None:
 
     try:
         if me.role == "draft":
-            stats = serve_draft(link, state["drafter"], me.threads, trace)
+            serve_draft(link, state.get("drafter"), me.threads, trace)
         else:
-            stats = serve_stage(link, state["engine"], me.threads, trace)
-        stats["trace"] = trace.events
-        link.send_object(stats, 0, Tag.STATS)
+            serve_stage(link, state["engine"], me.threads, trace)
         link.flush()
     except JobAborted:
-        _hard_exit(1)
+        hard_exit(1)
     except Exception as exc:  # noqa: BLE001
-        link.send_object(_debug_detail(exc, cfg.debug), 0, Tag.ERROR)
+        link.send_object(_error_text(exc, cfg.debug), 0, Tag.ERROR)
         link.flush(timeout_s=2)
         # Wait for the head's ABORT (it prints the error), but never longer than a few seconds.
         deadline = time.monotonic() + 5
         backoff = Backoff()
         while time.monotonic() < deadline and link.probe(0, Tag.ABORT) is None:
             backoff.idle()
-        _hard_exit(1)
+        hard_exit(1)
 
 
-def _abort_all(link: Link) -> None:
+def abort_all(link: Link) -> None:
+    """Tell every other rank to exit now (the job failed)."""
     for r in range(1, link.size):
         link.send_array(np.zeros(1, np.int64), r, Tag.ABORT)
     link.flush(timeout_s=2)
 
 
-def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, on_token, on_start) -> dict:
+def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, requests: list[Request],
+          offsets: list[float], on_start, on_token, on_result) -> list[dict]:
     from .pipeline import Pipeline
     from .remote_draft import RemoteDrafter
 
     tok = state["tokenizer"]
-    drafter = state.get("drafter")
-    if topo.draft_rank is not None:
-        drafter = RemoteDrafter(link, topo.draft_rank)  # idles in iterative mode
+    drafter = RemoteDrafter(link, topo.draft_rank) if topo.draft_rank is not None else state.get("drafter")
     pipe = Pipeline(link if topo.world_size > 1 else None, state["engine"], topo.n_stages, trace, topo.draft_rank)
     if on_start:
         on_start(tok)
-    s = Session(state["prompt"], cfg.sampling, cfg.decode.n_predict, tok.is_eog, on_token)
+    results = []
+    cumulative: dict[int, dict] = {}  # per rank: counters at the previous report
     try:
-        prefill(pipe, s)
-        if cfg.mode == "iterative":
-            decode_iterative(pipe, s, cfg.decode)
-        elif cfg.mode == "speculative":
-            decode_speculative(pipe, s, cfg.decode, drafter)
-        else:
-            from .decode_pipeinfer import decode_pipeinfer
+        for req, prompt in zip(requests, state["prompts"]):
+            engine_before = state["engine"].stats()
+            cpu_before = time.process_time()
+            s = Session(prompt, cfg.sampling, cfg.decode.n_predict, tok.is_eog, on_token)
+            prefill(pipe, s)
+            if req.mode == "iterative":
+                decode_iterative(pipe, s, cfg.decode)
+            elif req.mode == "speculative":
+                decode_speculative(pipe, s, cfg.decode, drafter)
+            else:
+                from .decode_pipeinfer import decode_pipeinfer
 
-            decode_pipeinfer(pipe, s, cfg.decode, drafter)
-        stage_stats = pipe.shutdown() if topo.world_size > 1 else []
+                decode_pipeinfer(pipe, s, cfg.decode, drafter)
+            t_end = now()
+            pipe.kv_clear()  # travels behind every run of this request
+            reports = pipe.report()
+            head = {"rank": 0, "role": "head", "layers": list(topo.ranks[0].layers), "threads": topo.ranks[0].threads,
+                    "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(pipe.busy_s, 4),
+                    "cpu_s": round(time.process_time() - cpu_before, 3),
+                    "engine": _delta(state["engine"].stats(), engine_before), "trace": list(trace.events)}
+            trace.events.clear()
+            pipe.busy_s = 0.0
+            for r in reports:  # stages report totals since start; keep this request's share
+                prev = cumulative.get(r["rank"], {})
+                cumulative[r["rank"]] = {k: r.get(k) for k in ("engine", "busy_s", "cpu_s", "runs")}
+                for k in ("busy_s", "cpu_s", "runs"):
+                    r[k] = round(r[k] - (prev.get(k) or 0), 4)
+                if r.get("engine"):
+                    r["engine"] = _delta(r["engine"], prev.get("engine") or {})
+            result = _result(cfg, req, topo, tok, s, [head] + reports, offsets, t_end)
+            results.append(result)
+            if on_result:
+                on_result(result)
+        pipe.shutdown()
     except BaseException:
         if topo.world_size > 1:
-            _abort_all(link)
+            abort_all(link)
         raise
-    head_stats = {"rank": 0, "role": "head", "layers": list(topo.ranks[0].layers), "threads": topo.ranks[0].threads,
-                  "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(pipe.busy_s, 4),
-                  "cpu_s": round(time.process_time(), 3), "engine": state["engine"].stats(),
-                  "trace": trace.events}
-    ranks = [head_stats] + stage_stats
+    finally:
+        if drafter is not None:
+            drafter.close()
+    return results
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+def _result(cfg: JobConfig, req: Request, topo: Topology, tok, s: Session, ranks: list[dict],
+            offsets: list[float], t_end: float) -> dict:
     m = s.metrics.to_dict()
-    engines = [r.get("engine") or {} for r in ranks]
-    m["runs"]["cancelled_mid_compute"] = sum(e.get("cancelled_mid_compute", 0) for e in engines)
-    m["runs"]["layer_evals_skipped"] = sum(e.get("layer_evals_skipped", 0) for e in engines)
-    result = {
-        "mode": cfg.mode, "model": cfg.model_label, "draft": cfg.draft_label,
+    for r in ranks:
+        r["clock_offset_s"] = offsets[r["rank"]] if r["rank"] < len(offsets) else 0.0
+        engine = r.get("engine") or {}
+        m["runs"]["cancelled_mid_compute"] += engine.get("cancelled_mid_compute", 0)
+        m["runs"]["layer_evals_skipped"] += engine.get("layer_evals_skipped", 0)
+    return {
+        "prompt_id": req.label, "mode": req.mode, "model": cfg.model_label, "draft": cfg.draft_label,
         "layer_split": topo.describe(), "n_ctx": cfg.n_ctx,
         "text": tok.llm.detokenize(s.generated).decode("utf-8", errors="replace"),
-        "tokens": s.generated, **m,
+        "tokens": s.generated, **m, "t_start": s.metrics.t_start, "t_end": t_end,
         "ranks": ranks,
     }
-    if drafter is not None:
-        drafter.close()
-    return result

@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import PipeinferError
-from ..transport.messages import SHUTDOWN, KvCommand, KvOp, RunHeader, Tag
+from ..transport.messages import REPORT, SHUTDOWN, KvCommand, KvOp, RunHeader, Tag
 from ..transport.mpi_link import Backoff, Link
 from .metrics import now
 
@@ -69,6 +69,9 @@ class Pipeline:
     def seq_cp(self, src: int, dsts: list[int], p0: int = -1, p1: int = -1) -> None:
         self.kv(KvCommand(KvOp.SEQ_CP, src, p0, p1, list(dsts)))
 
+    def kv_clear(self) -> None:
+        self.kv(KvCommand(KvOp.CLEAR))
+
     def cancel(self, run_ids: list[int]) -> None:
         """Tell every stage directly (not hop by hop) to drop these runs."""
         if self.n_stages > 1 and run_ids:
@@ -110,22 +113,32 @@ class Pipeline:
             msg = self.link.comm.recv(source=st.Get_source(), tag=int(Tag.ERROR))
             raise PipelineError(f"rank {st.Get_source()}: {msg}")
 
-    # -- end of job ------------------------------------------------------------------------
-    def shutdown(self) -> list[dict]:
-        """Stop the stages and collect their counters."""
-        if self.n_stages == 1 and self.draft_rank is None:
+    # -- between requests and at the end ------------------------------------------------------
+    def report(self) -> list[dict]:
+        """Collect every other rank's counters and trace events (in stream order, after all runs)."""
+        if self.link is None:
             return []
         if self.n_stages > 1:
-            self.link.send_array(SHUTDOWN, 1, Tag.STREAM)
+            self.link.send_array(REPORT, 1, Tag.STREAM)
         if self.draft_rank is not None:
-            self.link.send_array(SHUTDOWN, self.draft_rank, Tag.DRAFT_REQ)
-        stats = []
+            self.link.send_array(REPORT, self.draft_rank, Tag.DRAFT_REQ)
+        reports = []
         others = list(range(1, self.n_stages)) + ([self.draft_rank] if self.draft_rank is not None else [])
         for r in others:
             backoff = Backoff()
             while self.link.probe(r, Tag.STATS) is None:
                 self.check_errors()
+                self.link.progress_sends()
                 backoff.idle()
-            stats.append(self.link.comm.recv(source=r, tag=int(Tag.STATS)))
+            reports.append(self.link.comm.recv(source=r, tag=int(Tag.STATS)))
+        return reports
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' loops."""
+        if self.link is None:
+            return
+        if self.n_stages > 1:
+            self.link.send_array(SHUTDOWN, 1, Tag.STREAM)
+        if self.draft_rank is not None:
+            self.link.send_array(SHUTDOWN, self.draft_rank, Tag.DRAFT_REQ)
         self.link.flush()
-        return stats

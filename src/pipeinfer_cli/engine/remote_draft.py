@@ -12,7 +12,7 @@ import numpy as np
 from ..transport.messages import Msg, Tag
 from ..transport.mpi_link import Link
 from .drafters import Proposal
-from .metrics import now, peak_rss_mib
+from .metrics import now
 
 
 class RemoteDrafter:
@@ -47,13 +47,20 @@ class RemoteDrafter:
         pass
 
 
-def serve_draft(link: Link, drafter, threads: int, trace) -> dict:
+def serve_draft(link: Link, drafter, threads: int, trace) -> None:
+    """Answer the head's draft requests until SHUTDOWN; report counters at each REPORT."""
+    from .stage import rank_report
+
     busy = 0.0
     n_req = 0
+    cpu0 = time.process_time()
     while True:
         msg = link.recv_array(0, Tag.DRAFT_REQ, np.int64)
         if int(msg[0]) == Msg.SHUTDOWN:
             break
+        if int(msg[0]) == Msg.REPORT:
+            link.send_object(rank_report(link.rank, "draft", None, threads, busy, cpu0, trace, runs=n_req), 0, Tag.STATS)
+            continue
         n_max, p_min = int(msg[1]), msg[2] / 1e6
         t0 = now()
         prop = drafter.propose([int(x) for x in msg[3:]], n_max, p_min)
@@ -64,6 +71,3 @@ def serve_draft(link: Link, drafter, threads: int, trace) -> dict:
         rep = np.asarray([len(prop.tokens), *prop.tokens, *prop.probs], np.float64)
         link.send_array(rep, 0, Tag.DRAFT_REP)
     link.flush()
-    return {"rank": link.rank, "role": "draft", "layers": None, "threads": threads,
-            "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(busy, 4), "cpu_s": round(time.process_time(), 3),
-            "runs": n_req}

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from ..native import EvalCancelled
-from ..transport.messages import RUN_FLAG_SKIP, SHUTDOWN, KvCommand, Msg, RunHeader, Tag, result_header
+from ..transport.messages import RUN_FLAG_SKIP, KvCommand, Msg, RunHeader, Tag, result_header
 from ..transport.mpi_link import Backoff, Link
 from .metrics import now, peak_rss_mib
 
@@ -81,8 +81,20 @@ def _fault_injection(rank: int):
     return int(n or 1) if int(r) == rank else None
 
 
-def serve_stage(link: Link, engine, threads: int, trace) -> dict:
-    """Run the stage loop until SHUTDOWN; return this rank's counters."""
+def rank_report(rank: int, role: str, layers, threads: int, busy_s: float, cpu0: float, trace, **extra) -> dict:
+    """This rank's counters and the trace events since the last report (sent to the head).
+
+    cpu_s counts CPU seconds since the rank started serving (after loading), so an idle rank that
+    spins would show it."""
+    events = list(trace.events)
+    trace.events.clear()
+    return {"rank": rank, "role": role, "layers": layers, "threads": threads,
+            "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(busy_s, 4),
+            "cpu_s": round(time.process_time() - cpu0, 3), **extra, "trace": events}
+
+
+def serve_stage(link: Link, engine, threads: int, trace) -> None:
+    """Run the stage loop until SHUTDOWN, reporting counters to the head at each REPORT."""
     rank, prev = link.rank, link.rank - 1
     is_last = engine.is_last
     nxt = None if is_last else rank + 1
@@ -93,6 +105,7 @@ def serve_stage(link: Link, engine, threads: int, trace) -> dict:
     busy_s = 0.0
     skipped_before_start = 0
     backoff = Backoff()
+    cpu0 = time.process_time()
     try:
         while True:
             if listener.aborted.is_set():
@@ -105,10 +118,15 @@ def serve_stage(link: Link, engine, threads: int, trace) -> dict:
             backoff.reset()
             msg = link.recv_array(prev, Tag.STREAM, np.int64, st)
             kind = int(msg[0])
-            if kind == Msg.SHUTDOWN:
+            if kind in (Msg.SHUTDOWN, Msg.REPORT):
                 if nxt is not None:
-                    link.send_array(SHUTDOWN, nxt, Tag.STREAM)
-                break
+                    link.send_array(msg, nxt, Tag.STREAM)
+                if kind == Msg.SHUTDOWN:
+                    break
+                link.send_object(rank_report(rank, "stage", [engine.layer_begin, engine.layer_end], threads, busy_s, cpu0, trace,
+                                             runs=n_runs, skipped_before_start=skipped_before_start,
+                                             engine=engine.stats()), 0, Tag.STATS)
+                continue
             if kind == Msg.KV:
                 KvCommand.decode(msg).apply(engine)
                 if nxt is not None:
@@ -150,9 +168,3 @@ def serve_stage(link: Link, engine, threads: int, trace) -> dict:
         link.flush()
     finally:
         listener.stopped.set()
-    stats = engine.stats()
-    return {
-        "rank": rank, "role": "stage", "layers": [engine.layer_begin, engine.layer_end], "threads": threads,
-        "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(busy_s, 4), "cpu_s": round(time.process_time(), 3),
-        "runs": n_runs, "skipped_before_start": skipped_before_start, "engine": stats,
-    }

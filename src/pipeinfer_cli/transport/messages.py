@@ -32,6 +32,7 @@ class Msg(IntEnum):
     RUN = 1
     KV = 2
     SHUTDOWN = 3
+    REPORT = 4  # end of one request: every rank sends its counters and trace events to the head
 
 
 class KvOp(IntEnum):
@@ -123,6 +124,7 @@ class KvCommand:
 
 
 SHUTDOWN = np.asarray([Msg.SHUTDOWN], np.int64)
+REPORT = np.asarray([Msg.REPORT], np.int64)
 
 
 def result_header(run_id: int, n_out: int, cancelled: bool) -> np.ndarray:
