@@ -51,3 +51,8 @@ test-slow: install
 
 clean:
 	rm -rf build $(VENV) src/pipeinfer_cli/_native*.so
+
+# Native layer engine vs llama-cpp-python on the Qwen pair, 1 and 2 threads (prints a table + JSON).
+BENCH_NATIVE_ARGS ?= --model qwen2.5-coder-0.5b-instruct --model qwen2.5-coder-1.5b-instruct --threads 1,2
+bench-native: install
+	$(PY) scripts/bench_native.py $(BENCH_NATIVE_ARGS) --json build/bench_native.json

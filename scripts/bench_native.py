@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""Benchmark the native layer engine against llama-cpp-python on the same GGUF, side by side.
+
+For each model and thread count it measures, alternating the two engines round by round so that
+background load hits both alike:
+- decode tokens/s: greedy single-token evals after a 64-token prompt, all layers in one process;
+- the time of one eval of a batch of 1, 2, 4 and 8 tokens (all rows' logits, as a speculative
+  verification needs), rolled back after each try;
+and, in a child process, the peak RSS of a half-model layer range (first and second half).
+
+Prints a table on stdout and writes JSON with every sample (--json). Not a test: nothing asserts.
+
+    python scripts/bench_native.py --model qwen2.5-coder-1.5b-instruct --threads 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPT_TEXT = (b"def quicksort(items):\n    \"\"\"Sort a list with quicksort and return a new list.\"\"\"\n"
+               b"    if len(items) <= 1:\n        return items\n")
+N_PROMPT = 64
+
+
+def resolve_model(name_or_path: str) -> Path:
+    p = Path(name_or_path).expanduser()
+    if p.is_file():
+        return p
+    from pipeinfer_cli.fetch import pull_model
+    from pipeinfer_cli.registry import load_registry
+
+    return pull_model(load_registry().model(name_or_path))
+
+
+def prompt_tokens(path: Path) -> list[int]:
+    import llama_cpp
+
+    toks = llama_cpp.Llama(str(path), vocab_only=True, verbose=False).tokenize(PROMPT_TEXT, add_bos=False)
+    return (toks * (N_PROMPT // len(toks) + 1))[:N_PROMPT]
+
+
+class NativeRunner:
+    """All layers of the model in one LayerEngine."""
+
+    name = "native"
+
+    def __init__(self, path: Path, n_threads: int, n_ctx: int):
+        from pipeinfer_cli.native import LayerEngine
+
+        probe = LayerEngine(path, 0, 1, n_ctx=16)
+        self.eng = LayerEngine(path, 0, probe.n_layer, n_ctx=n_ctx, n_threads=n_threads)
+        del probe
+
+    def reset(self) -> None:
+        self.eng.kv_clear()
+
+    def eval(self, tokens: list[int], pos0: int, all_rows: bool) -> np.ndarray:
+        n = len(tokens)
+        return self.eng.eval(tokens=np.array(tokens, np.int32), pos=np.arange(pos0, pos0 + n, dtype=np.int32),
+                             seq_ids=[[0]] * n, output=np.ones(n, bool) if all_rows else None)
+
+    def rollback(self, pos: int) -> None:
+        self.eng.seq_rm(0, pos, -1)
+
+
+class LlamaCppRunner:
+    """llama_cpp.Llama with logits_all=True, so that every eval returns logits like the native one."""
+
+    name = "llama.cpp"
+
+    def __init__(self, path: Path, n_threads: int, n_ctx: int):
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                                   logits_all=True, verbose=False)
+
+    def reset(self) -> None:
+        self.llm.reset()
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.llm.ctx), True)
+
+    def eval(self, tokens: list[int], pos0: int, all_rows: bool) -> np.ndarray:
+        assert self.llm.n_tokens == pos0
+        self.llm.eval(tokens)
+        rows = slice(pos0, pos0 + len(tokens)) if all_rows else slice(pos0 + len(tokens) - 1, pos0 + len(tokens))
+        return self.llm.scores[rows]
+
+    def rollback(self, pos: int) -> None:
+        self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.llm.ctx), 0, pos, -1)
+        self.llm.n_tokens = pos
+
+
+def run_decode(r, prompt: list[int], n_decode: int) -> tuple[float, list[int]]:
+    r.reset()
+    logits = r.eval(prompt, 0, all_rows=False)
+    cur, pos, out = int(logits[-1].argmax()), len(prompt), []
+    t0 = time.perf_counter()
+    for _ in range(n_decode):
+        out.append(cur)
+        cur = int(r.eval([cur], pos, all_rows=False)[-1].argmax())
+        pos += 1
+    return n_decode / (time.perf_counter() - t0), out
+
+
+def run_batch(r, prompt: list[int], n_batch: int, n_rep: int) -> list[float]:
+    r.reset()
+    r.eval(prompt, 0, all_rows=False)
+    batch = prompt[:n_batch]
+    times = []
+    for _ in range(n_rep):
+        t0 = time.perf_counter()
+        r.eval(batch, len(prompt), all_rows=True)
+        times.append((time.perf_counter() - t0) * 1e3)
+        r.rollback(len(prompt))
+    return times
+
+
+def bench_model(path: Path, threads: list[int], n_decode: int, rounds: int, batch_sizes: list[int],
+                n_rep: int, n_ctx: int) -> dict:
+    prompt = prompt_tokens(path)
+    res: dict = {"model": path.name, "threads": {}}
+    for nt in threads:
+        runners = [NativeRunner(path, nt, n_ctx), LlamaCppRunner(path, nt, n_ctx)]
+        for r in runners:  # warm-up: page in weights, size the graph buffers
+            run_decode(r, prompt, 4)
+        samples = {r.name: {"decode_tok_s": [], "batch_ms": {b: [] for b in batch_sizes}} for r in runners}
+        tokens = {}
+        for _ in range(rounds):
+            for r in runners:
+                tps, toks = run_decode(r, prompt, n_decode)
+                samples[r.name]["decode_tok_s"].append(tps)
+                tokens[r.name] = toks
+                for b in batch_sizes:
+                    samples[r.name]["batch_ms"][b] += run_batch(r, prompt, b, n_rep)
+        summary = {}
+        for name, s in samples.items():
+            summary[name] = {
+                "decode_tok_s": statistics.median(s["decode_tok_s"]),
+                "batch_ms": {b: statistics.median(v) for b, v in s["batch_ms"].items()},
+            }
+        summary["ratio_decode"] = summary["native"]["decode_tok_s"] / summary["llama.cpp"]["decode_tok_s"]
+        summary["ratio_batch"] = {b: summary["llama.cpp"]["batch_ms"][b] / summary["native"]["batch_ms"][b]
+                                  for b in batch_sizes}
+        summary["same_greedy_tokens"] = tokens["native"] == tokens["llama.cpp"]
+        summary["samples"] = samples
+        res["threads"][nt] = summary
+        del runners
+    return res
+
+
+def rss_child(path: str, begin: int, end: int, n_ctx: int) -> None:
+    """Runs in a fresh process: load one range, eval a few tokens, report memory as JSON."""
+    from pipeinfer_cli.native import LayerEngine
+
+    def status_kb(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+    def vm_rss_kb() -> int:
+        return status_kb("VmRSS")
+
+    baseline = vm_rss_kb()
+    eng = LayerEngine(path, begin, end, n_ctx=n_ctx)
+    n = 8
+    pos = np.arange(n, dtype=np.int32)
+    if eng.is_first:
+        eng.eval(tokens=np.ones(n, np.int32), pos=pos, seq_ids=[[0]] * n)
+    else:
+        eng.eval(embd=np.zeros((n, eng.n_embd), np.float32), pos=pos, seq_ids=[[0]] * n)
+    # VmHWM, not ru_maxrss: the latter keeps the forking parent's peak across exec.
+    print(json.dumps({"layers": [begin, end], "n_layer": eng.n_layer, "baseline_rss_kb": baseline,
+                      "rss_kb": vm_rss_kb(), "peak_rss_kb": status_kb("VmHWM"),
+                      "weight_bytes": eng.weight_bytes, "kv_bytes": eng.kv_bytes, "n_ctx": n_ctx}))
+
+
+def measure_rss(path: Path, n_ctx: int) -> list[dict]:
+    from pipeinfer_cli.native import LayerEngine
+
+    n_layer = LayerEngine(path, 0, 1, n_ctx=16).n_layer
+    half = n_layer // 2
+    out = []
+    for begin, end in ((0, half), (half, n_layer)):
+        cp = subprocess.run([sys.executable, __file__, "--rss-child", str(path), str(begin), str(end), str(n_ctx)],
+                            check=True, capture_output=True, text=True)
+        out.append(json.loads(cp.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def print_table(results: list[dict], batch_sizes: list[int]) -> None:
+    print(f"{'model':42s} {'thr':>3s} {'engine':>9s} {'decode tok/s':>12s} " +
+          " ".join(f"{'b=' + str(b) + ' ms':>9s}" for b in batch_sizes))
+    for res in results:
+        for nt, s in res["threads"].items():
+            for name in ("native", "llama.cpp"):
+                row = s[name]
+                print(f"{res['model']:42s} {nt:>3d} {name:>9s} {row['decode_tok_s']:12.2f} " +
+                      " ".join(f"{row['batch_ms'][b]:9.2f}" for b in batch_sizes))
+            print(f"{'':42s} {nt:>3d} {'ratio':>9s} {s['ratio_decode']:12.3f} " +
+                  " ".join(f"{s['ratio_batch'][b]:9.3f}" for b in batch_sizes) +
+                  f"   same greedy tokens: {s['same_greedy_tokens']}")
+        for m in res.get("rss", []):
+            print(f"{res['model']:42s} layers [{m['layers'][0]}, {m['layers'][1]}) of {m['n_layer']}: "
+                  f"peak RSS {m['peak_rss_kb'] / 1024:.0f} MiB (before load {m['baseline_rss_kb'] / 1024:.0f} MiB); "
+                  f"weights {m['weight_bytes'] / 2**20:.0f} MiB + KV {m['kv_bytes'] / 2**20:.0f} MiB (n_ctx {m['n_ctx']})")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--rss-child":
+        rss_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", help="registry name or GGUF path (repeatable)")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    ap.add_argument("--n-decode", type=int, default=32, help="greedy tokens per decode round")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per engine")
+    ap.add_argument("--batch-sizes", default="1,2,4,8")
+    ap.add_argument("--batch-reps", type=int, default=3, help="tries per batch size per round")
+    ap.add_argument("--n-ctx", type=int, default=1024)
+    ap.add_argument("--rss-n-ctx", type=int, default=4096, help="KV size of the half-model RSS measurement")
+    ap.add_argument("--no-rss", action="store_true", help="skip the half-model peak RSS measurement")
+    ap.add_argument("--json", type=Path, help="write all results and samples here")
+    args = ap.parse_args()
+
+    models = args.model or ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
+    threads = [int(t) for t in args.threads.split(",")]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    results = []
+    for m in models:
+        path = resolve_model(m)
+        print(f"benchmarking {path.name} ...", file=sys.stderr, flush=True)
+        res = bench_model(path, threads, args.n_decode, args.rounds, batch_sizes, args.batch_reps, args.n_ctx)
+        if not args.no_rss:
+            res["rss"] = measure_rss(path, args.rss_n_ctx)
+        results.append(res)
+
+    from pipeinfer_cli import _native
+
+    doc = {"ggml_version": _native.ggml_version(), "machine": platform.processor() or platform.machine(),
+           "cpu_count": os.cpu_count(), "loadavg_end": os.getloadavg(), "results": results,
+           "settings": vars(args) | {"json": str(args.json) if args.json else None}}
+    print_table(results, batch_sizes)
+    text = json.dumps(doc, indent=1, default=str)
+    if args.json:
+        args.json.write_text(text)
+        print(f"wrote {args.json}", file=sys.stderr)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
