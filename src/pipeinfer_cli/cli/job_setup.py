@@ -1,0 +1,77 @@
+"""What `generate` and `bench` share before a job starts: models, rank count, MPI world, JobConfig."""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import UsageError
+from ..registry import load_registry
+
+
+def resolve_models(model: str, draft: str | None, mode: str, allow_pull: bool):
+    """(target ModelRef, draft ModelRef | 'lookup' | None) from a model/pair name or paths."""
+    from ..cache import cached_model_path
+    from ..fetch import pull_model
+    from ..model_files import resolve_model
+    from .console import byte_progress
+
+    reg = load_registry()
+    if model in reg.pairs:
+        pair = reg.pairs[model]
+        model, draft = pair.target, draft or pair.draft
+
+    def ref(name: str):
+        if allow_pull and name in reg.models and not cached_model_path(reg.models[name]).exists():
+            entry = reg.models[name]
+            with byte_progress() as progress:
+                task = progress.add_task(f"pull {name}", total=entry.size)
+                pull_model(entry, progress=lambda n: progress.advance(task, n))
+        return resolve_model(name, reg)
+
+    target = ref(model)
+    if draft is None or draft == "lookup":
+        return target, draft
+    return target, ref(draft)
+
+
+def ranks_wanted(ranks: int | None, layer_split: str | None) -> tuple[int, int | None]:
+    """(ranks to run, ranks described by --layer-split or None); checks the two agree."""
+    from ..engine.topology import parse_layer_split
+
+    split_ranks = None
+    if layer_split:
+        fractions, n_draft_ranks = parse_layer_split(layer_split)
+        split_ranks = len(fractions) + n_draft_ranks
+        if ranks is not None and ranks != split_ranks:
+            raise UsageError(f"--layer-split {layer_split!r} describes {split_ranks} ranks but --ranks is {ranks}")
+    return ranks or split_ranks or 1, split_ranks
+
+
+def check_world(want: int, explicit: bool) -> None:
+    """Inside the MPI job: the world size must match what the options asked for."""
+    from mpi4py import MPI
+
+    from ..transport.launch import RELAUNCHED
+
+    world = MPI.COMM_WORLD.Get_size()
+    if explicit and world != want and not os.environ.get(RELAUNCHED):
+        raise UsageError(f"the MPI job has {world} ranks but the options ask for {want}; start it with -n {want}")
+
+
+def make_job_config(target, draft_ref, *, n_predict: int, temp: float, top_k: int, top_p: float, seed: int,
+                    n_draft: int, p_min: float, p_accept: float, p_split: float, p_recovery: float, p_decay: float,
+                    max_branches: int, max_inflight: int, ctx: int, layer_split: str | None, threads: str | None):
+    from ..engine.job import JobConfig
+    from ..engine.sampling import SamplingParams
+    from ..engine.session import DecodeOptions
+    from .console import debug_enabled
+
+    return JobConfig(
+        model_path=target.path, model_label=target.label,
+        draft_path=None if draft_ref in (None, "lookup") else draft_ref.path,
+        draft_label=draft_ref if draft_ref in (None, "lookup") else draft_ref.label,
+        sampling=SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed),
+        decode=DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_min=p_min, p_accept=p_accept, p_split=p_split,
+                             p_recovery=p_recovery, p_decay=p_decay, max_branches=max_branches, max_inflight=max_inflight),
+        n_ctx=ctx, layer_split=layer_split, threads=threads, debug=debug_enabled(),
+    )
