@@ -93,6 +93,13 @@ def rank_report(rank: int, role: str, layers, threads: int, busy_s: float, cpu0:
             "cpu_s": round(time.process_time() - cpu0, 3), **extra, "trace": events}
 
 
+def _engine_counters(engine, layers_unstarted: int) -> dict:
+    """The engine's counters, where layer_evals_skipped also counts the runs dropped before they started."""
+    stats = dict(engine.stats())
+    stats["layer_evals_skipped"] = stats.get("layer_evals_skipped", 0) + layers_unstarted
+    return stats
+
+
 def serve_stage(link: Link, engine, threads: int, trace) -> None:
     """Run the stage loop until SHUTDOWN, reporting counters to the head at each REPORT."""
     rank, prev = link.rank, link.rank - 1
@@ -104,6 +111,7 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
     n_runs = 0
     busy_s = 0.0
     skipped_before_start = 0
+    layers_unstarted = 0  # layers of runs cancelled before this stage started them
     backoff = Backoff()
     cpu0 = time.process_time()
     try:
@@ -125,7 +133,8 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
                     break
                 link.send_object(rank_report(rank, "stage", [engine.layer_begin, engine.layer_end], threads, busy_s, cpu0, trace,
                                              runs=n_runs, skipped_before_start=skipped_before_start,
-                                             engine=engine.stats()), 0, Tag.STATS)
+                                             engine=_engine_counters(engine, layers_unstarted),
+                                             kv_used_cells=engine.kv_used_cells()), 0, Tag.STATS)
                 continue
             if kind == Msg.KV:
                 KvCommand.decode(msg).apply(engine)
@@ -154,6 +163,7 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
                 listener.end(hdr.run_id)
             elif payload is not None:
                 skipped_before_start += 1
+                layers_unstarted += engine.layer_end - engine.layer_begin
                 trace.instant("skip", now(), run=hdr.run_id)
             if out is None:
                 hdr.flags |= RUN_FLAG_SKIP
