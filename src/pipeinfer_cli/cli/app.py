@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from .. import __version__
-from . import generate_cmd, inspect_cmd, models_cmd
+from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd
 from .console import err
 from .errors import ErrorHandlingGroup, report
 
@@ -29,6 +29,7 @@ app = typer.Typer(
 app.add_typer(models_cmd.app, name="models")
 app.command("generate", epilog=generate_cmd.EPILOG)(generate_cmd.generate)
 app.command("inspect")(inspect_cmd.inspect)
+app.command("bench", epilog=bench_cmd.EPILOG)(bench_cmd.bench)
 
 
 def _version(value: bool) -> None:

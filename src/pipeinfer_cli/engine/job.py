@@ -250,18 +250,24 @@ def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, reques
             if req.mode == "iterative":
                 decode_iterative(pipe, s, cfg.decode)
             elif req.mode == "speculative":
-                decode_speculative(pipe, s, cfg.decode, drafter)
+                local = topo.draft_rank is None  # a draft rank traces its own work
+                decode_speculative(pipe, s, cfg.decode, _TracedDrafter(drafter, trace) if local else drafter)
             else:
                 from .decode_pipeinfer import decode_pipeinfer
 
                 decode_pipeinfer(pipe, s, cfg.decode, drafter)
             t_end = now()
-            pipe.kv_clear()  # travels behind every run of this request
+            _trace_commits(trace, s.metrics.token_times)
+            # Reports travel behind every run of this request, so they see its final KV occupancy;
+            # the clear after them readies the caches for the next request.
             reports = pipe.report()
+            kv_used_head = state["engine"].kv_used_cells()
+            pipe.kv_clear()
             head = {"rank": 0, "role": "head", "layers": list(topo.ranks[0].layers), "threads": topo.ranks[0].threads,
                     "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(pipe.busy_s, 4),
                     "cpu_s": round(time.process_time() - cpu_before, 3),
-                    "engine": _delta(state["engine"].stats(), engine_before), "trace": list(trace.events)}
+                    "engine": _delta(state["engine"].stats(), engine_before),
+                    "kv_used_cells": kv_used_head, "trace": list(trace.events)}
             trace.events.clear()
             pipe.busy_s = 0.0
             for r in reports:  # stages report totals since start; keep this request's share
@@ -272,6 +278,8 @@ def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, reques
                 if r.get("engine"):
                     r["engine"] = _delta(r["engine"], prev.get("engine") or {})
             result = _result(cfg, req, topo, tok, s, [head] + reports, offsets, t_end)
+            if os.environ.get(DEBUG_DIVERGE) == req.mode:
+                _debug_diverge(result)
             results.append(result)
             if on_result:
                 on_result(result)
@@ -284,6 +292,46 @@ def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, reques
         if drafter is not None:
             drafter.close()
     return results
+
+
+class _TracedDrafter:
+    """A head-local drafter whose propose() calls become 'draft' slices on the head's track."""
+
+    def __init__(self, drafter, trace: TraceRecorder):
+        self._drafter, self._trace = drafter, trace
+
+    def propose(self, path: list[int], n_max: int, p_min: float):
+        t0 = now()
+        prop = self._drafter.propose(path, n_max, p_min)
+        self._trace.slice("draft", t0, now(), n_tokens=len(prop.tokens))
+        return prop
+
+    def __getattr__(self, name: str):
+        return getattr(self._drafter, name)
+
+
+def _trace_commits(trace: TraceRecorder, token_times: list[float]) -> None:
+    """One 'commit' instant per group of tokens committed together, unless the decoder recorded its own."""
+    if any(e[0] == "i" and e[1] == "commit" for e in trace.events):
+        return
+    i = 0
+    while i < len(token_times):
+        j = i
+        while j + 1 < len(token_times) and token_times[j + 1] == token_times[i]:
+            j += 1
+        trace.instant("commit", token_times[i], n=j - i + 1)
+        i = j + 1
+
+
+# PIPEINFER_DEBUG_DIVERGE=MODE changes the last generated token of every MODE result (the result
+# only, after generation), so tests can check that `bench` reports modes that disagree.
+DEBUG_DIVERGE = "PIPEINFER_DEBUG_DIVERGE"
+
+
+def _debug_diverge(result: dict) -> None:
+    if result["tokens"]:
+        result["tokens"] = result["tokens"][:-1] + [result["tokens"][-1] ^ 1]
+        result["debug_diverged"] = True
 
 
 def _delta(after: dict, before: dict) -> dict:

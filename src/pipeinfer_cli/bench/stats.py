@@ -1,0 +1,91 @@
+"""Per-mode summary of the measured (non-warmup) records.
+
+- tok/s and decode tok/s: median, min and max over every (prompt, repeat) of the mode;
+- TTFT, ITL p50 and p90: median over records of each record's value;
+- acceptance rate: pooled, sum(accepted) / sum(drafted); mean accepted length: median over records;
+- runs launched / cancelled: mean per request;
+- speedup of mode M over base B: geometric mean over prompts of median tok/s(M) / median tok/s(B)
+  on that prompt — paired by prompt, so a mode is never flattered by having easier prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+BASELINES = ("iterative", "speculative")
+
+
+def _values(records: list[dict], get) -> list[float]:
+    out = []
+    for r in records:
+        try:
+            v = get(r)
+        except (KeyError, TypeError):
+            v = None
+        if v is not None:
+            out.append(float(v))
+    return out
+
+
+def _spread(vals: list[float]) -> dict:
+    if not vals:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+
+def _median(vals: list[float]) -> float | None:
+    return statistics.median(vals) if vals else None
+
+
+def _mean(vals: list[float]) -> float | None:
+    return statistics.fmean(vals) if vals else None
+
+
+def per_prompt_medians(records: list[dict], key: str = "tok_per_s") -> dict[str, dict[str, float]]:
+    """{mode: {prompt_id: median of key over the measured repeats}}."""
+    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in records:
+        if not r["warmup"] and r.get(key) is not None:
+            groups[(r["mode"], r["prompt_id"])].append(r[key])
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for (mode, pid), vals in groups.items():
+        out[mode][pid] = statistics.median(vals)
+    return out
+
+
+def speedup(medians: dict[str, dict[str, float]], mode: str, base: str) -> float | None:
+    """Geometric mean over the prompts both modes ran of the ratio of median tok/s."""
+    a, b = medians.get(mode, {}), medians.get(base, {})
+    ratios = [a[p] / b[p] for p in a if p in b and b[p] > 0 and a[p] > 0]
+    return math.exp(statistics.fmean(math.log(x) for x in ratios)) if ratios else None
+
+
+def summarize(records: list[dict], modes: list[str], mismatches: list[dict]) -> dict[str, dict]:
+    measured = [r for r in records if not r["warmup"]]
+    tok_medians = per_prompt_medians(records, "tok_per_s")
+    dec_medians = per_prompt_medians(records, "decode_tok_per_s")
+    out: dict[str, dict] = {}
+    for mode in modes:
+        rs = [r for r in measured if r["mode"] == mode]
+        drafted = sum(r["acceptance"]["drafted"] for r in rs)
+        accepted = sum(r["acceptance"]["accepted"] for r in rs)
+        out[mode] = {
+            "n_records": len(rs),
+            "n_gen": sum(r["n_gen"] for r in rs),
+            "tok_per_s": _spread(_values(rs, lambda r: r["tok_per_s"])),
+            "decode_tok_per_s": _spread(_values(rs, lambda r: r["decode_tok_per_s"])),
+            "ttft_s": _median(_values(rs, lambda r: r["ttft_s"])),
+            "itl_ms": {"p50": _median(_values(rs, lambda r: r["itl_ms"]["p50"])),
+                       "p90": _median(_values(rs, lambda r: r["itl_ms"]["p90"]))},
+            "acceptance": {"drafted": drafted, "accepted": accepted,
+                           "rate": accepted / drafted if drafted else None,
+                           "mean_accepted_len": _median(_values(rs, lambda r: r["acceptance"]["mean_accepted_len"]))},
+            "runs": {k: _mean(_values(rs, lambda r, k=k: r["runs"][k]))
+                     for k in ("launched", "speculative", "cancelled", "cancelled_mid_compute", "layer_evals_skipped")},
+            "speedup": {f"vs_{b}": speedup(tok_medians, mode, b) for b in BASELINES if b in modes},
+            "decode_speedup": {f"vs_{b}": speedup(dec_medians, mode, b) for b in BASELINES if b in modes},
+            "mismatched_prompts": sorted({m["prompt_id"] for m in mismatches if m["mode"] == mode}),
+        }
+    return out

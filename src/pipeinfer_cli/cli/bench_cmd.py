@@ -1,0 +1,237 @@
+"""`pipeinfer bench`: every decoding mode over a prompt set, in one job, side by side."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..errors import PipeinferError, UsageError
+from .job_setup import check_world, make_job_config, ranks_wanted, resolve_models
+from .options import (
+    CtxOption, DraftOption, JobRanksOption, LayerSplitOption, MaxBranchesOption, MaxInflightOption, ModelArg,
+    NDraftOption, NPredictOption, PAcceptOption, PDecayOption, PMinOption, PRecoveryOption, PSplitOption,
+    SeedOption, TempOption, ThreadsOption, TopKOption, TopPOption,
+)
+
+DEFAULT_MODES = "iterative,speculative,pipeinfer"
+# The relaunched MPI job cannot see the user's terminal; the parent passes what it saw.
+_TTY_ENV = {"stdout": "PIPEINFER_STDOUT_TTY", "stderr": "PIPEINFER_STDERR_TTY"}
+
+EPILOG = """Examples:
+
+  pipeinfer bench qwen-coder --ranks 2 -n 128 --json bench.json --plot bench.png
+
+  pipeinfer bench smollm2-135m-instruct --draft smollm2-135m-instruct --modes iterative,speculative \\
+      --prompts my.jsonl --repeat 3 --warmup 1 --ranks 2 --csv bench.csv --trace bench.trace.json
+
+Prompt files are JSONL, one object per line: {"id": "x", "prompt": "raw text"} or
+{"id": "y", "messages": [{"role": "user", "content": "..."}]}. Without --prompts, a shipped set of
+8 coding and prose prompts is used. Modes run interleaved (A, B, C, A, B, C …) on models loaded
+once. Every mode must produce the same tokens: a difference is flagged in the table, on stderr
+and in the JSON (tokens_identical, token_mismatches), and the command then exits with status 1
+after writing its outputs. Open --trace files in https://ui.perfetto.dev or chrome://tracing.
+"""
+
+
+class TokenMismatchError(PipeinferError):
+    """Two modes (or two repeats) generated different tokens for the same prompt."""
+
+
+def parse_modes(text: str) -> list[str]:
+    import importlib.util
+
+    from ..engine.job import MODES
+
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes:
+        raise UsageError(f"--modes is empty; choose from {', '.join(MODES)}")
+    for m in modes:
+        if m not in MODES:
+            raise UsageError(f"unknown mode {m!r} in --modes; choose from {', '.join(MODES)}")
+    dupes = sorted({m for m in modes if modes.count(m) > 1})
+    if dupes:
+        raise UsageError(f"--modes lists {', '.join(dupes)} more than once")
+    if "pipeinfer" in modes and importlib.util.find_spec("pipeinfer_cli.engine.decode_pipeinfer") is None:
+        raise UsageError("the pipeinfer mode is not available in this build; pass --modes iterative,speculative")
+    return modes
+
+
+def bench(
+    model: ModelArg,
+    draft: DraftOption = None,
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes to compare, in run order within each round.")] = DEFAULT_MODES,
+    prompts: Annotated[Path | None, typer.Option("--prompts", help="JSONL prompt file (id + prompt or messages per line). Default: the shipped set.")] = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Use only the first N prompts of the file.")] = None,
+    n_predict: NPredictOption = 128,
+    repeat: Annotated[int, typer.Option("--repeat", min=1, help="Measured runs of every (prompt, mode).")] = 1,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Rounds of every mode run first and left out of the statistics.")] = 1,
+    temp: TempOption = 0.0,
+    top_k: TopKOption = 40,
+    top_p: TopPOption = 0.95,
+    seed: SeedOption = 0,
+    n_draft: NDraftOption = 4,
+    p_min: PMinOption = 0.0,
+    p_accept: PAcceptOption = 0.5,
+    p_split: PSplitOption = 0.1,
+    p_recovery: PRecoveryOption = 0.0,
+    p_decay: PDecayOption = 0.0,
+    max_branches: MaxBranchesOption = 1,
+    max_inflight: MaxInflightOption = 4,
+    ranks: JobRanksOption = None,
+    layer_split: LayerSplitOption = None,
+    threads: ThreadsOption = None,
+    ctx: CtxOption = 4096,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write every record, the per-mode summary and the header (versions, checksums, host) as JSON.")] = None,
+    csv_out: Annotated[Path | None, typer.Option("--csv", help="Write the records flat as CSV (header as '# key: value' comment lines).")] = None,
+    trace_out: Annotated[Path | None, typer.Option("--trace", help="Write a Chrome trace-event timeline, one track per rank (Perfetto, chrome://tracing).")] = None,
+    plot_out: Annotated[Path | None, typer.Option("--plot", help="Write a PNG: tok/s per mode and per-rank utilisation timelines.")] = None,
+) -> None:
+    """Compare the decoding modes on the same ranks and prompts: speed, latency, acceptance, timelines.
+
+    The table goes to stdout, progress to stderr; --json/--csv/--trace/--plot write files.
+    """
+    from ..bench.outputs import check_output_paths
+    from ..bench.prompts import load_prompts
+    from ..bench.schedule import build_schedule
+    from ..transport.launch import relaunch, under_mpi_launcher
+
+    # Everything that can be wrong in the input fails here, before a model is pulled or loaded.
+    mode_list = parse_modes(modes)
+    prompt_set = load_prompts(prompts, limit)
+    outputs = {"--json": json_out, "--csv": csv_out, "--trace": trace_out, "--plot": plot_out}
+    check_output_paths(outputs)
+    if plot_out is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UsageError("--plot needs matplotlib; install it with `pip install 'matplotlib>=3.8,<4'`")
+    want, split_ranks = ranks_wanted(ranks, layer_split)
+    inside = under_mpi_launcher()
+    needs_draft = any(m != "iterative" for m in mode_list)
+    target, draft_ref = resolve_models(model, draft, mode_list[0], allow_pull=not inside)
+    if needs_draft and draft_ref is None:
+        wants = ", ".join(m for m in mode_list if m != "iterative")
+        raise UsageError(f"--modes {wants} need a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
+
+    if not inside and want > 1:
+        for stream, var in _TTY_ENV.items():
+            os.environ.setdefault(var, "1" if getattr(sys, stream).isatty() else "0")
+        os.environ.setdefault("COLUMNS", str(shutil.get_terminal_size((160, 24)).columns))
+        raise typer.Exit(relaunch(want, sys.argv[1:]))
+
+    from mpi4py import MPI
+
+    from ..bench.runner import run_bench
+
+    check_world(want, explicit=bool(ranks or split_ranks))
+    cfg = make_job_config(target, draft_ref, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p, seed=seed,
+                          n_draft=n_draft, p_min=p_min, p_accept=p_accept, p_split=p_split, p_recovery=p_recovery,
+                          p_decay=p_decay, max_branches=max_branches, max_inflight=max_inflight, ctx=ctx,
+                          layer_split=layer_split, threads=threads)
+    items = build_schedule(prompt_set, mode_list, repeat, warmup)
+    if not needs_draft:
+        cfg.draft_path, cfg.draft_label = None, None  # iterative only: do not load a draft model
+    head = MPI.COMM_WORLD.Get_rank() == 0
+    out_console, err_console = _consoles()
+    progress = _progress(err_console, len(items)) if head else None
+    try:
+        records = run_bench(cfg, items, on_record=progress.record if progress else None)
+    finally:
+        if progress:
+            progress.stop()
+    if records is None:  # a worker rank: the head reports
+        return
+
+    from ..bench.prompts import default_prompts_path
+    from ..bench.report import mode_table, prompt_table
+    from ..bench.results import collect, write_outputs
+    from ..bench.runner import describe_mismatch
+
+    prompts_path = prompts or default_prompts_path()
+    config = {
+        "modes": mode_list, "n_predict": n_predict, "repeat": repeat, "warmup": warmup, "n_ctx": ctx,
+        "prompts": {"path": str(prompts_path), "default": prompts is None, "count": len(prompt_set),
+                    "ids": [p.id for p in prompt_set], "sha256": _sha256(prompts_path)},
+        "sampling": vars(cfg.sampling), "decode": vars(cfg.decode),
+        "ranks": want, "layer_split": layer_split, "threads": threads,
+    }
+    models = {"target": _model_facts(target), "draft": _model_facts(draft_ref) if needs_draft else None}
+    res = collect(records, mode_list, models, config, "pipeinfer " + shlex.join(sys.argv[1:]))
+    out_console.print(mode_table(res.summary, mode_list, res.title()))
+    if len(prompt_set) > 1:
+        out_console.print(prompt_table(records, mode_list, set(res.mismatched_prompts)))
+    written = write_outputs(res, json_out, csv_out, trace_out, plot_out)
+    for path in written:
+        err_console.print(f"wrote {path}", markup=False, highlight=False)
+    if res.mismatches:
+        for m in res.mismatches:
+            err_console.print(f"TOKENS DIFFER: {describe_mismatch(m)}", style="bold red", markup=False, highlight=False)
+        raise TokenMismatchError(
+            f"modes generated different tokens on {len(res.mismatched_prompts)} prompt(s) "
+            f"({', '.join(res.mismatched_prompts)}); speculation must be lossless — the results above are flagged"
+            + (" and the outputs record it (tokens_identical: false)" if written else ""))
+
+
+def _sha256(path: Path) -> str:
+    from ..bench.environment import file_sha256
+
+    return file_sha256(path)
+
+
+def _model_facts(ref) -> dict | None:
+    from ..bench.environment import model_facts
+
+    if ref is None or ref == "lookup":
+        return model_facts(ref, None, None)
+    return model_facts(ref.label, ref.path, ref.entry.sha256 if ref.entry else None)
+
+
+def _consoles():
+    """stdout/stderr consoles that behave as the user's terminal does, also inside mpiexec."""
+    from rich.console import Console
+
+    def force(var: str) -> bool | None:
+        v = os.environ.get(var)
+        return None if v is None else v == "1"
+
+    return (Console(soft_wrap=False, force_terminal=force(_TTY_ENV["stdout"])),
+            Console(stderr=True, soft_wrap=True, force_terminal=force(_TTY_ENV["stderr"])))
+
+
+class _Progress:
+    """A bar over prompts × modes × repeats on a terminal; one log line per request otherwise."""
+
+    def __init__(self, console, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console, self.total, self.done = console, total, 0
+        self.bar = None
+        if console.is_terminal:
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TextColumn("{task.fields[last]}"), console=console)
+            self.task = self.bar.add_task("bench: loading models", total=total, last="")
+            self.bar.start()
+
+    def record(self, rec: dict) -> None:
+        self.done += 1
+        tps = rec.get("tok_per_s")
+        what = (f"{rec['prompt_id']} · {rec['mode']} · {'warmup' if rec['warmup'] else 'repeat'} {rec['repeat']}: "
+                f"{rec['n_gen']} tokens" + (f", {tps:.2f} tok/s" if tps else ""))
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, description="bench", last=what)
+        else:
+            self.console.print(f"bench [{self.done}/{self.total}] {what}", markup=False, highlight=False)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _progress(console, total: int) -> _Progress:
+    return _Progress(console, total)
