@@ -171,3 +171,11 @@ def test_stage_engines_keep_the_same_cells(model):
     for st in stages:
         st.seq_cp(0, 3, 0, 2)
         assert st.kv_used_cells() == 5 and st.seq_pos_max(3) == 1
+
+
+def test_seq_ids_accept_bare_ints_and_numpy_rows(model):
+    a = run(open_engine(model), PREFIX, 0, [0], all_rows=True)
+    eng = open_engine(model)
+    b = eng.eval(tokens=np.array(PREFIX, np.int32), pos=np.arange(5, dtype=np.int32),
+                 seq_ids=[0, np.int64(0), np.array([0]), (0,), [0]], output=np.ones(5, bool))
+    np.testing.assert_array_equal(a, b)

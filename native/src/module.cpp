@@ -80,13 +80,19 @@ py::array_t<float> engine_eval(layer_engine & eng, const py::object & tokens, co
     b.seqs.resize(b.n_tokens);
     for (int64_t i = 0; i < b.n_tokens; ++i) {
         uint64_t m = 0;
-        for (const py::handle & h : py::reinterpret_borrow<py::sequence>(seqs[i])) {
+        auto add_id = [&](const py::handle & h) {
             const long s = h.cast<long>();
             if (s < 0 || (uint32_t) s >= n_seq_max) {
                 throw invalid_input("seq id " + std::to_string(s) + " at row " + std::to_string(i) +
                                     " is out of range [0, n_seq_max=" + std::to_string(n_seq_max) + ")");
             }
             m |= 1ull << s;
+        };
+        const py::object row = seqs[i];
+        if (PySequence_Check(row.ptr())) {
+            for (const py::handle & h : py::reinterpret_borrow<py::sequence>(row)) add_id(h);
+        } else {
+            add_id(row);  // a bare id (int, numpy integer) stands for a one-element list
         }
         if (m == 0) throw invalid_input("row " + std::to_string(i) + " has an empty seq_ids list");
         b.seqs[i] = m;
