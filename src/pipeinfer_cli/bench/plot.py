@@ -8,6 +8,7 @@ start on the head's clock, one row per rank, coloured by what the rank computes.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 DPI = 100
@@ -90,7 +91,7 @@ def write_plot(path: Path, summary: dict[str, dict], records: list[dict], modes:
     w, h = figure_size_px(len(modes))
     fig = plt.figure(figsize=(w / DPI, h / DPI), dpi=DPI)
     heights = [BAR_HEIGHT_IN] + [TIMELINE_HEIGHT_IN] * len(modes)
-    gs = fig.add_gridspec(len(heights), 1, height_ratios=heights, hspace=0.9, left=0.14, right=0.97, top=0.93, bottom=0.06)
+    gs = fig.add_gridspec(len(heights), 1, height_ratios=heights, hspace=0.95, left=0.13, right=0.98, top=0.88, bottom=0.06)
 
     ax = fig.add_subplot(gs[0])
     x = range(len(modes))
@@ -105,10 +106,10 @@ def write_plot(path: Path, summary: dict[str, dict], records: list[dict], modes:
         ax.bar_label(bars, labels=[f"{v:.1f}" for v in med], padding=2, fontsize=8)
     ax.set_xticks(list(x), modes)
     ax.set_ylabel("tokens / s")
-    ax.set_title(title, fontsize=11, loc="left")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=2, frameon=False)
     ax.grid(axis="y", alpha=0.3)
-    ax.margins(y=0.2)
+    ax.margins(y=0.15)
+    fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=10, x=0.01, ha="left")
 
     chosen = pick_timeline_records(records, modes)
     for i, mode in enumerate(modes):
@@ -117,7 +118,9 @@ def write_plot(path: Path, summary: dict[str, dict], records: list[dict], modes:
             _timeline(tax, chosen[mode])
         else:
             tax.set_title(f"{mode}: no record", fontsize=10, loc="left")
-    handles = [Patch(color=c, label=k) for k, c in COLORS.items()]
-    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
+        if i == 0:
+            handles = [Patch(color=c, label=k) for k, c in COLORS.items()]
+            tax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles),
+                       fontsize=8, frameon=False)
     fig.savefig(path, dpi=DPI, format="png")
     plt.close(fig)

@@ -1,0 +1,274 @@
+"""`pipeinfer bench`: prompt sets, schedule, statistics, bad input before loading, and real MPI runs
+that write JSON, CSV, a Chrome trace and a PNG, plus a forced divergence that must be reported."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeinfer_cli.bench.prompts import PromptFileError, load_prompts, parse_prompts
+from pipeinfer_cli.bench.runner import check_tokens
+from pipeinfer_cli.bench.schedule import build_schedule
+from pipeinfer_cli.bench.stats import summarize
+from pipeinfer_cli.cli import bench_cmd
+from pipeinfer_cli.cli.app import app
+
+runner = CliRunner()
+MODEL = "smollm2-135m-instruct"
+METRICS = ("n_prompt", "n_gen", "ttft_s", "tok_per_s", "decode_tok_per_s", "itl_ms", "acceptance", "runs", "ranks")
+
+
+# -- prompt files -----------------------------------------------------------------------------------
+def test_default_prompt_set_ships_with_the_package():
+    prompts = load_prompts()
+    assert len(prompts) == 8
+    assert len({p.id for p in prompts}) == 8
+    assert {p.kind for p in prompts} == {"raw", "chat"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json}\n", "not valid JSON"),
+    ('{"id": "a"}\n', "exactly one of"),
+    ('{"id": "a", "prompt": "x", "messages": []}\n', "not both"),
+    ('{"id": "a", "prompt": ""}\n', "non-empty string"),
+    ('{"id": "a", "messages": [{"role": "robot", "content": "x"}]}\n', "messages[0]"),
+    ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "duplicate id 'a'"),
+    ("[1, 2]\n", "expected a JSON object"),
+    ("\n# only a comment\n", "no prompts"),
+])
+def test_malformed_prompt_files_name_the_line(text, message):
+    with pytest.raises(PromptFileError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_prompts(text, "p.jsonl")
+
+
+def test_prompt_parsing_keeps_ids_and_kinds():
+    ps = parse_prompts('# c\n{"id": "r", "prompt": "hi"}\n\n{"id": 7, "messages": [{"role": "user", "content": "yo"}]}\n')
+    assert [(p.id, p.kind) for p in ps] == [("r", "raw"), ("7", "chat")]
+
+
+# -- schedule and statistics ------------------------------------------------------------------------
+def test_schedule_interleaves_modes_and_puts_warmup_first():
+    ps = parse_prompts('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
+    items = build_schedule(ps, ["iterative", "speculative", "pipeinfer"], repeat=2, warmup=1)
+    assert [(i.prompt.id, i.mode[0], i.repeat, i.warmup) for i in items] == [
+        ("a", "i", 0, True), ("a", "s", 0, True), ("a", "p", 0, True),
+        ("a", "i", 0, False), ("a", "s", 0, False), ("a", "p", 0, False),
+        ("b", "i", 0, False), ("b", "s", 0, False), ("b", "p", 0, False),
+        ("a", "i", 1, False), ("a", "s", 1, False), ("a", "p", 1, False),
+        ("b", "i", 1, False), ("b", "s", 1, False), ("b", "p", 1, False),
+    ]
+    assert [i.index for i in items] == list(range(len(items)))
+
+
+def _rec(index, pid, mode, tps, tokens, warmup=False):
+    return {"index": index, "prompt_id": pid, "mode": mode, "repeat": 0, "warmup": warmup, "tokens": tokens,
+            "n_gen": len(tokens), "tok_per_s": tps, "decode_tok_per_s": tps * 1.5, "ttft_s": 0.1,
+            "itl_ms": {"mean": 10.0, "p50": 9.0, "p90": 20.0},
+            "acceptance": {"drafted": 4, "accepted": 3, "rate": 0.75, "mean_accepted_len": 3.0},
+            "runs": {"launched": 5, "speculative": 2, "cancelled": 1, "cancelled_mid_compute": 0, "layer_evals_skipped": 0}}
+
+
+def test_token_check_and_paired_speedups():
+    recs = [_rec(0, "a", "iterative", 10.0, [1, 2, 3]), _rec(1, "a", "speculative", 20.0, [1, 2, 3]),
+            _rec(2, "b", "iterative", 40.0, [4, 5]), _rec(3, "b", "speculative", 20.0, [4, 6]),
+            _rec(4, "b", "speculative", 999.0, [4, 6], warmup=True)]
+    mismatches = check_tokens(recs, ["iterative", "speculative"])
+    assert [(m["prompt_id"], m["mode"], m["first_diff"], m["got"], m["expected"], m["warmup"]) for m in mismatches] == [
+        ("b", "speculative", 1, 6, 5, False), ("b", "speculative", 1, 6, 5, True)]
+    assert [r["tokens_match"] for r in recs] == [True, True, True, False, False]
+    s = summarize(recs, ["iterative", "speculative"], mismatches)
+    assert s["speculative"]["n_records"] == 2  # the warmup is left out
+    assert s["speculative"]["tok_per_s"] == {"median": 20.0, "min": 20.0, "max": 20.0}
+    assert s["speculative"]["speedup"]["vs_iterative"] == pytest.approx(1.0)  # sqrt(2 * 0.5), paired by prompt
+    assert s["iterative"]["speedup"]["vs_speculative"] == pytest.approx(1.0)
+    assert s["speculative"]["acceptance"]["rate"] == 0.75
+    assert s["speculative"]["mismatched_prompts"] == ["b"]
+    assert s["iterative"]["mismatched_prompts"] == []
+
+
+# -- bad input fails before any model is resolved or loaded ------------------------------------------
+@pytest.fixture
+def no_models(monkeypatch):
+    def forbidden(*a, **k):
+        raise AssertionError("bench resolved/loaded a model before rejecting bad input")
+
+    monkeypatch.setattr(bench_cmd, "resolve_models", forbidden)
+
+
+def _one_error_line(r) -> str:
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert r.exit_code == 1, r.output
+    assert len(lines) == 1 and lines[0].startswith("Error: "), r.output
+    return lines[0]
+
+
+def test_missing_prompt_file(no_models, tmp_path):
+    line = _one_error_line(runner.invoke(app, ["bench", MODEL, "--prompts", str(tmp_path / "nope.jsonl")]))
+    assert "does not exist" in line
+
+
+def test_malformed_prompt_file(no_models, tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"id": "ok", "prompt": "x"}\n{"id": "oops", "prompt": \n')
+    line = _one_error_line(runner.invoke(app, ["bench", MODEL, "--prompts", str(p)]))
+    assert f"{p}:2" in line and "not valid JSON" in line
+
+
+@pytest.mark.parametrize("modes, message", [("iterative,turbo", "unknown mode 'turbo'"), ("iterative,iterative", "more than once"),
+                                            (",", "--modes is empty")])
+def test_bad_modes(no_models, modes, message):
+    assert message in _one_error_line(runner.invoke(app, ["bench", MODEL, "--modes", modes]))
+
+
+@pytest.mark.parametrize("opt", ["--json", "--csv", "--trace", "--plot"])
+def test_unwritable_outputs(no_models, tmp_path, opt):
+    line = _one_error_line(runner.invoke(app, ["bench", MODEL, opt, str(tmp_path / "missing-dir" / "out")]))
+    assert opt in line and "does not exist" in line
+    line = _one_error_line(runner.invoke(app, ["bench", MODEL, opt, str(tmp_path)]))
+    assert "is a directory" in line
+    line = _one_error_line(runner.invoke(app, ["bench", MODEL, opt, "/proc/pipeinfer-bench.out"]))
+    assert "cannot write in /proc" in line
+
+
+def test_same_output_twice(no_models, tmp_path):
+    line = _one_error_line(runner.invoke(app, ["bench", MODEL, "--json", str(tmp_path / "a"), "--csv", str(tmp_path / "a")]))
+    assert "both write" in line
+
+
+# -- real MPI runs on SmolLM2 (draft = itself), 2 ranks, 2 prompts ------------------------------------
+MODES = ["iterative", "speculative"]
+
+
+def _bench(out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pipeinfer_cli", "bench", MODEL, "--draft", MODEL, "--modes", ",".join(MODES),
+           "--limit", "2", "-n", "16", "--repeat", "1", "--warmup", "0", "--ranks", "2", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=out,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def bench_run(smollm2_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    r = _bench(out, "--json", "b.json", "--csv", "b.csv", "--trace", "b.trace.json", "--plot", "b.png")
+    assert r.returncode == 0, r.stderr
+    return out, r
+
+
+@pytest.mark.mpi
+def test_bench_table_and_json(bench_run):
+    out, r = bench_run
+    for m in MODES:
+        assert m in r.stdout
+    assert "× iterative" in r.stdout and "× speculative" in r.stdout
+    doc = json.loads((out / "b.json").read_text())
+    assert doc["schema"] == "pipeinfer-bench/1"
+    assert doc["tokens_identical"] is True and doc["token_mismatches"] == []
+    h = doc["header"]
+    for k in ("pipeinfer", "llama_cpp_python", "ggml", "mpi4py", "mpi_library"):
+        assert h["versions"][k], k
+    assert len(h["models"]["target"]["sha256"]) == 64
+    assert h["topology"]["world_size"] == 2 and [x["role"] for x in h["topology"]["ranks"]] == ["head", "stage"]
+    assert h["host"]["cpu_model"] and h["host"]["cores"] >= 1 and h["host"]["hostname"]
+    assert h["config"]["prompts"]["count"] == 2
+    recs = doc["records"]
+    assert [(x["prompt_id"], x["mode"]) for x in recs] == [("csv-parse", "iterative"), ("csv-parse", "speculative"),
+                                                           ("binary-search", "iterative"), ("binary-search", "speculative")]
+    for x in recs:
+        for k in METRICS:
+            assert k in x, k
+        assert x["n_gen"] >= 1 and x["tok_per_s"] > 0 and x["tokens_match"] is True
+        assert set(x["acceptance"]) == {"drafted", "accepted", "rate", "mean_accepted_len"}
+        assert set(x["runs"]) >= {"launched", "speculative", "cancelled", "cancelled_mid_compute", "layer_evals_skipped"}
+        for rk in x["ranks"]:
+            assert {"rank", "role", "layers", "threads", "peak_rss_mib", "busy_s"} <= set(rk) and "trace" not in rk
+    spec = [x for x in recs if x["mode"] == "speculative"]
+    assert all(x["acceptance"]["rate"] == 1.0 for x in spec)  # the draft is the target itself
+    for m in MODES:
+        s = doc["summary"][m]
+        assert s["n_records"] == 2 and s["tok_per_s"]["median"] > 0
+        assert set(s["speedup"]) == {"vs_iterative", "vs_speculative"}
+        assert s["speedup"][f"vs_{m}"] == pytest.approx(1.0)
+
+
+@pytest.mark.mpi
+def test_bench_csv(bench_run):
+    out, _ = bench_run
+    text = (out / "b.csv").read_text()
+    header = [line for line in text.splitlines() if line.startswith("# ")]
+    assert any(line.startswith("# versions.ggml: ") for line in header)
+    assert any(line.startswith("# models.target.sha256: ") for line in header)
+    rows = list(csv.DictReader(line for line in text.splitlines() if not line.startswith("#")))
+    assert len(rows) == 4
+    doc = json.loads((out / "b.json").read_text())
+    for row, rec in zip(rows, doc["records"]):
+        assert row["prompt_id"] == rec["prompt_id"] and row["mode"] == rec["mode"]
+        for col in ("n_prompt", "n_gen", "ttft_s", "tok_per_s", "decode_tok_per_s", "itl_ms.mean", "itl_ms.p50", "itl_ms.p90",
+                    "acceptance.drafted", "acceptance.accepted", "runs.launched", "runs.cancelled", "runs.cancelled_mid_compute",
+                    "runs.layer_evals_skipped", "rank0.busy_s", "rank1.busy_s", "rank1.peak_rss_mib"):
+            float(row[col])
+        assert float(row["tok_per_s"]) == pytest.approx(rec["tok_per_s"])
+        assert row["tokens_match"] == "True"
+    assert len({r["tokens_sha1"] for r in rows if r["prompt_id"] == "csv-parse"}) == 1
+
+
+@pytest.mark.mpi
+def test_bench_trace_is_chrome_trace_with_one_track_per_rank(bench_run):
+    out, _ = bench_run
+    trace = json.loads((out / "b.trace.json").read_text())
+    events = trace["traceEvents"]
+    for e in events:
+        assert {"name", "ph", "pid", "tid"} <= set(e), e
+        assert e["ph"] in ("X", "i", "M")
+        if e["ph"] != "M":
+            assert isinstance(e["ts"], int | float) and e["ts"] >= 0
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(names) == [0, 1] and "head" in names[0] and "stage" in names[1]
+    assert {(e["pid"], e["tid"]) for e in events} == {(0, 0), (1, 1)}  # one track per rank
+    runs = {pid: {e["args"]["run"] for e in events if e["ph"] == "X" and e["pid"] == pid and "run" in e["args"]}
+            for pid in (0, 1)}
+    doc = json.loads((out / "b.json").read_text())
+    assert len(runs[0]) == sum(x["runs"]["launched"] for x in doc["records"])  # a slice for every run ...
+    assert runs[1] == runs[0]  # ... on every stage (nothing is cancelled in these modes)
+    assert any(e["name"].startswith("verify") for e in events) and any(e["name"] == "draft" for e in events)
+    assert any(e["ph"] == "i" and e["name"].startswith("commit") for e in events)
+    # Aligned clocks: a run starts on the stage after it started on the head.
+    start = {(e["pid"], e["args"]["run"]): e["ts"] for e in events if e["ph"] == "X" and "run" in e["args"]}
+    assert all(start[(1, r)] >= start[(0, r)] for r in runs[0])
+
+
+@pytest.mark.mpi
+def test_bench_png_opens_with_the_right_size(bench_run):
+    from pipeinfer_cli.bench.plot import figure_size_px
+
+    data = (Path(bench_run[0]) / "b.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == figure_size_px(len(MODES))
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(Path(bench_run[0]) / "b.png")).shape[:2] == (height, width)
+
+
+@pytest.mark.mpi
+def test_bench_reports_a_forced_divergence(smollm2_path, tmp_path):
+    r = _bench(tmp_path, "--json", "d.json", env={"PIPEINFER_DEBUG_DIVERGE": "speculative"})
+    assert r.returncode == 1
+    assert "DIFFER" in r.stdout  # in the table
+    assert "TOKENS DIFFER" in r.stderr and "speculative" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("Error: modes generated different tokens on 2 prompt(s)")
+    doc = json.loads((tmp_path / "d.json").read_text())  # written anyway
+    assert doc["tokens_identical"] is False
+    assert sorted((m["prompt_id"], m["mode"]) for m in doc["token_mismatches"]) == [
+        ("binary-search", "speculative"), ("csv-parse", "speculative")]
+    assert doc["summary"]["speculative"]["mismatched_prompts"] == ["binary-search", "csv-parse"]
+    assert doc["summary"]["iterative"]["mismatched_prompts"] == []
