@@ -46,8 +46,9 @@ def test_cancel_from_another_thread_mid_compute(slow_model):
 
     t = threading.Thread(target=worker)
     t.start()
+    # stats()["evals"] counts an eval once it has started (and reset eval_progress() to 0)
     deadline = time.monotonic() + 60
-    while eng.eval_progress() < 1 and time.monotonic() < deadline:
+    while (eng.stats()["evals"] == stats_before["evals"] or eng.eval_progress() < 1) and time.monotonic() < deadline:
         time.sleep(0.0005)
     seen = eng.eval_progress()
     eng.cancel()

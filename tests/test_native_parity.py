@@ -45,10 +45,12 @@ def native_greedy(stages: list[LayerEngine], prompt: list[int], n_new: int) -> t
     return logits, out
 
 
-def llama_cpp_greedy(path, prompt: list[int], n_new: int, n_threads: int = 1) -> tuple[np.ndarray, list[int]]:
+def llama_cpp_greedy(path, prompt: list[int], n_new: int, n_threads: int = 1,
+                     flash_attn: bool = False) -> tuple[np.ndarray, list[int]]:
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=512, n_threads=n_threads, verbose=False)
+    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=512, n_threads=n_threads, verbose=False,
+                          flash_attn=flash_attn)
     llm.eval(prompt)
     logits = np.array(llm.scores[: len(prompt)], dtype=np.float32)
     out, cur = [], int(logits[-1].argmax())
@@ -64,8 +66,9 @@ def split_ranges(n_layer: int, n_parts: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def open_stages(path, n_layer: int, n_parts: int, n_threads: int = 1) -> list[LayerEngine]:
-    return [LayerEngine(path, b, e, n_ctx=512, n_threads=n_threads) for b, e in split_ranges(n_layer, n_parts)]
+def open_stages(path, n_layer: int, n_parts: int, n_threads: int = 1, flash_attn: bool = False) -> list[LayerEngine]:
+    return [LayerEngine(path, b, e, n_ctx=512, n_threads=n_threads, flash_attn=flash_attn)
+            for b, e in split_ranges(n_layer, n_parts)]
 
 
 def assert_parity(native: np.ndarray, ref: np.ndarray) -> None:
@@ -92,14 +95,26 @@ def test_tiny_tied_output_parity(tmp_path):
     assert_parity(native_prefill(open_stages(path, 4, 1), TINY_PROMPT), ref_logits)
 
 
-@pytest.mark.parametrize("weight_type", ["q8_0", "q4_0"])
-def test_tiny_quantized_repacked_parity(tmp_path, weight_type):
-    """Quantized matrices go through CPU_REPACK (as in llama.cpp) and still match exactly."""
+@pytest.mark.parametrize("weight_type", ["f16", "q8_0", "q4_0"])
+def test_tiny_quantized_parity(tmp_path, weight_type):
+    """Quantized matrices match too; Q4_0 goes through CPU_REPACK (q4_0_8x8), as in llama.cpp."""
     path = write_tiny_model(tmp_path / f"{weight_type}.gguf", arch="llama", n_embd=128, n_head=4, n_head_kv=2,
                             n_ff=256, weight_type=weight_type, seed=5)
     ref_logits, ref_tokens = llama_cpp_greedy(path, TINY_PROMPT, 8)
     stages = open_stages(path, 4, 1)
+    if weight_type == "q4_0":
+        assert stages[0].n_repacked == 4 * 7  # every layer matrix (the 300-row LM head is not a multiple of 8)
     logits, tokens = native_greedy(stages, TINY_PROMPT, 8)
+    assert_parity(logits, ref_logits)
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_flash_attn_matches_llama_cpp_flash_attn(tmp_path, arch):
+    """flash_attn=True is the other attention path; it matches llama.cpp run with flash_attn=True."""
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, seed=8)
+    ref_logits, ref_tokens = llama_cpp_greedy(path, TINY_PROMPT, N_DECODE, flash_attn=True)
+    logits, tokens = native_greedy(open_stages(path, 4, 2, flash_attn=True), TINY_PROMPT, N_DECODE)
     assert_parity(logits, ref_logits)
     assert tokens == ref_tokens
 

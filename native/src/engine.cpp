@@ -52,7 +52,7 @@ layer_engine::layer_engine(const engine_params & params) : params_(params) {
         w_ = stage_weights_load(params.path, params.layer_begin, params.layer_end, params.use_repack);
     }
     kv_ = std::make_unique<kv_cache>(params.n_ctx, params.n_seq_max, (int) w_->layers.size(),
-                                     (int64_t) w_->hparams.n_embd_gqa());
+                                     (int64_t) w_->hparams.n_embd_gqa(), /*v_trans=*/ !params.flash_attn);
 
     backend_ = ggml_backend_cpu_init();
     if (!backend_) throw engine_failure("ggml_backend_cpu_init failed");
@@ -194,14 +194,22 @@ void layer_engine::eval(const eval_batch & b, float * out) {
         if (in.tokens) std::memcpy(in.tokens->data, b.tokens, sizeof(int32_t) * b.n_tokens);
         if (in.embd) std::memcpy(in.embd->data, b.embd, sizeof(float) * b.n_tokens * hp.n_embd);
         std::memcpy(in.pos->data, b.pos, sizeof(int32_t) * b.n_tokens);
-        kv_->fill_mask((float *) in.kq_mask->data, shape.n_kv, toks);
+        if (kv_->v_trans()) {
+            kv_->fill_mask((float *) in.kq_mask->data, shape.n_kv, toks);
+        } else {
+            kv_->fill_mask_f16((ggml_fp16_t *) in.kq_mask->data, shape.n_kv, toks);
+        }
         auto * k_idxs = (int64_t *) in.k_idxs->data;
         auto * v_idxs = (int64_t *) in.v_idxs->data;
         const int64_t n_embd_gqa = hp.n_embd_gqa(), kv_size = kv_->size();
         for (int64_t i = 0; i < b.n_tokens; ++i) {
             k_idxs[i] = cells[i];
-            // V is transposed: channel c of the token in cell j is element c*kv_size + j.
-            for (int64_t c = 0; c < n_embd_gqa; ++c) v_idxs[i * n_embd_gqa + c] = c * kv_size + cells[i];
+            if (kv_->v_trans()) {
+                // transposed V: channel c of the token in cell j is element c*kv_size + j
+                for (int64_t c = 0; c < n_embd_gqa; ++c) v_idxs[i * n_embd_gqa + c] = c * kv_size + cells[i];
+            } else {
+                v_idxs[i] = cells[i];
+            }
         }
         if (in.out_ids) std::memcpy(in.out_ids->data, b.out_rows.data(), sizeof(int32_t) * b.out_rows.size());
 

@@ -26,6 +26,8 @@ struct engine_params {
     int      n_threads = 1;    // ggml compute threads
     uint32_t n_seq_max = 64;   // sequence ids are in [0, n_seq_max), at most kv_max_seq
     bool use_repack = true;    // place matrix weights in the CPU extra buffer types (CPU_REPACK)
+    bool flash_attn = false;   // ggml_flash_attn_ext instead of mul_mat + soft_max (llama.cpp's
+                               // default is off, and parity with it is exact only when off)
 };
 
 // Counters since open; names match the Python stats() dict.

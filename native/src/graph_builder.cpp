@@ -48,11 +48,12 @@ ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weig
     }
     in.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
     ggml_set_input(in.pos);
-    in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n_tokens);
+    const bool flash_attn = !kv.v_trans();  // the cache layout follows the attention path
+    in.kq_mask = ggml_new_tensor_2d(ctx, flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, n_kv, n_tokens);
     ggml_set_input(in.kq_mask);
     in.k_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
     ggml_set_input(in.k_idxs);
-    in.v_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens * n_embd_gqa);
+    in.v_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, flash_attn ? n_tokens : n_tokens * n_embd_gqa);
     ggml_set_input(in.v_idxs);
     // Like llama.cpp, drop the rows nobody wants before the last layer's FFN and the LM head.
     if (w.is_last() && shape.n_outputs < n_tokens) {
@@ -91,25 +92,38 @@ ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weig
         ggml_tensor * kc = kv.k(li);
         ggml_tensor * vc = kv.v(li);
         ggml_build_forward_expand(gf, ggml_set_rows(ctx, kc, ggml_reshape_2d(ctx, Kcur, n_embd_gqa, n_tokens), in.k_idxs));
-        ggml_tensor * v_flat = ggml_reshape_2d(ctx, Vcur, 1, n_embd_gqa * n_tokens);
-        ggml_tensor * vc_flat = ggml_reshape_2d(ctx, vc, 1, ggml_nelements(vc));
-        ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc_flat, v_flat, in.v_idxs));
+        if (flash_attn) {
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc, ggml_reshape_2d(ctx, Vcur, n_embd_gqa, n_tokens), in.v_idxs));
+        } else {
+            ggml_tensor * v_flat = ggml_reshape_2d(ctx, Vcur, 1, n_embd_gqa * n_tokens);
+            ggml_tensor * vc_flat = ggml_reshape_2d(ctx, vc, 1, ggml_nelements(vc));
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc_flat, v_flat, in.v_idxs));
+        }
 
-        // views of the first n_kv cells: k [d_head, n_head_kv, n_kv], v [n_kv, n_head_kv, d_head]
+        // views of the first n_kv cells: k [d_head, n_head_kv, n_kv]
         ggml_tensor * k = ggml_view_3d(ctx, kc, d_head, n_head_kv, n_kv,
                                        ggml_row_size(kc->type, d_head), ggml_row_size(kc->type, n_embd_gqa), 0);
-        ggml_tensor * v = ggml_view_3d(ctx, vc, n_kv, n_head_kv, d_head,
-                                       ggml_row_size(vc->type, kv_size * d_head), ggml_row_size(vc->type, kv_size), 0);
         ggml_tensor * q = ggml_permute(ctx, Qcur, 0, 2, 1, 3);  // [d_head, n_tokens, n_head]
         k = ggml_permute(ctx, k, 0, 2, 1, 3);                    // [d_head, n_kv, n_head_kv]
-        v = ggml_permute(ctx, v, 0, 2, 1, 3);                    // [n_kv, d_head, n_head_kv]
-
-        ggml_tensor * kq = ggml_mul_mat(ctx, k, q);              // [n_kv, n_tokens, n_head]
-        ggml_prec_set_acc(kq, GGML_PREC_F32);
-        kq = ggml_soft_max_ext(ctx, kq, in.kq_mask, kq_scale, 0.0f);
-        ggml_tensor * kqv = ggml_mul_mat(ctx, v, kq);            // [d_head, n_tokens, n_head]
-        cur = ggml_permute(ctx, kqv, 0, 2, 1, 3);
-        cur = ggml_cont_2d(ctx, cur, d_head * n_head, n_tokens);
+        if (flash_attn) {
+            ggml_tensor * v = ggml_view_3d(ctx, vc, d_head, n_head_kv, n_kv,
+                                           ggml_row_size(vc->type, d_head), ggml_row_size(vc->type, n_embd_gqa), 0);
+            v = ggml_permute(ctx, v, 0, 2, 1, 3);                // [d_head, n_kv, n_head_kv]
+            cur = ggml_flash_attn_ext(ctx, q, k, v, in.kq_mask, kq_scale, 0.0f, 0.0f);  // [d_head, n_head, n_tokens]
+            ggml_prec_set_acc(cur, GGML_PREC_F32);
+            cur = ggml_reshape_2d(ctx, cur, d_head * n_head, n_tokens);
+        } else {
+            // v [n_kv, n_head_kv, d_head] -> [n_kv, d_head, n_head_kv]
+            ggml_tensor * v = ggml_view_3d(ctx, vc, n_kv, n_head_kv, d_head, ggml_row_size(vc->type, kv_size * d_head),
+                                           ggml_row_size(vc->type, kv_size), 0);
+            v = ggml_permute(ctx, v, 0, 2, 1, 3);
+            ggml_tensor * kq = ggml_mul_mat(ctx, k, q);          // [n_kv, n_tokens, n_head]
+            ggml_prec_set_acc(kq, GGML_PREC_F32);
+            kq = ggml_soft_max_ext(ctx, kq, in.kq_mask, kq_scale, 0.0f);
+            ggml_tensor * kqv = ggml_mul_mat(ctx, v, kq);        // [d_head, n_tokens, n_head]
+            cur = ggml_permute(ctx, kqv, 0, 2, 1, 3);
+            cur = ggml_cont_2d(ctx, cur, d_head * n_head, n_tokens);
+        }
         ggml_build_forward_expand(gf, cur);
         cur = matmul_bias(ctx, L.wo, L.bo, cur);
 

@@ -18,14 +18,15 @@ void norm_range(int32_t & p0, int32_t & p1) {
 }
 }  // namespace
 
-kv_cache::kv_cache(uint32_t size, uint32_t n_seq_max, int n_layer, int64_t n_embd_gqa)
-    : cells_(size), n_seq_max_(n_seq_max) {
+kv_cache::kv_cache(uint32_t size, uint32_t n_seq_max, int n_layer, int64_t n_embd_gqa, bool v_trans)
+    : cells_(size), n_seq_max_(n_seq_max), v_trans_(v_trans) {
     ggml_init_params ip = { ggml_tensor_overhead() * (2 * (size_t) n_layer + 1), nullptr, true };
     ctx_ = ggml_init(ip);
     if (!ctx_) throw engine_failure("failed to create the KV cache context");
     for (int il = 0; il < n_layer; ++il) {
         k_.push_back(ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, n_embd_gqa, size));
-        v_.push_back(ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, size, n_embd_gqa));
+        v_.push_back(v_trans ? ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, size, n_embd_gqa)
+                             : ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, n_embd_gqa, size));
         ggml_format_name(k_.back(), "cache_k_l%d", il);
         ggml_format_name(v_.back(), "cache_v_l%d", il);
     }
@@ -98,6 +99,19 @@ void kv_cache::fill_mask(float * mask, uint32_t n_kv, const std::vector<kv_token
         for (uint32_t j = 0; j < n_kv; ++j) {
             const kv_cell & c = cells_[j];
             row[j] = ((c.seqs & tok.seqs) != 0 && c.pos <= tok.pos) ? 0.0f : drop;
+        }
+    }
+}
+
+void kv_cache::fill_mask_f16(ggml_fp16_t * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const {
+    const ggml_fp16_t keep = ggml_fp32_to_fp16(0.0f);
+    const ggml_fp16_t drop = ggml_fp32_to_fp16(-INFINITY);
+    for (size_t t = 0; t < tokens.size(); ++t) {
+        ggml_fp16_t * row = mask + t * n_kv;
+        const kv_token & tok = tokens[t];
+        for (uint32_t j = 0; j < n_kv; ++j) {
+            const kv_cell & c = cells_[j];
+            row[j] = ((c.seqs & tok.seqs) != 0 && c.pos <= tok.pos) ? keep : drop;
         }
     }
 }

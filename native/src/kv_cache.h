@@ -1,6 +1,6 @@
 // Multi-sequence KV cache of one stage: cell metadata (position + set of sequence ids) and the
-// F16 K/V tensors of the stage's layers, laid out as llama.cpp lays out its unified cache when
-// flash attention is off (K rows per cell; V transposed, one row per channel).
+// F16 K/V tensors of the stage's layers, laid out as llama.cpp lays out its unified cache: K one
+// row per cell; V transposed (one row per channel) without flash attention, one row per cell with.
 #pragma once
 
 #include "ggml.h"
@@ -28,7 +28,8 @@ struct kv_token {
 
 class kv_cache {
 public:
-    kv_cache(uint32_t size, uint32_t n_seq_max, int n_layer, int64_t n_embd_gqa);
+    // v_trans: store V transposed, as the soft_max attention path wants it (flash attention does not).
+    kv_cache(uint32_t size, uint32_t n_seq_max, int n_layer, int64_t n_embd_gqa, bool v_trans);
     ~kv_cache();
     kv_cache(const kv_cache &) = delete;
     kv_cache & operator=(const kv_cache &) = delete;
@@ -49,6 +50,7 @@ public:
 
     // mask[i*n_kv + j] = 0 if token i may attend cell j (shared sequence and cell.pos <= pos), else -inf.
     void fill_mask(float * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const;
+    void fill_mask_f16(ggml_fp16_t * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const;
 
     // llama.cpp semantics: [p0, p1) with negative = open end; seq_id < 0 means every sequence.
     bool seq_rm(int32_t seq_id, int32_t p0, int32_t p1);
@@ -60,7 +62,8 @@ public:
     void clear();
 
     ggml_tensor * k(int il) const { return k_[il]; }  // [n_embd_gqa, size] F16, il = local layer
-    ggml_tensor * v(int il) const { return v_[il]; }  // [size, n_embd_gqa] F16 (transposed)
+    ggml_tensor * v(int il) const { return v_[il]; }  // [size, n_embd_gqa] F16 if v_trans, else like k
+    bool v_trans() const { return v_trans_; }
     size_t bytes() const;
 
 private:
@@ -70,6 +73,7 @@ private:
     std::vector<kv_cell> cells_;
     uint32_t n_seq_max_;
     uint32_t n_used_ = 0;        // non-empty cells
+    bool v_trans_;
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
     std::vector<ggml_tensor *> k_, v_;

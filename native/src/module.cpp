@@ -152,7 +152,7 @@ PYBIND11_MODULE(_native, m) {
 
     py::class_<layer_engine>(m, "LayerEngine")
         .def(py::init([](const std::string & path, int layer_begin, int layer_end, uint32_t n_ctx, int n_threads,
-                         uint32_t n_seq_max, bool use_repack) {
+                         uint32_t n_seq_max, bool use_repack, bool flash_attn) {
                  engine_params p;
                  p.path = path;
                  p.layer_begin = layer_begin;
@@ -161,11 +161,13 @@ PYBIND11_MODULE(_native, m) {
                  p.n_threads = n_threads;
                  p.n_seq_max = n_seq_max;
                  p.use_repack = use_repack;
+                 p.flash_attn = flash_attn;
                  py::gil_scoped_release release;  // loading reads hundreds of MB
                  return std::make_unique<layer_engine>(p);
              }),
              py::arg("path"), py::arg("layer_begin"), py::arg("layer_end"), py::arg("n_ctx") = 4096,
-             py::arg("n_threads") = 1, py::arg("n_seq_max") = 64, py::arg("use_repack") = true)
+             py::arg("n_threads") = 1, py::arg("n_seq_max") = 64, py::arg("use_repack") = true,
+             py::arg("flash_attn") = false)
         .def_property_readonly("arch", [](layer_engine & e) { return e.hparams().arch; })
         .def_property_readonly("n_layer", [](layer_engine & e) { return e.hparams().n_layer; })
         .def_property_readonly("layer_begin", [](layer_engine & e) { return e.weights().layer_begin; })
@@ -175,6 +177,7 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("n_ctx", [](layer_engine & e) { return e.params().n_ctx; })
         .def_property_readonly("n_seq_max", [](layer_engine & e) { return e.params().n_seq_max; })
         .def_property_readonly("n_threads", [](layer_engine & e) { return e.params().n_threads; })
+        .def_property_readonly("flash_attn", [](layer_engine & e) { return e.params().flash_attn; })
         .def_property_readonly("is_first", &layer_engine::is_first)
         .def_property_readonly("is_last", &layer_engine::is_last)
         .def_property_readonly("weight_bytes", [](layer_engine & e) { return e.weights().weight_bytes; })

@@ -67,10 +67,14 @@ class LayerEngine:
         n_seq_max: sequence ids are in `[0, n_seq_max)`, at most 64.
         use_repack: put quantized matrices in ggml's CPU_REPACK buffers (as llama.cpp does);
             turning it off is only useful to measure its effect.
+        flash_attn: attention with ggml_flash_attn_ext (F16 mask, V not transposed) instead of
+            mul_mat + soft_max. Off by default because llama.cpp's default is off, and the
+            logits match llama.cpp bit for bit only when both use the same path.
     """
 
     def __init__(self, path: str | os.PathLike[str], layer_begin: int, layer_end: int, *, n_ctx: int = 4096,
-                 n_threads: int = 1, n_seq_max: int = 64, use_repack: bool = True) -> None:
+                 n_threads: int = 1, n_seq_max: int = 64, use_repack: bool = True,
+                 flash_attn: bool = False) -> None:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ModelFileError(f"model file not found: {path}")
@@ -82,7 +86,7 @@ class LayerEngine:
         try:
             self._eng = _native.LayerEngine(path, int(layer_begin), int(layer_end), n_ctx=int(n_ctx),
                                             n_threads=int(n_threads), n_seq_max=int(n_seq_max),
-                                            use_repack=bool(use_repack))
+                                            use_repack=bool(use_repack), flash_attn=bool(flash_attn))
         except _native.ModelFileError as e:
             raise ModelFileError(str(e)) from None
         self.path = path
@@ -125,6 +129,11 @@ class LayerEngine:
     @property
     def n_threads(self) -> int:
         return self._eng.n_threads
+
+    @property
+    def flash_attn(self) -> bool:
+        """Whether attention uses ggml_flash_attn_ext."""
+        return self._eng.flash_attn
 
     @property
     def is_first(self) -> bool:
