@@ -56,3 +56,18 @@ clean:
 BENCH_NATIVE_ARGS ?= --model qwen2.5-coder-0.5b-instruct --model qwen2.5-coder-1.5b-instruct --threads 1,2
 bench-native: install
 	$(PY) scripts/bench_native.py $(BENCH_NATIVE_ARGS) --json build/bench_native.json
+
+# Standard comparison on the Qwen pair (pulled if needed), greedy: llama.cpp's own decoding at the
+# same total threads first, then every mode interleaved over the shipped prompts on BENCH_RANKS
+# ranks, then the section of BENCHMARKS.md between the bench markers (table, ratios, docs/bench.png).
+BENCH_MODEL   ?= qwen-coder
+BENCH_RANKS   ?= 2
+BENCH_N       ?= 128
+BENCH_THREADS ?= $(shell nproc)
+BENCH_ARGS    ?= --modes iterative,speculative,pipeinfer --temp 0 --repeat 1 --warmup 1
+bench: install
+	@mkdir -p build docs
+	$(PY) scripts/bench_llamacpp.py $(BENCH_MODEL) -n $(BENCH_N) --threads $(BENCH_THREADS) --json build/bench_llamacpp.json
+	$(VENV)/bin/pipeinfer bench $(BENCH_MODEL) --ranks $(BENCH_RANKS) -n $(BENCH_N) $(BENCH_ARGS) \
+	  --json build/bench.json --csv build/bench.csv --trace build/bench.trace.json --plot docs/bench.png
+	$(PY) scripts/update_benchmarks.py build/bench.json --baseline build/bench_llamacpp.json --plot docs/bench.png --out BENCHMARKS.md

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""llama.cpp's own greedy decoding (llama-cpp-python, one process) on a `pipeinfer bench` prompt set.
+
+The reference that `make bench` compares every pipeinfer mode against, at the same total threads.
+Prompts are tokenized exactly as `pipeinfer bench` does (the model's chat template for `messages`),
+generation stops at end-of-generation or -n like a bench request, and the metrics follow
+design.md: tok_per_s = n_gen / (t_last_token - t_start), decode_tok_per_s = (n_gen - 1) /
+(t_last_token - t_first_token). Writes JSON (--json) and prints one line per prompt on stderr.
+
+    python scripts/bench_llamacpp.py qwen-coder -n 128 --threads 2 --json build/bench_llamacpp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def resolve_target(spec: str) -> tuple[str, Path]:
+    """(label, path) of the target model: a pair name's target, a registry name (pulled if needed), or a path."""
+    from pipeinfer_cli.fetch import pull_model
+    from pipeinfer_cli.registry import load_registry
+
+    reg = load_registry()
+    if spec in reg.pairs:
+        spec = reg.pairs[spec].target
+    if spec in reg.models:
+        return spec, pull_model(reg.models[spec])
+    return spec, Path(spec).expanduser()
+
+
+def generate(llm, lib, prompt: list[int], n_predict: int, is_eog) -> dict:
+    import numpy as np
+
+    llm.reset()
+    lib.llama_memory_clear(lib.llama_get_memory(llm.ctx), True)
+    t_start = time.perf_counter()
+    llm.eval(prompt)
+    times, tokens = [], []
+    n_vocab = llm.n_vocab()
+    while True:
+        # The last evaluated row's logits, straight from the context (no copy into llm.scores).
+        logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+        tok = int(np.argmax(logits))
+        tokens.append(tok)
+        times.append(time.perf_counter())
+        if is_eog(tok) or len(tokens) >= n_predict:
+            break
+        llm.eval([tok])
+    n = len(tokens)
+    return {"n_prompt": len(prompt), "n_gen": n, "tokens": tokens, "ttft_s": times[0] - t_start,
+            "tok_per_s": n / (times[-1] - t_start),
+            "decode_tok_per_s": (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="pair name (its target is used), registry name or .gguf path")
+    ap.add_argument("--prompts", type=Path, default=None, help="JSONL prompt set (default: the one bench ships)")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--json", type=Path, required=True)
+    args = ap.parse_args()
+
+    import llama_cpp
+
+    from pipeinfer_cli.bench.environment import host_facts, versions
+    from pipeinfer_cli.bench.prompts import load_prompts
+    from pipeinfer_cli.engine.tokenizer import Tokenizer
+
+    label, path = resolve_target(args.model)
+    prompts = load_prompts(args.prompts, args.limit)
+    tok = Tokenizer(path)
+    ids = {p.id: tok.chat_messages(list(p.messages)) if p.messages else tok.encode(p.prompt) for p in prompts}
+    llm = llama_cpp.Llama(str(path), n_ctx=args.ctx, n_batch=512, n_threads=args.threads,
+                          n_threads_batch=args.threads, verbose=False)
+    for w in range(args.warmup):
+        generate(llm, llama_cpp, ids[prompts[w % len(prompts)].id], args.n_predict, tok.is_eog)
+    records = []
+    for rep in range(args.repeat):
+        for p in prompts:
+            r = generate(llm, llama_cpp, ids[p.id], args.n_predict, tok.is_eog)
+            records.append({"prompt_id": p.id, "repeat": rep, **r})
+            print(f"llama.cpp {p.id}: {r['n_gen']} tokens, {r['tok_per_s']:.2f} tok/s, decode "
+                  f"{r['decode_tok_per_s'] or 0:.2f} tok/s", file=sys.stderr)
+    med = {k: statistics.median(r[k] for r in records if r[k] is not None) for k in ("tok_per_s", "decode_tok_per_s")}
+    doc = {"engine": "llama.cpp (llama-cpp-python, greedy, one process)", "model": label, "path": str(path),
+           "threads": args.threads, "n_predict": args.n_predict, "repeat": args.repeat, "warmup": args.warmup,
+           "command": " ".join(["python", *sys.argv]), "versions": versions(), "host": host_facts(),
+           "median": med, "records": records}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"llama.cpp median: {med['tok_per_s']:.2f} tok/s, decode {med['decode_tok_per_s']:.2f} tok/s "
+          f"({args.threads} threads) -> {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
