@@ -1,15 +1,14 @@
 #!/usr/bin/env python3
 """Benchmark the native layer engine against llama-cpp-python on the same GGUF, side by side.
 
-For each model and thread count it measures, alternating the two engines round by round so that
-background load hits both alike:
+For each model and thread count it measures, alternating the engines eval by eval so that
+background load hits all alike, and reporting medians:
 - decode tokens/s: greedy single-token evals after a 64-token prompt, all layers in one process;
 - the time of one eval of a batch of 1, 2, 4 and 8 tokens (all rows' logits, as a speculative
   verification needs), rolled back after each try;
 and, in a child process, the peak RSS of a half-model layer range (first and second half).
 
-Prints a table (best round of each engine) on stdout and writes JSON with every sample and the
-medians (--json). Not a test: nothing asserts.
+Prints a table on stdout and writes JSON with every sample (--json). Not a test: nothing asserts.
 
     python scripts/bench_native.py --model qwen2.5-coder-1.5b-instruct --threads 1,2
 """
@@ -53,13 +52,12 @@ def prompt_tokens(path: Path) -> list[int]:
 class NativeRunner:
     """All layers of the model in one LayerEngine."""
 
-    name = "native"
-
-    def __init__(self, path: Path, n_threads: int, n_ctx: int):
+    def __init__(self, path: Path, n_threads: int, n_ctx: int, flash_attn: bool = False):
         from pipeinfer_cli.native import LayerEngine
 
+        self.name = "native-fa" if flash_attn else "native"
         probe = LayerEngine(path, 0, 1, n_ctx=16)
-        self.eng = LayerEngine(path, 0, probe.n_layer, n_ctx=n_ctx, n_threads=n_threads)
+        self.eng = LayerEngine(path, 0, probe.n_layer, n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn)
         del probe
 
     def reset(self) -> None:
@@ -101,64 +99,65 @@ class LlamaCppRunner:
         self.llm.n_tokens = pos
 
 
-def run_decode(r, prompt: list[int], n_decode: int) -> tuple[float, list[int]]:
-    r.reset()
-    logits = r.eval(prompt, 0, all_rows=False)
-    cur, pos, out = int(logits[-1].argmax()), len(prompt), []
-    t0 = time.perf_counter()
-    for _ in range(n_decode):
-        out.append(cur)
-        cur = int(r.eval([cur], pos, all_rows=False)[-1].argmax())
-        pos += 1
-    return n_decode / (time.perf_counter() - t0), out
+def decode_interleaved(runners, prompt: list[int], n_decode: int) -> tuple[dict, dict]:
+    """Greedy decode on every runner, one step each in turn, so that background load hits all
+    engines alike. Returns per-step times (ms) and the generated tokens per runner."""
+    cur, times, toks = {}, {r.name: [] for r in runners}, {r.name: [] for r in runners}
+    for r in runners:
+        r.reset()
+        cur[r.name] = int(r.eval(prompt, 0, all_rows=False)[-1].argmax())
+    for i in range(n_decode):
+        for r in runners:
+            toks[r.name].append(cur[r.name])
+            t0 = time.perf_counter()
+            logits = r.eval([cur[r.name]], len(prompt) + i, all_rows=False)
+            times[r.name].append((time.perf_counter() - t0) * 1e3)
+            cur[r.name] = int(logits[-1].argmax())
+    return times, toks
 
 
-def run_batch(r, prompt: list[int], n_batch: int, n_rep: int) -> list[float]:
-    r.reset()
-    r.eval(prompt, 0, all_rows=False)
-    batch = prompt[:n_batch]
-    times = []
-    for _ in range(n_rep):
-        t0 = time.perf_counter()
-        r.eval(batch, len(prompt), all_rows=True)
-        times.append((time.perf_counter() - t0) * 1e3)
-        r.rollback(len(prompt))
+def batches_interleaved(runners, prompt: list[int], batch_sizes: list[int], n_rep: int) -> dict:
+    """Time one eval of a batch of b tokens (all rows' logits) after the prompt, rolled back
+    after each try; engines alternate try by try."""
+    times = {r.name: {b: [] for b in batch_sizes} for r in runners}
+    for r in runners:
+        r.reset()
+        r.eval(prompt, 0, all_rows=False)
+    for b in batch_sizes:
+        for _ in range(n_rep):
+            for r in runners:
+                t0 = time.perf_counter()
+                r.eval(prompt[:b], len(prompt), all_rows=True)
+                times[r.name][b].append((time.perf_counter() - t0) * 1e3)
+                r.rollback(len(prompt))
     return times
 
 
-def bench_model(path: Path, threads: list[int], n_decode: int, rounds: int, batch_sizes: list[int],
-                n_rep: int, n_ctx: int) -> dict:
+def bench_model(path: Path, threads: list[int], n_decode: int, batch_sizes: list[int],
+                n_rep: int, n_ctx: int, flash_attn: bool) -> dict:
     prompt = prompt_tokens(path)
     res: dict = {"model": path.name, "threads": {}}
     for nt in threads:
         runners = [NativeRunner(path, nt, n_ctx), LlamaCppRunner(path, nt, n_ctx)]
-        for r in runners:  # warm-up: page in weights, size the graph buffers
-            run_decode(r, prompt, 4)
-        samples = {r.name: {"decode_tok_s": [], "batch_ms": {b: [] for b in batch_sizes}} for r in runners}
-        tokens = {}
-        for _ in range(rounds):
-            for r in runners:
-                tps, toks = run_decode(r, prompt, n_decode)
-                samples[r.name]["decode_tok_s"].append(tps)
-                tokens[r.name] = toks
-                for b in batch_sizes:
-                    samples[r.name]["batch_ms"][b] += run_batch(r, prompt, b, n_rep)
-        # The table uses the best round (max tok/s, min ms): on a shared machine the noise only
-        # ever slows a round down, so the best one is the closest to the engine's own speed.
-        # Medians are kept in the JSON too.
-        summary = {}
-        for name, s in samples.items():
-            summary[name] = {
-                "decode_tok_s": max(s["decode_tok_s"]),
-                "batch_ms": {b: min(v) for b, v in s["batch_ms"].items()},
-                "median_decode_tok_s": statistics.median(s["decode_tok_s"]),
-                "median_batch_ms": {b: statistics.median(v) for b, v in s["batch_ms"].items()},
+        if flash_attn:
+            runners.append(NativeRunner(path, nt, n_ctx, flash_attn=True))
+        decode_interleaved(runners, prompt, 4)  # warm-up: page in weights, size the graph buffers
+        step_ms, tokens = decode_interleaved(runners, prompt, n_decode)
+        batch_ms = batches_interleaved(runners, prompt, batch_sizes, n_rep)
+        # Medians of interleaved single evals: robust to the spikes of a shared machine.
+        summary: dict = {}
+        for r in runners:
+            summary[r.name] = {
+                "decode_tok_s": 1e3 / statistics.median(step_ms[r.name]),
+                "batch_ms": {b: statistics.median(v) for b, v in batch_ms[r.name].items()},
             }
         summary["ratio_decode"] = summary["native"]["decode_tok_s"] / summary["llama.cpp"]["decode_tok_s"]
         summary["ratio_batch"] = {b: summary["llama.cpp"]["batch_ms"][b] / summary["native"]["batch_ms"][b]
                                   for b in batch_sizes}
         summary["same_greedy_tokens"] = tokens["native"] == tokens["llama.cpp"]
-        summary["samples"] = samples
+        if "native-fa" in tokens:
+            summary["native_fa_same_greedy_tokens"] = tokens["native-fa"] == tokens["llama.cpp"]
+        summary["samples"] = {"decode_step_ms": step_ms, "batch_ms": batch_ms}
         res["threads"][nt] = summary
         del runners
     return res
@@ -207,7 +206,9 @@ def print_table(results: list[dict], batch_sizes: list[int]) -> None:
           " ".join(f"{'b=' + str(b) + ' ms':>9s}" for b in batch_sizes))
     for res in results:
         for nt, s in res["threads"].items():
-            for name in ("native", "llama.cpp"):
+            for name in ("native", "llama.cpp", "native-fa"):
+                if name not in s:
+                    continue
                 row = s[name]
                 print(f"{res['model']:42s} {nt:>3d} {name:>9s} {row['decode_tok_s']:12.2f} " +
                       " ".join(f"{row['batch_ms'][b]:9.2f}" for b in batch_sizes))
@@ -227,13 +228,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", help="registry name or GGUF path (repeatable)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    ap.add_argument("--n-decode", type=int, default=32, help="greedy tokens per decode round")
-    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per engine")
+    ap.add_argument("--n-decode", type=int, default=64, help="greedy tokens decoded per engine")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
-    ap.add_argument("--batch-reps", type=int, default=3, help="tries per batch size per round")
+    ap.add_argument("--batch-reps", type=int, default=9, help="tries per batch size per engine")
     ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--rss-n-ctx", type=int, default=4096, help="KV size of the half-model RSS measurement")
     ap.add_argument("--no-rss", action="store_true", help="skip the half-model peak RSS measurement")
+    ap.add_argument("--flash-attn", action="store_true",
+                    help="also time the native engine with flash_attn=True (row native-fa; ratios stay native/llama.cpp)")
     ap.add_argument("--json", type=Path, help="write all results and samples here")
     args = ap.parse_args()
 
@@ -244,7 +246,7 @@ def main() -> None:
     for m in models:
         path = resolve_model(m)
         print(f"benchmarking {path.name} ...", file=sys.stderr, flush=True)
-        res = bench_model(path, threads, args.n_decode, args.rounds, batch_sizes, args.batch_reps, args.n_ctx)
+        res = bench_model(path, threads, args.n_decode, batch_sizes, args.batch_reps, args.n_ctx, args.flash_attn)
         if not args.no_rss:
             res["rss"] = measure_rss(path, args.rss_n_ctx)
         results.append(res)
