@@ -48,6 +48,10 @@ layer_engine::layer_engine(const engine_params & params) : params_(params) {
                             std::to_string(params.n_seq_max) + ")");
     }
     {
+        // The ggml logger is process-global: one load at a time swaps it, or two loads in
+        // parallel threads could restore each other's (then dangling) filter.
+        static std::mutex load_mutex;
+        std::lock_guard<std::mutex> lock(load_mutex);
         quiet_ggml_log quiet;
         w_ = stage_weights_load(params.path, params.layer_begin, params.layer_end, params.use_repack);
     }
