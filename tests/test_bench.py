@@ -241,6 +241,14 @@ def test_bench_trace_is_chrome_trace_with_one_track_per_rank(bench_run):
     assert runs[1] == runs[0]  # ... on every stage (nothing is cancelled in these modes)
     assert any(e["name"].startswith("verify") for e in events) and any(e["name"] == "draft" for e in events)
     assert any(e["ph"] == "i" and e["name"].startswith("commit") for e in events)
+    # Slices on one track nest properly (Perfetto drops partially overlapping ones).
+    for pid in (0, 1):
+        stack: list[float] = []
+        for e in sorted((e for e in events if e["ph"] == "X" and e["pid"] == pid), key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1] <= e["ts"]:
+                stack.pop()
+            assert not stack or e["ts"] + e["dur"] <= stack[-1] + 1e-3, e
+            stack.append(e["ts"] + e["dur"])
     # Aligned clocks: a run starts on the stage after it started on the head.
     start = {(e["pid"], e["args"]["run"]): e["ts"] for e in events if e["ph"] == "X" and "run" in e["args"]}
     assert all(start[(1, r)] >= start[(0, r)] for r in runs[0])

@@ -20,6 +20,7 @@ from .options import (
 )
 
 DEFAULT_MODES = "iterative,speculative,pipeinfer"
+NON_TTY_WIDTH = 200
 # The relaunched MPI job cannot see the user's terminal; the parent passes what it saw.
 _TTY_ENV = {"stdout": "PIPEINFER_STDOUT_TTY", "stderr": "PIPEINFER_STDERR_TTY"}
 
@@ -122,7 +123,8 @@ def bench(
     if not inside and want > 1:
         for stream, var in _TTY_ENV.items():
             os.environ.setdefault(var, "1" if getattr(sys, stream).isatty() else "0")
-        os.environ.setdefault("COLUMNS", str(shutil.get_terminal_size((160, 24)).columns))
+        if sys.stdout.isatty():
+            os.environ.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
         raise typer.Exit(relaunch(want, sys.argv[1:]))
 
     from mpi4py import MPI
@@ -200,7 +202,11 @@ def _consoles():
         v = os.environ.get(var)
         return None if v is None else v == "1"
 
-    return (Console(soft_wrap=False, force_terminal=force(_TTY_ENV["stdout"])),
+    tty = force(_TTY_ENV["stdout"])
+    if tty is None:
+        tty = sys.stdout.isatty()
+    # Into a file or pipe, never wrap the table: scripts and logs read it whole.
+    return (Console(soft_wrap=False, force_terminal=tty, width=None if tty else NON_TTY_WIDTH),
             Console(stderr=True, soft_wrap=True, force_terminal=force(_TTY_ENV["stderr"])))
 
 
