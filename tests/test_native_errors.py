@@ -71,6 +71,26 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         LayerEngine(path, 0, 1)
 
 
+def test_mixture_of_experts_is_refused(tmp_path):
+    import gguf
+
+    path = tmp_path / "moe.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_context_length(64)
+    w.add_expert_count(8)
+    w.add_tensor("token_embd.weight", np.zeros((10, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match="mixture-of-experts"):
+        LayerEngine(path, 0, 1)
+
+
 # --- construction arguments -------------------------------------------------------------------
 @pytest.mark.parametrize("rng", [(0, 5), (-1, 2), (2, 2), (3, 1), (4, 5)])
 def test_layer_range_out_of_bounds(model, rng):

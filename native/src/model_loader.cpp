@@ -143,6 +143,10 @@ model_hparams read_hparams(const gguf_reader & r, const gguf_context * gctx, con
                                ", embedding_length=" + std::to_string(hp.n_embd) + ", head_count=" +
                                std::to_string(hp.n_head) + ", head_count_kv=" + std::to_string(hp.n_head_kv) + ")");
     }
+    if (r.get_uint(a + "expert_count", 0, false) > 0) {
+        throw model_file_error(path + ": mixture-of-experts models (" + a + "expert_count > 0) are not supported; "
+                               "the native engine runs dense llama/qwen2 models");
+    }
     hp.n_embd_head = hp.n_embd / hp.n_head;
     const uint32_t key_len = (uint32_t) r.get_uint(a + "attention.key_length", hp.n_embd_head, false);
     const uint32_t val_len = (uint32_t) r.get_uint(a + "attention.value_length", hp.n_embd_head, false);
