@@ -11,7 +11,13 @@ namespace pipeinfer {
 
 namespace {
 
-size_t graph_size_for(size_t n_layers) { return std::max<size_t>(1024, 64 * n_layers + 256); }
+constexpr int64_t max_invariant_rows = 64;
+
+// Graph nodes for a layer range. An invariant graph slices matmuls and attention by rows, which
+// adds about 30 nodes per row per layer (see graph_builder.cpp).
+size_t graph_size_for(size_t n_layers, int64_t invariant_rows = 0) {
+    return std::max<size_t>(1024, (64 + 30 * (size_t) invariant_rows) * n_layers + 256 + 8 * (size_t) invariant_rows);
+}
 
 // While loading, keep ggml's debug/info lines (one "repack tensor ..." line per weight) out of the
 // log, and pass warnings and errors on to whatever logger was installed (llama_cpp's, if loaded).
@@ -83,7 +89,9 @@ void layer_engine::graph_drop() {
 layer_engine::cached_graph & layer_engine::graph_for(const graph_shape & shape) {
     if (graph_.ctx && graph_.shape == shape) return graph_;
     graph_drop();
-    const size_t gs = graph_size_for(w_->layers.size());
+    const size_t gs = graph_size_for(w_->layers.size(), shape.invariant ? shape.n_tokens : 0);
+    const size_t meta = ggml_tensor_overhead() * gs + ggml_graph_overhead_custom(gs, false);
+    if (graph_meta_.size() < meta) graph_meta_.resize(meta);
     ggml_init_params ip = { graph_meta_.size(), graph_meta_.data(), true };
     graph_.ctx = ggml_init(ip);
     if (!graph_.ctx) throw engine_failure("failed to create the graph context");
@@ -187,6 +195,8 @@ void layer_engine::eval(const eval_batch & b, float * out) {
         shape.n_tokens = b.n_tokens;
         shape.n_kv = kv_->n_kv();
         shape.n_outputs = out_rows(b);
+        // Row slicing is for verification-sized batches; a prompt-sized batch would explode the graph.
+        shape.invariant = b.invariant && b.n_tokens <= max_invariant_rows;
 
         cached_graph & g = graph_for(shape);
         ggml_cgraph * gf = g.gf;

@@ -48,6 +48,7 @@ struct eval_batch {
     const int32_t * pos    = nullptr;    // [n_tokens]
     std::vector<uint64_t> seqs;          // [n_tokens] sequence sets as bit masks
     std::vector<int32_t> out_rows;       // rows whose logits the last stage returns, ascending
+    bool invariant = false;              // every row computed exactly as in a one-token batch
 };
 
 class layer_engine {

@@ -1,6 +1,11 @@
 #include "graph_builder.h"
 
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstring>
 
 namespace pipeinfer {
 
@@ -18,9 +23,69 @@ ggml_tensor * norm_rms(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, flo
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
 }
 
-ggml_tensor * matmul_bias(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x) {
-    ggml_tensor * y = ggml_mul_mat(ctx, w, x);
+// Batch invariance. ggml's CPU matmul changes kernels with the number of activation rows:
+// llamafile's tinyBLAS takes over from 2 rows (F32/F16/BF16/Q8_0/Q4_0/Q5_0/IQ4_NL weights, and the
+// F16 KV cache in attention), and repacked weights switch from gemv to gemm from 4 rows. Each
+// kernel rounds differently, and the difference grows through the layers until a greedy argmax
+// can flip. Speculative verification evaluates k tokens in one batch where plain decoding
+// evaluates one, so to be lossless an invariant graph splits every such matmul into slices of
+// rows that the one-row kernel computes (repacked: up to 3 rows still use gemv, row by row).
+// Other types (Q4_1, K-quants without repack, ...) go through vec_dot, invariant up to 7 rows.
+int64_t invariant_rows(const ggml_tensor * w) {
+    if (w->buffer) {
+        const char * name = ggml_backend_buft_name(ggml_backend_buffer_get_type(w->buffer));
+        if (name && std::strstr(name, "REPACK")) return 3;
+    }
+    switch (w->type) {
+        case GGML_TYPE_F32: case GGML_TYPE_F16: case GGML_TYPE_BF16: case GGML_TYPE_Q8_0:
+        case GGML_TYPE_Q4_0: case GGML_TYPE_Q5_0: case GGML_TYPE_IQ4_NL:
+            return 1;
+        default:
+            // Measured on this ggml (Q6_K, Q4_K without repack): rows stay bit-identical to a
+            // one-row batch in slices of up to 7 rows, not from 8.
+            return 7;
+    }
+}
+
+// w [n_in, n_out] x x [n_in, n] -> [n_out, n]; with invariant, in row slices (see above).
+ggml_tensor * mul_mat_rows(ggml_context * ctx, ggml_tensor * w, ggml_tensor * x, bool invariant) {
+    const int64_t n = x->ne[1];
+    const int64_t step = invariant ? invariant_rows(w) : n;
+    if (step >= n) return ggml_mul_mat(ctx, w, x);
+    ggml_tensor * out = nullptr;
+    for (int64_t i = 0; i < n; i += step) {
+        const int64_t rows = std::min(step, n - i);
+        ggml_tensor * xi = ggml_view_2d(ctx, x, x->ne[0], rows, x->nb[1], i * x->nb[1]);
+        ggml_tensor * yi = ggml_mul_mat(ctx, w, xi);
+        out = out ? ggml_concat(ctx, out, yi, 1) : yi;
+    }
+    return out;
+}
+
+ggml_tensor * matmul_bias(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x, bool invariant) {
+    ggml_tensor * y = mul_mat_rows(ctx, w, x, invariant);
     return b ? ggml_add(ctx, y, b) : y;
+}
+
+// Attention without flash attention: q [d_head, n_tokens, n_head], k [d_head, n_kv, n_head_kv],
+// v [n_kv, d_head, n_head_kv] -> [d_head, n_tokens, n_head]. With invariant, one query row at a
+// time, so each row is computed exactly as in a one-token batch.
+ggml_tensor * attention(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * mask,
+                        float kq_scale, bool invariant) {
+    const int64_t n_tokens = q->ne[1];
+    const int64_t step = invariant ? 1 : n_tokens;
+    ggml_tensor * out = nullptr;
+    for (int64_t t = 0; t < n_tokens; t += step) {
+        const int64_t rows = std::min(step, n_tokens - t);
+        ggml_tensor * qt = step == n_tokens ? q : ggml_view_3d(ctx, q, q->ne[0], rows, q->ne[2], q->nb[1], q->nb[2], t * q->nb[1]);
+        ggml_tensor * mt = step == n_tokens ? mask : ggml_view_2d(ctx, mask, mask->ne[0], rows, mask->nb[1], t * mask->nb[1]);
+        ggml_tensor * kq = ggml_mul_mat(ctx, k, qt);          // [n_kv, rows, n_head]
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        kq = ggml_soft_max_ext(ctx, kq, mt, kq_scale, 0.0f);
+        ggml_tensor * kqv = ggml_mul_mat(ctx, v, kq);        // [d_head, rows, n_head]
+        out = out ? ggml_concat(ctx, out, kqv, 1) : kqv;
+    }
+    return out;
 }
 
 }  // namespace
@@ -34,6 +99,7 @@ ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weig
     const int64_t n_embd_gqa = hp.n_embd_gqa();
     const int64_t kv_size = kv.size();
     const float kq_scale = 1.0f / std::sqrt((float) d_head);
+    const bool inv = shape.invariant && n_tokens > 1;
 
     // inputs
     ggml_tensor * inpL;
@@ -71,9 +137,9 @@ ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weig
 
         // attention: x [n_embd, n_tokens]
         ggml_tensor * cur = norm_rms(ctx, inpL, L.attn_norm, hp.f_norm_rms_eps);
-        ggml_tensor * Qcur = matmul_bias(ctx, L.wq, L.bq, cur);
-        ggml_tensor * Kcur = matmul_bias(ctx, L.wk, L.bk, cur);
-        ggml_tensor * Vcur = matmul_bias(ctx, L.wv, L.bv, cur);
+        ggml_tensor * Qcur = matmul_bias(ctx, L.wq, L.bq, cur, inv);
+        ggml_tensor * Kcur = matmul_bias(ctx, L.wk, L.bk, cur, inv);
+        ggml_tensor * Vcur = matmul_bias(ctx, L.wv, L.bv, cur, inv);
         Qcur = ggml_reshape_3d(ctx, Qcur, d_head, n_head, n_tokens);
         Kcur = ggml_reshape_3d(ctx, Kcur, d_head, n_head_kv, n_tokens);
         Vcur = ggml_reshape_3d(ctx, Vcur, d_head, n_head_kv, n_tokens);
@@ -117,15 +183,12 @@ ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weig
             ggml_tensor * v = ggml_view_3d(ctx, vc, n_kv, n_head_kv, d_head, ggml_row_size(vc->type, kv_size * d_head),
                                            ggml_row_size(vc->type, kv_size), 0);
             v = ggml_permute(ctx, v, 0, 2, 1, 3);
-            ggml_tensor * kq = ggml_mul_mat(ctx, k, q);          // [n_kv, n_tokens, n_head]
-            ggml_prec_set_acc(kq, GGML_PREC_F32);
-            kq = ggml_soft_max_ext(ctx, kq, in.kq_mask, kq_scale, 0.0f);
-            ggml_tensor * kqv = ggml_mul_mat(ctx, v, kq);        // [d_head, n_tokens, n_head]
+            ggml_tensor * kqv = attention(ctx, q, k, v, in.kq_mask, kq_scale, inv);  // [d_head, n_tokens, n_head]
             cur = ggml_permute(ctx, kqv, 0, 2, 1, 3);
             cur = ggml_cont_2d(ctx, cur, d_head * n_head, n_tokens);
         }
         ggml_build_forward_expand(gf, cur);
-        cur = matmul_bias(ctx, L.wo, L.bo, cur);
+        cur = matmul_bias(ctx, L.wo, L.bo, cur, inv);
 
         if (model_last_layer && in.out_ids) {
             cur   = ggml_get_rows(ctx, cur, in.out_ids);
@@ -135,10 +198,10 @@ ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weig
 
         // SwiGLU feed-forward
         cur = norm_rms(ctx, ffn_inp, L.ffn_norm, hp.f_norm_rms_eps);
-        ggml_tensor * up   = ggml_mul_mat(ctx, L.ffn_up, cur);
-        ggml_tensor * gate = ggml_mul_mat(ctx, L.ffn_gate, cur);
+        ggml_tensor * up   = mul_mat_rows(ctx, L.ffn_up, cur, inv);
+        ggml_tensor * gate = mul_mat_rows(ctx, L.ffn_gate, cur, inv);
         cur = ggml_swiglu_split(ctx, gate, up);
-        cur = ggml_mul_mat(ctx, L.ffn_down, cur);
+        cur = mul_mat_rows(ctx, L.ffn_down, cur, inv);
         cur = ggml_add(ctx, cur, ffn_inp);
 
         progress.markers[li].value = li + 1;
@@ -150,7 +213,7 @@ ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weig
     ggml_tensor * out = inpL;
     if (w.is_last()) {
         out = norm_rms(ctx, out, w.output_norm, hp.f_norm_rms_eps);
-        out = matmul_bias(ctx, w.output, w.output_b, out);
+        out = matmul_bias(ctx, w.output, w.output_b, out, shape.invariant && out->ne[1] > 1);
     }
     ggml_set_output(out);
     ggml_build_forward_expand(gf, out);

@@ -13,8 +13,9 @@ struct graph_shape {
     int64_t  n_tokens  = 0;  // rows in the batch
     uint32_t n_kv      = 0;  // leading cache cells attention reads
     int64_t  n_outputs = 0;  // rows returned (last stage: rows with output; else n_tokens)
+    bool     invariant = false;  // compute every row exactly as a one-token batch would (see graph_builder.cpp)
     bool operator==(const graph_shape & o) const {
-        return n_tokens == o.n_tokens && n_kv == o.n_kv && n_outputs == o.n_outputs;
+        return n_tokens == o.n_tokens && n_kv == o.n_kv && n_outputs == o.n_outputs && invariant == o.invariant;
     }
 };
 

@@ -42,9 +42,11 @@ py::array_t<T> expect_array(const py::object & obj, const char * name, int ndim)
 }
 
 py::array_t<float> engine_eval(layer_engine & eng, const py::object & tokens, const py::object & embd,
-                               const py::object & pos, const py::object & seq_ids, const py::object & output) {
+                               const py::object & pos, const py::object & seq_ids, const py::object & output,
+                               bool batch_invariant) {
     const model_hparams & hp = eng.hparams();
     eval_batch b;
+    b.invariant = batch_invariant;
     py::array_t<int32_t> tok_arr, pos_arr;
     py::array_t<float> embd_arr;
     if (!tokens.is_none() && !embd.is_none()) throw invalid_input("pass either tokens= or embd=, not both");
@@ -194,7 +196,8 @@ PYBIND11_MODULE(_native, m) {
             return d;
         })
         .def("eval", &engine_eval, py::arg("tokens") = py::none(), py::arg("embd") = py::none(),
-             py::arg("pos"), py::arg("seq_ids"), py::arg("output") = py::none())
+             py::arg("pos"), py::arg("seq_ids"), py::arg("output") = py::none(),
+             py::arg("batch_invariant") = false)
         .def("cancel", &layer_engine::cancel)
         .def("clear_cancel", &layer_engine::clear_cancel)
         .def("cancel_requested", &layer_engine::cancel_requested)

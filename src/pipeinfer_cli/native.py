@@ -167,7 +167,7 @@ class LayerEngine:
     # --- compute --------------------------------------------------------------------------
     def eval(self, tokens: np.ndarray | Sequence[int] | None = None, embd: np.ndarray | None = None, *,
              pos: np.ndarray | Sequence[int], seq_ids: Sequence[Sequence[int]],
-             output: np.ndarray | Sequence[bool] | None = None) -> np.ndarray:
+             output: np.ndarray | Sequence[bool] | None = None, batch_invariant: bool = False) -> np.ndarray:
         """Run one batch through the stage's layers and store its K/V in the cache.
 
         Args:
@@ -178,6 +178,10 @@ class LayerEngine:
                 share one of its sequences and sit at a position <= its own.
             output: bool `(n,)`, rows whose logits the last stage returns (None: last row only).
                 Ignored by the other stages, which return every row.
+            batch_invariant: compute every row bit for bit as a one-token batch would. ggml's CPU
+                matmul kernels change with the row count, so without it a token verified in a
+                batch can get slightly different logits than when decoded alone. Speculative
+                verification sets it; prompt processing does not need it.
 
         Returns:
             float32 `(n, n_embd)` hidden states, or `(n_out, n_vocab)` logits on the last stage.
@@ -199,7 +203,8 @@ class LayerEngine:
         pos = _as_int32(pos, "pos")
         if output is not None:
             output = np.ascontiguousarray(output, dtype=np.bool_)
-        return self._eng.eval(tokens=tokens, embd=embd, pos=pos, seq_ids=seq_ids, output=output)
+        return self._eng.eval(tokens=tokens, embd=embd, pos=pos, seq_ids=seq_ids, output=output,
+                              batch_invariant=bool(batch_invariant))
 
     def cancel(self) -> None:
         """Make the running (or next) eval stop as soon as possible. Thread-safe.

@@ -145,26 +145,31 @@ class PipeInfer:
     def verify(self, f: Flight, logits) -> None:
         s, acc = self.s, self.s.metrics.acceptance
         assert f.pos0 == len(s.tokens) - 1, "a valid run always starts at the last committed token"
+        # Row i predicts position pos0+i+1; it is compared with the run's next input, if any.
         new: list[int] = []
         matched_all = True
         for i in range(len(f.tokens)):
             t = s.sample_at(logits[i], f.pos0 + i + 1)
             new.append(t)
-            if i + 1 < len(f.tokens):
-                acc.drafted += 1
-                if t != f.tokens[i + 1]:
-                    matched_all = False
-                    break
-                acc.accepted += 1
-        if f.speculative:
-            acc.verified_runs += 1
+            if i + 1 < len(f.tokens) and t != f.tokens[i + 1]:
+                matched_all = False
+                break
         # Commit the KV of the inputs that are now committed tokens, then drop the run's sequence.
         self.pipe.seq_cp(f.seq, [CANONICAL_SEQ], f.pos0, f.pos0 + len(new))
         self.pipe.seq_rm(f.seq)
         self.seqs.release(f.seq)
-        s.commit(new)
-        self.pipe.trace.instant("commit", now(), run=f.run_id, n=len(new))
+        taken = s.commit(new)
+        self.pipe.trace.instant("commit", now(), run=f.run_id, n=taken)
+        # Acceptance counts only comparisons whose row was committed (not those past an end of text).
+        compared = len(new) - 1 if matched_all else len(new)
+        counted = min(compared, taken)
+        acc.drafted += counted
+        acc.accepted += counted - (0 if matched_all or counted < compared else 1)
+        if f.speculative:
+            acc.verified_runs += 1
         rest = self.valid()
+        if s.done:
+            return
         if not matched_all:
             self.rejections += 1
             self.cancel_from(0)
@@ -201,6 +206,7 @@ class PipeInfer:
 
     def drain(self) -> None:
         """Cancel what is left in flight and consume its results, so the stream is clean."""
+        self.s.metrics.runs.cancelled_at_end += self.inflight()
         self.cancel_from(0)
         while self.flights:
             self.flights.popleft()

@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 from .pipeline import Pipeline
-from .session import CANONICAL_SEQ, DecodeOptions, Session
-
-PREFILL_CHUNK = 256  # prompt tokens per run: bounds the size of one compute graph
+from .session import CANONICAL_SEQ, PREFILL_CHUNK, DecodeOptions, Session
 
 
 def prefill(pipe: Pipeline, s: Session) -> None:
@@ -17,7 +15,7 @@ def prefill(pipe: Pipeline, s: Session) -> None:
         chunk = prompt[b:b + PREFILL_CHUNK]
         last = b + len(chunk) == len(prompt)
         pipe.launch(chunk, list(range(b, b + len(chunk))), [[CANONICAL_SEQ]] * len(chunk),
-                    [False] * (len(chunk) - 1) + [last])
+                    [False] * (len(chunk) - 1) + [last], invariant=False)
         res = pipe.next_result()
         last_logits = res.logits
     s.metrics.runs.launched += -(-len(prompt) // PREFILL_CHUNK)
@@ -59,11 +57,13 @@ def decode_speculative(pipe: Pipeline, s: Session, opts: DecodeOptions, drafter)
         res = pipe.next_result()
         new = verify(s, res.logits, draft, pos)
         n_acc = len(new) - 1
-        if draft:
-            s.metrics.acceptance.drafted += len(draft)
-            s.metrics.acceptance.accepted += n_acc
-            s.metrics.acceptance.verified_runs += 1
         if n_acc < len(draft):
             # Roll back the rejected drafts' KV on every stage (the batch wrote positions pos…).
             pipe.seq_rm(CANONICAL_SEQ, pos + 1 + n_acc, -1)
-        s.commit(new)
+        taken = s.commit(new)
+        if draft:
+            # Count the drafts compared with a committed target token (none past an end of text).
+            compared = min(len(draft), n_acc + 1, taken)
+            s.metrics.acceptance.drafted += compared
+            s.metrics.acceptance.accepted += min(n_acc, compared)
+            s.metrics.acceptance.verified_runs += 1

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .sampling import softmax_top
+from .session import PREFILL_CHUNK
 
 
 @dataclass
@@ -30,9 +31,13 @@ class Proposal:
 class Drafter(Protocol):
     name: str
 
+    def start(self, prompt: list[int]) -> None: ...
+
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal: ...
 
     def close(self) -> None: ...
+
+
 
 
 class LlamaDrafter:
@@ -90,9 +95,21 @@ class LlamaDrafter:
         if common < len(self.kv_tokens):
             self.lib.llama_memory_seq_rm(self.mem, 0, common, -1)
             del self.kv_tokens[common:]
-        logits = self._decode(path[common:], common)
-        self.kv_tokens.extend(path[common:])
+        new = path[common:]
+        # One token at a time, as plain decoding does: a batch would round differently (see the
+        # native engine's batch_invariant), and a draft identical to the target must agree with it.
+        for i, t in enumerate(new):
+            logits = self._decode([t], common + i)
+        self.kv_tokens.extend(new)
         return logits
+
+    def start(self, prompt: list[int]) -> None:
+        """Begin a request: process the prompt in the same chunks as the target's prefill."""
+        self.lib.llama_memory_seq_rm(self.mem, -1, -1, -1)
+        self.kv_tokens = []
+        for b in range(0, len(prompt), PREFILL_CHUNK):
+            self._decode(prompt[b:b + PREFILL_CHUNK], b)
+        self.kv_tokens = list(prompt)
 
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
         out = Proposal([], [], [])
@@ -145,6 +162,9 @@ class LookupDrafter:
                         return Proposal(list(cont), [conf] * len(cont), [[] for _ in cont])
                     break
         return Proposal([], [], [])
+
+    def start(self, prompt: list[int]) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -7,10 +7,16 @@ collects every rank's counters and trace events.
 Fault handling: any rank that fails tells the head (ERROR); the head reports the error once and
 tells every rank to stop (ABORT); every process then exits with status 1 within seconds, so an
 `mpiexec` never hangs on a dead job.
+
+Order matters: MPI launchers (Hydra, Open MPI) kill the whole job as soon as one process exits
+without MPI_Finalize. So the other ranks wait for the head to leave first (at most ABORT_GRACE_S),
+and the head leaves without finalizing only after the error has been printed: the message cannot be
+lost, and the launcher tears the job down at once.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -78,6 +84,25 @@ def hard_exit(code: int) -> None:
     os._exit(code)
 
 
+ERROR_WAIT_S = 5.0  # a failed rank waits this long for the head's ABORT before leaving anyway
+ABORT_GRACE_S = 3.0  # a rank told to abort waits this long for the head to print the error and leave
+
+
+def leave_after_head(code: int = 1) -> None:
+    """A non-head rank of a failed job: let the head leave first, then exit without MPI_Finalize.
+
+    The head prints the error and exits; the launcher then kills this process. If the head cannot
+    (it is stuck or dead), leave after ABORT_GRACE_S: the launcher then ends the job."""
+    time.sleep(ABORT_GRACE_S)
+    hard_exit(code)
+
+
+def head_failed() -> None:
+    """The head of a failed multi-rank job: once the error is reported (at interpreter exit), leave
+    without MPI_Finalize, so that the launcher stops the ranks waiting in leave_after_head at once."""
+    atexit.register(hard_exit, 1)
+
+
 def plan(cfg: JobConfig, world_size: int, ranks_per_host: int) -> Topology:
     info = read_model_info(cfg.model_path)
     if info.arch not in ("llama", "qwen2"):
@@ -121,8 +146,10 @@ def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object]
     if any(errors):
         if rank == 0:
             bad = next(r for r, e in enumerate(errors) if e)
+            if size > 1:
+                head_failed()
             raise JobFailed(errors[bad] if bad == 0 else f"rank {bad}: {errors[bad]}")
-        hard_exit(1)
+        leave_after_head(1)
     offsets = _clock_offsets(link)
 
     topo = state["topo"]
@@ -210,15 +237,17 @@ def _serve(link: Link, cfg: JobConfig, state: dict, me, trace) -> None:
             serve_stage(link, state["engine"], me.threads, trace)
         link.flush()
     except JobAborted:
-        hard_exit(1)
+        leave_after_head(1)
     except Exception as exc:  # noqa: BLE001
         link.send_object(_error_text(exc, cfg.debug), 0, Tag.ERROR)
         link.flush(timeout_s=2)
         # Wait for the head's ABORT (it prints the error), but never longer than a few seconds.
-        deadline = time.monotonic() + 5
-        backoff = Backoff()
+        deadline = time.monotonic() + ERROR_WAIT_S
+        backoff = Backoff(hi=10e-3)
         while time.monotonic() < deadline and link.probe(0, Tag.ABORT) is None:
             backoff.idle()
+        if link.probe(0, Tag.ABORT) is not None:
+            leave_after_head(1)
         hard_exit(1)
 
 
@@ -246,6 +275,8 @@ def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, reques
             engine_before = state["engine"].stats()
             cpu_before = time.process_time()
             s = Session(prompt, cfg.sampling, cfg.decode.n_predict, tok.is_eog, on_token)
+            if drafter is not None and req.mode != "iterative":
+                drafter.start(prompt)
             prefill(pipe, s)
             if req.mode == "iterative":
                 decode_iterative(pipe, s, cfg.decode)
@@ -286,6 +317,7 @@ def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, reques
         pipe.shutdown()
     except BaseException:
         if topo.world_size > 1:
+            head_failed()
             abort_all(link)
         raise
     finally:

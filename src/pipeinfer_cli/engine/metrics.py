@@ -22,6 +22,7 @@ class RunCounters:
     launched: int = 0
     speculative: int = 0
     cancelled: int = 0  # runs the head cancelled (before or during compute on some stage)
+    cancelled_at_end: int = 0  # of which: still in flight when generation stopped (not rejections)
     cancelled_mid_compute: int = 0  # summed over stages: evals aborted between/inside layers
     layer_evals_skipped: int = 0  # summed over stages: layers not computed thanks to cancellation
 

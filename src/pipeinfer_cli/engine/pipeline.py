@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import PipeinferError
-from ..transport.messages import REPORT, SHUTDOWN, KvCommand, KvOp, RunHeader, Tag
+from ..transport.messages import REPORT, RUN_FLAG_INVARIANT, SHUTDOWN, KvCommand, KvOp, RunHeader, Tag
 from ..transport.mpi_link import Backoff, Link
 from .metrics import now
 
@@ -39,14 +39,20 @@ class Pipeline:
 
     # -- runs ------------------------------------------------------------------------------
     def launch(self, tokens: list[int], pos: list[int], seq_ids: list[list[int]], output: list[bool],
-               speculative: bool = False) -> int:
-        """Compute the head's layers for a batch and send it down the pipe; return its run id."""
+               speculative: bool = False, invariant: bool = True) -> int:
+        """Compute the head's layers for a batch and send it down the pipe; return its run id.
+
+        invariant: every stage computes each row exactly as a one-token batch would, so a token
+        verified in a batch gets the very logits plain decoding gives it (lossless speculation).
+        Only prompt processing, which is the same in every mode, turns it off for speed.
+        """
         run_id = self.next_run_id
         self.next_run_id += 1
-        hdr = RunHeader(run_id, np.asarray(pos, np.int32), seq_ids, np.asarray(output, bool), speculative=speculative)
+        hdr = RunHeader(run_id, np.asarray(pos, np.int32), seq_ids, np.asarray(output, bool), speculative=speculative,
+                        flags=RUN_FLAG_INVARIANT if invariant else 0)
         t0 = now()
         out = self.engine.eval(tokens=np.asarray(tokens, np.int32), pos=hdr.pos, seq_ids=seq_ids,
-                               output=hdr.output if self.n_stages == 1 else None)
+                               output=hdr.output if self.n_stages == 1 else None, batch_invariant=invariant)
         t1 = now()
         self.busy_s += t1 - t0
         self.trace.slice("stage", t0, t1, run=run_id, n_tokens=len(tokens), spec=speculative)

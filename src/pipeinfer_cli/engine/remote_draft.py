@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from ..transport.messages import Msg, Tag
 from ..transport.mpi_link import Link
@@ -27,6 +28,10 @@ class RemoteDrafter:
         msg = np.asarray([Msg.RUN, n_max, int(p_min * 1e6), *path], np.int64)
         self.link.send_array(msg, self.rank, Tag.DRAFT_REQ)
 
+    def start(self, prompt: list[int]) -> None:
+        """Have the draft rank process the prompt (n_max = -1 marks a start request)."""
+        self.request(prompt, -1, 0.0)
+
     def poll(self) -> Proposal | None:
         st = self.link.probe(self.rank, Tag.DRAFT_REP)
         if st is None:
@@ -35,7 +40,9 @@ class RemoteDrafter:
 
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
         self.request(path, n_max, p_min)
-        return self._decode(self.link.recv_array(self.rank, Tag.DRAFT_REP, np.float64))
+        # A failed rank (the draft rank itself, or a stage) reports to the head: stop waiting then.
+        st = self.link.wait_probe(self.rank, Tag.DRAFT_REP, on_idle=lambda: raise_reported_error(self.link))
+        return self._decode(self.link.recv_array(self.rank, Tag.DRAFT_REP, np.float64, st))
 
     @staticmethod
     def _decode(rep: np.ndarray) -> Proposal:
@@ -47,22 +54,44 @@ class RemoteDrafter:
         pass
 
 
+def raise_reported_error(link: Link) -> None:
+    """Raise the error a failed rank sent to the head, if any (head side)."""
+    from .pipeline import PipelineError
+
+    st = link.probe(MPI.ANY_SOURCE, Tag.ERROR)
+    if st is not None:
+        msg = link.comm.recv(source=st.Get_source(), tag=int(Tag.ERROR))
+        raise PipelineError(f"rank {st.Get_source()}: {msg}")
+
+
 def serve_draft(link: Link, drafter, threads: int, trace) -> None:
     """Answer the head's draft requests until SHUTDOWN; report counters at each REPORT."""
-    from .stage import rank_report
+    from .stage import JobAborted, fault_injection, rank_report
 
+    def check_abort() -> None:
+        if link.probe(0, Tag.ABORT) is not None:
+            raise JobAborted()
+
+    fail_at = fault_injection(link.rank)
     busy = 0.0
     n_req = 0
     cpu0 = time.process_time()
     while True:
-        msg = link.recv_array(0, Tag.DRAFT_REQ, np.int64)
+        st = link.wait_probe(0, Tag.DRAFT_REQ, on_idle=check_abort)
+        msg = link.recv_array(0, Tag.DRAFT_REQ, np.int64, st)
         if int(msg[0]) == Msg.SHUTDOWN:
             break
         if int(msg[0]) == Msg.REPORT:
             link.send_object(rank_report(link.rank, "draft", None, threads, busy, cpu0, trace, runs=n_req), 0, Tag.STATS)
             continue
+        if fail_at is not None and n_req + 1 >= fail_at:
+            raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAIL) on draft request {n_req + 1}")
         n_max, p_min = int(msg[1]), msg[2] / 1e6
         t0 = now()
+        if n_max < 0:
+            drafter.start([int(x) for x in msg[3:]])
+            trace.slice("draft", t0, now(), n_tokens=0, prefill=True)
+            continue
         prop = drafter.propose([int(x) for x in msg[3:]], n_max, p_min)
         t1 = now()
         busy += t1 - t0

@@ -9,6 +9,7 @@ from .metrics import GenerationMetrics, now
 from .sampling import SamplingParams, sample
 
 CANONICAL_SEQ = 0  # the KV sequence that holds committed tokens on every stage
+PREFILL_CHUNK = 256  # prompt tokens per run (target) and per batch (draft): the same chunks everywhere
 
 
 @dataclass

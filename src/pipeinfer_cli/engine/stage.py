@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from ..native import EvalCancelled
-from ..transport.messages import RUN_FLAG_SKIP, KvCommand, Msg, RunHeader, Tag, result_header
+from ..transport.messages import RUN_FLAG_INVARIANT, RUN_FLAG_SKIP, KvCommand, Msg, RunHeader, Tag, result_header
 from ..transport.mpi_link import Backoff, Link
 from .metrics import now, peak_rss_mib
 
@@ -72,8 +72,9 @@ class CancelListener(threading.Thread):
             self.cancelled = {i for i in self.cancelled if i > run_id}
 
 
-def _fault_injection(rank: int):
-    """PIPEINFER_DEBUG_FAIL=RANK:RUN makes stage RANK raise on its RUN-th run (tests of fault handling)."""
+def fault_injection(rank: int):
+    """PIPEINFER_DEBUG_FAIL=RANK:N makes rank RANK (a stage, or the draft rank) raise on its N-th run or
+    draft request (tests of fault handling)."""
     spec = os.environ.get("PIPEINFER_DEBUG_FAIL", "")
     if not spec:
         return None
@@ -107,7 +108,7 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
     nxt = None if is_last else rank + 1
     listener = CancelListener(link, engine)
     listener.start()
-    fail_at = _fault_injection(rank)
+    fail_at = fault_injection(rank)
     n_runs = 0
     busy_s = 0.0
     skipped_before_start = 0
@@ -153,7 +154,8 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
                 t0 = now()
                 try:
                     out = engine.eval(embd=payload, pos=hdr.pos, seq_ids=hdr.seq_ids,
-                                      output=hdr.output if is_last else None)
+                                      output=hdr.output if is_last else None,
+                                      batch_invariant=bool(hdr.flags & RUN_FLAG_INVARIANT))
                 except EvalCancelled:
                     out = None
                 t1 = now()

@@ -43,6 +43,7 @@ class KvOp(IntEnum):
 
 
 RUN_FLAG_SKIP = 1  # the run was cancelled upstream: no payload follows, do not compute
+RUN_FLAG_INVARIANT = 2  # compute each row exactly as a one-token batch (decode and verification runs)
 
 
 @dataclass
