@@ -100,15 +100,15 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        errors.join()
+        errors.join(timeout=2)
     if stopped is not None:
         _report("interrupted" if stopped == signal.SIGINT else f"stopped by {signal.Signals(stopped).name}")
         return 128 + stopped
     if rc != 0 and errors.reported:
         return 1  # the head printed the error; the launcher may have killed the other ranks since
     if rc != 0:
-        how = errors.exit_string or f"mpiexec exit status {rc}"
-        _report(f"the MPI job ended abnormally ({how}): a rank crashed or was killed, "
+        how = f"{errors.exit_string}, " if errors.exit_string else ""
+        _report(f"the MPI job ended abnormally ({how}mpiexec exit status {rc}): a rank crashed or was killed, "
                 "for example by the out-of-memory killer")
     return rc
 
