@@ -55,7 +55,9 @@ def section(bench: dict, base: dict | None, plot: Path | None, out_dir: Path) ->
         lines.append(base["command"])
     lines += [h["command"], "```", "",
               f"**Machine:** {host['cpu_model']}, {host['cores']} cores ({host['cores_usable']} usable), "
-              f"{host['mem_total_gib']} GiB, {host['os']}; SIMD: {', '.join(host['cpu_flags'])}.  ",
+              f"{host['mem_total_gib']} GiB, {host['os']}; SIMD: {', '.join(host['cpu_flags'])}"
+              + (f"; load average {' / '.join(map(str, host['load_avg']))} (1/5/15 min) at the end of the run"
+                 if host.get("load_avg") else "") + ".  ",
               f"**Versions:** pipeinfer {v['pipeinfer']}, llama-cpp-python {v['llama_cpp_python']}, ggml {v['ggml']}, "
               f"mpi4py {v['mpi4py']}, {v['mpi_library']}.  ",
               f"**Topology:** {topo['world_size']} ranks, layer split {topo['layer_split']}, threads "
@@ -69,7 +71,8 @@ def section(bench: dict, base: dict | None, plot: Path | None, out_dir: Path) ->
     if not bench["tokens_identical"]:
         bad = sorted({m["prompt_id"] for m in bench["token_mismatches"]})
         lines += [f"> **Warning: the modes generated different tokens on {len(bad)} prompt(s): {', '.join(bad)}.** "
-                  "Speculation must be lossless; these figures come from a run with a bug.", ""]
+                  "Greedy speculation must be lossless; `token_mismatches` in the run's JSON gives the first "
+                  "differing token of each.", ""]
     else:
         lines += ["Every mode generated exactly the same tokens on every prompt.", ""]
     lines += [markdown_table(summary, modes), "",
@@ -87,8 +90,8 @@ def section(bench: dict, base: dict | None, plot: Path | None, out_dir: Path) ->
                   f"{base['median']['decode_tok_per_s']:.2f} tok/s decode."
                   + ("" if base["threads"] == topo["threads_total"] else
                      f" **Note: the pipeinfer run used {topo['threads_total']} threads in total.**")
-                  + ("" if match is None else (" Its greedy tokens are identical to pipeinfer's." if match else
-                                              " **Its greedy tokens differ from pipeinfer's iterative mode on some prompt.**")),
+                  + ("" if match is None else (" Its greedy tokens are identical to pipeinfer's `iterative` mode on every prompt." if match else
+                                              " **Its greedy tokens differ from pipeinfer's `iterative` mode on some prompt.**")),
                   "", "| mode | tok/s ÷ llama.cpp | decode tok/s ÷ llama.cpp |", "|---|---:|---:|"]
         for m in modes:
             r1, r2 = paired_ratio(bench["records"], m, b_tok, "tok_per_s"), paired_ratio(bench["records"], m, b_dec, "decode_tok_per_s")

@@ -88,9 +88,16 @@ def host_facts() -> dict:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
     return {"hostname": socket.gethostname(), "cpu_model": cpu_model(), "cores": os.cpu_count(),
             "cores_usable": usable, "cpu_flags": cpu_flags(), "mem_total_gib": mem_total_gib(),
-            "os": f"{platform.system()} {platform.release()}", "machine": platform.machine()}
+            "os": f"{platform.system()} {platform.release()}", "machine": platform.machine(),
+            # 1/5/15-minute load averages when the facts were taken: above the job's own ranks'
+            # threads, something else competed for the cores.
+            "load_avg": load}
 
 
 def topology(record: dict) -> dict:

@@ -3,7 +3,8 @@
 Top: tokens/s per mode — bars at the median over prompts × repeats, whiskers from min to max,
 end-to-end tok/s and decode tok/s side by side. Below, one panel per mode: the per-rank
 utilisation timeline of the same prompt (its first measured run), time in ms from the request's
-start on the head's clock, one row per rank, coloured by what the rank computes.
+start on the head's clock (one scale for all panels), one row per rank, coloured by what the rank
+computes.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def pick_timeline_records(records: list[dict], modes: list[str]) -> dict[str, di
     return out
 
 
-def _timeline(ax, rec: dict) -> None:
+def _timeline(ax, rec: dict, x_max_ms: float) -> None:
     t0 = rec["t_start"]
     span_ms = max((rec["t_end"] - t0) * 1e3, 1e-6)
     ranks = sorted(rec["ranks"], key=lambda r: r["rank"])
@@ -73,7 +74,7 @@ def _timeline(ax, rec: dict) -> None:
                     ax.axvline((a - t0) * 1e3, color=COLORS["cancelled"], linewidth=0.6, alpha=0.5)
     ax.set_yticks(range(len(ranks)), labels, fontsize=8)
     ax.set_ylim(len(ranks) - 0.5, -0.5)
-    ax.set_xlim(0, span_ms)
+    ax.set_xlim(0, max(x_max_ms, span_ms))
     tps = rec.get("tok_per_s")
     ax.set_title(f"{rec['mode']}: prompt {rec['prompt_id']!r}, {rec['n_gen']} tokens"
                  + (f", {tps:.1f} tok/s" if tps else ""), fontsize=10, loc="left")
@@ -112,10 +113,12 @@ def write_plot(path: Path, summary: dict[str, dict], records: list[dict], modes:
     fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=10, x=0.01, ha="left")
 
     chosen = pick_timeline_records(records, modes)
+    # One time scale for every mode, so the panels compare at a glance.
+    x_max_ms = max(((r["t_end"] - r["t_start"]) * 1e3 for r in chosen.values()), default=1.0)
     for i, mode in enumerate(modes):
         tax = fig.add_subplot(gs[i + 1])
         if mode in chosen:
-            _timeline(tax, chosen[mode])
+            _timeline(tax, chosen[mode], x_max_ms)
         else:
             tax.set_title(f"{mode}: no record", fontsize=10, loc="left")
         if i == 0:
