@@ -67,11 +67,12 @@ BENCH_RANKS   ?= 2
 BENCH_N       ?= 128
 BENCH_THREADS ?= $(shell nproc)
 BENCH_ARGS    ?= --modes iterative,speculative,pipeinfer --temp 0 --repeat 1 --warmup 1
+BENCH_PROMPTS ?=# e.g. "--prompts my.jsonl --limit 2"; given to both runs, so they see the same prompts
 bench: install
 	@mkdir -p build docs
-	$(PY) scripts/bench_llamacpp.py $(BENCH_MODEL) -n $(BENCH_N) --threads $(BENCH_THREADS) --json build/bench_llamacpp.json
+	$(PY) scripts/bench_llamacpp.py $(BENCH_MODEL) -n $(BENCH_N) --threads $(BENCH_THREADS) $(BENCH_PROMPTS) --json build/bench_llamacpp.json
 	@rm -f build/bench.json
-	$(VENV)/bin/pipeinfer bench $(BENCH_MODEL) --ranks $(BENCH_RANKS) -n $(BENCH_N) $(BENCH_ARGS) \
+	$(VENV)/bin/pipeinfer bench $(BENCH_MODEL) --ranks $(BENCH_RANKS) -n $(BENCH_N) $(BENCH_ARGS) $(BENCH_PROMPTS) \
 	  --json build/bench.json --csv build/bench.csv --trace build/bench.trace.json --plot docs/bench.png; \
 	status=$$?; \
 	if [ -f build/bench.json ]; then \
