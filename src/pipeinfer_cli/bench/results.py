@@ -34,6 +34,21 @@ class BenchResults:
                 + f" · -n {c['n_predict']} · {c['prompts']['count']} prompt(s) × {c['repeat']} repeat(s)")
 
 
+def describe_config(cfg, modes: list[str], prompts: list, prompts_file: Path | None, *, repeat: int, warmup: int,
+                    ranks: int, layer_split: str | None, threads: str | None) -> dict:
+    """What was asked for: modes, workload, sampling and decoding options, rank options."""
+    from .prompts import default_prompts_path
+
+    path = prompts_file or default_prompts_path()
+    return {
+        "modes": modes, "n_predict": cfg.decode.n_predict, "repeat": repeat, "warmup": warmup, "n_ctx": cfg.n_ctx,
+        "prompts": {"path": str(path), "default": prompts_file is None, "count": len(prompts),
+                    "ids": [p.id for p in prompts], "sha256": environment.file_sha256(path)},
+        "sampling": vars(cfg.sampling), "decode": vars(cfg.decode),
+        "ranks": ranks, "layer_split": layer_split, "threads": threads,
+    }
+
+
 def collect(records: list[dict], modes: list[str], models: dict, config: dict, command: str) -> BenchResults:
     """Check tokens, summarise, and build the reproducibility header (on the head, after the job)."""
     mismatches = check_tokens(records, modes)

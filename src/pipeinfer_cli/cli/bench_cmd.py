@@ -143,7 +143,7 @@ def bench(
         cfg.draft_path, cfg.draft_label = None, None  # iterative only: do not load a draft model
     head = MPI.COMM_WORLD.Get_rank() == 0
     out_console, err_console = _consoles()
-    progress = _progress(err_console, len(items)) if head else None
+    progress = _Progress(err_console, len(items)) if head else None
     try:
         records = run_bench(cfg, items, on_record=progress.record if progress else None)
     finally:
@@ -152,20 +152,14 @@ def bench(
     if records is None:  # a worker rank: the head reports
         return
 
-    from ..bench.prompts import default_prompts_path
+    from ..bench.environment import model_ref_facts
     from ..bench.report import mode_table, prompt_table
-    from ..bench.results import collect, write_outputs
+    from ..bench.results import collect, describe_config, write_outputs
     from ..bench.runner import describe_mismatch
 
-    prompts_path = prompts or default_prompts_path()
-    config = {
-        "modes": mode_list, "n_predict": n_predict, "repeat": repeat, "warmup": warmup, "n_ctx": ctx,
-        "prompts": {"path": str(prompts_path), "default": prompts is None, "count": len(prompt_set),
-                    "ids": [p.id for p in prompt_set], "sha256": _sha256(prompts_path)},
-        "sampling": vars(cfg.sampling), "decode": vars(cfg.decode),
-        "ranks": want, "layer_split": layer_split, "threads": threads,
-    }
-    models = {"target": _model_facts(target), "draft": _model_facts(draft_ref) if needs_draft else None}
+    config = describe_config(cfg, mode_list, prompt_set, prompts, repeat=repeat, warmup=warmup, ranks=want,
+                             layer_split=layer_split, threads=threads)
+    models = {"target": model_ref_facts(target), "draft": model_ref_facts(draft_ref) if needs_draft else None}
     res = collect(records, mode_list, models, config, "pipeinfer " + shlex.join(sys.argv[1:]))
     out_console.print(mode_table(res.summary, mode_list, res.title()))
     if len(prompt_set) > 1:
@@ -184,20 +178,6 @@ def bench(
             f"modes generated different tokens on {len(res.mismatched_prompts)} prompt(s) "
             f"({', '.join(res.mismatched_prompts)}); speculation must be lossless — the results above are flagged"
             + (" and the outputs record it (tokens_identical: false)" if written else ""))
-
-
-def _sha256(path: Path) -> str:
-    from ..bench.environment import file_sha256
-
-    return file_sha256(path)
-
-
-def _model_facts(ref) -> dict | None:
-    from ..bench.environment import model_facts
-
-    if ref is None or ref == "lookup":
-        return model_facts(ref, None, None)
-    return model_facts(ref.label, ref.path, ref.entry.sha256 if ref.entry else None)
 
 
 def _consoles():
@@ -245,5 +225,3 @@ class _Progress:
             self.bar.stop()
 
 
-def _progress(console, total: int) -> _Progress:
-    return _Progress(console, total)
