@@ -7,11 +7,13 @@ from collections.abc import Sequence
 from .errors import UsageError
 
 
-def balanced_split(layer_costs: Sequence[int], n_ranks: int, last_extra: int = 0) -> list[tuple[int, int]]:
+def balanced_split(layer_costs: Sequence[int], n_ranks: int, last_extra: int = 0,
+                   first_extra: int = 0) -> list[tuple[int, int]]:
     """Consecutive layer ranges [begin, end) for n_ranks stages that minimise the largest stage cost.
 
     layer_costs[i] is the cost of layer i (bytes of its weights: decoding is memory-bound, so
-    bytes approximate time); last_extra is the cost only the last stage pays (the LM head).
+    bytes approximate time); last_extra is the cost only the last stage pays (the LM head);
+    first_extra is work only the first stage does (a draft model running on the head).
     """
     n_layer = len(layer_costs)
     if n_ranks < 1:
@@ -23,7 +25,7 @@ def balanced_split(layer_costs: Sequence[int], n_ranks: int, last_extra: int = 0
         prefix.append(prefix[-1] + c)
 
     def cost(b: int, e: int) -> int:
-        return prefix[e] - prefix[b] + (last_extra if e == n_layer else 0)
+        return prefix[e] - prefix[b] + (last_extra if e == n_layer else 0) + (first_extra if b == 0 else 0)
 
     # best[r][e]: minimal max-cost of splitting layers [0, e) into r stages (small sizes: O(R·L²)).
     inf = float("inf")

@@ -103,11 +103,16 @@ def head_failed() -> None:
     atexit.register(hard_exit, 1)
 
 
-def plan(cfg: JobConfig, world_size: int, ranks_per_host: int) -> Topology:
+def plan(cfg: JobConfig, world_size: int, ranks_per_host: int, needs_draft: bool = False) -> Topology:
     info = read_model_info(cfg.model_path)
     if info.arch not in ("llama", "qwen2"):
         raise UsageError(f"{cfg.model_label}: architecture {info.arch!r} is not supported; supported: llama, qwen2")
-    return plan_topology(world_size, cfg.layer_split, info.layer_bytes, info.output_bytes, cfg.threads, ranks_per_host)
+    # A GGUF draft on the head (no "/1" in the split) costs about its weight bytes per drafted token.
+    head_extra = 0
+    if needs_draft and cfg.draft_path is not None and not (cfg.layer_split and "/" in cfg.layer_split):
+        head_extra = cfg.draft_path.stat().st_size
+    return plan_topology(world_size, cfg.layer_split, info.layer_bytes, info.output_bytes, cfg.threads, ranks_per_host,
+                         head_extra=head_extra)
 
 
 def make_drafter(cfg: JobConfig, threads: int):
@@ -137,7 +142,7 @@ def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object]
     state: dict = {}
     err = None
     try:
-        topo = plan(cfg, size, local)
+        topo = plan(cfg, size, local, needs_draft)
         state["topo"] = topo
         state.update(_load(cfg, topo, topo.ranks[rank], requests, needs_draft))
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there

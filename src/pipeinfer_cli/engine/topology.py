@@ -90,8 +90,12 @@ def parse_threads(text: str | None, world_size: int, ranks_per_host: int) -> lis
 
 
 def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[int], output_bytes: int,
-                  threads: str | None, ranks_per_host: int) -> Topology:
-    """Assign roles and layers to world_size ranks (checked against --layer-split if given)."""
+                  threads: str | None, ranks_per_host: int, head_extra: int = 0) -> Topology:
+    """Assign roles and layers to world_size ranks (checked against --layer-split if given).
+
+    head_extra: bytes of a draft model that runs on the head; the default split then gives the
+    head fewer layers, since it reads the draft's weights for every drafted token as well.
+    """
     n_layer = len(layer_bytes)
     if layer_split:
         fractions, n_draft = parse_layer_split(layer_split)
@@ -105,7 +109,7 @@ def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[in
         n_draft = 0
         if world_size > n_layer:
             raise UsageError(f"cannot split {n_layer} layers over {world_size} ranks; use at most {n_layer} ranks")
-        ranges = balanced_split(layer_bytes, world_size, last_extra=output_bytes)
+        ranges = balanced_split(layer_bytes, world_size, last_extra=output_bytes, first_extra=head_extra)
     n_stages = len(ranges)
     thr = parse_threads(threads, world_size, ranks_per_host)
     plans = [RankPlan(r, "head" if r == 0 else "stage", ranges[r], thr[r]) for r in range(n_stages)]
