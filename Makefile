@@ -41,7 +41,8 @@ install: native
 
 demo: install
 	$(VENV)/bin/pipeinfer models pull smollm2-135m-instruct
-	$(VENV)/bin/pipeinfer inspect smollm2-135m-instruct --ranks 2
+	$(VENV)/bin/pipeinfer generate smollm2-135m-instruct --draft lookup --mode pipeinfer --ranks 2 -n 48 \
+	  --chat "Write a Python function that checks whether a number is prime."
 
 test: install
 	$(PY) -m pytest -q
