@@ -8,6 +8,10 @@ background load hits all alike, and reporting medians:
   verification needs), rolled back after each try;
 and, in a child process, the peak RSS of a half-model layer range (first and second half).
 
+Wall times are what a user sees; with one thread, the process CPU time of an eval ("cpu"
+columns) is the compute cost without the noise of other jobs on a shared machine (with two
+threads it also counts OpenMP's spin-waiting, so compare wall times there).
+
 Prints a table on stdout and writes JSON with every sample (--json). Not a test: nothing asserts.
 
     python scripts/bench_native.py --model qwen2.5-coder-1.5b-instruct --threads 1,2
@@ -101,36 +105,41 @@ class LlamaCppRunner:
 
 def decode_interleaved(runners, prompt: list[int], n_decode: int) -> tuple[dict, dict]:
     """Greedy decode on every runner, one step each in turn, so that background load hits all
-    engines alike. Returns per-step times (ms) and the generated tokens per runner."""
-    cur, times, toks = {}, {r.name: [] for r in runners}, {r.name: [] for r in runners}
+    engines alike. Returns per-step wall and CPU times (ms) and the generated tokens per runner."""
+    cur, toks = {}, {r.name: [] for r in runners}
+    times = {r.name: [] for r in runners}
+    cpu = {r.name: [] for r in runners}  # process CPU time per step: immune to preemption by other jobs
     for r in runners:
         r.reset()
         cur[r.name] = int(r.eval(prompt, 0, all_rows=False)[-1].argmax())
     for i in range(n_decode):
         for r in runners:
             toks[r.name].append(cur[r.name])
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             logits = r.eval([cur[r.name]], len(prompt) + i, all_rows=False)
             times[r.name].append((time.perf_counter() - t0) * 1e3)
+            cpu[r.name].append((time.process_time() - c0) * 1e3)
             cur[r.name] = int(logits[-1].argmax())
-    return times, toks
+    return times, cpu, toks
 
 
 def batches_interleaved(runners, prompt: list[int], batch_sizes: list[int], n_rep: int) -> dict:
     """Time one eval of a batch of b tokens (all rows' logits) after the prompt, rolled back
     after each try; engines alternate try by try."""
     times = {r.name: {b: [] for b in batch_sizes} for r in runners}
+    cpu = {r.name: {b: [] for b in batch_sizes} for r in runners}
     for r in runners:
         r.reset()
         r.eval(prompt, 0, all_rows=False)
     for b in batch_sizes:
         for _ in range(n_rep):
             for r in runners:
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 r.eval(prompt[:b], len(prompt), all_rows=True)
                 times[r.name][b].append((time.perf_counter() - t0) * 1e3)
+                cpu[r.name][b].append((time.process_time() - c0) * 1e3)
                 r.rollback(len(prompt))
-    return times
+    return times, cpu
 
 
 def bench_model(path: Path, threads: list[int], n_decode: int, batch_sizes: list[int],
@@ -142,14 +151,17 @@ def bench_model(path: Path, threads: list[int], n_decode: int, batch_sizes: list
         if flash_attn:
             runners.append(NativeRunner(path, nt, n_ctx, flash_attn=True))
         decode_interleaved(runners, prompt, 4)  # warm-up: page in weights, size the graph buffers
-        step_ms, tokens = decode_interleaved(runners, prompt, n_decode)
-        batch_ms = batches_interleaved(runners, prompt, batch_sizes, n_rep)
+        step_ms, step_cpu_ms, tokens = decode_interleaved(runners, prompt, n_decode)
+        batch_ms, batch_cpu_ms = batches_interleaved(runners, prompt, batch_sizes, n_rep)
         # Medians of interleaved single evals: robust to the spikes of a shared machine.
         summary: dict = {}
         for r in runners:
             summary[r.name] = {
                 "decode_tok_s": 1e3 / statistics.median(step_ms[r.name]),
+                # with one thread, CPU time per token is the compute cost without the machine's noise
+                "decode_cpu_ms": statistics.median(step_cpu_ms[r.name]),
                 "batch_ms": {b: statistics.median(v) for b, v in batch_ms[r.name].items()},
+                "batch_cpu_ms": {b: statistics.median(v) for b, v in batch_cpu_ms[r.name].items()},
             }
         summary["ratio_decode"] = summary["native"]["decode_tok_s"] / summary["llama.cpp"]["decode_tok_s"]
         summary["ratio_batch"] = {b: summary["llama.cpp"]["batch_ms"][b] / summary["native"]["batch_ms"][b]
@@ -157,7 +169,11 @@ def bench_model(path: Path, threads: list[int], n_decode: int, batch_sizes: list
         summary["same_greedy_tokens"] = tokens["native"] == tokens["llama.cpp"]
         if "native-fa" in tokens:
             summary["native_fa_same_greedy_tokens"] = tokens["native-fa"] == tokens["llama.cpp"]
-        summary["samples"] = {"decode_step_ms": step_ms, "batch_ms": batch_ms}
+        summary["ratio_decode_cpu"] = summary["llama.cpp"]["decode_cpu_ms"] / summary["native"]["decode_cpu_ms"]
+        summary["ratio_batch_cpu"] = {b: summary["llama.cpp"]["batch_cpu_ms"][b] / summary["native"]["batch_cpu_ms"][b]
+                                      for b in batch_sizes}
+        summary["samples"] = {"decode_step_ms": step_ms, "decode_step_cpu_ms": step_cpu_ms, "batch_ms": batch_ms,
+                              "batch_cpu_ms": batch_cpu_ms}
         res["threads"][nt] = summary
         del runners
     return res
@@ -202,18 +218,21 @@ def measure_rss(path: Path, n_ctx: int) -> list[dict]:
 
 
 def print_table(results: list[dict], batch_sizes: list[int]) -> None:
-    print(f"{'model':42s} {'thr':>3s} {'engine':>9s} {'decode tok/s':>12s} " +
-          " ".join(f"{'b=' + str(b) + ' ms':>9s}" for b in batch_sizes))
+    print(f"{'model':42s} {'thr':>3s} {'engine':>9s} {'decode tok/s':>12s} {'cpu ms/tok':>10s} " +
+          " ".join(f"{'b=' + str(b) + ' ms':>9s}" for b in batch_sizes) + "  " +
+          " ".join(f"{'b=' + str(b) + ' cpu':>9s}" for b in batch_sizes))
     for res in results:
         for nt, s in res["threads"].items():
             for name in ("native", "llama.cpp", "native-fa"):
                 if name not in s:
                     continue
                 row = s[name]
-                print(f"{res['model']:42s} {nt:>3d} {name:>9s} {row['decode_tok_s']:12.2f} " +
-                      " ".join(f"{row['batch_ms'][b]:9.2f}" for b in batch_sizes))
-            print(f"{'':42s} {nt:>3d} {'ratio':>9s} {s['ratio_decode']:12.3f} " +
-                  " ".join(f"{s['ratio_batch'][b]:9.3f}" for b in batch_sizes) +
+                print(f"{res['model']:42s} {nt:>3d} {name:>9s} {row['decode_tok_s']:12.2f} {row['decode_cpu_ms']:10.2f} " +
+                      " ".join(f"{row['batch_ms'][b]:9.2f}" for b in batch_sizes) + "  " +
+                      " ".join(f"{row['batch_cpu_ms'][b]:9.2f}" for b in batch_sizes))
+            print(f"{'':42s} {nt:>3d} {'ratio':>9s} {s['ratio_decode']:12.3f} {s['ratio_decode_cpu']:10.3f} " +
+                  " ".join(f"{s['ratio_batch'][b]:9.3f}" for b in batch_sizes) + "  " +
+                  " ".join(f"{s['ratio_batch_cpu'][b]:9.3f}" for b in batch_sizes) +
                   f"   same greedy tokens: {s['same_greedy_tokens']}")
         for m in res.get("rss", []):
             print(f"{res['model']:42s} layers [{m['layers'][0]}, {m['layers'][1]}) of {m['n_layer']}: "
