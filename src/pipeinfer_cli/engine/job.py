@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 from mpi4py import MPI
@@ -228,6 +229,15 @@ def _load(cfg: JobConfig, topo: Topology, me, requests: list[Request], needs_dra
 
             check_vocab_compatible(tok, drafter, cfg.model_label, cfg.draft_label)
         out["drafter"] = drafter
+    elif needs_draft and cfg.draft_path is not None:
+        # The draft model runs on its own rank: check its vocabulary here, from the file alone.
+        import llama_cpp
+
+        from .drafters import check_vocab_compatible
+
+        draft_tok = Tokenizer(cfg.draft_path)
+        vocab = SimpleNamespace(n_vocab=draft_tok.n_vocab, vocab=draft_tok.vocab, lib=llama_cpp)
+        check_vocab_compatible(tok, vocab, cfg.model_label, cfg.draft_label)
     return out
 
 

@@ -76,8 +76,9 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
     """
     cmd = [find_mpiexec(), "-n", str(n_ranks), sys.executable, "-m", "pipeinfer_cli", *argv]
     env = {**os.environ, RELAUNCHED: "1"}
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=_die_with_parent())
-    errors = _StderrFilter(proc.stderr, keep_banner=bool(os.environ.get("PIPEINFER_DEBUG", "") not in ("", "0")))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent())
+    keep_banner = os.environ.get("PIPEINFER_DEBUG", "") not in ("", "0")
+    pumps = (_Pump(proc.stdout, sys.stdout.buffer, keep_banner), _Pump(proc.stderr, sys.stderr.buffer, keep_banner))
 
     def stop(signum, _frame):
         raise _Stopped(signum)
@@ -100,64 +101,125 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        errors.join(timeout=2)
+        for pump in pumps:
+            pump.join(timeout=2)
     if stopped is not None:
         _report("interrupted" if stopped == signal.SIGINT else f"stopped by {signal.Signals(stopped).name}")
         return 128 + stopped
-    if rc != 0 and errors.reported:
+    if rc != 0 and pumps[1].reported:
         return 1  # the head printed the error; the launcher may have killed the other ranks since
     if rc != 0:
-        how = f"{errors.exit_string}, " if errors.exit_string else ""
+        reason = pumps[0].exit_string or pumps[1].exit_string
+        how = f"{reason}, " if reason else ""
         _report(f"the MPI job ended abnormally ({how}mpiexec exit status {rc}): a rank crashed or was killed, "
                 "for example by the out-of-memory killer")
     return rc
 
 
-class _StderrFilter(threading.Thread):
-    """Copies the job's stderr to ours, line by line, and notes whether the head printed an error.
+class BannerFilter:
+    """Removes Hydra's "BAD TERMINATION" banner from a byte stream, passing everything else through
+    as soon as it arrives (generated text streams without newlines, so it is not line-buffered).
 
-    Hydra prints a multi-line "BAD TERMINATION" banner whenever it kills the remaining ranks of a
-    failed job, which is how every failed job ends. The banner is dropped (kept with PIPEINFER_DEBUG):
-    either the head already printed the error in one line, or relaunch() reports it in one line.
+    Hydra prints the banner on its stdout whenever it kills the remaining ranks of a failed job,
+    which is how a failed job ends. Either the head already printed the error in one line, or
+    relaunch() reports it in one line, so the banner is noise. Only a line that could still become
+    a banner line is held back, and a blank line until the next line shows whether it opens one.
     """
 
-    _BANNER = re.compile(
-        rb"^(=+|=   .*|YOUR APPLICATION TERMINATED WITH THE EXIT STRING: .*|"
-        rb"This typically refers to a problem with your application\.|Please see the FAQ page for debugging suggestions)$"
-    )
-    _EXIT_STRING = re.compile(rb"EXIT STRING: (.*)$")
+    _LINES = (b"=   ", b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING: ",
+              b"This typically refers to a problem with your application.",
+              b"Please see the FAQ page for debugging suggestions")
+    _EXIT_STRING = b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING: "
 
-    def __init__(self, stream, keep_banner: bool):
-        super().__init__(daemon=True, name="mpiexec-stderr")
-        self.stream, self.keep_banner = stream, keep_banner
-        self.reported = False  # a line starting with "Error: " went through
+    def __init__(self):
+        self.tail = b""  # undecided bytes from the start of the current line
+        self.blanks = 0  # blank lines held back
+        self.line_start = True
         self.exit_string: str | None = None  # Hydra's reason, e.g. "Killed (signal 9)"
+        self.lines: list[bytes] = []  # complete lines passed through (for error detection)
+
+    @classmethod
+    def _is_banner(cls, line: bytes) -> bool:
+        return (len(line) >= 20 and line.strip(b"=") == b"") or line.startswith(cls._LINES)
+
+    @classmethod
+    def _may_become_banner(cls, part: bytes) -> bool:
+        return part.strip(b"=") == b"" or any(p.startswith(part) or part.startswith(p) for p in cls._LINES)
+
+    def feed(self, data: bytes) -> bytes:
+        out = []
+        data = self.tail + data
+        self.tail = b""
+        i = 0
+        while i < len(data):
+            if not self.line_start:  # inside a line already passed through
+                nl = data.find(b"\n", i)
+                end = len(data) if nl < 0 else nl + 1
+                out.append(data[i:end])
+                self.line_start = nl >= 0
+                i = end
+                continue
+            nl = data.find(b"\n", i)
+            if nl < 0:  # an incomplete line
+                part = data[i:]
+                if self._may_become_banner(part):
+                    self.tail = part
+                    break
+                out.append(b"\n" * self.blanks + part)
+                self.blanks, self.line_start = 0, False
+                break
+            begin, i = i, nl + 1
+            line = data[begin:nl].rstrip(b"\r")
+            if line == b"":
+                self.blanks += 1
+            elif self._is_banner(line):
+                self.blanks = 0
+                if line.startswith(self._EXIT_STRING):
+                    self.exit_string = line[len(self._EXIT_STRING):].decode(errors="replace")
+            else:
+                out.append(b"\n" * self.blanks + data[begin:i])
+                self.blanks = 0
+                self.lines.append(line)
+        return b"".join(out)
+
+    def close(self) -> bytes:
+        rest = b"" if self._is_banner(self.tail) else self.tail
+        out = b"\n" * self.blanks + rest
+        self.tail, self.blanks = b"", 0
+        return out
+
+
+class _Pump(threading.Thread):
+    """Copies one of the job's output streams to ours through a BannerFilter."""
+
+    def __init__(self, src, dst, keep_banner: bool):
+        super().__init__(daemon=True, name="mpiexec-output")
+        self.src, self.dst = src, dst
+        self.filter = None if keep_banner else BannerFilter()
+        self.reported = False  # a line starting with "Error: " went through
         self.start()
 
+    @property
+    def exit_string(self) -> str | None:
+        return self.filter.exit_string if self.filter else None
+
     def run(self) -> None:
-        out = sys.stderr.buffer
-        blank = False  # a blank line is held back: the banner starts with one
-        for line in iter(self.stream.readline, b""):
-            body = line.rstrip(b"\r\n")
-            if body.startswith(b"Error: "):
+        fd = self.src.fileno()
+        while chunk := os.read(fd, 1 << 16):
+            if self.filter is not None:
+                chunk = self.filter.feed(chunk)
+                self.reported = self.reported or any(l.startswith(b"Error: ") for l in self.filter.lines)
+                self.filter.lines.clear()
+            elif b"Error: " in chunk:
                 self.reported = True
-            if m := self._EXIT_STRING.search(body):
-                self.exit_string = m.group(1).decode(errors="replace")
-            if not self.keep_banner:
-                if not body:
-                    blank = True
-                    continue
-                if self._BANNER.match(body):
-                    blank = False
-                    continue
-                if blank:
-                    out.write(b"\n")
-                    blank = False
-            out.write(line)
-            out.flush()
-        if blank:
-            out.write(b"\n")
-            out.flush()
+            self._write(chunk)
+        if self.filter is not None:
+            self._write(self.filter.close())
+
+    def _write(self, data: bytes) -> None:
+        if data:
+            self.dst.write(data)
+            self.dst.flush()
 
 
 def _report(msg: str) -> None:
