@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import statistics
 import struct
 import subprocess
 import sys
@@ -282,3 +283,33 @@ def test_bench_reports_a_forced_divergence(smollm2_path, tmp_path):
     assert doc["summary"]["pipeinfer"]["mismatched_prompts"] == ["binary-search", "csv-parse"]
     assert doc["summary"]["iterative"]["mismatched_prompts"] == []
     assert [x["tokens_match"] for x in doc["records"] if x["mode"] == "pipeinfer"] == [False, False]
+
+
+@pytest.mark.mpi
+def test_update_benchmarks_rewrites_only_its_section(bench_run, tmp_path):
+    out, _ = bench_run
+    doc = json.loads((out / "b.json").read_text())
+    iterative = [r for r in doc["records"] if r["mode"] == "iterative"]
+    baseline = {"command": "python scripts/bench_llamacpp.py x", "threads": doc["header"]["topology"]["threads_total"],
+                "versions": doc["header"]["versions"], "median": {"tok_per_s": 10.0, "decode_tok_per_s": 12.0},
+                "records": [{"prompt_id": r["prompt_id"], "tokens": r["tokens"], "tok_per_s": 10.0, "decode_tok_per_s": 12.0}
+                            for r in iterative]}
+    (tmp_path / "base.json").write_text(json.dumps(baseline))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "bench.png").write_bytes((out / "b.png").read_bytes())
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\nWritten by hand.\n")
+    script = Path(__file__).parents[1] / "scripts" / "update_benchmarks.py"
+    for _ in range(2):  # the second run replaces the section instead of appending another
+        subprocess.run([sys.executable, str(script), str(out / "b.json"), "--baseline", str(tmp_path / "base.json"),
+                        "--plot", str(tmp_path / "docs" / "bench.png"), "--out", str(md)], check=True, capture_output=True)
+    text = md.read_text()
+    assert text.startswith("# Benchmarks\n\nWritten by hand.\n")
+    assert text.count("<!-- bench:begin -->") == 1 and text.rstrip().endswith("<!-- bench:end -->")
+    assert doc["header"]["command"] in text and doc["header"]["host"]["cpu_model"] in text
+    for m in MODES:
+        assert f"| `{m}` |" in text
+    assert "identical to pipeinfer's `iterative` mode" in text
+    ratio = statistics.geometric_mean(r["tok_per_s"] for r in iterative) / 10.0  # one repeat: medians are the values
+    assert f"| `iterative` | {ratio:.2f}× |" in text  # ratio to llama.cpp, paired by prompt
+    assert "![tokens/s per mode and per-rank timelines](docs/bench.png)" in text
