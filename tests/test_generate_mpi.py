@@ -1,0 +1,431 @@
+"""`pipeinfer generate` under real mpiexec (`--ranks R` re-launches the command), as a user runs it.
+
+- Lossless: iterative on 1, 2 and 3 ranks and speculative on 2 ranks print identical tokens,
+  greedy and with temperature + seed, on SmolLM2 (its own draft) and on a tiny qwen2 file whose
+  draft is a perturbed copy (same vocabulary, so drafts are partly accepted and partly rolled back).
+- The tokens equal llama.cpp's own greedy decoding of the same file and prompt tokens.
+- Draft == target at temperature 0: every drafted token is accepted, in an exact pattern.
+- Bad input: one `Error: ` line on stderr, nothing on stdout, a non-zero exit, no traceback.
+- Faults: a rank that raises, is killed, or a Ctrl-C, ends the whole job promptly, error printed
+  once, and no process of the job survives.
+- Idle ranks do not spin: a stage rank's CPU seconds stay close to its compute seconds.
+
+Every job runs with `--threads 1`: several ranks share the 2 cores of the development machine, and
+ggml worker threads that spin on a shared core would make the jobs slow, not wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tinygguf import write_tiny_model
+
+pytestmark = pytest.mark.mpi
+
+PROMPT = "The capital of France is"
+N_GEN = 32
+N_DRAFT = 4  # generate's default --n-draft
+COMMON = ["-p", PROMPT, "-n", N_GEN, "--ctx", 512, "--threads", 1, "--json"]
+MARKER_ENV = "PIPEINFER_TEST_MARKER"  # inherited by mpiexec, its proxies and every rank
+
+SAMPLING = {"greedy": [], "temp0.8-seed7": ["--temp", "0.8", "--seed", "7"]}
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    target: Path
+    draft: Path  # same vocabulary as the target
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("gen-mpi")
+    return {
+        "target": write_tiny_model(d / "target.gguf", arch="qwen2", n_layer=4, seed=0),
+        # Same weights at 7/8 of the scale: the draft agrees with the target on about a quarter of
+        # the tokens, so speculative decoding both accepts and rolls back.
+        "draft": write_tiny_model(d / "draft.gguf", arch="qwen2", n_layer=4, seed=0, scale=0.07),
+        "other_vocab": write_tiny_model(d / "vocab512.gguf", arch="qwen2", n_layer=4, seed=1, n_vocab=512),
+    }
+
+
+@pytest.fixture(scope="module")
+def models(smollm2_path, tiny_files) -> dict[str, ModelCase]:
+    return {
+        "smollm2": ModelCase(smollm2_path, smollm2_path),
+        "tiny-qwen2": ModelCase(tiny_files["target"], tiny_files["draft"]),
+    }
+
+
+# -- running the command ----------------------------------------------------------------------------
+
+def cli(*args) -> list[str]:
+    return [sys.executable, "-m", "pipeinfer_cli", "generate", *map(str, args)]
+
+
+def job_env(marker: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPEINFER_", "PMI_", "OMPI_", "PMIX_"))}
+    env.update({MARKER_ENV: marker, **extra})
+    return env
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live processes (any depth: mpiexec, hydra proxies, ranks) that carry this job's marker."""
+    needle = f"{MARKER_ENV}={marker}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read():
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def assert_no_survivors(marker: str, grace_s: float = 5.0) -> None:
+    deadline = time.monotonic() + grace_s
+    while (left := marked_pids(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:  # do not leak them into the rest of the session
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"processes of the job still running: {left}"
+
+
+def run(*args, timeout: float = 120, **env) -> subprocess.CompletedProcess:
+    marker = uuid.uuid4().hex
+    try:
+        return subprocess.run(cli(*args), capture_output=True, text=True, timeout=timeout, env=job_env(marker, **env))
+    finally:
+        assert_no_survivors(marker)
+
+
+_results: dict[tuple, dict] = {}
+
+
+def generate_json(case: ModelCase, ranks: int, sampling: str, mode: str = "iterative", draft: Path | None = None,
+                  extra: tuple = ()) -> dict:
+    """The --json result of one job (cached: several tests look at the same job)."""
+    args = [case.target, *COMMON, "--ranks", ranks, "--mode", mode, *SAMPLING[sampling], *extra]
+    if mode != "iterative":
+        args += ["--draft", draft or case.draft]
+    key = tuple(map(str, args))
+    if key not in _results:
+        r = run(*args)
+        assert r.returncode == 0, r.stderr
+        _results[key] = json.loads(r.stdout)
+    return _results[key]
+
+
+# -- lossless ---------------------------------------------------------------------------------------
+
+CONFIGS = {  # name -> (ranks, mode)
+    "iterative-1": (1, "iterative"),
+    "iterative-2": (2, "iterative"),
+    "iterative-3": (3, "iterative"),
+    "speculative-2": (2, "speculative"),
+}
+
+
+@pytest.mark.parametrize("sampling", SAMPLING)
+@pytest.mark.parametrize("model", ["smollm2", "tiny-qwen2"])
+def test_modes_and_splits_print_identical_tokens(models, model, sampling):
+    case = models[model]
+    got = {name: generate_json(case, ranks, sampling, mode) for name, (ranks, mode) in CONFIGS.items()}
+    want = got["iterative-1"]["tokens"]
+    assert len(want) == got["iterative-1"]["n_gen"] > 0
+    for name, r in got.items():
+        assert r["tokens"] == want, f"{name} diverges from iterative on 1 rank"
+        assert len(r["ranks"]) == CONFIGS[name][0]
+    spec = got["speculative-2"]["acceptance"]
+    assert spec["drafted"] > 0
+    if model == "tiny-qwen2" and sampling == "greedy":
+        # The perturbed draft must exercise both paths: acceptance and KV rollback.
+        assert 0 < spec["accepted"] < spec["drafted"]
+
+
+def llama_cpp_greedy(path: Path, prompt: list[int], n_new: int) -> list[int]:
+    """llama.cpp's greedy tokens: Llama.eval + argmax of the last logits row (no sampler involved)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=512, n_threads=1, logits_all=True, verbose=False)
+    try:
+        llm.eval(prompt)
+        out = []
+        for _ in range(n_new):
+            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval([out[-1]])
+        return out
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("model", ["smollm2", "tiny-qwen2"])
+def test_greedy_output_equals_llama_cpp(models, model):
+    from pipeinfer_cli.engine.tokenizer import Tokenizer
+
+    case = models[model]
+    got = generate_json(case, 2, "greedy")
+    tok = Tokenizer(case.target)
+    prompt = tok.encode(PROMPT)
+    assert len(prompt) == got["n_prompt"]
+    want = llama_cpp_greedy(case.target, prompt, N_GEN)
+    n = len(got["tokens"])
+    assert got["tokens"] == want[:n]
+    if n < N_GEN:  # stopped early: only at end of generation
+        assert tok.is_eog(want[n - 1])
+
+
+@pytest.mark.parametrize("model", ["smollm2", "tiny-qwen2"])
+def test_draft_equal_to_target_accepts_every_token(models, model):
+    case = models[model]
+    r = generate_json(case, 2, "greedy", "speculative", draft=case.target)
+    acc, runs = r["acceptance"], r["runs"]
+    assert acc["rate"] == 1.0
+    assert acc["accepted"] == acc["drafted"] > 0
+    assert r["tokens"] == generate_json(case, 1, "greedy")["tokens"]
+    if r["n_gen"] == N_GEN:
+        # The first token comes from the prompt; each verified run then commits N_DRAFT drafts plus
+        # the target's own token, and no token is drafted past -n.
+        n_full = (N_GEN - 1) // (N_DRAFT + 1)
+        assert runs["speculative"] == n_full
+        assert acc["drafted"] == n_full * N_DRAFT
+        assert acc["mean_accepted_len"] == N_DRAFT
+
+
+def test_json_has_every_metric_field(models):
+    r = generate_json(models["smollm2"], 2, "greedy", "speculative")
+    for key in ("text", "tokens", "mode", "model", "draft", "layer_split", "n_prompt", "n_gen", "ttft_s",
+                "tok_per_s", "decode_tok_per_s", "itl_ms", "acceptance", "runs", "ranks"):
+        assert key in r, key
+    assert set(r["itl_ms"]) >= {"mean", "p50", "p90"}
+    assert set(r["acceptance"]) >= {"drafted", "accepted", "rate", "mean_accepted_len"}
+    assert set(r["runs"]) >= {"launched", "speculative", "cancelled", "cancelled_mid_compute", "layer_evals_skipped"}
+    assert [x["rank"] for x in r["ranks"]] == [0, 1]
+    for x in r["ranks"]:
+        assert {"role", "layers", "threads", "peak_rss_mib", "busy_s", "cpu_s"} <= set(x)
+    assert r["n_gen"] == len(r["tokens"]) and r["mode"] == "speculative"
+
+
+# -- idle ranks -------------------------------------------------------------------------------------
+
+def test_idle_stage_ranks_do_not_spin(models, capsys):
+    """Stage ranks holding one layer each wait for the head most of the time; a spinning wait would
+    show as CPU seconds far above the seconds spent computing."""
+    case = models["smollm2"]
+    n_layer = 30
+    split = f"{(n_layer - 2) / n_layer:.4f},{1 / n_layer:.4f},{1 / n_layer:.4f}"
+    r = run(case.target, "-p", PROMPT, "-n", 128, "--ctx", 512, "--threads", 1, "--json", "--ranks", 3, "--layer-split", split)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    wall = res["n_gen"] / res["tok_per_s"]
+    with capsys.disabled():
+        print(f"\n  idle check: {wall:.2f} s of decoding; " + "; ".join(
+            f"rank {x['rank']} ({x['role']}, layers {x['layers']}): busy {x['busy_s']:.3f} s, cpu {x['cpu_s']:.3f} s"
+            for x in res["ranks"]))
+    for x in res["ranks"][1:]:
+        assert x["cpu_s"] < x["busy_s"] + 0.5, x
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode != 0
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+BAD_SPLITS = {  # --layer-split, extra args, words the error must contain
+    "count-vs-ranks": ("0.5,0.5", ["--ranks", "3"], ["describes 2 ranks", "--ranks is 3"]),
+    "zero": ("0.5,0", [], ["positive"]),
+    "negative": ("-0.5,1.5", [], ["positive"]),
+    "garbage": ("half,half", [], ["comma-separated numbers"]),
+    "two-draft-ranks": ("0.5,0.5/2", [], ["/1"]),
+    "more-stages-than-layers": ("1,1,1,1,1", [], ["5 stages", "only 4 layers"]),
+}
+
+
+@pytest.mark.parametrize("name", BAD_SPLITS)
+def test_bad_layer_split(tiny_files, name):
+    split, extra, needles = BAD_SPLITS[name]
+    r = run(tiny_files["target"], "-p", PROMPT, "-n", 8, "--threads", 1, f"--layer-split={split}", *extra, timeout=60)
+    assert_one_line_error(r, *needles)
+
+
+@pytest.mark.parametrize("split", [None, "0.5,0.5/1"], ids=["draft-on-head", "draft-rank"])
+def test_vocabulary_mismatch_is_refused(tiny_files, split):
+    args = ["--ranks", 2] if split is None else [f"--layer-split={split}"]
+    r = run(tiny_files["target"], "-p", PROMPT, "-n", 8, "--threads", 1, "--mode", "speculative",
+            "--draft", tiny_files["other_vocab"], *args, timeout=60)
+    assert_one_line_error(r, "512", "300")
+
+
+def test_vocabulary_mismatch_smollm2_with_a_qwen_draft(smollm2_path):
+    from pipeinfer_cli.cache import cached_model_path
+    from pipeinfer_cli.registry import load_registry
+
+    qwen = cached_model_path(load_registry().models["qwen2.5-coder-0.5b-instruct"])
+    if not qwen.exists():
+        pytest.skip("qwen2.5-coder-0.5b-instruct is not downloaded (make test-slow pulls it)")
+    r = run(smollm2_path, "-p", PROMPT, "-n", 8, "--threads", 1, "--mode", "speculative", "--draft", qwen, timeout=60)
+    assert_one_line_error(r, "49152", "151936")
+
+
+def test_prompt_longer_than_ctx(tiny_files):
+    r = run(tiny_files["target"], "-p", "hello world " * 60, "-n", 8, "--ctx", 64, "--threads", 1, "--ranks", 2, timeout=60)
+    assert_one_line_error(r, "--ctx 64")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["no-such-model"], ["unknown model 'no-such-model'"]),
+    (["/nonexistent/model.gguf"], ["/nonexistent/model.gguf"]),
+    (["TARGET", "--mode", "nonsense"], ["nonsense", "iterative"]),
+    (["TARGET", "--mode", "speculative", "--ranks", "2"], ["needs a draft"]),
+    (["TARGET", "--mode", "speculative", "--draft", "no-such-draft"], ["no-such-draft"]),
+], ids=["unknown-model", "missing-file", "unknown-mode", "no-draft", "unknown-draft"])
+def test_bad_arguments(tiny_files, args, needles):
+    args = [tiny_files["target"] if a == "TARGET" else a for a in args]
+    r = run(*args, "-p", PROMPT, "-n", 8, timeout=30)
+    assert_one_line_error(r, *needles)
+
+
+# -- faults -----------------------------------------------------------------------------------------
+
+LONG_JOB = ["-p", "The quick brown fox", "-n", 3000, "--ctx", 4096, "--threads", 1]  # a few seconds of decoding
+
+
+def start_job(target: Path, *args, **env):
+    """Start a streaming (non-JSON) job in its own session; return (process, marker)."""
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen(cli(target, *LONG_JOB, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=job_env(marker, **env), start_new_session=True)
+    return proc, marker
+
+
+def wait_first_output(proc: subprocess.Popen, timeout: float = 60) -> bytes:
+    """Block until the job prints its first bytes (the models are loaded and decoding started)."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        proc.kill()
+        pytest.fail("the job printed nothing within the load timeout")
+    return os.read(proc.stdout.fileno(), 1 << 16)
+
+
+def finish(proc: subprocess.Popen, marker: str, within_s: float) -> tuple[int, str]:
+    """The exit code and stderr; a job still running after within_s seconds is the failure."""
+    try:
+        _, stderr = proc.communicate(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        assert_no_survivors(marker)
+        pytest.fail(f"the job did not end within {within_s} s")
+    assert_no_survivors(marker)
+    return proc.returncode, stderr.decode(errors="replace")
+
+
+@pytest.mark.parametrize("fail, args", [
+    ("1:3", ["--ranks", 2]),
+    ("2:2", ["--ranks", 3]),
+    ("2:1", ["--layer-split", "0.5,0.5/1", "--mode", "speculative", "--draft", "DRAFT"]),
+], ids=["stage-of-2", "last-stage-of-3", "draft-rank"])
+def test_a_failing_rank_ends_the_job(tiny_files, fail, args):
+    args = [tiny_files["draft"] if a == "DRAFT" else a for a in args]
+    proc, marker = start_job(tiny_files["target"], *args, PIPEINFER_DEBUG_FAIL=fail)
+    # The fault fires on the stage's 2nd/3rd run or the first draft request, right after the first
+    # token (computed from the prompt) was printed.
+    wait_first_output(proc)
+    rc, stderr = finish(proc, marker, within_s=10)
+    assert rc != 0
+    rank = fail.split(":")[0]
+    assert stderr.count("injected fault") == 1, stderr
+    lines = stderr.strip().splitlines()
+    assert lines == [l for l in lines if l.startswith("Error: ")] and len(lines) == 1, stderr
+    assert lines[0].startswith(f"Error: rank {rank}: ")
+
+
+@pytest.mark.parametrize("victim", ["rank1", "rank0"])
+def test_a_killed_rank_ends_the_job(tiny_files, victim):
+    proc, marker = start_job(tiny_files["target"], "--ranks", 2)
+    wait_first_output(proc)
+    want = f"PMI_RANK={victim[-1]}\0".encode()
+    pids = [p for p in marked_pids(marker) if want in Path(f"/proc/{p}/environ").read_bytes()]
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    rc, stderr = finish(proc, marker, within_s=10)
+    assert rc != 0
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigint-parent", "sigterm-parent"])
+def test_interrupt_stops_the_whole_job(tiny_files, how):
+    proc, marker = start_job(tiny_files["target"], "--ranks", 2)
+    wait_first_output(proc)
+    if how == "ctrl-c":  # a terminal sends SIGINT to the foreground process group
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT if how == "sigint-parent" else signal.SIGTERM)
+    rc, stderr = finish(proc, marker, within_s=10)
+    assert rc != 0
+    assert "Traceback" not in stderr
+    assert stderr.count("Error: ") == 1, stderr
+
+
+def test_killing_the_parent_takes_the_job_down(tiny_files):
+    """SIGKILL cannot be forwarded: mpiexec must still not outlive the `pipeinfer` that started it."""
+    proc, marker = start_job(tiny_files["target"], "--ranks", 2)
+    wait_first_output(proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # The orphaned job would otherwise decode for about 5 s more; teardown takes well under a second.
+    assert_no_survivors(marker, grace_s=2.5)
+
+
+# -- the real pair ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_qwen_pair_iterative_equals_speculative_on_bench_prompts(qwen15_path, qwen05_path):
+    from pipeinfer_cli.bench.prompts import load_prompts
+
+    prompts = load_prompts()  # the shipped default set (= shared/prompts/bench.jsonl)
+    assert prompts
+    for p in prompts:
+        if p.prompt is not None:
+            text = ["-p", p.prompt]
+        else:
+            assert len(p.messages) == 1 and p.messages[0]["role"] == "user", p.id
+            text = ["--chat", p.messages[0]["content"]]
+        tokens = {}
+        for mode in ("iterative", "speculative"):
+            r = run("qwen-coder", *text, "-n", 32, "--ctx", 1024, "--ranks", 2, "--json", "--mode", mode, timeout=600)
+            assert r.returncode == 0, r.stderr
+            tokens[mode] = json.loads(r.stdout)["tokens"]
+        assert tokens["speculative"] == tokens["iterative"], p.id
