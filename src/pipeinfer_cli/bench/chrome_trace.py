@@ -7,7 +7,8 @@ Each rank's perf_counter is moved onto the head's clock with the offset the job 
 
 - one slice per run per stage: "decode rN" (one token, not speculative), "verify rN" (speculative
   batch), "prefill rN" (prompt chunk); args: run, n_tokens, speculative, cancelled, prompt, mode;
-- "draft" slices where the draft model runs (the head, or the draft rank);
+- "draft" slices where the draft model runs (the head, or the draft rank), "draft prefill" when it
+  processes a request's prompt;
 - on the head, an enclosing slice per request ("prompt · mode") with its headline metrics;
 - instants: "cancel" (the head cancels runs), "commit" (tokens committed at the head), "skip" (a
   stage dropped a cancelled run before starting it).
@@ -43,7 +44,9 @@ def _event(kind: str, name: str, t0: float, t1: float, args: dict, rank: int, of
                     "cancelled": bool(args.get("cancelled")), **ctx}
     else:
         out_name = name
-        if name == "commit" and "n" in args:
+        if name == "draft" and args.get("prefill"):
+            out_name = "draft prefill"
+        elif name == "commit" and "n" in args:
             out_name = f"commit +{args['n']}"
         elif name in ("skip",) and "run" in args:
             out_name = f"skip r{args['run']}"

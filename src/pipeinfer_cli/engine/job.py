@@ -291,7 +291,10 @@ def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, reques
             cpu_before = time.process_time()
             s = Session(prompt, cfg.sampling, cfg.decode.n_predict, tok.is_eog, on_token)
             if drafter is not None and req.mode != "iterative":
+                t_draft = now()
                 drafter.start(prompt)
+                if topo.draft_rank is None:  # a draft rank traces its own work
+                    trace.slice("draft", t_draft, now(), n_tokens=len(prompt), prefill=True)
             prefill(pipe, s)
             if req.mode == "iterative":
                 decode_iterative(pipe, s, cfg.decode)
