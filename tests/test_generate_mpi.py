@@ -243,8 +243,11 @@ def test_idle_stage_ranks_do_not_spin(models, capsys):
         print(f"\n  idle check: {wall:.2f} s of decoding; " + "; ".join(
             f"rank {x['rank']} ({x['role']}, layers {x['layers']}): busy {x['busy_s']:.3f} s, cpu {x['cpu_s']:.3f} s"
             for x in res["ranks"]))
+    # Polling with backoff costs a few percent of a core; a spinning wait costs all of it (the
+    # mpich wheel's blocking Recv: 1 CPU second per second). The bound scales with the job's length
+    # so that a slow, loaded machine does not fail it: about 0.75 s for this ~2 s job.
     for x in res["ranks"][1:]:
-        assert x["cpu_s"] < x["busy_s"] + 0.5, x
+        assert x["cpu_s"] < x["busy_s"] + 0.25 + 0.25 * wall, x
 
 
 # -- bad input --------------------------------------------------------------------------------------
