@@ -313,3 +313,40 @@ def test_update_benchmarks_rewrites_only_its_section(bench_run, tmp_path):
     ratio = statistics.geometric_mean(r["tok_per_s"] for r in iterative) / 10.0  # one repeat: medians are the values
     assert f"| `iterative` | {ratio:.2f}× |" in text  # ratio to llama.cpp, paired by prompt
     assert "![tokens/s per mode and per-rank timelines](docs/bench.png)" in text
+
+
+# -- header facts and trace layout without MPI --------------------------------------------------------
+def test_model_facts_use_the_registry_checksum_or_compute_one(tmp_path):
+    import hashlib
+
+    from pipeinfer_cli.bench.environment import model_facts
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + bytes(1000))
+    computed = model_facts("m.gguf", f, None)
+    assert computed["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest() and computed["sha256_source"] == "computed"
+    assert model_facts("reg", f, "ab" * 32)["sha256"] == "ab" * 32
+    assert model_facts("lookup", None, None) == {"name": "lookup", "path": None, "sha256": None}
+
+
+def test_trace_moves_every_rank_onto_the_head_clock():
+    from pipeinfer_cli.bench.chrome_trace import build_trace
+
+    # Rank 1's perf_counter runs 100 s ahead of the head's.
+    rec = _rec(0, "a", "speculative", 10.0, [1, 2])
+    rec.update(t_start=5.0, t_end=5.5, ranks=[
+        {"rank": 0, "role": "head", "layers": [0, 10], "threads": 1, "clock_offset_s": 0.0,
+         "trace": [("X", "stage", 5.1, 5.2, {"run": 1, "n_tokens": 3, "spec": True}), ("i", "cancel", 5.25, 5.25, {"runs": [2]})]},
+        {"rank": 1, "role": "stage", "layers": [10, 20], "threads": 1, "clock_offset_s": 100.0,
+         "trace": [("X", "stage", 105.2, 105.3, {"run": 1, "n_tokens": 3, "spec": True, "cancelled": False}),
+                   ("i", "skip", 105.3, 105.3, {"run": 2})]},
+    ])
+    events = build_trace([rec])["traceEvents"]
+    by_name = {(e["pid"], e["name"]): e for e in events if e["ph"] != "M"}
+    assert by_name[(0, "verify r1")]["ts"] == pytest.approx(0.1e6) and by_name[(0, "verify r1")]["dur"] == pytest.approx(0.1e6)
+    assert by_name[(1, "verify r1")]["ts"] == pytest.approx(0.2e6)
+    assert by_name[(1, "skip r2")]["ph"] == "i" and by_name[(1, "skip r2")]["ts"] == pytest.approx(0.3e6)
+    assert by_name[(0, "cancel")]["args"]["runs"] == [2]
+    assert by_name[(0, "a · speculative")]["dur"] == pytest.approx(0.5e6)  # the request, enclosing its runs
+    assert by_name[(1, "verify r1")]["args"] == {"run": 1, "n_tokens": 3, "speculative": True, "cancelled": False,
+                                                 "prompt": "a", "mode": "speculative", "repeat": 0, "warmup": False}
