@@ -336,9 +336,11 @@ def wait_first_output(proc: subprocess.Popen, timeout: float = 60) -> bytes:
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     if not sel.select(timeout):
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("the job printed nothing within the load timeout")
-    return os.read(proc.stdout.fileno(), 1 << 16)
+    first = os.read(proc.stdout.fileno(), 1 << 16)
+    assert first, "the job ended before it printed a token"
+    return first
 
 
 def finish(proc: subprocess.Popen, marker: str, within_s: float) -> tuple[int, str]:
@@ -362,8 +364,8 @@ def finish(proc: subprocess.Popen, marker: str, within_s: float) -> tuple[int, s
 def test_a_failing_rank_ends_the_job(tiny_files, fail, args):
     args = [tiny_files["draft"] if a == "DRAFT" else a for a in args]
     proc, marker = start_job(tiny_files["target"], *args, PIPEINFER_DEBUG_FAIL=fail)
-    # The fault fires on the stage's 2nd/3rd run or the first draft request, right after the first
-    # token (computed from the prompt) was printed.
+    # The fault fires on the stage's 2nd/3rd run or on the first draft proposal: right after the
+    # first token (computed from the prompt) was printed.
     wait_first_output(proc)
     rc, stderr = finish(proc, marker, within_s=10)
     assert rc != 0
