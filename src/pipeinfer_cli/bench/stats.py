@@ -62,6 +62,14 @@ def speedup(medians: dict[str, dict[str, float]], mode: str, base: str) -> float
     return math.exp(statistics.fmean(math.log(x) for x in ratios)) if ratios else None
 
 
+def _run_keys(records: list[dict]) -> list[str]:
+    """The run counters the records carry (design.md's, plus any the engine adds), in first-seen order."""
+    keys = ["launched", "speculative", "cancelled", "cancelled_mid_compute", "layer_evals_skipped"]
+    for r in records:
+        keys += [k for k in r["runs"] if k not in keys]
+    return keys
+
+
 def summarize(records: list[dict], modes: list[str], mismatches: list[dict]) -> dict[str, dict]:
     measured = [r for r in records if not r["warmup"]]
     tok_medians = per_prompt_medians(records, "tok_per_s")
@@ -82,8 +90,7 @@ def summarize(records: list[dict], modes: list[str], mismatches: list[dict]) -> 
             "acceptance": {"drafted": drafted, "accepted": accepted,
                            "rate": accepted / drafted if drafted else None,
                            "mean_accepted_len": _median(_values(rs, lambda r: r["acceptance"]["mean_accepted_len"]))},
-            "runs": {k: _mean(_values(rs, lambda r, k=k: r["runs"][k]))
-                     for k in ("launched", "speculative", "cancelled", "cancelled_mid_compute", "layer_evals_skipped")},
+            "runs": {k: _mean(_values(rs, lambda r, k=k: r["runs"][k])) for k in _run_keys(rs)},
             "speedup": {f"vs_{b}": speedup(tok_medians, mode, b) for b in BASELINES if b in modes},
             "decode_speedup": {f"vs_{b}": speedup(dec_medians, mode, b) for b in BASELINES if b in modes},
             "mismatched_prompts": sorted({m["prompt_id"] for m in mismatches if m["mode"] == mode}),
