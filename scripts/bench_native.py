@@ -240,6 +240,27 @@ def print_table(results: list[dict], batch_sizes: list[int]) -> None:
                   f"weights {m['weight_bytes'] / 2**20:.0f} MiB + KV {m['kv_bytes'] / 2**20:.0f} MiB (n_ctx {m['n_ctx']})")
 
 
+def markdown_table(results: list[dict], batch_sizes: list[int]) -> str:
+    """The table for BENCHMARKS.md: per model and thread count, both engines and the ratios."""
+    head = ("| model | threads | engine | decode tok/s | CPU ms/token | " +
+            " | ".join(f"batch {b}: ms (CPU ms)" for b in batch_sizes) + " |")
+    lines = [head, "|" + "---|" * (5 + len(batch_sizes))]
+    for res in results:
+        model = res["model"].replace(".gguf", "")
+        for nt, s in res["threads"].items():
+            for name in ("native", "llama.cpp", "native-fa"):
+                if name in s:
+                    row = s[name]
+                    lines.append(f"| {model} | {nt} | {name} | {row['decode_tok_s']:.2f} | {row['decode_cpu_ms']:.2f} | " +
+                                 " | ".join(f"{row['batch_ms'][b]:.1f} ({row['batch_cpu_ms'][b]:.1f})"
+                                            for b in batch_sizes) + " |")
+            lines.append(f"| {model} | {nt} | **native / llama.cpp** | **{s['ratio_decode']:.3f}** | "
+                         f"**{s['ratio_decode_cpu']:.3f}** | " +
+                         " | ".join(f"{s['ratio_batch'][b]:.3f} ({s['ratio_batch_cpu'][b]:.3f})"
+                                    for b in batch_sizes) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--rss-child":
         rss_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
@@ -256,7 +277,24 @@ def main() -> None:
     ap.add_argument("--flash-attn", action="store_true",
                     help="also time the native engine with flash_attn=True (row native-fa; ratios stay native/llama.cpp)")
     ap.add_argument("--json", type=Path, help="write all results and samples here")
+    ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for BENCHMARKS.md)")
+    ap.add_argument("--from-json", type=Path, help="do not measure: print the tables of an earlier --json run")
     args = ap.parse_args()
+
+    if args.from_json:
+        doc = json.loads(args.from_json.read_text())
+        results = doc["results"]
+        for res in results:  # JSON keys are strings
+            res["threads"] = {int(k): v for k, v in res["threads"].items()}
+            for s in res["threads"].values():
+                for row in [s[n] for n in ("native", "llama.cpp", "native-fa") if n in s] + [s]:
+                    for key in ("batch_ms", "batch_cpu_ms", "ratio_batch", "ratio_batch_cpu"):
+                        if key in row:
+                            row[key] = {int(k): v for k, v in row[key].items()}
+        sizes = sorted(next(iter(results[0]["threads"].values()))["ratio_batch"])
+        print_table(results, sizes)
+        print(markdown_table(results, sizes))
+        return
 
     models = args.model or ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
     threads = [int(t) for t in args.threads.split(",")]
@@ -276,6 +314,8 @@ def main() -> None:
            "cpu_count": os.cpu_count(), "loadavg_end": os.getloadavg(), "results": results,
            "settings": vars(args) | {"json": str(args.json) if args.json else None}}
     print_table(results, batch_sizes)
+    if args.markdown:
+        print(markdown_table(results, batch_sizes))
     text = json.dumps(doc, indent=1, default=str)
     if args.json:
         args.json.write_text(text)
