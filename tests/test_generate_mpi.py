@@ -360,12 +360,13 @@ def finish(proc: subprocess.Popen, marker: str, within_s: float) -> tuple[int, s
     ("1:3", ["--ranks", 2]),
     ("2:2", ["--ranks", 3]),
     ("2:1", ["--layer-split", "0.5,0.5/1", "--mode", "speculative", "--draft", "DRAFT"]),
-], ids=["stage-of-2", "last-stage-of-3", "draft-rank"])
+    ("0:3", ["--ranks", 3]),
+], ids=["stage-of-2", "last-stage-of-3", "draft-rank", "head-of-3"])
 def test_a_failing_rank_ends_the_job(tiny_files, fail, args):
     args = [tiny_files["draft"] if a == "DRAFT" else a for a in args]
     proc, marker = start_job(tiny_files["target"], *args, PIPEINFER_DEBUG_FAIL=fail)
-    # The fault fires on the stage's 2nd/3rd run or on the first draft proposal: right after the
-    # first token (computed from the prompt) was printed.
+    # The fault fires on a stage's 2nd/3rd run, on the first draft proposal or at the head's 3rd
+    # token: right after the first token (computed from the prompt) was printed.
     wait_first_output(proc)
     rc, stderr = finish(proc, marker, within_s=10)
     assert rc != 0
@@ -373,7 +374,8 @@ def test_a_failing_rank_ends_the_job(tiny_files, fail, args):
     assert stderr.count("injected fault") == 1, stderr
     lines = stderr.strip().splitlines()
     assert lines == [l for l in lines if l.startswith("Error: ")] and len(lines) == 1, stderr
-    assert lines[0].startswith(f"Error: rank {rank}: ")
+    if rank != "0":  # the head's own failure is reported without a rank
+        assert lines[0].startswith(f"Error: rank {rank}: ")
 
 
 @pytest.mark.parametrize("victim", ["rank1", "rank0"])

@@ -277,7 +277,10 @@ def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, reques
           offsets: list[float], on_start, on_token, on_result) -> list[dict]:
     from .pipeline import Pipeline
     from .remote_draft import RemoteDrafter
+    from .stage import fault_injection
 
+    if (fail_at := fault_injection(0)) is not None:
+        on_token = _failing_on_token(fail_at, on_token)
     tok = state["tokenizer"]
     drafter = RemoteDrafter(link, topo.draft_rank) if topo.draft_rank is not None else state.get("drafter")
     pipe = Pipeline(link if topo.world_size > 1 else None, state["engine"], topo.n_stages, trace, topo.draft_rank)
@@ -342,6 +345,21 @@ def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, reques
         if drafter is not None:
             drafter.close()
     return results
+
+
+def _failing_on_token(fail_at: int, on_token):
+    """PIPEINFER_DEBUG_FAIL=0:N: the head raises when it commits its N-th token (fault tests)."""
+    n = 0
+
+    def wrapped(token: int) -> None:
+        nonlocal n
+        if on_token:
+            on_token(token)
+        n += 1
+        if n >= fail_at:
+            raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAIL) on the head at token {n}")
+
+    return wrapped
 
 
 class _TracedDrafter:

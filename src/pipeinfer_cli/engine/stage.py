@@ -73,8 +73,8 @@ class CancelListener(threading.Thread):
 
 
 def fault_injection(rank: int):
-    """PIPEINFER_DEBUG_FAIL=RANK:N makes rank RANK (a stage, or the draft rank) raise on its N-th run or
-    draft request (tests of fault handling)."""
+    """PIPEINFER_DEBUG_FAIL=RANK:N makes rank RANK raise on its N-th run (a stage), draft proposal (the
+    draft rank) or committed token (the head, rank 0), to test fault handling."""
     spec = os.environ.get("PIPEINFER_DEBUG_FAIL", "")
     if not spec:
         return None
