@@ -3,7 +3,9 @@
 #include "errors.h"
 #include "ggml-cpu.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -89,7 +91,7 @@ void layer_engine::graph_drop() {
 layer_engine::cached_graph & layer_engine::graph_for(const graph_shape & shape) {
     if (graph_.ctx && graph_.shape == shape) return graph_;
     graph_drop();
-    const size_t gs = graph_size_for(w_->layers.size(), shape.invariant ? shape.n_tokens : 0);
+    const size_t gs = graph_size_for(w_->layers.size(), shape.invariant ? shape.n_tokens * (shape.ordered ? 2 : 1) : 0);
     const size_t meta = ggml_tensor_overhead() * gs + ggml_graph_overhead_custom(gs, false);
     if (graph_meta_.size() < meta) graph_meta_.resize(meta);
     ggml_init_params ip = { graph_meta_.size(), graph_meta_.data(), true };
@@ -197,6 +199,9 @@ void layer_engine::eval(const eval_batch & b, float * out) {
         shape.n_outputs = out_rows(b);
         // Row slicing is for verification-sized batches; a prompt-sized batch would explode the graph.
         shape.invariant = b.invariant && b.n_tokens <= max_invariant_rows;
+        // Cells out of plain decoding's layout (token trees): gather them in position order.
+        std::vector<int32_t> order;
+        shape.ordered = shape.invariant && kv_->v_trans() && kv_->position_order(shape.n_kv, toks, order);
 
         cached_graph & g = graph_for(shape);
         ggml_cgraph * gf = g.gf;
@@ -208,7 +213,25 @@ void layer_engine::eval(const eval_batch & b, float * out) {
         if (in.tokens) std::memcpy(in.tokens->data, b.tokens, sizeof(int32_t) * b.n_tokens);
         if (in.embd) std::memcpy(in.embd->data, b.embd, sizeof(float) * b.n_tokens * hp.n_embd);
         std::memcpy(in.pos->data, b.pos, sizeof(int32_t) * b.n_tokens);
-        if (kv_->v_trans()) {
+        if (shape.ordered) {
+            // Mask, scores and V rows indexed by position (see attention_ordered).
+            const int64_t n_kv = shape.n_kv, n_head = hp.n_head, n_embd_gqa = hp.n_embd_gqa();
+            auto * mask = (float *) in.kq_mask->data;
+            auto * ko = (int32_t *) in.kq_order->data;
+            auto * vo = (int32_t *) in.v_order->data;
+            for (int64_t t = 0; t < b.n_tokens; ++t) {
+                const int32_t * row = order.data() + t * n_kv;
+                for (int64_t p = 0; p < n_kv; ++p) mask[t * n_kv + p] = row[p] >= 0 ? 0.0f : -INFINITY;
+                for (int64_t h = 0; h < n_head; ++h) {
+                    int32_t * dst = ko + (t * n_head + h) * n_kv;
+                    for (int64_t p = 0; p < n_kv; ++p) dst[p] = std::max(row[p], 0);
+                }
+                for (int64_t c = 0; c < n_embd_gqa; ++c) {
+                    int32_t * dst = vo + (t * n_embd_gqa + c) * n_kv;
+                    for (int64_t p = 0; p < n_kv; ++p) dst[p] = std::max(row[p], 0);
+                }
+            }
+        } else if (kv_->v_trans()) {
             kv_->fill_mask((float *) in.kq_mask->data, shape.n_kv, toks);
         } else {
             kv_->fill_mask_f16((ggml_fp16_t *) in.kq_mask->data, shape.n_kv, toks);

@@ -88,6 +88,37 @@ ggml_tensor * attention(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, gg
     return out;
 }
 
+// Attention with the cells gathered in position order, one query row at a time (shape.ordered).
+// In a token tree several branches hold cells at the same positions, so a branch's cells cannot all
+// sit at cell index == position as in plain decoding. The sums of the softmax and of the V product
+// run over cells in index order (in SIMD lanes), so the same visible cells at other indices round
+// differently. Gathering each row's scores and V rows by position gives the very operands plain
+// decoding has (masked positions contribute exact zeros), hence bit-identical results.
+ggml_tensor * attention_ordered(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * vc,
+                                ggml_tensor * mask, ggml_tensor * kq_order, ggml_tensor * v_order, float kq_scale,
+                                int64_t n_kv, int64_t d_head, int64_t n_head_kv) {
+    const int64_t n_tokens = q->ne[1], n_head = q->ne[2];
+    const int64_t n_embd_gqa = d_head * n_head_kv;
+    ggml_tensor * v_src = ggml_reshape_3d(ctx, vc, 1, vc->ne[0], n_embd_gqa);  // transposed V: [1, kv_size, channels]
+    ggml_tensor * out = nullptr;
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        ggml_tensor * qt = ggml_view_3d(ctx, q, q->ne[0], 1, n_head, q->nb[1], q->nb[2], t * q->nb[1]);
+        ggml_tensor * mt = ggml_view_2d(ctx, mask, mask->ne[0], 1, mask->nb[1], t * mask->nb[1]);
+        ggml_tensor * kq = ggml_mul_mat(ctx, k, qt);  // [n_kv, 1, n_head], cells in index order
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        ggml_tensor * ko = ggml_view_2d(ctx, kq_order, n_kv, n_head, kq_order->nb[1], t * kq_order->nb[2]);
+        kq = ggml_get_rows(ctx, ggml_reshape_3d(ctx, kq, 1, n_kv, n_head), ko);  // [1, n_kv, n_head] by position
+        kq = ggml_reshape_3d(ctx, kq, n_kv, 1, n_head);
+        kq = ggml_soft_max_ext(ctx, kq, mt, kq_scale, 0.0f);
+        ggml_tensor * vo = ggml_view_2d(ctx, v_order, n_kv, n_embd_gqa, v_order->nb[1], t * v_order->nb[2]);
+        ggml_tensor * v = ggml_get_rows(ctx, v_src, vo);  // [1, n_kv, channels] F32, exact copies of F16 values
+        v = ggml_reshape_3d(ctx, ggml_cast(ctx, v, GGML_TYPE_F16), n_kv, d_head, n_head_kv);
+        ggml_tensor * kqv = ggml_mul_mat(ctx, v, kq);  // [d_head, 1, n_head]
+        out = out ? ggml_concat(ctx, out, kqv, 1) : kqv;
+    }
+    return out;
+}
+
 }  // namespace
 
 ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weights & w, const kv_cache & kv,
@@ -121,6 +152,13 @@ ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weig
     ggml_set_input(in.k_idxs);
     in.v_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, flash_attn ? n_tokens : n_tokens * n_embd_gqa);
     ggml_set_input(in.v_idxs);
+    const bool ordered = shape.ordered && !flash_attn;
+    if (ordered) {
+        in.kq_order = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_kv, n_head, n_tokens);
+        ggml_set_input(in.kq_order);
+        in.v_order = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_kv, n_embd_gqa, n_tokens);
+        ggml_set_input(in.v_order);
+    }
     // Like llama.cpp, drop the rows nobody wants before the last layer's FFN and the LM head.
     if (w.is_last() && shape.n_outputs < n_tokens) {
         in.out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, shape.n_outputs);
@@ -183,7 +221,9 @@ ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weig
             ggml_tensor * v = ggml_view_3d(ctx, vc, n_kv, n_head_kv, d_head, ggml_row_size(vc->type, kv_size * d_head),
                                            ggml_row_size(vc->type, kv_size), 0);
             v = ggml_permute(ctx, v, 0, 2, 1, 3);
-            ggml_tensor * kqv = attention(ctx, q, k, v, in.kq_mask, kq_scale, inv);  // [d_head, n_tokens, n_head]
+            ggml_tensor * kqv = ordered ? attention_ordered(ctx, q, k, vc, in.kq_mask, in.kq_order, in.v_order, kq_scale,
+                                                            n_kv, d_head, n_head_kv)
+                                        : attention(ctx, q, k, v, in.kq_mask, kq_scale, inv);  // [d_head, n_tokens, n_head]
             cur = ggml_permute(ctx, kqv, 0, 2, 1, 3);
             cur = ggml_cont_2d(ctx, cur, d_head * n_head, n_tokens);
         }

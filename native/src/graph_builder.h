@@ -14,8 +14,10 @@ struct graph_shape {
     uint32_t n_kv      = 0;  // leading cache cells attention reads
     int64_t  n_outputs = 0;  // rows returned (last stage: rows with output; else n_tokens)
     bool     invariant = false;  // compute every row exactly as a one-token batch would (see graph_builder.cpp)
+    bool     ordered   = false;  // invariant rows read their cells gathered in position order (see kv_cache::position_order)
     bool operator==(const graph_shape & o) const {
-        return n_tokens == o.n_tokens && n_kv == o.n_kv && n_outputs == o.n_outputs && invariant == o.invariant;
+        return n_tokens == o.n_tokens && n_kv == o.n_kv && n_outputs == o.n_outputs && invariant == o.invariant &&
+               ordered == o.ordered;
     }
 };
 
@@ -29,6 +31,8 @@ struct graph_inputs {
     ggml_tensor * v_idxs  = nullptr;  // I64 [n_tokens*n_embd_gqa] element index in the transposed V,
                                       //     or I64 [n_tokens] cache row when V is not transposed
     ggml_tensor * out_ids = nullptr;  // I32 [n_outputs]           only when the last stage drops rows
+    ggml_tensor * kq_order = nullptr; // I32 [n_kv, n_head, n_tokens]     ordered: cell at each position (per head)
+    ggml_tensor * v_order  = nullptr; // I32 [n_kv, n_embd_gqa, n_tokens] ordered: the same, per V channel
 };
 
 // Progress of a running graph: the marker op after each layer stores how many layers finished.

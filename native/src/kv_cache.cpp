@@ -103,6 +103,23 @@ void kv_cache::fill_mask(float * mask, uint32_t n_kv, const std::vector<kv_token
     }
 }
 
+bool kv_cache::position_order(uint32_t n_kv, const std::vector<kv_token> & tokens, std::vector<int32_t> & order) const {
+    order.assign(tokens.size() * (size_t) n_kv, -1);
+    bool identity = true;
+    for (size_t t = 0; t < tokens.size(); ++t) {
+        int32_t * row = order.data() + t * n_kv;
+        const kv_token & tok = tokens[t];
+        for (uint32_t j = 0; j < n_kv; ++j) {
+            const kv_cell & c = cells_[j];
+            if ((c.seqs & tok.seqs) == 0 || c.pos > tok.pos) continue;
+            if (c.pos < 0 || (uint32_t) c.pos >= n_kv || row[c.pos] != -1) return false;  // cannot reorder
+            row[c.pos] = (int32_t) j;
+            if ((uint32_t) c.pos != j) identity = false;
+        }
+    }
+    return !identity;
+}
+
 void kv_cache::fill_mask_f16(ggml_fp16_t * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const {
     const ggml_fp16_t keep = ggml_fp32_to_fp16(0.0f);
     const ggml_fp16_t drop = ggml_fp32_to_fp16(-INFINITY);

@@ -52,6 +52,12 @@ public:
     void fill_mask(float * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const;
     void fill_mask_f16(ggml_fp16_t * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const;
 
+    // order[i*n_kv + p] = the cell token i may attend that holds position p, or -1 (none).
+    // Returns true when some token's cells are not laid out at cell index == position (the layout of
+    // plain one-sequence decoding) and the cells it sees have distinct positions < n_kv: then
+    // attention must gather them in position order to reproduce plain decoding bit for bit.
+    bool position_order(uint32_t n_kv, const std::vector<kv_token> & tokens, std::vector<int32_t> & order) const;
+
     // llama.cpp semantics: [p0, p1) with negative = open end; seq_id < 0 means every sequence.
     bool seq_rm(int32_t seq_id, int32_t p0, int32_t p1);
     void seq_cp(int32_t src, int32_t dst, int32_t p0, int32_t p1);
