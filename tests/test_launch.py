@@ -29,6 +29,11 @@ def filtered(data: bytes, step: int) -> tuple[bytes, BannerFilter]:
     (b" Paris. The", b" Paris. The"),
     (b"Paris.\n\nThe end\n\n", b"Paris.\n\nThe end\n\n"),
     (b"a = 1\n==> x\n=\n=====\nPlease note\nThis typically\nYOUR APP", b"a = 1\n==> x\n=\n=====\nPlease note\nThis typically\nYOUR APP"),
+    # Text that looks like parts of the banner stays: only the whole banner goes.
+    (b"Title\n" + b"=" * 40 + b"\n\n" + b"=" * 40 + b"\n" + b"=" * 40 + b"\n=   BAD\nPlease see the FAQ page for debugging suggestions\n",
+     b"Title\n" + b"=" * 40 + b"\n\n" + b"=" * 40 + b"\n" + b"=" * 40 + b"\n=   BAD\nPlease see the FAQ page for debugging suggestions\n"),
+    (b"x" + BANNER + b"after\n", b"x\nafter\n"),
+    (b"x\n" + BANNER + BANNER + b"\n\n", b"x\n\n\n"),
     (BANNER, b""),
     (b"|partial" + BANNER, b"|partial\n"),
     (b"Error: rank 1: boom\n" + BANNER, b"Error: rank 1: boom\n"),
@@ -46,3 +51,5 @@ def test_text_is_not_held_back():
     assert f.feed(b".\nThe") == b".\nThe"
     assert f.feed(b"\n=") == b"\n"  # only a possible banner line waits for its end
     assert f.feed(b"> x") == b"=> x"
+    assert f.feed(b"\n" + b"=" * 30) == b"\n"
+    assert f.feed(b"\nok") == b"=" * 30 + b"\nok"

@@ -122,71 +122,97 @@ class BannerFilter:
 
     Hydra prints the banner on its stdout whenever it kills the remaining ranks of a failed job,
     which is how a failed job ends. Either the head already printed the error in one line, or
-    relaunch() reports it in one line, so the banner is noise. Only a line that could still become
-    a banner line is held back, and a blank line until the next line shows whether it opens one.
+    relaunch() reports it in one line, so the banner is noise. Only the exact banner is removed: a
+    rule of '=' followed by its title line, up to its closing "Please see the FAQ…" line. Blank
+    lines and '=' rules are held back until the next line shows whether they open a banner.
     """
 
-    _LINES = (b"=   ", b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING: ",
-              b"This typically refers to a problem with your application.",
-              b"Please see the FAQ page for debugging suggestions")
+    _RULE_MIN = 20
+    _TITLE = b"=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"
+    _LAST = b"Please see the FAQ page for debugging suggestions"
     _EXIT_STRING = b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING: "
 
     def __init__(self):
-        self.tail = b""  # undecided bytes from the start of the current line
-        self.blanks = 0  # blank lines held back
-        self.line_start = True
+        self.partial = b""  # bytes of the current line not yet passed through
+        self.held: list[bytes] = []  # complete lines held back (blank lines, then maybe one rule)
+        self.in_banner = False
+        self.line_start = True  # nothing of the current line was passed through yet
         self.exit_string: str | None = None  # Hydra's reason, e.g. "Killed (signal 9)"
         self.lines: list[bytes] = []  # complete lines passed through (for error detection)
 
     @classmethod
-    def _is_banner(cls, line: bytes) -> bool:
-        return (len(line) >= 20 and line.strip(b"=") == b"") or line.startswith(cls._LINES)
+    def _is_rule(cls, line: bytes) -> bool:
+        return len(line) >= cls._RULE_MIN and line.strip(b"=") == b""
 
-    @classmethod
-    def _may_become_banner(cls, part: bytes) -> bool:
-        return part.strip(b"=") == b"" or any(p.startswith(part) or part.startswith(p) for p in cls._LINES)
+    def _holding_rule(self) -> bool:
+        return bool(self.held) and self._is_rule(self.held[-1].rstrip(b"\r\n"))
+
+    def _may_hold(self, part: bytes) -> bool:
+        """Could this start of a line still be part of a banner?"""
+        if self.in_banner:
+            return True
+        if self._holding_rule():
+            return self._TITLE.startswith(part)
+        return part.strip(b"=") == b""
+
+    def _release(self, out: list[bytes]) -> None:
+        out.extend(self.held)
+        self.held.clear()
+
+    def _line(self, raw: bytes, out: list[bytes]) -> None:
+        """A complete line (with its newline) that starts at a line start."""
+        line = raw.rstrip(b"\r\n")
+        if self.in_banner:
+            if line.startswith(self._EXIT_STRING):
+                self.exit_string = line[len(self._EXIT_STRING):].decode(errors="replace")
+            self.in_banner = line != self._LAST
+            return
+        if self._holding_rule() and line == self._TITLE:
+            self.held.clear()  # the banner's rule and the blank lines before it
+            self.in_banner = True
+            return
+        if line == b"" and not self._holding_rule():
+            self.held.append(raw)
+            return
+        if self._is_rule(line):
+            if self._holding_rule():
+                out.append(self.held.pop())  # two rules in a row: the first is text
+            self.held.append(raw)
+            return
+        self._release(out)
+        out.append(raw)
+        self.lines.append(line)
 
     def feed(self, data: bytes) -> bytes:
-        out = []
-        data = self.tail + data
-        self.tail = b""
+        out: list[bytes] = []
         i = 0
         while i < len(data):
+            nl = data.find(b"\n", i)
             if not self.line_start:  # inside a line already passed through
-                nl = data.find(b"\n", i)
                 end = len(data) if nl < 0 else nl + 1
                 out.append(data[i:end])
                 self.line_start = nl >= 0
                 i = end
                 continue
-            nl = data.find(b"\n", i)
-            if nl < 0:  # an incomplete line
-                part = data[i:]
-                if self._may_become_banner(part):
-                    self.tail = part
-                    break
-                out.append(b"\n" * self.blanks + part)
-                self.blanks, self.line_start = 0, False
+            if nl < 0:  # the rest is an incomplete line
+                self.partial += data[i:]
+                if not self._may_hold(self.partial):
+                    self._release(out)
+                    out.append(self.partial)
+                    self.partial, self.line_start = b"", False
                 break
-            begin, i = i, nl + 1
-            line = data[begin:nl].rstrip(b"\r")
-            if line == b"":
-                self.blanks += 1
-            elif self._is_banner(line):
-                self.blanks = 0
-                if line.startswith(self._EXIT_STRING):
-                    self.exit_string = line[len(self._EXIT_STRING):].decode(errors="replace")
-            else:
-                out.append(b"\n" * self.blanks + data[begin:i])
-                self.blanks = 0
-                self.lines.append(line)
+            self._line(self.partial + data[i:nl + 1], out)
+            self.partial = b""
+            i = nl + 1
         return b"".join(out)
 
     def close(self) -> bytes:
-        rest = b"" if self._is_banner(self.tail) else self.tail
-        out = b"\n" * self.blanks + rest
-        self.tail, self.blanks = b"", 0
-        return out
+        out: list[bytes] = []
+        if not self.in_banner:
+            self._release(out)
+            out.append(self.partial)
+        self.partial, self.in_banner = b"", False
+        return b"".join(out)
 
 
 class _Pump(threading.Thread):
