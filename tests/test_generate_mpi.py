@@ -406,6 +406,22 @@ def test_interrupt_stops_the_whole_job(tiny_files, how):
     assert stderr.count("Error: ") == 1, stderr
 
 
+def test_a_closed_stdout_stops_the_job_quietly(tiny_files):
+    """`pipeinfer generate … | head -c 5`: the job stops when its reader goes away, like SIGPIPE."""
+    proc, marker = start_job(tiny_files["target"], "--ranks", 2)
+    wait_first_output(proc)
+    proc.stdout.close()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the job kept running after its stdout was closed")
+    finally:
+        assert_no_survivors(marker)
+    assert proc.returncode == 128 + signal.SIGPIPE
+    assert proc.stderr.read() == b""
+
+
 def test_killing_the_parent_takes_the_job_down(tiny_files):
     """SIGKILL cannot be forwarded: mpiexec must still not outlive the `pipeinfer` that started it."""
     proc, marker = start_job(tiny_files["target"], "--ranks", 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UsageError
@@ -78,7 +80,13 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
     env = {**os.environ, RELAUNCHED: "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent())
     keep_banner = os.environ.get("PIPEINFER_DEBUG", "") not in ("", "0")
-    pumps = (_Pump(proc.stdout, sys.stdout.buffer, keep_banner), _Pump(proc.stderr, sys.stderr.buffer, keep_banner))
+
+    def stop_job() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+
+    pumps = (_Pump(proc.stdout, sys.stdout.buffer, keep_banner, stop_job),
+             _Pump(proc.stderr, sys.stderr.buffer, keep_banner, stop_job))
 
     def stop(signum, _frame):
         raise _Stopped(signum)
@@ -103,6 +111,8 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
             signal.signal(s, handler)
         for pump in pumps:
             pump.join(timeout=2)
+    if any(pump.broken for pump in pumps):
+        return 128 + signal.SIGPIPE  # the reader went away: the job was stopped, nothing to report
     if stopped is not None:
         _report("interrupted" if stopped == signal.SIGINT else f"stopped by {signal.Signals(stopped).name}")
         return 128 + stopped
@@ -218,11 +228,12 @@ class BannerFilter:
 class _Pump(threading.Thread):
     """Copies one of the job's output streams to ours through a BannerFilter."""
 
-    def __init__(self, src, dst, keep_banner: bool):
+    def __init__(self, src, dst, keep_banner: bool, on_broken: Callable[[], None]):
         super().__init__(daemon=True, name="mpiexec-output")
-        self.src, self.dst = src, dst
+        self.src, self.dst, self.on_broken = src, dst, on_broken
         self.filter = None if keep_banner else BannerFilter()
         self.reported = False  # a line starting with "Error: " went through
+        self.broken = False  # our reader went away (`pipeinfer … | head`)
         self.start()
 
     @property
@@ -243,9 +254,19 @@ class _Pump(threading.Thread):
             self._write(self.filter.close())
 
     def _write(self, data: bytes) -> None:
-        if data:
+        if not data or self.broken:
+            return  # keep draining the job's output, so that mpiexec never blocks on a full pipe
+        try:
             self.dst.write(data)
             self.dst.flush()
+        except (BrokenPipeError, ValueError):
+            # Like a command killed by SIGPIPE: stop the job, and leave quietly (writes to a
+            # devnull from now on, so that Python's own flush at exit does not complain).
+            self.broken = True
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.dst.fileno())
+            os.close(devnull)
+            self.on_broken()
 
 
 def _report(msg: str) -> None:
