@@ -120,3 +120,140 @@ def test_stage_failure_mid_run_ends_the_job(smollm2_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "rank 2" in errors[0] and "injected fault" in errors[0]
     assert "Traceback" not in r.stderr
+
+
+# -- token trees ------------------------------------------------------------------------------
+TREES = ("--p-split", "0.05", "--max-branches", "3", "--p-accept", "0")
+
+
+@pytest.mark.parametrize("ranks, sampling", [(2, GREEDY), (3, GREEDY), (2, TEMP), (3, TEMP)])
+def test_token_trees_are_lossless_on_smollm2(smollm2_path, ranks, sampling):
+    """SmolLM2 drafting for itself, with trees: the tokens of plain decoding, and trees were really used."""
+    want = reference(str(smollm2_path), 40, sampling)
+    got = generate(smollm2_path, "-p", PROMPT, "-n", 40, *sampling, "--mode", "pipeinfer", "--ranks", ranks,
+                   "--draft", smollm2_path, *TREES)
+    assert tuple(got["tokens"]) == want
+    runs = got["runs"]
+    assert runs["branches_launched"] > 0
+    assert runs["branches_cancelled"] <= runs["branches_launched"]
+    # KV multibuffering stays exact with trees: every rank holds just the committed tokens.
+    for r in got["ranks"]:
+        assert r["kv_used_cells"] == got["n_prompt"] + got["n_gen"] - 1, r
+
+
+@pytest.mark.parametrize("ranks, sampling", [(2, GREEDY), (2, TEMP), (3, TEMP)])
+def test_token_trees_are_lossless_with_a_poor_draft(tiny_pair, ranks, sampling):
+    """A random draft: nearly every branch is wrong; p_split 0 splits every run that can split."""
+    target, draft = tiny_pair
+    want = reference(str(target), 48, sampling)
+    got = generate(target, "-p", PROMPT, "-n", 48, *sampling, "--mode", "pipeinfer", "--ranks", ranks,
+                   "--draft", draft, "--p-accept", "0", "--p-split", "0", "--max-branches", "3")
+    assert tuple(got["tokens"]) == want
+    assert got["runs"]["branches_launched"] > 0
+    assert got["runs"]["cancelled"] > 0
+
+
+def test_trees_never_split_with_the_lookup_drafter(smollm2_path):
+    got = generate(smollm2_path, "-p", PROMPT, "-n", 32, "--mode", "pipeinfer", "--ranks", 2, "--draft", "lookup",
+                   "--p-accept", "0", "--p-split", "0", "--max-branches", "3")
+    assert tuple(got["tokens"]) == reference(str(smollm2_path), 32, GREEDY)
+    assert got["runs"]["branches_launched"] == 0
+
+
+# -- asynchronous drafting on a dedicated draft rank ---------------------------------------------
+@pytest.mark.parametrize("split, sampling", [("1/1", GREEDY), ("0.5,0.5/1", GREEDY), ("0.5,0.5/1", TEMP)])
+def test_async_draft_rank_is_lossless(smollm2_path, split, sampling):
+    want = reference(str(smollm2_path), 40, sampling)
+    got = generate(smollm2_path, "-p", PROMPT, "-n", 40, *sampling, "--mode", "pipeinfer", "--layer-split", split,
+                   "--draft", smollm2_path, "--p-accept", "0")
+    assert tuple(got["tokens"]) == want
+    draft_ranks = [r for r in got["ranks"] if r["role"] == "draft"]
+    assert len(draft_ranks) == 1 and draft_ranks[0]["runs"] > 0  # the draft rank answered requests
+
+
+@pytest.mark.parametrize("split", ["1/1", "0.5,0.5/1"])
+def test_async_draft_rank_with_a_poor_draft(tiny_pair, split):
+    """Stale or wrong replies are dropped, wrong runs cancelled; the tokens never change."""
+    target, draft = tiny_pair
+    want = reference(str(target), 48, TEMP)
+    got = generate(target, "-p", PROMPT, "-n", 48, *TEMP, "--mode", "pipeinfer", "--layer-split", split,
+                   "--draft", draft, "--p-accept", "0")
+    assert tuple(got["tokens"]) == want
+    draft_ranks = [r for r in got["ranks"] if r["role"] == "draft"]
+    assert len(draft_ranks) == 1 and draft_ranks[0]["runs"] > 0
+
+
+class ScriptedDraftRank:
+    """An asynchronous drafter (the head-side interface of a draft rank) whose replies take `delay`
+    polls to arrive and continue the request's path with the true text, every third one wrong at its end."""
+
+    asynchronous = True
+
+    def __init__(self, truth: list[int], delay: int):
+        self.truth, self.delay = truth, delay
+        self.requested = None
+        self.countdown = 0
+        self.replies = 0
+
+    @property
+    def outstanding(self) -> bool:
+        return self.requested is not None
+
+    def request(self, path, n_max, p_min):
+        assert self.requested is None, "one draft request at a time"
+        self.requested, self.countdown = (list(path), n_max), self.delay
+
+    def ready(self) -> bool:
+        self.countdown -= 1
+        return self.countdown <= 0
+
+    def poll(self):
+        from pipeinfer_cli.engine.drafters import Proposal
+
+        if self.requested is None or not self.ready():
+            return None
+        (path, n), self.requested = self.requested, None
+        self.replies += 1
+        toks = list(self.truth[len(path):len(path) + n]) if path == self.truth[:len(path)] else [3] * n
+        if self.replies % 3 == 0 and toks:
+            toks[-1] = (toks[-1] + 1) % 300
+        return Proposal(toks, [0.9] * len(toks), [[] for _ in toks], base=path)
+
+    def wait(self):
+        self.countdown = 0
+        return self.poll()
+
+
+@pytest.mark.parametrize("delay", [1, 3, 8])
+@pytest.mark.parametrize("sampling", [GREEDY, TEMP])
+def test_async_replies_are_launched_only_when_consistent(tiny_pair, delay, sampling):
+    """Head-only pipeline and a scripted draft rank: stale, wrong and late replies never change the tokens,
+    and consistent ones are launched (also as a run that starts with the last committed token)."""
+    from pipeinfer_cli.engine.decode_pipeinfer import decode_pipeinfer
+    from pipeinfer_cli.engine.decode_sync import decode_iterative, prefill
+    from pipeinfer_cli.engine.pipeline import Pipeline
+    from pipeinfer_cli.engine.sampling import SamplingParams
+    from pipeinfer_cli.engine.session import DecodeOptions, Session
+    from pipeinfer_cli.engine.trace import TraceRecorder
+    from pipeinfer_cli.native import LayerEngine
+
+    target, _ = tiny_pair
+    params = SamplingParams(temperature=0.8, seed=7) if sampling else SamplingParams()
+    engine = LayerEngine(str(target), 0, 6, n_ctx=256, n_seq_max=18)
+    pipe = Pipeline(None, engine, 1, TraceRecorder(0))
+    prompt = list(range(5, 25))
+    s = Session(prompt, params, 48, lambda t: False)
+    prefill(pipe, s)
+    decode_iterative(pipe, s, DecodeOptions(n_predict=48))
+    truth = list(s.tokens)
+    pipe.kv_clear()
+    drafter = ScriptedDraftRank(truth, delay)
+    s = Session(prompt, params, 48, lambda t: False)
+    prefill(pipe, s)
+    decode_pipeinfer(pipe, s, DecodeOptions(n_predict=48, p_accept=0.5, n_draft=4), drafter)
+    assert s.tokens == truth
+    m = s.metrics
+    assert m.runs.speculative > 0 and drafter.replies > 0
+    assert m.acceptance.accepted > 0
+    assert not drafter.outstanding  # the last request was drained
+    assert engine.kv_used_cells() == len(truth) - 1

@@ -26,6 +26,7 @@ class Proposal:
     probs: list[float]  # drafter's confidence in each token
     # Per position, the runner-up candidates (token, p) the drafter saw; used to split token trees.
     alternatives: list[list[tuple[int, float]]]
+    base: list[int] | None = None  # the path it continues (set by asynchronous drafters)
 
 
 class Drafter(Protocol):

@@ -25,6 +25,8 @@ class RunCounters:
     cancelled_at_end: int = 0  # of which: still in flight when generation stopped (not rejections)
     cancelled_mid_compute: int = 0  # summed over stages: evals aborted between/inside layers
     layer_evals_skipped: int = 0  # summed over stages: layers not computed thanks to cancellation
+    branches_launched: int = 0  # token trees (pipeinfer): side branches launched (sequences beyond a run's first)
+    branches_cancelled: int = 0  # token trees: branches dropped early while their run stayed useful
 
 
 @dataclass
