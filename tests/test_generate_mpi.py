@@ -6,9 +6,11 @@
 - The tokens equal llama.cpp's own greedy decoding of the same file and prompt tokens.
 - Draft == target at temperature 0: every drafted token is accepted, in an exact pattern.
 - Bad input: one `Error: ` line on stderr, nothing on stdout, a non-zero exit, no traceback.
-- Faults: a rank that raises, is killed, or a Ctrl-C, ends the whole job promptly, error printed
+- Faults: a rank (head, stage or draft rank) that raises or is killed, a Ctrl-C, a SIGTERM or
+  SIGKILL of `pipeinfer` itself, or a closed stdout ends the whole job promptly, error printed
   once, and no process of the job survives.
 - Idle ranks do not spin: a stage rank's CPU seconds stay close to its compute seconds.
+- scripts/run-hostfile.sh runs on a hostfile of localhost:2.
 
 Every job runs with `--threads 1`: several ranks share the 2 cores of the development machine, and
 ggml worker threads that spin on a shared core would make the jobs slow, not wrong.
@@ -430,6 +432,31 @@ def test_killing_the_parent_takes_the_job_down(tiny_files):
     proc.wait()
     # The orphaned job would otherwise decode for about 5 s more; teardown takes well under a second.
     assert_no_survivors(marker, grace_s=2.5)
+
+
+# -- cluster scripts --------------------------------------------------------------------------------
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.mark.parametrize("name", ["run-hostfile.sh", "slurm-generate.sbatch"])
+def test_cluster_scripts_parse_and_are_executable(name):
+    path = SCRIPTS / name
+    assert os.access(path, os.X_OK)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_run_hostfile_on_localhost(tiny_files, tmp_path):
+    """scripts/run-hostfile.sh with a hostfile of 'localhost:2': the world size makes 2 ranks."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    marker = uuid.uuid4().hex
+    r = subprocess.run([str(SCRIPTS / "run-hostfile.sh"), str(hosts), "2", str(tiny_files["target"]), *map(str, COMMON)],
+                       capture_output=True, text=True, timeout=120, env=job_env(marker))
+    assert_no_survivors(marker)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert len(got["ranks"]) == 2 and got["n_gen"] == len(got["tokens"]) > 0
 
 
 # -- the real pair ----------------------------------------------------------------------------------
