@@ -270,6 +270,7 @@ class _Pump(threading.Thread):
 
 
 def _report(msg: str) -> None:
-    sys.stdout.flush()
-    sys.stderr.write(f"Error: {msg}\n")
-    sys.stderr.flush()
+    with contextlib.suppress(OSError, ValueError):  # the terminal may be gone (SIGHUP)
+        sys.stdout.flush()
+        sys.stderr.write(f"Error: {msg}\n")
+        sys.stderr.flush()
