@@ -363,12 +363,15 @@ def finish(proc: subprocess.Popen, marker: str, within_s: float) -> tuple[int, s
     ("2:2", ["--ranks", 3]),
     ("2:1", ["--layer-split", "0.5,0.5/1", "--mode", "speculative", "--draft", "DRAFT"]),
     ("0:3", ["--ranks", 3]),
-], ids=["stage-of-2", "last-stage-of-3", "draft-rank", "head-of-3"])
+    ("1:5", ["--ranks", 3, "--mode", "pipeinfer", "--draft", "DRAFT"]),
+    ("2:2", ["--layer-split", "0.5,0.5/1", "--mode", "pipeinfer", "--draft", "DRAFT"]),
+], ids=["stage-of-2", "last-stage-of-3", "draft-rank", "head-of-3", "pipeinfer-stage", "pipeinfer-draft-rank"])
 def test_a_failing_rank_ends_the_job(tiny_files, fail, args):
     args = [tiny_files["draft"] if a == "DRAFT" else a for a in args]
     proc, marker = start_job(tiny_files["target"], *args, PIPEINFER_DEBUG_FAIL=fail)
-    # The fault fires on a stage's 2nd/3rd run, on the first draft proposal or at the head's 3rd
-    # token: right after the first token (computed from the prompt) was printed.
+    # The fault fires on a stage's 2nd-5th run, on the 1st/2nd draft proposal or at the head's 3rd
+    # token: right after the first token (computed from the prompt) was printed. In pipeinfer mode
+    # runs are in flight and being cancelled when it fires.
     wait_first_output(proc)
     rc, stderr = finish(proc, marker, within_s=10)
     assert rc != 0
