@@ -17,8 +17,8 @@
 # - A system MPI (Open MPI, Intel MPI, Cray MPICH, MVAPICH) for InfiniBand/Slingshot: set
 #   MPIRUN=mpirun (that MPI's launcher) and make mpi4py load that library, not the wheel's:
 #       .venv/bin/pip uninstall -y mpich
-#       env MPI4PY_BUILD_MPICC="$(command -v mpicc)" .venv/bin/pip install --force-reinstall \
-#           --no-cache-dir --no-binary=mpi4py "mpi4py>=4,<5"
+#       env MPICC="$(command -v mpicc)" MPI4PY_BUILD_MPICC="$(command -v mpicc)" \
+#           .venv/bin/pip install --force-reinstall --no-cache-dir --no-binary=mpi4py "mpi4py>=4,<5"
 #   Check: $MPIRUN -n 2 .venv/bin/python -m mpi4py.bench helloworld   (each rank says "of 2").
 #   Open MPI does not forward the environment by default: add e.g. MPIRUN_ARGS="-x PIPEINFER_CACHE".
 set -euo pipefail
