@@ -95,6 +95,18 @@ def test_tiny_tied_output_parity(tmp_path):
     assert_parity(native_prefill(open_stages(path, 4, 1), TINY_PROMPT), ref_logits)
 
 
+@pytest.mark.parametrize("scaling", [("linear", 2.0), ("yarn", 4.0)])
+def test_tiny_rope_scaling_parity(tmp_path, scaling):
+    """RoPE scaling metadata (linear, YaRN) is applied as llama.cpp applies it."""
+    path = write_tiny_model(tmp_path / "rope.gguf", arch="qwen2", rope_scaling=scaling, rope_orig_ctx=128,
+                            rope_freq_base=50000.0, seed=9)
+    ref_logits, ref_tokens = llama_cpp_greedy(path, TINY_PROMPT, N_DECODE)
+    logits, tokens = native_greedy(open_stages(path, 4, 1), TINY_PROMPT, N_DECODE)
+    assert_parity(logits, ref_logits)
+    assert tokens == ref_tokens
+    assert LayerEngine(path, 0, 1, n_ctx=8).hparams()["rope_freq_scale"] == pytest.approx(1 / scaling[1])
+
+
 @pytest.mark.parametrize("weight_type", ["f16", "q8_0", "q4_0"])
 def test_tiny_quantized_parity(tmp_path, weight_type):
     """Quantized matrices match too; Q4_0 goes through CPU_REPACK (q4_0_8x8), as in llama.cpp."""

@@ -47,13 +47,15 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
                      n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 300, seed: int = 0,
                      n_ctx_train: int = 512, rope_freq_base: float = 10000.0, rms_eps: float = 1e-5,
                      tied_output: bool = False, omit_tensors: tuple[str, ...] = (), scale: float = 0.08,
-                     weight_type: str = "f32", arch_name: str | None = None) -> Path:
+                     weight_type: str = "f32", arch_name: str | None = None,
+                     rope_scaling: tuple[str, float] | None = None, rope_orig_ctx: int | None = None) -> Path:
     """Write a random-weight model and return its path.
 
     `omit_tensors` drops tensors (for error tests). `weight_type` ("f32", "f16", "q8_0", "q4_0")
     stores the matrices of the layers and the LM head in that type, so quantized code paths
     (ggml's CPU_REPACK buffers) can be tested without a download. `arch_name` writes another
     `general.architecture` with the `arch` layout (to test an unsupported architecture).
+    `rope_scaling=("linear"|"yarn", factor)` and `rope_orig_ctx` write RoPE scaling metadata.
     """
     import gguf
 
@@ -108,6 +110,12 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
     writer.add_layer_norm_rms_eps(rms_eps)
     writer.add_rope_freq_base(rope_freq_base)
     writer.add_rope_dimension_count(head_dim)
+    if rope_scaling is not None:
+        kind, factor = rope_scaling
+        writer.add_rope_scaling_type({"linear": gguf.RopeScalingType.LINEAR, "yarn": gguf.RopeScalingType.YARN}[kind])
+        writer.add_rope_scaling_factor(factor)
+    if rope_orig_ctx is not None:
+        writer.add_rope_scaling_orig_ctx_len(rope_orig_ctx)
     tokens, types = vocab(n_vocab)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")

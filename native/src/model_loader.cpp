@@ -174,9 +174,11 @@ model_hparams read_hparams(const gguf_reader & r, const gguf_context * gctx, con
         hp.rope_freq_scale = 1.0f;
     } else if (scaling == "yarn") {
         hp.yarn_ext_factor = 1.0f;
-        // llama.cpp multiplies by mscale = 1 + 0.1 ln(factor) and then cancels it again, so the
-        // net factor is 1 unless a yarn_log_multiplier is given (not used by llama/qwen2 files).
-        hp.yarn_attn_factor = 1.0f;
+        // llama.cpp sets mscale = 1 + 0.1 ln(factor) and then cancels it (ggml's rope applies it
+        // again); compute it in the same float steps so that the result rounds the same way.
+        const float f = 1.0f / hp.rope_freq_scale;
+        const float mscale = f <= 1.0f ? 1.0f : 0.1f * logf(f) + 1.0f;
+        hp.yarn_attn_factor = mscale * (1.0f / (1.0f + 0.1f * logf(f)));
     } else if (scaling != "linear") {
         throw model_file_error(path + ": rope scaling type '" + scaling + "' is not supported (none, linear, yarn)");
     }
