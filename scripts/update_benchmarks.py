@@ -40,6 +40,18 @@ def baseline_medians(doc: dict, key: str) -> dict[str, float]:
     return {p: statistics.median(v) for p, v in vals.items()}
 
 
+def load_note(load_base: list | None, load_bench: list | None, threads: int) -> str:
+    """The two runs are not interleaved: say how busy the machine was at the end of each."""
+    if not load_base or not load_bench:
+        return ""
+    note = (f" Load average (1 min) at the end of the llama.cpp run: {load_base[0]}; at the end of the pipeinfer run: "
+            f"{load_bench[0]}.")
+    if max(load_base[0], load_bench[0]) > threads + 0.5:
+        note += (f" **Other jobs shared the cores** (load above the {threads} threads measured here), and the two runs "
+                 "did not see the same load: read the ratios with care.")
+    return note
+
+
 def section(bench: dict, base: dict | None, plot: Path | None, out_dir: Path) -> str:
     from pipeinfer_cli.bench.report import markdown_table
 
@@ -88,6 +100,7 @@ def section(bench: dict, base: dict | None, plot: Path | None, out_dir: Path) ->
                   f"llama-cpp-python {base['versions']['llama_cpp_python']}, greedy, same prompts and -n, measured right "
                   f"before: median {base['median']['tok_per_s']:.2f} tok/s end to end, "
                   f"{base['median']['decode_tok_per_s']:.2f} tok/s decode."
+                  + load_note((base.get("host") or {}).get("load_avg"), host.get("load_avg"), topo["threads_total"])
                   + ("" if base["threads"] == topo["threads_total"] else
                      f" **Note: the pipeinfer run used {topo['threads_total']} threads in total.**")
                   + ("" if match is None else (" Its greedy tokens are identical to pipeinfer's `iterative` mode on every prompt." if match else
