@@ -1,4 +1,4 @@
-"""Reading a GGUF file's metadata and tensor table (with the `gguf` package), for `inspect` and planning."""
+"""Reading a GGUF file's metadata and tensor table (ggml's reader, see gguf_c.py), for `inspect` and planning."""
 
 from __future__ import annotations
 
@@ -60,81 +60,74 @@ class ModelInfo:
         return asdict(self)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    try:
-        return f.contents()
-    except Exception:  # older gguf-py without contents(): decode the last part by hand
-        part = f.parts[f.data[0]]
-        return bytes(part).decode() if f.types and f.types[0].name == "STRING" else part[0].item()
-
-
 def read_model_info(path: Path) -> ModelInfo:
     """Parse the header and tensor table; a truncated or malformed file raises ModelFileError."""
-    import gguf  # imported lazily: it pulls in numpy and is not needed by every command
+    import gguf  # only for the names of the file-type enum
+
+    from .gguf_c import GGUFFile
 
     path = Path(path)
     check_gguf_file(path)
     file_size = path.stat().st_size
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # gguf-py raises ValueError/IndexError/struct errors on bad data
-        raise ModelFileError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); the file may be truncated, download it again") from None
-    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    if end > file_size:
-        raise ModelFileError(f"{path} is truncated: its tensors need {end} bytes but the file has {file_size}; download it again")
+        reader = GGUFFile(path)
+    except ValueError as e:
+        raise ModelFileError(f"{path} is not a readable GGUF file ({e}); the file may be truncated, download it again") from None
+    with reader:
+        tensors = reader.tensors()
+        end = max((off + n for _, _, off, n in tensors), default=0)
+        if end > file_size:
+            raise ModelFileError(f"{path} is truncated: its tensors need {end} bytes but the file has {file_size}; download it again")
+        arch = reader.get("general.architecture", "")
+        if not arch:
+            raise ModelFileError(f"{path} has no general.architecture; it is not a model file")
 
-    arch = _field(reader, "general.architecture", "")
-    if not arch:
-        raise ModelFileError(f"{path} has no general.architecture; it is not a model file")
+        def hp(key: str, default=0):
+            return reader.get(f"{arch}.{key}", default)
 
-    def hp(key: str, default=0):
-        return _field(reader, f"{arch}.{key}", default)
-
-    n_layer = int(hp("block_count"))
-    layer_bytes = [0] * n_layer
-    types: Counter[str] = Counter()
-    token_embd = output = other = 0
-    has_output = False
-    for t in reader.tensors:
-        types[t.tensor_type.name] += 1
-        m = _BLOCK.match(t.name)
-        if m and int(m.group(1)) < n_layer:
-            layer_bytes[int(m.group(1))] += int(t.n_bytes)
-        elif t.name == "token_embd.weight":
-            token_embd = int(t.n_bytes)
-        elif t.name == "output.weight":
-            output, has_output = int(t.n_bytes), True
-        else:
-            other += int(t.n_bytes)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens.data) if tokens is not None else 0
-    file_type = _field(reader, "general.file_type", None)
-    try:
-        file_type_name = gguf.LlamaFileType(file_type).name if file_type is not None else "unknown"
-    except ValueError:
-        file_type_name = str(file_type)
+        n_layer = int(hp("block_count"))
+        layer_bytes = [0] * n_layer
+        types: Counter[str] = Counter()
+        token_embd = output = other = 0
+        has_output = False
+        for name, type_name, _, n_bytes in tensors:
+            types[type_name] += 1
+            m = _BLOCK.match(name)
+            if m and int(m.group(1)) < n_layer:
+                layer_bytes[int(m.group(1))] += n_bytes
+            elif name == "token_embd.weight":
+                token_embd = n_bytes
+            elif name == "output.weight":
+                output, has_output = n_bytes, True
+            else:
+                other += n_bytes
+        file_type = reader.get("general.file_type", None)
+        try:
+            file_type_name = gguf.LlamaFileType(file_type).name if file_type is not None else "unknown"
+        except ValueError:
+            file_type_name = str(file_type)
+        fields = {
+            "name": str(reader.get("general.name", "")),
+            "n_embd": int(hp("embedding_length")),
+            "n_head": int(hp("attention.head_count")),
+            "n_head_kv": int(hp("attention.head_count_kv", hp("attention.head_count"))),
+            "n_ff": int(hp("feed_forward_length")),
+            "n_ctx_train": int(hp("context_length")),
+            "rope_freq_base": (float(v) if (v := hp("rope.freq_base", None)) is not None else None),
+            "n_vocab": int(reader.get("tokenizer.ggml.tokens", 0)),
+            "tokenizer_model": str(reader.get("tokenizer.ggml.model", "")),
+            "tokenizer_pre": str(reader.get("tokenizer.ggml.pre", "")),
+            "chat_template": reader.get("tokenizer.chat_template") is not None,
+        }
     return ModelInfo(
         path=str(path),
         file_size=file_size,
         arch=arch,
-        name=str(_field(reader, "general.name", "")),
         n_layer=n_layer,
-        n_embd=int(hp("embedding_length")),
-        n_head=int(hp("attention.head_count")),
-        n_head_kv=int(hp("attention.head_count_kv", hp("attention.head_count"))),
-        n_ff=int(hp("feed_forward_length")),
-        n_ctx_train=int(hp("context_length")),
-        rope_freq_base=(float(v) if (v := hp("rope.freq_base", None)) is not None else None),
-        n_vocab=n_vocab,
-        tokenizer_model=str(_field(reader, "tokenizer.ggml.model", "")),
-        tokenizer_pre=str(_field(reader, "tokenizer.ggml.pre", "")),
-        chat_template=reader.fields.get("tokenizer.chat_template") is not None,
+        **fields,
         file_type=file_type_name,
         tensor_types=dict(sorted(types.items())),
-        n_tensors=len(reader.tensors),
+        n_tensors=len(tensors),
         layer_bytes=layer_bytes,
         token_embd_bytes=token_embd,
         output_bytes=output if has_output else token_embd,
