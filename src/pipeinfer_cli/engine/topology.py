@@ -85,8 +85,12 @@ def parse_threads(text: str | None, world_size: int, ranks_per_host: int) -> lis
         if len(values) != world_size:
             raise UsageError(f"--threads {text!r}: give one value, or one per rank ({world_size} ranks)")
         return values
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return [max(1, cores // max(1, ranks_per_host))] * world_size
+    total = os.cpu_count() or 1
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    if mine < total:
+        # The launcher bound this rank to its own CPUs (Slurm, mpirun --bind-to): use them all.
+        return [mine] * world_size
+    return [max(1, total // max(1, ranks_per_host))] * world_size
 
 
 def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[int], output_bytes: int,
