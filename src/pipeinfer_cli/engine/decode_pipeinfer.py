@@ -401,8 +401,6 @@ class PipeInfer:
         counted = min(compared, taken)
         acc.drafted += counted
         acc.accepted += counted - (0 if matched_all or counted < compared else 1)
-        if f.speculative:
-            acc.verified_runs += 1
         rest = self.valid()
         if s.done:
             return
@@ -413,6 +411,9 @@ class PipeInfer:
             # The next run's first input is a draft token at the new frontier - 1: check it now.
             nxt_run = rest[0]
             acc.drafted += 1
+            # A speculative run's verification starts here, with its first (drafted) token; count it
+            # even if that token is rejected, so mean_accepted_len is per verified run as defined.
+            acc.verified_runs += nxt_run.speculative
             ok = [k for k, b in enumerate(nxt_run.branches)
                   if b.alive and b.tokens[0] == s.tokens[-1] and nxt_run.pos0 == len(s.tokens) - 1]
             if nxt_run.parent == (f.run_id, win_idx) and ok:
