@@ -269,9 +269,12 @@ class PipeInfer:
         if self.draft_window(path) <= 0 or path == self.refused:
             return
         # The path keeps moving while the draft rank drafts (the head decodes on): ask for as many
-        # more tokens as it moved during the last round trip, so the reply still reaches ahead.
+        # more tokens as it moved during the last round trip, so the reply still reaches ahead, and
+        # with no confidence cutoff: the head applies p_accept + p_adjust to the part it launches
+        # (the tokens the path has meanwhile committed need no confidence). Measured on qwen-coder
+        # (1/1 and 0.5,0.5/1): a few % faster than cutting the draft short at the draft rank.
         n_max = min(self.opts.n_draft + self.lag, self.limit_pos - len(path))
-        self.drafter.request(path, n_max, self.threshold)
+        self.drafter.request(path, n_max, 0.0)
 
     def poll_draft(self) -> None:
         if self.reply is None and self.drafter.outstanding:
