@@ -404,6 +404,10 @@ class PipeInfer:
         counted = min(compared, taken)
         acc.drafted += counted
         acc.accepted += counted - (0 if matched_all or counted < compared else 1)
+        if f.speculative and f.parent is None:
+            # A speculative run launched with nothing in flight starts with the last committed token
+            # (a draft rank's reply): its drafted tokens were all checked here.
+            acc.verified_runs += 1
         rest = self.valid()
         if s.done:
             return
