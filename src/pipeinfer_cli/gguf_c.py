@@ -28,9 +28,15 @@ _lock = threading.Lock()
 
 @lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL:
-    import llama_cpp  # its lib directory holds the libggml-base.so the whole process uses
+    import llama_cpp  # noqa: F401 - loads libggml-base.so.0 from its lib directory
 
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    # By soname, so the loader hands back the copy llama_cpp already mapped: the wheel's
+    # libggml-base.so and libggml-base.so.0 are distinct files, and mapping both would put two
+    # ggml instances (two sets of global state) in the process.
+    try:
+        lib = ctypes.CDLL("libggml-base.so.0")
+    except OSError:
+        lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so.0"))
     p, i64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
     sigs = {
         "gguf_init_from_file": (p, [ctypes.c_char_p, _InitParams]),
