@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <new>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -63,8 +65,16 @@ layer_engine::layer_engine(const engine_params & params) : params_(params) {
         quiet_ggml_log quiet;
         w_ = stage_weights_load(params.path, params.layer_begin, params.layer_end, params.use_repack);
     }
-    kv_ = std::make_unique<kv_cache>(params.n_ctx, params.n_seq_max, (int) w_->layers.size(),
-                                     (int64_t) w_->hparams.n_embd_gqa(), /*v_trans=*/ !params.flash_attn);
+    try {
+        kv_ = std::make_unique<kv_cache>(params.n_ctx, params.n_seq_max, (int) w_->layers.size(),
+                                         (int64_t) w_->hparams.n_embd_gqa(), /*v_trans=*/ !params.flash_attn);
+    } catch (const std::bad_alloc &) {
+        const double gib = 2.0 * 2.0 * params.n_ctx * w_->hparams.n_embd_gqa() * w_->layers.size() / (1u << 30);
+        char msg[256];
+        std::snprintf(msg, sizeof(msg), "cannot allocate a KV cache of n_ctx=%u cells (%.1f GiB for K and V); "
+                      "open the engine with a smaller n_ctx", params.n_ctx, gib);
+        throw engine_failure(msg);
+    }
 
     backend_ = ggml_backend_cpu_init();
     if (!backend_) throw engine_failure("ggml_backend_cpu_init failed");

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <new>
 #include <string>
 
 namespace pipeinfer {
@@ -33,7 +34,7 @@ kv_cache::kv_cache(uint32_t size, uint32_t n_seq_max, int n_layer, int64_t n_emb
     buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, ggml_backend_cpu_buffer_type());
     if (!buf_) {
         ggml_free(ctx_);
-        throw engine_failure("failed to allocate the KV cache (" + std::to_string(size) + " cells)");
+        throw std::bad_alloc();  // the engine reports the size and the fix
     }
     // Zero it: masked cells still enter the KQ/V products (multiplied by 0), so they must not hold NaNs.
     ggml_backend_buffer_clear(buf_, 0);
