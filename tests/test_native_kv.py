@@ -11,6 +11,9 @@ the same cells are compared bit for bit.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
@@ -20,15 +23,25 @@ from tinygguf import write_tiny_model
 TOL = 1e-3
 
 
+class KvModel(NamedTuple):
+    path: Path
+    flash_attn: bool  # both attention paths must implement the same cell semantics
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model_file(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("kv") / "kv.gguf", arch="qwen2", n_layer=3, seed=11)
 
 
-def open_engine(model, **kw) -> LayerEngine:
+@pytest.fixture(params=[False, True], ids=["softmax", "flash_attn"])
+def model(model_file, request) -> KvModel:
+    return KvModel(model_file, request.param)
+
+
+def open_engine(model: KvModel, **kw) -> LayerEngine:
     kw.setdefault("n_ctx", 64)
     kw.setdefault("n_seq_max", 8)
-    return LayerEngine(model, 0, 3, **kw)
+    return LayerEngine(model.path, 0, 3, flash_attn=model.flash_attn, **kw)
 
 
 def run(eng: LayerEngine, tokens, pos0: int, seqs, all_rows: bool = False) -> np.ndarray:
@@ -164,7 +177,8 @@ def test_bad_sequence_ids_are_refused(model):
 
 def test_stage_engines_keep_the_same_cells(model):
     """Every stage sees the same batches and KV ops, so their caches stay in step."""
-    stages = [LayerEngine(model, b, e, n_ctx=64, n_seq_max=8) for b, e in ((0, 1), (1, 3))]
+    stages = [LayerEngine(model.path, b, e, n_ctx=64, n_seq_max=8, flash_attn=model.flash_attn)
+              for b, e in ((0, 1), (1, 3))]
     x = stages[0].eval(tokens=np.array(PREFIX, np.int32), pos=np.arange(5, dtype=np.int32), seq_ids=[[0]] * 5)
     assert x.shape == (5, stages[0].n_embd) and x.dtype == np.float32
     stages[1].eval(embd=x, pos=np.arange(5, dtype=np.int32), seq_ids=[[0]] * 5)
