@@ -67,8 +67,9 @@ def generate(
 ) -> None:
     """Generate text from a prompt, with the model's layers split across MPI ranks.
 
-    Text streams to stdout as tokens are committed; a summary (tokens/s, TTFT, acceptance) goes
-    to stderr. With --json, one JSON object with the text, the token ids and every metric.
+    Text streams to stdout as tokens are committed; a summary line goes to stderr.
+
+    With --json: one JSON object with the text, the token ids and every metric.
     """
     from ..engine.job import MODES
     from ..transport.launch import relaunch, under_mpi_launcher
