@@ -53,13 +53,18 @@ def prompt_tokens(path: Path) -> list[int]:
     return (toks * (N_PROMPT // len(toks) + 1))[:N_PROMPT]
 
 
+# Rows of the tables: the engines, then the optional flash-attention and batch-invariant variants.
+ENGINES = ("native", "llama.cpp", "native-fa", "native-inv")
+
+
 class NativeRunner:
     """All layers of the model in one LayerEngine."""
 
-    def __init__(self, path: Path, n_threads: int, n_ctx: int, flash_attn: bool = False):
+    def __init__(self, path: Path, n_threads: int, n_ctx: int, flash_attn: bool = False, invariant: bool = False):
         from pipeinfer_cli.native import LayerEngine
 
-        self.name = "native-fa" if flash_attn else "native"
+        self.name = "native-fa" if flash_attn else "native-inv" if invariant else "native"
+        self.invariant = invariant
         probe = LayerEngine(path, 0, 1, n_ctx=16)
         self.eng = LayerEngine(path, 0, probe.n_layer, n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn)
         del probe
@@ -70,7 +75,8 @@ class NativeRunner:
     def eval(self, tokens: list[int], pos0: int, all_rows: bool) -> np.ndarray:
         n = len(tokens)
         return self.eng.eval(tokens=np.array(tokens, np.int32), pos=np.arange(pos0, pos0 + n, dtype=np.int32),
-                             seq_ids=[[0]] * n, output=np.ones(n, bool) if all_rows else None)
+                             seq_ids=[[0]] * n, output=np.ones(n, bool) if all_rows else None,
+                             batch_invariant=self.invariant)
 
     def rollback(self, pos: int) -> None:
         self.eng.seq_rm(0, pos, -1)
@@ -143,13 +149,15 @@ def batches_interleaved(runners, prompt: list[int], batch_sizes: list[int], n_re
 
 
 def bench_model(path: Path, threads: list[int], n_decode: int, batch_sizes: list[int],
-                n_rep: int, n_ctx: int, flash_attn: bool) -> dict:
+                n_rep: int, n_ctx: int, flash_attn: bool, invariant: bool = False) -> dict:
     prompt = prompt_tokens(path)
     res: dict = {"model": path.name, "threads": {}}
     for nt in threads:
         runners = [NativeRunner(path, nt, n_ctx), LlamaCppRunner(path, nt, n_ctx)]
         if flash_attn:
             runners.append(NativeRunner(path, nt, n_ctx, flash_attn=True))
+        if invariant:
+            runners.append(NativeRunner(path, nt, n_ctx, invariant=True))
         decode_interleaved(runners, prompt, 4)  # warm-up: page in weights, size the graph buffers
         step_ms, step_cpu_ms, tokens = decode_interleaved(runners, prompt, n_decode)
         batch_ms, batch_cpu_ms = batches_interleaved(runners, prompt, batch_sizes, n_rep)
@@ -223,7 +231,7 @@ def print_table(results: list[dict], batch_sizes: list[int]) -> None:
           " ".join(f"{'b=' + str(b) + ' cpu':>9s}" for b in batch_sizes))
     for res in results:
         for nt, s in res["threads"].items():
-            for name in ("native", "llama.cpp", "native-fa"):
+            for name in ENGINES:
                 if name not in s:
                     continue
                 row = s[name]
@@ -248,7 +256,7 @@ def markdown_table(results: list[dict], batch_sizes: list[int]) -> str:
     for res in results:
         model = res["model"].replace(".gguf", "")
         for nt, s in res["threads"].items():
-            for name in ("native", "llama.cpp", "native-fa"):
+            for name in ENGINES:
                 if name in s:
                     row = s[name]
                     lines.append(f"| {model} | {nt} | {name} | {row['decode_tok_s']:.2f} | {row['decode_cpu_ms']:.2f} | " +
@@ -276,6 +284,9 @@ def main() -> None:
     ap.add_argument("--no-rss", action="store_true", help="skip the half-model peak RSS measurement")
     ap.add_argument("--flash-attn", action="store_true",
                     help="also time the native engine with flash_attn=True (row native-fa; ratios stay native/llama.cpp)")
+    ap.add_argument("--invariant", action="store_true",
+                    help="also time the native engine with batch_invariant=True, as pipeline decode and "
+                         "verification runs use it (row native-inv)")
     ap.add_argument("--json", type=Path, help="write all results and samples here")
     ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for BENCHMARKS.md)")
     ap.add_argument("--from-json", type=Path, help="do not measure: print the tables of an earlier --json run")
@@ -287,7 +298,7 @@ def main() -> None:
         for res in results:  # JSON keys are strings
             res["threads"] = {int(k): v for k, v in res["threads"].items()}
             for s in res["threads"].values():
-                for row in [s[n] for n in ("native", "llama.cpp", "native-fa") if n in s] + [s]:
+                for row in [s[n] for n in ENGINES if n in s] + [s]:
                     for key in ("batch_ms", "batch_cpu_ms", "ratio_batch", "ratio_batch_cpu"):
                         if key in row:
                             row[key] = {int(k): v for k, v in row[key].items()}
@@ -303,7 +314,8 @@ def main() -> None:
     for m in models:
         path = resolve_model(m)
         print(f"benchmarking {path.name} ...", file=sys.stderr, flush=True)
-        res = bench_model(path, threads, args.n_decode, batch_sizes, args.batch_reps, args.n_ctx, args.flash_attn)
+        res = bench_model(path, threads, args.n_decode, batch_sizes, args.batch_reps, args.n_ctx, args.flash_attn,
+                          args.invariant)
         if not args.no_rss:
             res["rss"] = measure_rss(path, args.rss_n_ctx)
         results.append(res)
