@@ -446,12 +446,18 @@ class PipeInfer:
             self.run_sync()
         self.drain()
 
+    def handle_arrived(self) -> bool:
+        """Verify the oldest result if one has arrived, without waiting. True if one was handled."""
+        self.pipe.poll()
+        if not self.pipe.ready:
+            return False
+        self.handle(self.pipe.ready.popleft())
+        return True
+
     def run_sync(self) -> None:
         pipe = self.pipe
         while not self.s.done:
-            pipe.poll()
-            if pipe.ready:
-                self.handle(pipe.ready.popleft())
+            if self.handle_arrived():
                 continue
             self.ensure_frontier_run()
             if self.speculate():
@@ -462,9 +468,7 @@ class PipeInfer:
         """The draft rank drafts while the head computes, verifies and launches."""
         pipe = self.pipe
         while not self.s.done:
-            pipe.poll()
-            if pipe.ready:
-                self.handle(pipe.ready.popleft())
+            if self.handle_arrived():
                 continue
             self.poll_draft()
             if self.launch_reply():

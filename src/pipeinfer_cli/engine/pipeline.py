@@ -131,11 +131,7 @@ class Pipeline:
         reports = []
         others = list(range(1, self.n_stages)) + ([self.draft_rank] if self.draft_rank is not None else [])
         for r in others:
-            backoff = Backoff()
-            while self.link.probe(r, Tag.STATS) is None:
-                self.check_errors()
-                self.link.progress_sends()
-                backoff.idle()
+            self.link.wait_probe(r, Tag.STATS, on_idle=self.check_errors)
             reports.append(self.link.comm.recv(source=r, tag=int(Tag.STATS)))
         return reports
 

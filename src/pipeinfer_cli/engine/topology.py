@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..layer_split import balanced_split
+from ..layer_split import balanced_split, fractions_of
 
 
 @dataclass(frozen=True)
@@ -119,5 +119,4 @@ def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[in
     plans = [RankPlan(r, "head" if r == 0 else "stage", ranges[r], thr[r]) for r in range(n_stages)]
     if n_draft:
         plans.append(RankPlan(n_stages, "draft", (0, 0), thr[n_stages]))
-    fr = [round((e - b) / n_layer, 4) for b, e in ranges]
-    return Topology(plans, n_stages, n_stages if n_draft else None, fr)
+    return Topology(plans, n_stages, n_stages if n_draft else None, fractions_of(ranges, n_layer))

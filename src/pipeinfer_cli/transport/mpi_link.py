@@ -80,10 +80,6 @@ class Link:
         req = self.comm.isend(obj, dest=dest, tag=int(tag))
         self._pending.append((req, obj))
 
-    def recv_object(self, source: int, tag: Tag):
-        self.wait_probe(source, tag)
-        return self.comm.recv(source=source, tag=int(tag))
-
     def progress_sends(self) -> None:
         if self._pending:
             self._pending = [(r, b) for r, b in self._pending if not r.Test()]
