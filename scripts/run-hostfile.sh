@@ -3,24 +3,28 @@
 # world size decides the number of ranks (do not pass --ranks).
 #
 # Usage:  scripts/run-hostfile.sh HOSTFILE NRANKS GENERATE-ARGS...
-#   scripts/run-hostfile.sh scripts/hostfile.example 4 qwen-coder --layer-split 0.2,0.4,0.4/1 \
-#       --mode speculative --chat "Write FizzBuzz in Python" -n 64
+#   scripts/run-hostfile.sh scripts/hostfile.example 4 qwen-coder --mode pipeinfer --threads 8 \
+#       --chat "Write FizzBuzz in Python" -n 64
 #   echo localhost:2 > /tmp/hosts && scripts/run-hostfile.sh /tmp/hosts 2 smollm2-135m-instruct -p "Hello" -n 16
 #
 # Every host needs passwordless ssh from this one, this checkout and its .venv at the same path
 # (or PIPEINFER=/path/to/pipeinfer), and the models already in its cache: under mpirun nothing is
 # downloaded, so run `pipeinfer models pull NAME` on each host or share PIPEINFER_CACHE.
+# Extra launcher options go in MPIRUN_ARGS (several words, split on spaces).
 #
 # Which MPI:
 # - Default: the mpich wheel in .venv (installed with pipeinfer). Its mpirun (Hydra) starts the
 #   ranks over ssh and talks TCP: enough for Ethernet clusters and for trying this on one machine.
+#   Hostfile lines are HOST:SLOTS (see scripts/hostfile.example); Hydra refuses "HOST slots=N".
+#   Hydra passes this shell's whole environment to every rank; MPIRUN_ARGS="-genv VAR value" sets one.
 # - A system MPI (Open MPI, Intel MPI, Cray MPICH, MVAPICH) for InfiniBand/Slingshot: set
-#   MPIRUN=mpirun (that MPI's launcher) and make mpi4py load that library, not the wheel's:
-#       .venv/bin/pip uninstall -y mpich
-#       env MPICC="$(command -v mpicc)" MPI4PY_BUILD_MPICC="$(command -v mpicc)" \
-#           .venv/bin/pip install --force-reinstall --no-cache-dir --no-binary=mpi4py "mpi4py>=4,<5"
+#   MPIRUN=mpirun (that MPI's launcher) and make mpi4py load that library, not the wheel's
+#   (the same two commands as in README.md, "Running on a cluster"):
+#       .venv/bin/pip uninstall -y mpich mpi4py
+#       MPI4PY_BUILD_MPICC="$(command -v mpicc)" .venv/bin/pip install --no-cache-dir --no-binary=mpi4py "mpi4py>=4,<5"
 #   Check: $MPIRUN -n 2 .venv/bin/python -m mpi4py.bench helloworld   (each rank says "of 2").
-#   Open MPI does not forward the environment by default: add e.g. MPIRUN_ARGS="-x PIPEINFER_CACHE".
+#   Open MPI's hostfile lines are "HOST slots=N", and it passes no environment variables unless
+#   told: MPIRUN_ARGS="-x PIPEINFER_CACHE" (the value of this shell) or "-x VAR=value".
 set -euo pipefail
 
 if [ $# -lt 3 ]; then
@@ -33,6 +37,14 @@ shift 2
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 PIPEINFER=${PIPEINFER:-$root/.venv/bin/pipeinfer}
-MPIRUN=${MPIRUN:-$root/.venv/bin/mpirun}
+if [ -z "${MPIRUN:-}" ]; then
+    MPIRUN=$root/.venv/bin/mpirun
+    # The bundled Hydra launcher stops with "token slots not supported at this time" otherwise.
+    if grep -Eq '^[^#]*slots[[:space:]]*=' "$hostfile"; then
+        echo "Error: $hostfile uses Open MPI's 'HOST slots=N' lines; the bundled mpirun (MPICH Hydra) wants 'HOST:N'" \
+             "(or set MPIRUN to Open MPI's mpirun)" >&2
+        exit 2
+    fi
+fi
 # shellcheck disable=SC2086  # MPIRUN_ARGS holds several words on purpose
 exec "$MPIRUN" -hostfile "$hostfile" -n "$n_ranks" ${MPIRUN_ARGS:-} "$PIPEINFER" generate "$@"
