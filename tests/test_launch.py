@@ -1,8 +1,18 @@
-"""The relaunch wrapper's output filter: Hydra's BAD TERMINATION banner goes, everything else streams."""
+"""The relaunch wrapper: Hydra's BAD TERMINATION banner goes, everything else streams; a stop
+(Ctrl-C, SIGTERM) ends every process of the job and leaves only `Error: interrupted`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 
-from pipeinfer_cli.transport.launch import BannerFilter
+from pipeinfer_cli.transport.launch import BannerFilter, LauncherFilter
 
 BANNER = b"""
 ===================================================================================
@@ -53,3 +63,196 @@ def test_text_is_not_held_back():
     assert f.feed(b"> x") == b"=> x"
     assert f.feed(b"\n" + b"=" * 30) == b"\n"
     assert f.feed(b"\nok") == b"=" * 30 + b"\nok"
+
+
+# -- stopping the job ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("step", [1, 3, 1 << 16])
+@pytest.mark.parametrize("data, want", [
+    (b"[mpiexec@vm] Sending Ctrl-C to processes as requested\n[mpiexec@vm] Press Ctrl-C again to force abort\n", b""),
+    (b'{"text": "a"}\n[proxy:0@vm] HYD_pmcd_pmip_control_cmd_cb (proxy/pmip_cb.c:1) assert (!closed) failed\n', b'{"text": "a"}\n'),
+    (b" The capital[mpiexec@vm] Sending Ctrl-C to processes as requested\n", b" The capital"),
+    (b"text [mpi and [prox stay\n", b"text [mpi and [prox stay\n"),
+    (b"ends with [", b"ends with ["),
+    (b"[proxy:0@vm] no newline at the end", b""),
+])
+def test_launcher_messages_are_removed(data, want, step):
+    f = LauncherFilter()
+    out = b"".join(f.feed(data[i:i + step]) for i in range(0, len(data), step)) + f.close()
+    assert out == want
+
+
+def test_launcher_filter_holds_back_only_a_possible_prefix():
+    f = LauncherFilter()
+    assert f.feed(b" Paris") == b" Paris"
+    assert f.feed(b". [m") == b". "
+    assert f.feed(b"x]") == b"[mx]"
+
+
+# A stand-in for Hydra's mpiexec: one "rank" that ignores SIGINT and SIGTERM (like a rank busy in C
+# code, loading a model), started in a session of its own as Hydra starts its ranks, with an MPICH
+# shared-memory file mapped; and Hydra's reactions to signals, printed where Hydra prints them.
+FAKE_MPIEXEC = r'''
+import signal, subprocess, sys, time
+ready, marker, shm = sys.argv[1], sys.argv[2], sys.argv[3]
+def chatter(signum, frame):
+    if signum == signal.SIGINT:
+        print("[mpiexec@vm] Sending Ctrl-C to processes as requested", flush=True)
+        print("[mpiexec@vm] Press Ctrl-C again to force abort", flush=True)
+    print("[proxy:0@vm] HYD_pmcd_pmip_control_cmd_cb (proxy/pmip_cb.c:1) assert (!closed) failed", file=sys.stderr, flush=True)
+signal.signal(signal.SIGINT, chatter)
+signal.signal(signal.SIGTERM, chatter)
+rank = subprocess.Popen([sys.executable, "-c",
+    "import mmap, signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+    "f = open(sys.argv[2], 'w+b'); f.truncate(4096); m = mmap.mmap(f.fileno(), 4096);"
+    "sys.stdout.write(' The capital'); sys.stdout.flush(); open(sys.argv[1], 'w').close(); time.sleep(60)",
+    ready, shm, marker], start_new_session=True)
+rank.wait()
+'''
+
+def job_processes(marker: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if marker.encode() in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir() or not Path("/proc/self/stat").exists(), reason="Linux: reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_stop_leaves_clean_output_and_no_process(tmp_path, signum):
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!" + sys.executable + "\nimport sys, runpy\n"
+                    "args = sys.argv[sys.argv.index('--fake') + 1:]\n"
+                    "sys.argv = args\nrunpy.run_path(args[0], run_name='__main__')\n")
+    fake.chmod(0o755)
+    (tmp_path / "fake_mpiexec.py").write_text(FAKE_MPIEXEC)
+    ready = tmp_path / "ready"
+    marker = f"pipeinfer-test-{uuid.uuid4().hex}"
+    shm = Path("/dev/shm") / f"mpich_{marker}"
+    args = [str(tmp_path / "fake_mpiexec.py"), str(ready), marker, str(shm)]
+    wrapper = (f"import sys\nfrom pipeinfer_cli.transport import launch\n"
+               f"launch.find_mpiexec = lambda: {str(fake)!r}\n"
+               f"sys.exit(launch.relaunch(2, ['--fake', *{args!r}]))\n")
+    # Its own session, like a command in a terminal: the signal goes to the whole foreground
+    # process group, as a Ctrl-C at the terminal (or `timeout -s INT`) sends it.
+    p = subprocess.Popen([sys.executable, "-c", wrapper], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.02)
+        assert job_processes(marker)
+        os.killpg(p.pid, signum)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    name = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+    assert (p.returncode, out, err) == (128 + signum, b" The capital", f"Error: {name}\n".encode())
+    assert job_processes(marker) == []  # the rank that ignored SIGTERM is gone when the command ends
+    assert not shm.exists()  # and the shared memory the killed rank left is removed
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses a shebang script")
+def test_launcher_errors_pass_when_not_stopping(tmp_path):
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\necho '[mpiexec@vm] HYDU_create_process (lib/utils/launch.c:74): execvp error' >&2\nexit 255\n")
+    fake.chmod(0o755)
+    wrapper = (f"import sys\nfrom pipeinfer_cli.transport import launch\n"
+               f"launch.find_mpiexec = lambda: {str(fake)!r}\nsys.exit(launch.relaunch(2, []))\n")
+    r = subprocess.run([sys.executable, "-c", wrapper], capture_output=True, timeout=30)
+    assert r.returncode == 255
+    assert r.stderr.startswith(b"[mpiexec@vm] HYDU_create_process")
+    assert b"mpiexec exit status 255" in r.stderr
+
+
+# -- Ctrl-C on a real job (mpiexec of the mpich wheel, SmolLM2 on 2 ranks) --------------------------
+
+MARKER_ENV = "PIPEINFER_TEST_MARKER"  # inherited by mpiexec, its proxies and every rank
+
+
+def marked_pids(marker: str) -> list[int]:
+    needle = f"{MARKER_ENV}={marker}\0".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if needle in Path(f"/proc/{entry}/environ").read_bytes():
+                    if Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def rank_pids(marker: str) -> list[int]:
+    return [p for p in marked_pids(marker) if b"PMI_RANK=" in Path(f"/proc/{p}/environ").read_bytes()]
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="Linux: reads /proc")
+@pytest.mark.parametrize("phase", ["loading", "decoding"])
+def test_ctrl_c_leaves_only_results_and_ends_the_job(smollm2_path, phase):
+    """`pipeinfer generate … --ranks 2 --json > out.json`, Ctrl-C: stdout holds only results, stderr
+    one `Error: interrupted`, exit status 130, and no process of the job is left when it returns."""
+    marker = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPEINFER_", "PMI_", "OMPI_", "PMIX_"))}
+    env[MARKER_ENV] = marker
+    json_flag = ["--json"] if phase == "loading" else []
+    cmd = [sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "--ranks", "2", "-n", "3000",
+           "--ctx", "4096", "--threads", "1", "-p", "The quick brown fox", *json_flag]
+    # Its own session: the signal goes to the whole foreground process group, as from a terminal.
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        if phase == "loading":  # as soon as both ranks exist: they are importing and loading the model
+            while len(rank_pids(marker)) < 2:
+                assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+                time.sleep(0.01)
+        else:  # the first streamed text
+            first = os.read(p.stdout.fileno(), 1 << 16)
+            assert first
+        os.killpg(p.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        out, err = p.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        left = marked_pids(marker)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert (p.returncode, err) == (130, b"Error: interrupted\n")
+    assert left == []  # gone when the command returns
+    assert b"[mpiexec@" not in out and b"[proxy:" not in out and b"Ctrl-C" not in out
+    if phase == "loading":
+        assert out == b"" or json.loads(out)
+    # The job is killed, not waited for: a rank busy loading a model used to keep it for 10 s.
+    assert took < 5, took
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="Linux: reads /proc")
+def test_ctrl_c_on_one_rank_says_interrupted(smollm2_path):
+    """Without relaunch (one rank, in this process), Ctrl-C while decoding: one line, status 130."""
+    marker = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPEINFER_", "PMI_", "OMPI_", "PMIX_"))}
+    env[MARKER_ENV] = marker
+    cmd = [sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "-n", "3000", "--ctx", "4096",
+           "--threads", "1", "-p", "The quick brown fox"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        assert os.read(p.stdout.fileno(), 1 << 16)  # decoding
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert (p.returncode, err.decode()) == (130, "Error: interrupted\n")
+    assert marked_pids(marker) == []

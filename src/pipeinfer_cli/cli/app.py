@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
+from pathlib import Path
 from typing import Annotated
 
-import typer
 
-from .. import __version__
-from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd
-from .console import err
-from .errors import ErrorHandlingGroup, report
+def _early_interrupt(_signum, _frame) -> None:
+    os.write(2, b"Error: interrupted\n")
+    os._exit(130)
+
+
+# A Ctrl-C while the `pipeinfer` command still imports its modules (the first few hundred ms) ends
+# it with the same one line as later instead of a traceback; main() then installs _on_interrupt.
+if Path(sys.argv[0]).name == "pipeinfer" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _early_interrupt)
+
+import typer  # noqa: E402
+
+from .. import __version__  # noqa: E402
+from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd  # noqa: E402
+from .console import err  # noqa: E402
+from .errors import ErrorHandlingGroup, report  # noqa: E402
+
 
 app = typer.Typer(
     name="pipeinfer",
@@ -51,17 +66,33 @@ def root(
     """Fast single-request LLM generation on CPU clusters with asynchronous pipelined speculation."""
 
 
+_interrupted = False
+
+
+def _on_interrupt(_signum, _frame) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     # ggml's OpenMP threads spin after each graph by default. Here ranks, the draft model and
     # other work share cores, and a spinning team steals the core from whoever computes next
     # (measured on SmolLM2, 2 threads, second core busy: 8 tok/s spinning vs 85 tok/s passive).
     # It must be set before libgomp loads; an explicit user setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    signal.signal(signal.SIGINT, _on_interrupt)
     try:
         app()
     except KeyboardInterrupt:
         err.print("Error: interrupted")
         raise SystemExit(130) from None
+    except SystemExit as exc:
+        # Typer turns a KeyboardInterrupt inside a command into a silent exit status 130. (A job
+        # started by relaunch() handles Ctrl-C itself and reports it: _interrupted stays False.)
+        if _interrupted and exc.code == 130:
+            err.print("Error: interrupted")
+        raise
     except Exception as exc:  # a bug: still one line unless PIPEINFER_DEBUG is set
         report(exc)
         raise SystemExit(1) from None

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,9 +19,15 @@ from ..errors import UsageError
 # Variables that MPICH/Hydra, Open MPI, Slurm and PMIx set in every rank of a job.
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "PMI_FD")
 RELAUNCHED = "PIPEINFER_RELAUNCHED"
-# Signals that stop the job: forwarded to mpiexec, which tears down every rank.
+# Signals that stop the job. The job runs in its own session, so the terminal's Ctrl-C reaches
+# only this process; it then stops every process of the job itself (see relaunch()).
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-STOP_TIMEOUT_S = 10.0  # after forwarding a stop signal, kill mpiexec if it is still there
+STOP_GRACE_S = 0.5  # after SIGTERM to the job's processes, SIGKILL whatever is left
+GONE_TIMEOUT_S = 1.0  # then wait this long at most for the killed processes to disappear
+# Lines that Hydra's mpiexec and its proxies print about their own teardown, e.g.
+# "[mpiexec@host] Sending Ctrl-C to processes as requested" or
+# "[proxy:0@host] HYD_pmcd_pmip_control_cmd_cb (…) assert (!closed) failed".
+LAUNCHER_PREFIXES = (b"[mpiexec@", b"[proxy:")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -44,12 +50,6 @@ def find_mpiexec() -> str:
     return found
 
 
-class _Stopped(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
 def _die_with_parent():
     """A preexec_fn (Linux): mpiexec gets SIGTERM when this process dies, even by SIGKILL, so an
     orphaned job never keeps running. mpiexec tears down its ranks on SIGTERM."""
@@ -69,53 +69,199 @@ def _die_with_parent():
     return child
 
 
+class _Proc(tuple):
+    """(ppid, start time, state) of a process, from /proc/PID/stat."""
+
+    ppid = property(lambda self: self[0])
+    start = property(lambda self: self[1])
+    state = property(lambda self: self[2])
+
+
+def _process_table() -> dict[int, _Proc]:
+    """Every process of the machine (Linux; {} where there is no /proc)."""
+    table: dict[int, _Proc] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return table
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state ppid pgrp … starttime
+        if len(fields) > 19:
+            table[int(entry)] = _Proc((int(fields[1]), fields[19], fields[0]))
+    return table
+
+
+def _mpich_shm_files(pid: int) -> set[str]:
+    """MPICH's shared-memory files that a process has mapped and that still have a name."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split(None, 5)[5].strip() for line in f
+                    if "/dev/shm/mpich_" in line and not line.rstrip().endswith("(deleted)")}
+    except (OSError, IndexError):
+        return set()
+
+
+class _Job:
+    """mpiexec and every process under it: Hydra's proxies and the ranks.
+
+    Hydra starts each proxy and each rank in a session of its own, so neither mpiexec's process
+    group nor its session holds them: the job is the process tree under mpiexec. It is read from
+    /proc when the job is stopped, while it is still whole, and every process is remembered with
+    its start time, so that a signal never reaches an unrelated process that reused a pid. The
+    ranks' MPICH shared-memory files, which a killed job leaves in /dev/shm, are removed once the
+    job is gone.
+    """
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self._lock = threading.RLock()  # also taken by signal handlers, which run in the main thread
+        self._known: dict[int, bytes] = {}  # pid -> start time, of mpiexec and its descendants
+        self._shm: set[str] = set()
+        self._reaped = False
+        self._stop_at: float | None = None
+        self._timer: threading.Timer | None = None
+
+    def _refresh(self) -> dict[int, _Proc]:
+        """Add the processes now under mpiexec (or under a known process) to the known ones."""
+        table = _process_table()
+        if not self._reaped and self.proc.pid in table:
+            self._known.setdefault(self.proc.pid, table[self.proc.pid].start)
+        children: dict[int, list[int]] = {}
+        for pid, info in table.items():
+            children.setdefault(info.ppid, []).append(pid)
+        todo = [pid for pid, start in self._known.items() if pid in table and table[pid].start == start]
+        while todo:
+            for child in children.get(todo.pop(), ()):
+                if child not in self._known and child != os.getpid():
+                    self._known[child] = table[child].start
+                    self._shm |= _mpich_shm_files(child)
+                    todo.append(child)
+        return table
+
+    def _alive(self, table: dict[int, _Proc]) -> list[int]:
+        return [pid for pid, start in self._known.items()
+                if pid in table and table[pid].start == start and table[pid].state != b"Z"]
+
+    def signal(self, signum: int) -> None:
+        """Send signum to mpiexec and every known process of the job that is still there."""
+        with self._lock:
+            table = self._refresh()
+            if not self._reaped:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(signum)
+            for pid in self._alive(table):
+                if pid != self.proc.pid:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signum)
+
+    def stop(self) -> None:
+        """SIGTERM to every process of the job, SIGKILL STOP_GRACE_S later to what is left."""
+        with self._lock:
+            if self._stop_at is not None:
+                return
+            self._stop_at = time.monotonic()
+            self._timer = threading.Timer(STOP_GRACE_S, self.signal, (signal.SIGKILL,))
+            self._timer.daemon = True
+            self._timer.start()
+            self.signal(signal.SIGTERM)
+
+    def wait_exited(self) -> None:
+        """Until mpiexec has exited, without reaping it (signal handlers run meanwhile)."""
+        if hasattr(os, "waitid"):
+            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+        else:
+            self.proc.wait()
+
+    def finish(self) -> int:
+        """After mpiexec exited: if the job was stopped, make sure every process of it is gone
+        (SIGKILL after the grace period) and remove its shared-memory files; reap mpiexec and
+        return its exit status."""
+        with self._lock:
+            stop_at = self._stop_at
+        if stop_at is not None:
+            while self._alive(self._refresh()) and time.monotonic() < stop_at + STOP_GRACE_S:
+                time.sleep(0.01)
+            self.signal(signal.SIGKILL)
+            deadline = time.monotonic() + GONE_TIMEOUT_S
+            while self._alive(_process_table()) and time.monotonic() < deadline:  # mpiexec: a zombie, not alive
+                time.sleep(0.01)
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            rc = self.proc.wait()
+            self._reaped = True
+            if stop_at is not None and not self._alive(_process_table()):
+                for path in self._shm:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+        return rc
+
+
 def relaunch(n_ranks: int, argv: list[str]) -> int:
     """Run this same command as an MPI job of n_ranks processes and return its exit code.
 
-    Ctrl-C, SIGTERM and SIGHUP are forwarded to mpiexec (which stops every rank); if the job is not
-    gone STOP_TIMEOUT_S later, mpiexec is killed. The head prints its own errors; an abnormal end it
-    could not report (a rank killed or crashed) is reported here, in one line.
+    The job runs in a session of its own, so a Ctrl-C at the terminal reaches only this process,
+    not mpiexec (which would print "Sending Ctrl-C to processes as requested" into the output and
+    wait for ranks that may be busy in C code, loading a model). On Ctrl-C, SIGTERM or SIGHUP this
+    process stops the job itself: SIGTERM to every process of it, SIGKILL STOP_GRACE_S later,
+    and it returns only once they are gone. What the launcher prints about its teardown is
+    dropped, and the one line reported is `Error: interrupted`.
+
+    The head prints its own errors; an abnormal end it could not report (a rank killed or
+    crashed) is reported here, in one line.
     """
     cmd = [find_mpiexec(), "-n", str(n_ranks), sys.executable, "-m", "pipeinfer_cli", *argv]
     env = {**os.environ, RELAUNCHED: "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent())
-    keep_banner = os.environ.get("PIPEINFER_DEBUG", "") not in ("", "0")
+    debug = os.environ.get("PIPEINFER_DEBUG", "") not in ("", "0")
+    stopping = threading.Event()
+    stopped_by: list[int] = []
+    job: _Job | None = None
 
     def stop_job() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
+        stopping.set()  # first, so that the launcher's reaction to the stop is filtered
+        if job is not None:
+            job.stop()
 
-    pumps = (_Pump(proc.stdout, sys.stdout.buffer, keep_banner, stop_job),
-             _Pump(proc.stderr, sys.stderr.buffer, keep_banner, stop_job))
+    def on_signal(signum, _frame):
+        if not stopped_by:  # a second Ctrl-C changes nothing: the job is being stopped already
+            stopped_by.append(signum)
+            stop_job()
 
-    def stop(signum, _frame):
-        raise _Stopped(signum)
-
-    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
-    stopped = None
+    # The handlers come first: a stop that arrives while mpiexec starts stops it right after.
+    previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
     try:
-        try:
-            rc = proc.wait()
-        except _Stopped as exc:
-            stopped = exc.signum
-            for s in _STOP_SIGNALS:  # a second Ctrl-C must not interrupt the teardown
-                signal.signal(s, signal.SIG_IGN)
-            proc.send_signal(signal.SIGINT if stopped == signal.SIGINT else signal.SIGTERM)
-            try:
-                rc = proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, preexec_fn=_die_with_parent())
+    except BaseException:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        raise
+    job = _Job(proc)
+    pumps = (_Pump(proc.stdout, sys.stdout.buffer, debug, stop_job, stopping),
+             _Pump(proc.stderr, sys.stderr.buffer, debug, stop_job, stopping, drop_when_stopping=True))
+    try:
+        if stopping.is_set():
+            job.stop()
+        job.wait_exited()
     finally:
+        rc = job.finish()
         for s, handler in previous.items():
             signal.signal(s, handler)
         for pump in pumps:
             pump.join(timeout=2)
     if any(pump.broken for pump in pumps):
         return 128 + signal.SIGPIPE  # the reader went away: the job was stopped, nothing to report
-    if stopped is not None:
-        _report("interrupted" if stopped == signal.SIGINT else f"stopped by {signal.Signals(stopped).name}")
-        return 128 + stopped
+    if stopped_by:
+        signum = stopped_by[0]
+        _report("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}")
+        return 128 + signum
     if rc != 0 and pumps[1].reported:
         return 1  # the head printed the error; the launcher may have killed the other ranks since
     if rc != 0:
@@ -124,6 +270,56 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
         _report(f"the MPI job ended abnormally ({how}mpiexec exit status {rc}): a rank crashed or was killed, "
                 "for example by the out-of-memory killer")
     return rc
+
+
+class LauncherFilter:
+    """Removes the launcher's own messages from a byte stream: from "[mpiexec@" or "[proxy:" to the
+    end of that line, wherever it starts (Hydra writes into the same pipe as the ranks, so after a
+    token streamed without newline its message may start mid-line). Used once the job is being
+    stopped, when such messages only describe the teardown. Everything else passes at once, except
+    a tail that may be the start of a launcher message.
+    """
+
+    def __init__(self, prefixes: tuple[bytes, ...] = LAUNCHER_PREFIXES):
+        self.prefixes = prefixes
+        self.held = b""  # the end of the last chunk, which may begin a prefix
+        self.dropping = False  # inside a launcher message, up to its newline
+
+    def _tail_to_hold(self, data: bytes) -> int:
+        """Length of the longest end of data that is a proper start of a prefix."""
+        best = 0
+        for p in self.prefixes:
+            for k in range(min(len(p) - 1, len(data)), best, -1):
+                if data.endswith(p[:k]):
+                    best = k
+                    break
+        return best
+
+    def feed(self, data: bytes) -> bytes:
+        data, self.held = self.held + data, b""
+        out: list[bytes] = []
+        i = 0
+        while i < len(data):
+            if self.dropping:
+                nl = data.find(b"\n", i)
+                if nl < 0:
+                    break
+                self.dropping, i = False, nl + 1
+                continue
+            hits = [k for k in (data.find(p, i) for p in self.prefixes) if k >= 0]
+            if hits:
+                out.append(data[i:min(hits)])
+                self.dropping, i = True, min(hits)
+                continue
+            keep = self._tail_to_hold(data[i:])
+            out.append(data[i:len(data) - keep])
+            self.held = data[len(data) - keep:]
+            break
+        return b"".join(out)
+
+    def close(self) -> bytes:
+        held, self.held = self.held, b""
+        return b"" if self.dropping else held
 
 
 class BannerFilter:
@@ -226,12 +422,17 @@ class BannerFilter:
 
 
 class _Pump(threading.Thread):
-    """Copies one of the job's output streams to ours through a BannerFilter."""
+    """Copies one of the job's output streams to ours through a BannerFilter and, once the job is
+    being stopped, a LauncherFilter (or, with drop_when_stopping, drops the rest of the stream).
+    With debug set, everything passes."""
 
-    def __init__(self, src, dst, keep_banner: bool, on_broken: Callable[[], None]):
+    def __init__(self, src, dst, debug: bool, on_broken: Callable[[], None], stopping: threading.Event,
+                 drop_when_stopping: bool = False):
         super().__init__(daemon=True, name="mpiexec-output")
-        self.src, self.dst, self.on_broken = src, dst, on_broken
-        self.filter = None if keep_banner else BannerFilter()
+        self.src, self.dst, self.on_broken, self.stopping = src, dst, on_broken, stopping
+        self.debug, self.drop_when_stopping = debug, drop_when_stopping
+        self.filter = None if debug else BannerFilter()
+        self.launcher_filter = LauncherFilter()
         self.reported = False  # a line starting with "Error: " went through
         self.broken = False  # our reader went away (`pipeinfer … | head`)
         self.start()
@@ -239,6 +440,9 @@ class _Pump(threading.Thread):
     @property
     def exit_string(self) -> str | None:
         return self.filter.exit_string if self.filter else None
+
+    def _stopping(self) -> bool:
+        return self.stopping.is_set() and not self.debug
 
     def run(self) -> None:
         fd = self.src.fileno()
@@ -249,9 +453,18 @@ class _Pump(threading.Thread):
                 self.filter.lines.clear()
             elif b"Error: " in chunk:
                 self.reported = True
-            self._write(chunk)
+            self._out(chunk)
         if self.filter is not None:
-            self._write(self.filter.close())
+            self._out(self.filter.close())
+        if self._stopping() and not self.drop_when_stopping:
+            self._write(self.launcher_filter.close())
+
+    def _out(self, data: bytes) -> None:
+        if self._stopping():
+            if self.drop_when_stopping:
+                return
+            data = self.launcher_filter.feed(data)
+        self._write(data)
 
     def _write(self, data: bytes) -> None:
         if not data or self.broken:
