@@ -1,11 +1,19 @@
 """models.toml parsing: the shipped registry, and clear errors for malformed entries."""
 
+import io
+import json
+import re
 from pathlib import Path
 
 import pytest
+from rich.console import Console
+from typer.testing import CliRunner
 
+from pipeinfer_cli.cli.app import app
 from pipeinfer_cli.errors import RegistryError
 from pipeinfer_cli.registry import load_registry, parse_registry
+
+runner = CliRunner()
 
 GOOD = """
 default = "a"
@@ -66,3 +74,47 @@ def test_unknown_model_lists_known_names():
     with pytest.raises(RegistryError) as e:
         load_registry().model("gpt-17")
     assert "gpt-17" in str(e.value) and "smollm2-135m-instruct" in str(e.value) and "qwen-coder" in str(e.value)
+
+
+# -- `pipeinfer models list` ------------------------------------------------------------------------
+
+def test_models_list_piped_is_one_plain_line_per_model():
+    """CliRunner's stdout is not a terminal, as in `pipeinfer models list | grep qwen`."""
+    reg = load_registry()
+    r = runner.invoke(app, ["models", "list"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert len(lines) == len(reg.models) + len(reg.pairs)
+    rows = {line.split("\t")[0]: line.split("\t") for line in lines}
+    assert set(rows) == set(reg.models) | set(reg.pairs)  # whole names, nothing else on the line
+    for name, m in reg.models.items():
+        assert rows[name][1:3] == [m.arch, str(m.size)] and rows[name][3] in ("yes", "no")
+    pair = reg.pairs["qwen-coder"]
+    assert rows["qwen-coder"][1] == "pair" and rows["qwen-coder"][4:] == [pair.target, pair.draft]
+    assert [line.split("\t")[0] for line in lines if "qwen" in line] == [
+        "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "qwen-coder"]
+    assert not any(c in r.stdout for c in "…│┃")
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_models_list_table_never_shortens_names(monkeypatch, width):
+    from pipeinfer_cli.cli import models_cmd
+
+    term = Console(file=io.StringIO(), force_terminal=True, width=width, color_system=None)
+    monkeypatch.setattr(models_cmd, "out", term)
+    r = runner.invoke(app, ["models", "list"])
+    assert r.exit_code == 0, r.output
+    table = term.file.getvalue()
+    reg = load_registry()
+    for name in [*reg.models, *reg.pairs]:
+        assert re.search(rf"│ {re.escape(name)}[ │]", table), (name, table)
+    assert "…" not in table
+
+
+def test_models_list_json_has_whole_names():
+    reg = load_registry()
+    r = runner.invoke(app, ["models", "list", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert [m["name"] for m in data["models"]] == list(reg.models)
+    assert [p["name"] for p in data["pairs"]] == list(reg.pairs)

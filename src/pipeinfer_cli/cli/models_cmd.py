@@ -23,7 +23,10 @@ app = typer.Typer(
 
 @app.command("list")
 def list_models(as_json: JsonFlag = False) -> None:
-    """Show every named model and pair, and whether it is downloaded."""
+    """Show every named model and pair, and whether it is downloaded.
+
+    On a terminal this is a table. Piped, it is plain text for scripts and grep, one model or pair a line, tab-separated: name, arch ("pair" for a pair), size in bytes, downloaded (yes/no), and for a pair its target and draft. Names are never shortened.
+    """
     reg = load_registry()
     rows = []
     for m in reg.models.values():
@@ -34,17 +37,34 @@ def list_models(as_json: JsonFlag = False) -> None:
     if as_json:
         out.print_json(json.dumps({"cache": str(cache_dir()), "models": rows, "pairs": pairs}))
         return
+    if not out.is_terminal:
+        by_name = {r["name"]: r for r in rows}
+        lines = [f"{r['name']}\t{r['arch']}\t{r['size']}\t{'yes' if r['downloaded'] else 'no'}" for r in rows]
+        for p in pairs:
+            t, d = by_name[p["target"]], by_name[p["draft"]]
+            both = t["downloaded"] and d["downloaded"]
+            lines.append(f"{p['name']}\tpair\t{t['size'] + d['size']}\t{'yes' if both else 'no'}\t{p['target']}\t{p['draft']}")
+        typer.echo("\n".join(lines))
+        return
+    # Every column but the description keeps its full width (never "smollm2-135m-instru…"); the
+    # description wraps, and is left out when the terminal leaves it too little room.
+    cells = [[r["name"] + (" (default)" if r["default"] else ""), r["arch"], human_bytes(r["size"]),
+              "yes" if r["downloaded"] else "no"] for r in rows]
+    headers = ("name", "arch", "size", "downloaded")
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    with_description = out.width - sum(w + 3 for w in widths) - 4 >= 30
     table = Table(title=f"models (cache: {cache_dir()})", title_justify="left")
-    for col in ("name", "arch", "size", "downloaded", "description"):
-        table.add_column(col, justify="right" if col == "size" else "left")
-    for r in rows:
-        name = r["name"] + (" (default)" if r["default"] else "")
-        table.add_row(name, r["arch"], human_bytes(r["size"]), "yes" if r["downloaded"] else "no", r["description"])
+    for h, w in zip(headers, widths):
+        table.add_column(h, justify="right" if h == "size" else "left", no_wrap=True, min_width=w)
+    if with_description:
+        table.add_column("description", overflow="fold")
+    for c, r in zip(cells, rows):
+        table.add_row(*c, *([r["description"]] if with_description else []))
     out.print(table)
     if pairs:
         pt = Table(title="pairs", title_justify="left")
         for col in ("name", "target", "draft"):
-            pt.add_column(col)
+            pt.add_column(col, no_wrap=True, min_width=max(len(p[col]) for p in pairs))
         for p in pairs:
             pt.add_row(p["name"], p["target"], p["draft"])
         out.print(pt)
