@@ -118,3 +118,17 @@ def test_models_list_json_has_whole_names():
     data = json.loads(r.stdout)
     assert [m["name"] for m in data["models"]] == list(reg.models)
     assert [p["name"] for p in data["pairs"]] == list(reg.pairs)
+
+
+# -- the root command's help ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [["--help"], ["models", "list", "--help"]])
+def test_help_shows_flags_without_a_value_type(args):
+    r = runner.invoke(app, args, terminal_width=100)
+    assert r.exit_code == 0, r.output
+    flag_lines = [line for line in r.output.splitlines() if "--version" in line or "--json" in line or "--help" in line]
+    assert flag_lines
+    for line in flag_lines:
+        assert "<bool>" not in line and "BOOLEAN" not in line, line
+    r = runner.invoke(app, ["-V"])
+    assert r.exit_code == 0 and r.output.startswith("pipeinfer ")

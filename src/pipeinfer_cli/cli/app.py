@@ -27,6 +27,26 @@ from .console import err  # noqa: E402
 from .errors import ErrorHandlingGroup, report  # noqa: E402
 
 
+def _flags_without_type() -> None:
+    """Typer 0.29's help shows a flag's type as if it took a value (`--version -V <bool>`); a flag
+    takes none, so show nothing there, as click and earlier Typer versions do."""
+    from typer.core import TyperOption
+
+    original = getattr(TyperOption, "display_type_rich", None)
+    if original is None or getattr(original, "_pipeinfer_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        if self.is_flag and self.metavar is None:
+            return None
+        return original(self, ctx)
+
+    display_type_rich._pipeinfer_flags = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_without_type()
+
 app = typer.Typer(
     name="pipeinfer",
     cls=ErrorHandlingGroup,
