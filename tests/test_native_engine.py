@@ -66,3 +66,29 @@ def test_stats_count_layers(qwen_file):
     assert (s["evals"], s["layer_evals"], s["layer_evals_skipped"], s["evals_cancelled"]) == (3, 6, 0, 0)
     assert s["t_compute_us"] > 0
     assert eng.eval_progress() == 2
+
+
+@pytest.mark.parametrize("split", [None, 2])
+def test_batch_without_output_rows_fills_the_cache(tiny_qwen2, split):
+    """A prompt chunk before the last asks the last stage for no rows: it returns (0, n_vocab),
+    stores its K/V, and the next chunk's logits are bit-identical to a run that asked for a row."""
+    from pipeinfer_cli.native import LayerEngine
+
+    def run(first_output: bool) -> np.ndarray:
+        stages = ([LayerEngine(str(tiny_qwen2), 0, 4, n_ctx=64)] if split is None else
+                  [LayerEngine(str(tiny_qwen2), 0, split, n_ctx=64), LayerEngine(str(tiny_qwen2), split, 4, n_ctx=64)])
+        out = None
+        for b, want_row in ((0, first_output), (5, True)):
+            toks = np.arange(3 + b, 8 + b, dtype=np.int32)
+            x = None
+            for i, eng in enumerate(stages):
+                kw = dict(tokens=toks) if i == 0 else dict(embd=x)
+                x = eng.eval(**kw, pos=np.arange(b, b + 5, dtype=np.int32), seq_ids=[[0]] * 5,
+                             output=[False] * 4 + [want_row])
+            if b == 0 and not first_output:
+                assert x.shape == (0, stages[-1].n_vocab)
+                assert stages[-1].kv_used_cells() == 5
+            out = x
+        return out
+
+    assert np.array_equal(run(False), run(True))

@@ -161,9 +161,8 @@ void layer_engine::validate(const eval_batch & b) const {
         }
     }
     if (is_last()) {
-        if (b.out_rows.empty()) {
-            throw invalid_input("the last stage needs at least one row with output=True");
-        }
+        // No output rows is valid (a prompt chunk before the last): the batch only fills the
+        // KV cache, and the graph stops after the last layer's K/V store.
         for (size_t i = 0; i < b.out_rows.size(); ++i) {
             if (b.out_rows[i] < 0 || b.out_rows[i] >= b.n_tokens || (i > 0 && b.out_rows[i] <= b.out_rows[i - 1])) {
                 throw invalid_input("output rows must be distinct, ascending and < n_tokens");
@@ -277,7 +276,7 @@ void layer_engine::eval(const eval_batch & b, float * out) {
         if (st != GGML_STATUS_SUCCESS) {
             throw engine_failure(std::string("ggml graph compute failed: ") + ggml_status_to_string(st));
         }
-        std::memcpy(out, res->data, ggml_nbytes(res));
+        if (res) std::memcpy(out, res->data, ggml_nbytes(res));
         std::lock_guard<std::mutex> sl(stats_mutex_);
         stats_.layer_evals += n_range;
     } catch (const eval_cancelled &) {

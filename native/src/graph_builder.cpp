@@ -160,7 +160,7 @@ ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weig
         ggml_set_input(in.v_order);
     }
     // Like llama.cpp, drop the rows nobody wants before the last layer's FFN and the LM head.
-    if (w.is_last() && shape.n_outputs < n_tokens) {
+    if (w.is_last() && shape.n_outputs > 0 && shape.n_outputs < n_tokens) {
         in.out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, shape.n_outputs);
         ggml_set_input(in.out_ids);
     }
@@ -202,6 +202,13 @@ ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weig
             ggml_tensor * v_flat = ggml_reshape_2d(ctx, Vcur, 1, n_embd_gqa * n_tokens);
             ggml_tensor * vc_flat = ggml_reshape_2d(ctx, vc, 1, ggml_nelements(vc));
             ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc_flat, v_flat, in.v_idxs));
+        }
+
+        // Nobody wants this batch's logits (a prompt chunk before the last): the K/V stores above
+        // are all the model's last layer has to do; its attention output, FFN and the LM head are
+        // skipped, as llama.cpp does for a batch without outputs.
+        if (model_last_layer && w.is_last() && shape.n_outputs == 0) {
+            return nullptr;
         }
 
         // views of the first n_kv cells: k [d_head, n_head_kv, n_kv]

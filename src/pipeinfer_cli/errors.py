@@ -4,6 +4,8 @@
 class PipeinferError(Exception):
     """Base class: the message is shown to the user as is, so it names the problem and the fix."""
 
+    exit_code = 1
+
 
 class RegistryError(PipeinferError):
     """models.toml is malformed, or a model / pair name is unknown."""
@@ -23,3 +25,9 @@ class CacheError(PipeinferError):
 
 class UsageError(PipeinferError):
     """A combination of options that cannot work."""
+
+
+class OptionValueError(UsageError):
+    """An option's value is out of its range (exit status 2, like any command-line usage error)."""
+
+    exit_code = 2

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from ..errors import PipeinferError, UsageError
-from .job_setup import check_world, make_job_config, ranks_wanted, resolve_models
+from .job_setup import check_n_predict, check_plan, check_world, make_job_config, ranks_wanted, resolve_models
 from .options import (
     CtxOption, DraftOption, JobRanksOption, LayerSplitOption, MaxBranchesOption, MaxInflightOption, ModelArg,
     NDraftOption, NPredictOption, PAcceptOption, PDecayOption, PMinOption, PRecoveryOption, PSplitOption,
@@ -48,7 +48,7 @@ class TokenMismatchError(PipeinferError):
 def parse_modes(text: str) -> list[str]:
     import importlib.util
 
-    from ..engine.job import MODES
+    from ..engine.session import MODES
 
     modes = [m.strip() for m in text.split(",") if m.strip()]
     if not modes:
@@ -106,6 +106,7 @@ def bench(
 
     # Everything that can be wrong in the input fails here, before a model is pulled or loaded.
     mode_list = parse_modes(modes)
+    check_n_predict(n_predict)
     prompt_set = load_prompts(prompts, limit)
     outputs = {"--json": json_out, "--csv": csv_out, "--trace": trace_out, "--plot": plot_out}
     check_output_paths(outputs)
@@ -123,6 +124,11 @@ def bench(
         raise UsageError(f"--modes {wants} need a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
 
     if not inside and want > 1:
+        probe = make_job_config(target, draft_ref, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p, seed=seed,
+                                n_draft=n_draft, p_min=p_min, p_accept=p_accept, p_split=p_split,
+                                p_recovery=p_recovery, p_decay=p_decay, max_branches=max_branches,
+                                max_inflight=max_inflight, ctx=ctx, layer_split=layer_split, threads=threads)
+        check_plan(probe, want, needs_draft)
         for stream, var in _TTY_ENV.items():
             os.environ.setdefault(var, "1" if getattr(sys, stream).isatty() else "0")
         if sys.stdout.isatty():

@@ -12,6 +12,11 @@ import traceback
 import typer
 from typer.core import TyperGroup
 
+try:  # Typer >= 0.22 vendors click as typer._click; older releases use click itself
+    from typer._click.exceptions import UsageError as ClickUsageError
+except ImportError:  # pragma: no cover - depends on the installed Typer
+    from click.exceptions import UsageError as ClickUsageError
+
 from ..errors import PipeinferError
 from .console import debug_enabled, err
 
@@ -26,12 +31,25 @@ def report(exc: BaseException) -> None:
     err.print(f"Error: {msg}", markup=False, highlight=False)
 
 
+def usage_message(exc: ClickUsageError) -> str:
+    """Click's message for a bad option or argument, in one line, with where to read more."""
+    msg = exc.format_message().replace("\n", " ")
+    cmd = exc.ctx.command_path if exc.ctx is not None else "pipeinfer"
+    return f"{msg} (see `{cmd} --help`)"
+
+
 class ErrorHandlingGroup(TyperGroup):
-    """Root command group that reports the typed errors of any subcommand, once."""
+    """Root command group that reports the typed errors of any subcommand, once.
+
+    Bad option values (click's UsageError: out of range, wrong type, unknown option) become one
+    `Error: …` line with exit status 2 too, instead of a boxed usage message."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except PipeinferError as exc:
             report(exc)
-            raise typer.Exit(1) from None
+            raise typer.Exit(exc.exit_code) from None
+        except ClickUsageError as exc:
+            err.print(f"Error: {usage_message(exc)}", markup=False, highlight=False)
+            raise typer.Exit(2) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -11,45 +12,52 @@ import typer
 
 from ..errors import UsageError
 from .console import err, out
-from .job_setup import check_world, make_job_config, ranks_wanted, resolve_models
+from .job_setup import (
+    check_n_predict, check_plan, check_world, default_mode, make_job_config, ranks_wanted, resolve_models,
+)
 from .options import (
     CtxOption, DraftOption, JobRanksOption, JsonFlag, LayerSplitOption, MaxBranchesOption, MaxInflightOption,
-    ModelArg, NDraftOption, NPredictOption, PAcceptOption, PDecayOption, PMinOption, PRecoveryOption, PSplitOption,
-    SeedOption, TempOption, ThreadsOption, TopKOption, TopPOption,
+    MinPOption, ModelOption, ModeOption, NDraftOption, NPredictOption, OptionalModelArg, PAcceptOption, PDecayOption,
+    PMinOption, PRecoveryOption, PSplitOption, SeedOption, StopOption, TempOption, ThreadsOption, TopKOption,
+    TopPOption,
 )
-
-MODE_HELP = (
-    "iterative: one token per pass through the pipeline. "
-    "speculative: draft --n-draft tokens, verify them in one batch (standard synchronous speculation). "
-    "pipeinfer: asynchronous pipelined speculation with early cancellation."
-)
+from .prompt_input import read_prompt_input
 
 EPILOG = """Examples:
 
   pipeinfer generate smollm2-135m-instruct -p "The capital of France is" -n 32
 
-  pipeinfer generate qwen-coder --chat "Write FizzBuzz in Python" -n 64 --ranks 2 --mode speculative
+  pipeinfer generate -m qwen-coder --chat "Write FizzBuzz in Python" -n 64 --ranks 2
 
-  pipeinfer generate qwen2.5-coder-1.5b-instruct --draft lookup --mode pipeinfer --ranks 2 -f prompt.txt
+  pipeinfer generate qwen2.5-coder-1.5b-instruct --draft lookup --ranks 2 -f prompt.txt
+
+  git diff | pipeinfer generate qwen-coder --system "Review this patch." -f - --stop "\n\n\n"
 
   mpirun -hostfile hosts -n 4 pipeinfer generate qwen-coder --layer-split 0.2,0.4,0.4/1 --chat "Hi"
 
-Greedy decoding (--temp 0, the default) prints exactly the same tokens in every mode; with
---temp > 0 the same --seed also gives the same tokens in every mode.
+With a draft (--draft, or a pair name such as qwen-coder) the mode is pipeinfer unless -M says
+otherwise. Greedy decoding (--temp 0, the default) prints exactly the same tokens in every mode;
+with --temp > 0 the same --seed also gives the same tokens in every mode. --messages takes a JSON
+list of {"role": "system"|"user"|"assistant", "content": "..."} objects.
 """
 
 
 def generate(
-    model: ModelArg,
+    model: OptionalModelArg = None,
+    model_opt: ModelOption = None,
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Raw prompt text.")] = None,
-    file: Annotated[Path | None, typer.Option("--file", "-f", help="Read the raw prompt from a file.")] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="Read the raw prompt from a file ('-': standard input).")] = None,
     chat: Annotated[str | None, typer.Option("--chat", help="A user message, formatted with the model's chat template.")] = None,
+    messages: Annotated[Path | None, typer.Option("--messages", help="Chat messages from a JSON file ('-': standard input), formatted with the model's chat template.")] = None,
+    system: Annotated[str | None, typer.Option("--system", help="System prompt, with --chat or --messages.")] = None,
     draft: DraftOption = None,
-    mode: Annotated[str, typer.Option("--mode", "-m", help=MODE_HELP)] = "iterative",
+    mode: ModeOption = None,
     n_predict: NPredictOption = 128,
+    stop: StopOption = None,
     temp: TempOption = 0.0,
     top_k: TopKOption = 40,
     top_p: TopPOption = 0.95,
+    min_p: MinPOption = 0.0,
     seed: SeedOption = 0,
     n_draft: NDraftOption = 4,
     p_min: PMinOption = 0.0,
@@ -71,47 +79,50 @@ def generate(
 
     With --json: one JSON object with the text, the token ids and every metric.
     """
-    from ..engine.job import MODES
     from ..transport.launch import relaunch, under_mpi_launcher
 
-    if mode not in MODES:
-        raise UsageError(f"unknown --mode {mode!r}; choose one of {', '.join(MODES)}")
-    given = [x for x in (prompt, file, chat) if x is not None]
-    if len(given) != 1:
-        raise UsageError("give exactly one of -p/--prompt, -f/--file or --chat")
-    if file is not None:
-        try:
-            prompt = file.read_text()
-        except OSError as e:
-            raise UsageError(f"cannot read the prompt file {file}: {e.strerror}") from None
-    want, split_ranks = ranks_wanted(ranks, layer_split)
+    if model is not None and model_opt is not None and model != model_opt:
+        raise UsageError(f"two models given: {model!r} and -m {model_opt!r}; give one")
+    model = model or model_opt
+    if model is None:
+        raise UsageError("no model given; pass one, e.g. `pipeinfer generate smollm2-135m-instruct -p Hello` "
+                         "(see `pipeinfer models list`)")
+    check_n_predict(n_predict)
     inside = under_mpi_launcher()
-    target, draft_ref = resolve_models(model, draft, mode, allow_pull=not inside)
+    # Only the head reads the prompt: under a launcher, standard input reaches rank 0 alone.
+    given = read_prompt_input(prompt, file, chat, messages, system) if not inside or world_rank() == 0 else None
+    want, split_ranks = ranks_wanted(ranks, layer_split)
+    target, draft_ref = resolve_models(model, draft, mode or "", allow_pull=not inside)
+    mode = default_mode(mode, draft_ref)
     if mode != "iterative" and draft_ref is None:
         raise UsageError(f"--mode {mode} needs a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
+    cfg = make_job_config(target, draft_ref, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p, seed=seed,
+                          n_draft=n_draft, p_min=p_min, p_accept=p_accept, p_split=p_split, p_recovery=p_recovery,
+                          p_decay=p_decay, max_branches=max_branches, max_inflight=max_inflight, ctx=ctx,
+                          layer_split=layer_split, threads=threads, min_p=min_p)
 
     if not inside and want > 1:
-        raise typer.Exit(relaunch(want, sys.argv[1:]))
+        check_plan(cfg, want, needs_draft=mode != "iterative")
+        if given.stdin_text is None:
+            raise typer.Exit(relaunch(want, sys.argv[1:]))
+        # Standard input was read here: the job reads the same text from a private file.
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", prefix="pipeinfer-stdin-", suffix=".txt") as f:
+            f.write(given.stdin_text)
+            f.flush()
+            raise typer.Exit(relaunch(want, _stdin_as_file(sys.argv[1:], f.name)))
 
     from ..engine.job import Request, run_job
 
     check_world(want, explicit=bool(ranks or split_ranks))
-    cfg = make_job_config(target, draft_ref, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p, seed=seed,
-                          n_draft=n_draft, p_min=p_min, p_accept=p_accept, p_split=p_split, p_recovery=p_recovery,
-                          p_decay=p_decay, max_branches=max_branches, max_inflight=max_inflight, ctx=ctx,
-                          layer_split=layer_split, threads=threads)
-    stream = {}
 
-    def on_start(tok):
-        stream["dec"] = tok.decoder()
-
-    def on_token(t: int):
+    def on_text(text: str) -> None:
         if not as_json:
-            sys.stdout.write(stream["dec"].push(t))
+            sys.stdout.write(text)
             sys.stdout.flush()
 
-    request = Request(mode=mode, prompt=prompt, chat=[{"role": "user", "content": chat}] if chat is not None else None)
-    results = run_job(cfg, [request], on_start=on_start, on_token=on_token)
+    request = Request(mode=mode, prompt=given.text if given else None, chat=given.messages if given else None,
+                      stop=list(stop or []))
+    results = run_job(cfg, [request], on_text=on_text)
     if results is None:  # a worker rank: the head reports
         return
     result = results[0]
@@ -120,19 +131,48 @@ def generate(
             r.pop("trace", None)
         out.print_json(json.dumps(result))
     else:
-        sys.stdout.write(stream["dec"].flush() + "\n")
+        sys.stdout.write("\n")
         sys.stdout.flush()
         err.print(summary_line(result), markup=False, highlight=False)
 
 
+def _stdin_as_file(argv: list[str], path: str) -> list[str]:
+    """argv with '-' (standard input) replaced by path after -f/--file/--messages."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a in ("-f", "--file", "--messages") and i + 1 < len(out) and out[i + 1] == "-":
+            out[i + 1] = path
+        elif a in ("--file=-", "--messages=-"):
+            out[i] = a[:-1] + path
+    return out
+
+
+def world_rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def _layer_range(layers) -> str:
+    if not layers or layers[1] <= layers[0]:
+        return "draft"
+    return str(layers[0]) if layers[1] - layers[0] == 1 else f"{layers[0]}-{layers[1] - 1}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def summary_line(r: dict) -> str:
-    parts = [f"{r['n_gen']} tokens", f"{r['tok_per_s']:.2f} tok/s" if r.get("tok_per_s") else "",
+    parts = [_plural(r["n_gen"], "token"), f"{r['tok_per_s']:.2f} tok/s" if r.get("tok_per_s") else "",
              f"decode {r['decode_tok_per_s']:.2f} tok/s" if r.get("decode_tok_per_s") else "",
              f"TTFT {r['ttft_s'] * 1e3:.0f} ms" if r.get("ttft_s") is not None else ""]
     acc = r["acceptance"]
     if acc["drafted"]:
         parts.append(f"acceptance {acc['accepted']}/{acc['drafted']} ({acc['rate']:.0%})")
     if r["runs"]["cancelled"]:
-        parts.append(f"{r['runs']['cancelled']} runs cancelled")
-    parts.append(f"mode {r['mode']}, {len(r['ranks'])} rank(s), split {r['layer_split']}")
+        parts.append(f"{_plural(r['runs']['cancelled'], 'run')} cancelled")
+    parts.append(f"mode {r['mode']}")
+    layers = [_layer_range(x.get("layers")) for x in r["ranks"]]
+    parts.append(f"{_plural(len(r['ranks']), 'rank')} (layers {', '.join(layers)})")
     return "pipeinfer: " + ", ".join(p for p in parts if p)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import UsageError
+from ..errors import OptionValueError, UsageError
 from ..registry import load_registry
 
 
@@ -58,9 +58,36 @@ def check_world(want: int, explicit: bool) -> None:
         raise UsageError(f"the MPI job has {world} ranks but the options ask for {want}; start it with -n {want}")
 
 
+def check_n_predict(n_predict: int) -> None:
+    if n_predict == 0 or n_predict < -1:
+        raise OptionValueError(f"-n/--n-predict must be a number of tokens >= 1, or -1 for 'until end of generation' "
+                               f"(got {n_predict})")
+
+
+def default_mode(mode: str | None, draft_ref) -> str:
+    """The mode asked for; without one, pipeinfer (the product's mode) when there is a draft."""
+    from ..engine.session import MODES
+
+    if mode is None:
+        return "pipeinfer" if draft_ref is not None else "iterative"
+    if mode not in MODES:
+        raise OptionValueError(f"unknown --mode {mode!r}; choose one of {', '.join(MODES)}")
+    return mode
+
+
+def check_plan(cfg, world_size: int, needs_draft: bool) -> None:
+    """Plan the job from the GGUF header before any process starts, so that a split that cannot
+    work (e.g. --ranks 100 for 30 layers) fails in well under a second, not after a launch."""
+    from ..engine.topology import plan_job
+
+    plan_job(cfg.model_path, cfg.model_label, world_size, world_size, cfg.layer_split, cfg.threads,
+             cfg.draft_path, needs_draft)
+
+
 def make_job_config(target, draft_ref, *, n_predict: int, temp: float, top_k: int, top_p: float, seed: int,
                     n_draft: int, p_min: float, p_accept: float, p_split: float, p_recovery: float, p_decay: float,
-                    max_branches: int, max_inflight: int, ctx: int, layer_split: str | None, threads: str | None):
+                    max_branches: int, max_inflight: int, ctx: int, layer_split: str | None, threads: str | None,
+                    min_p: float = 0.0):
     from ..engine.job import JobConfig
     from ..engine.sampling import SamplingParams
     from ..engine.session import DecodeOptions
@@ -70,7 +97,7 @@ def make_job_config(target, draft_ref, *, n_predict: int, temp: float, top_k: in
         model_path=target.path, model_label=target.label,
         draft_path=None if draft_ref in (None, "lookup") else draft_ref.path,
         draft_label=draft_ref if draft_ref in (None, "lookup") else draft_ref.label,
-        sampling=SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed),
+        sampling=SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
         decode=DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_min=p_min, p_accept=p_accept, p_split=p_split,
                              p_recovery=p_recovery, p_decay=p_decay, max_branches=max_branches, max_inflight=max_inflight),
         n_ctx=ctx, layer_split=layer_split, threads=threads, debug=debug_enabled(),

@@ -6,16 +6,21 @@ from typing import Annotated
 
 import typer
 
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of a table.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout.")]
 RanksOption = Annotated[int, typer.Option("--ranks", "-r", min=1, help="Number of pipeline stages (MPI ranks) to plan for.")]
 
 # -- options shared by the commands that run a job (generate, bench) --------------------------------
 ModelArg = Annotated[str, typer.Argument(help="Target model: registry name, pair name (target + draft), or .gguf path.")]
+OptionalModelArg = Annotated[str | None, typer.Argument(show_default=False, help="Target model: registry name, pair name (target + draft), or .gguf path (or use -m).")]
+ModelOption = Annotated[str | None, typer.Option("--model", "-m", show_default=False, help="The target model, as with llama.cpp's -m (same as the MODEL argument).")]
+ModeOption = Annotated[str | None, typer.Option("--mode", "-M", show_default=False, help="iterative: one token per pass through the pipeline. speculative: draft --n-draft tokens, verify them in one batch (standard synchronous speculation). pipeinfer: asynchronous pipelined speculation with early cancellation. Default: pipeinfer when there is a draft (--draft or a pair name), else iterative.")]
 DraftOption = Annotated[str | None, typer.Option("--draft", "-md", help="Draft model (name or .gguf path), or 'lookup' for prompt-lookup drafting.")]
-NPredictOption = Annotated[int, typer.Option("--n-predict", "-n", min=1, help="Tokens to generate (stops earlier at end of generation).")]
+NPredictOption = Annotated[int, typer.Option("--n-predict", "-n", help="Tokens to generate (stops earlier at end of generation); -1 = until end of generation or a full context.")]
 TempOption = Annotated[float, typer.Option("--temp", min=0.0, help="Temperature; 0 = greedy.")]
 TopKOption = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the k most likely tokens (0 = all).")]
 TopPOption = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling threshold (1 = off).")]
+MinPOption = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Drop tokens whose probability is below min-p times the most likely one's (0 = off).")]
+StopOption = Annotated[list[str] | None, typer.Option("--stop", show_default=False, help="Stop when this text appears (not printed); repeat for several.")]
 SeedOption = Annotated[int, typer.Option("--seed", "-s", help="Sampling seed; each token depends only on (logits, seed, position).")]
 NDraftOption = Annotated[int, typer.Option("--n-draft", min=1, max=64, help="Max draft tokens per speculative run.")]
 PMinOption = Annotated[float, typer.Option("--p-min", min=0.0, max=1.0, help="speculative: stop drafting when the draft's top probability is below this.")]

@@ -3,23 +3,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .pipeline import Pipeline
 from .session import CANONICAL_SEQ, PREFILL_CHUNK, DecodeOptions, Session
 
 
-def prefill(pipe: Pipeline, s: Session) -> None:
-    """Process the prompt into the canonical sequence and commit the first token."""
+def prefill(pipe: Pipeline, s: Session, draft_prefill: Callable[[], None] | None = None) -> None:
+    """Process the prompt into the canonical sequence and commit the first token.
+
+    The chunks are launched back to back, so on several ranks the stages work on chunk i while the
+    head computes chunk i+1; only the last chunk asks for logits (its last row). `draft_prefill`
+    (the draft model's own pass over the prompt) runs on the head while the stages compute; with a
+    single stage there is nothing to overlap, so it runs after the first token is known. Either
+    way it does not delay the first token.
+    """
     prompt = s.tokens
-    last_logits = None
+    n_chunks = 0
     for b in range(0, len(prompt), PREFILL_CHUNK):
         chunk = prompt[b:b + PREFILL_CHUNK]
         last = b + len(chunk) == len(prompt)
         pipe.launch(chunk, list(range(b, b + len(chunk))), [[CANONICAL_SEQ]] * len(chunk),
                     [False] * (len(chunk) - 1) + [last], invariant=False)
+        n_chunks += 1
+    overlapped = draft_prefill is not None and pipe.n_stages > 1
+    if overlapped:
+        draft_prefill()
+    for _ in range(n_chunks):
         res = pipe.next_result()
-        last_logits = res.logits
-    s.metrics.runs.launched += -(-len(prompt) // PREFILL_CHUNK)
-    s.commit([s.sample_at(last_logits[0], len(prompt))])
+    s.metrics.runs.launched += n_chunks
+    s.commit([s.sample_at(res.logits[0], len(prompt))])
+    if draft_prefill is not None and not overlapped and not s.done:
+        draft_prefill()
 
 
 def decode_iterative(pipe: Pipeline, s: Session, opts: DecodeOptions) -> None:

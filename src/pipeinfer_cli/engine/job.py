@@ -30,17 +30,16 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import PipeinferError, UsageError
-from ..gguf_info import read_model_info
 from ..transport.messages import Tag
 from ..transport.mpi_link import Backoff, Link
 from .decode_sync import decode_iterative, decode_speculative, prefill
 from .metrics import now, peak_rss_mib
 from .sampling import SamplingParams
-from .session import DecodeOptions, Session
-from .topology import Topology, plan_topology
+from .session import MODES, DecodeOptions, Session  # noqa: F401 - MODES is part of this module's API
+from .text_stream import TextStream
+from .topology import Topology, plan_job
 from .trace import TraceRecorder
 
-MODES = ("iterative", "speculative", "pipeinfer")
 
 
 @dataclass
@@ -51,6 +50,7 @@ class Request:
     prompt: str | None = None  # raw text
     chat: list[dict] | None = None  # messages, formatted with the model's chat template
     label: str = ""  # prompt id, for reports
+    stop: list[str] = field(default_factory=list)  # stop strings: generation ends where one appears
 
 
 @dataclass
@@ -105,15 +105,23 @@ def head_failed() -> None:
 
 
 def plan(cfg: JobConfig, world_size: int, ranks_per_host: int, needs_draft: bool = False) -> Topology:
-    info = read_model_info(cfg.model_path)
-    if info.arch not in ("llama", "qwen2"):
-        raise UsageError(f"{cfg.model_label}: architecture {info.arch!r} is not supported; supported: llama, qwen2")
-    # A GGUF draft on the head (no "/1" in the split) costs about its weight bytes per drafted token.
-    head_extra = 0
-    if needs_draft and cfg.draft_path is not None and not (cfg.layer_split and "/" in cfg.layer_split):
-        head_extra = cfg.draft_path.stat().st_size
-    return plan_topology(world_size, cfg.layer_split, info.layer_bytes, info.output_bytes, cfg.threads, ranks_per_host,
-                         head_extra=head_extra)
+    return plan_job(cfg.model_path, cfg.model_label, world_size, ranks_per_host, cfg.layer_split, cfg.threads,
+                    cfg.draft_path, needs_draft)
+
+
+def _spec_margin(cfg: JobConfig, req: Request) -> int:
+    """KV cells beyond prompt + -n that a mode may fill: speculative runs in flight write past
+    the last committed token (rejected cells are removed again)."""
+    if req.mode == "iterative":
+        return 1
+    return cfg.decode.n_draft * (cfg.decode.max_inflight if req.mode == "pipeinfer" else 1) + 2
+
+
+def n_predict_for(cfg: JobConfig, req: Request, n_prompt: int) -> int:
+    """Tokens to generate: -n, or with -n -1 as many as the context holds (until end of text)."""
+    if cfg.decode.n_predict > 0:
+        return cfg.decode.n_predict
+    return cfg.n_ctx - n_prompt - _spec_margin(cfg, req)
 
 
 def make_drafter(cfg: JobConfig, threads: int):
@@ -126,11 +134,13 @@ def make_drafter(cfg: JobConfig, threads: int):
 
 def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,
             on_token: Callable[[int], None] | None = None,
-            on_result: Callable[[dict], None] | None = None) -> list[dict] | None:
+            on_result: Callable[[dict], None] | None = None,
+            on_text: Callable[[str], None] | None = None) -> list[dict] | None:
     """Run on every rank of COMM_WORLD. Returns one result dict per request on the head, None elsewhere.
 
     on_start(tokenizer) is called on the head once the models are loaded; on_token(token) as each
-    token is committed; on_result(result) after each request.
+    token is committed; on_text(text) with the text to show as tokens are committed (UTF-8
+    completed, stop strings held back and cut); on_result(result) after each request.
     """
     comm = MPI.COMM_WORLD
     link = Link(comm)
@@ -162,7 +172,7 @@ def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object]
     if rank != 0:
         _serve(link, cfg, state, topo.ranks[rank], trace)
         return None
-    return _head(link, cfg, state, topo, trace, requests, offsets, on_start, on_token, on_result)
+    return _head(link, cfg, state, topo, trace, requests, offsets, on_start, on_token, on_result, on_text)
 
 
 def _clock_offsets(link: Link) -> list[float]:
@@ -212,11 +222,15 @@ def _load(cfg: JobConfig, topo: Topology, me, requests: list[Request], needs_dra
         ids = tok.chat_messages(req.chat) if req.chat is not None else tok.encode(req.prompt or "")
         if not ids:
             raise UsageError(f"prompt {req.label or ''} is empty; pass text with -p, -f or --chat".replace("  ", " "))
-        need = len(ids) + cfg.decode.n_predict + cfg.decode.n_draft * cfg.decode.max_inflight + 2
-        if need > cfg.n_ctx:
+        n_predict = n_predict_for(cfg, req, len(ids))
+        need = len(ids) + n_predict + _spec_margin(cfg, req)
+        if n_predict < 1 or need > cfg.n_ctx:
+            what = (f"with -n {cfg.decode.n_predict}" if cfg.decode.n_predict > 0 else "with -n -1")
+            spec = " and the cells of speculative runs in flight" if _spec_margin(cfg, req) > 1 else ""
             raise UsageError(
-                f"prompt {req.label + ' ' if req.label else ''}has {len(ids)} tokens; with -n {cfg.decode.n_predict} "
-                f"and speculation it needs {need} KV cells, more than --ctx {cfg.n_ctx}; raise --ctx or shorten the prompt"
+                f"prompt {req.label + ' ' if req.label else ''}has {len(ids)} tokens; {what}{spec} it needs "
+                f"{max(need, len(ids) + 1 + _spec_margin(cfg, req))} KV cells, more than --ctx {cfg.n_ctx}; "
+                "raise --ctx or shorten the prompt"
             )
         prompts.append(ids)
     out["prompts"] = prompts
@@ -274,7 +288,7 @@ def abort_all(link: Link) -> None:
 
 
 def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, requests: list[Request],
-          offsets: list[float], on_start, on_token, on_result) -> list[dict]:
+          offsets: list[float], on_start, on_token, on_result, on_text=None) -> list[dict]:
     from .pipeline import Pipeline
     from .remote_draft import RemoteDrafter
     from .stage import fault_injection
@@ -292,13 +306,16 @@ def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, reques
         for req, prompt in zip(requests, state["prompts"]):
             engine_before = state["engine"].stats()
             cpu_before = time.process_time()
-            s = Session(prompt, cfg.sampling, cfg.decode.n_predict, tok.is_eog, on_token)
+            s = Session(prompt, cfg.sampling, n_predict_for(cfg, req, len(prompt)), tok.is_eog, on_token,
+                        text=TextStream(tok.piece, req.stop), on_text=on_text)
+            draft_prefill = None
             if drafter is not None and req.mode != "iterative":
-                t_draft = now()
-                drafter.start(prompt)
-                if topo.draft_rank is None:  # a draft rank traces its own work
-                    trace.slice("draft", t_draft, now(), n_tokens=len(prompt), prefill=True)
-            prefill(pipe, s)
+                def draft_prefill(prompt=prompt):
+                    t_draft = now()
+                    drafter.start(prompt)
+                    if topo.draft_rank is None:  # a draft rank traces its own work
+                        trace.slice("draft", t_draft, now(), n_tokens=len(prompt), prefill=True)
+            prefill(pipe, s, draft_prefill)
             if req.mode == "iterative":
                 decode_iterative(pipe, s, cfg.decode)
             elif req.mode == "speculative":
@@ -309,6 +326,7 @@ def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, reques
 
                 decode_pipeinfer(pipe, s, cfg.decode, drafter)
             t_end = now()
+            s.finish_text()
             _trace_commits(trace, s.metrics.token_times)
             # Reports travel behind every run of this request, so they see its final KV occupancy;
             # the clear after them readies the caches for the next request.
@@ -417,7 +435,7 @@ def _result(cfg: JobConfig, req: Request, topo: Topology, tok, s: Session, ranks
     return {
         "prompt_id": req.label, "mode": req.mode, "model": cfg.model_label, "draft": cfg.draft_label,
         "layer_split": topo.describe(), "n_ctx": cfg.n_ctx,
-        "text": tok.llm.detokenize(s.generated).decode("utf-8", errors="replace"),
-        "tokens": s.generated, **m, "t_start": s.metrics.t_start, "t_end": t_end,
+        "text": s.text.text if s.text is not None else tok.llm.detokenize(s.generated).decode("utf-8", errors="replace"),
+        "tokens": s.generated, "finish_reason": s.finish_reason, **m, "t_start": s.metrics.t_start, "t_end": t_end,
         "ranks": ranks,
     }

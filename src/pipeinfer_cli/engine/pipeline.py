@@ -98,7 +98,8 @@ class Pipeline:
             run_id, n_out, cancelled = (int(x) for x in self.link.recv_array(last, Tag.LOGITS, np.int64, st))
             logits = None
             if not cancelled:
-                logits = self.link.recv_array(last, Tag.LOGITS_DATA, np.float32).reshape(n_out, -1)
+                logits = (self.link.recv_array(last, Tag.LOGITS_DATA, np.float32).reshape(n_out, -1) if n_out
+                          else np.empty((0, 0), np.float32))
             self.ready.append(RunResult(run_id, logits))
             got = True
         self.link.progress_sends()

@@ -32,6 +32,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 40  # 0 = whole vocabulary
     top_p: float = 0.95  # 1.0 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (0 = off)
     seed: int = 0
 
     @property
@@ -52,6 +53,9 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
     p /= p.sum()
     if params.top_p < 1.0:
         keep = int(np.searchsorted(np.cumsum(p), params.top_p) + 1)
+        cand, p = cand[:keep], p[:keep] / p[:keep].sum()
+    if params.min_p > 0.0:
+        keep = int(np.count_nonzero(p >= params.min_p * p[0]))  # p is sorted, p[0] the largest
         cand, p = cand[:keep], p[:keep] / p[:keep].sum()
     u = uniform(params.seed, position)
     idx = int(np.searchsorted(np.cumsum(p), u, side="right"))

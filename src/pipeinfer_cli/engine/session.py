@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from .metrics import GenerationMetrics, now
 from .sampling import SamplingParams, sample
+from .text_stream import TextStream
 
+MODES = ("iterative", "speculative", "pipeinfer")
 CANONICAL_SEQ = 0  # the KV sequence that holds committed tokens on every stage
 PREFILL_CHUNK = 256  # prompt tokens per run (target) and per batch (draft): the same chunks everywhere
 
@@ -28,15 +30,24 @@ class DecodeOptions:
 
 
 class Session:
+    """One request at the head: the prompt, the committed tokens, and when to stop.
+
+    finish_reason: "stop" (end of generation token or a stop string), "length" (-n reached).
+    """
+
     def __init__(self, prompt: list[int], sampling: SamplingParams, n_predict: int,
-                 is_eog: Callable[[int], bool], on_token: Callable[[int], None] | None = None):
+                 is_eog: Callable[[int], bool], on_token: Callable[[int], None] | None = None,
+                 text: TextStream | None = None, on_text: Callable[[str], None] | None = None):
         self.tokens = list(prompt)
         self.n_prompt = len(prompt)
         self.sampling = sampling
         self.n_predict = n_predict
         self.is_eog = is_eog
         self.on_token = on_token
+        self.text = text
+        self.on_text = on_text
         self.done = n_predict <= 0
+        self.finish_reason: str | None = "length" if self.done else None
         self.metrics = GenerationMetrics(n_prompt=len(prompt), t_start=now())
 
     @property
@@ -61,10 +72,23 @@ class Session:
             taken += 1
             if self.on_token:
                 self.on_token(t)
-            if self.is_eog(t) or self.n_gen >= self.n_predict:
-                self.done = True
+            if self.text is not None:
+                shown = self.text.push(t)
+                if shown and self.on_text:
+                    self.on_text(shown)
+            if self.is_eog(t) or (self.text is not None and self.text.stopped):
+                self.done, self.finish_reason = True, "stop"
+            elif self.n_gen >= self.n_predict:
+                self.done, self.finish_reason = True, "length"
         self.metrics.committed(taken)
         return taken
+
+    def finish_text(self) -> None:
+        """Show the text still held back (end of generation)."""
+        if self.text is not None:
+            rest = self.text.finish()
+            if rest and self.on_text:
+                self.on_text(rest)
 
     @property
     def generated(self) -> list[int]:

@@ -171,7 +171,7 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
                 hdr.flags |= RUN_FLAG_SKIP
             if is_last:
                 link.send_array(result_header(hdr.run_id, 0 if out is None else len(out), out is None), 0, Tag.LOGITS)
-                if out is not None:
+                if out is not None and len(out):  # a prompt chunk before the last asks for no rows
                     link.send_array(out, 0, Tag.LOGITS_DATA)
             else:
                 link.send_array(hdr.encode(), nxt, Tag.STREAM)

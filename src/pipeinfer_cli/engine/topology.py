@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pathlib import Path
+
 from ..errors import UsageError
 from ..layer_split import balanced_split, fractions_of
 
@@ -35,6 +37,13 @@ class Topology:
 
     def describe(self) -> str:
         return ",".join(f"{f:g}" for f in self.split_fractions) + ("/1" if self.draft_rank is not None else "")
+
+    def describe_layers(self) -> str:
+        """The layer range of every rank, e.g. 'rank 0: layers 0-13, rank 1: layers 14-29'."""
+        parts = [f"rank {r.rank}: layers {r.layers[0]}-{r.layers[1] - 1}" for r in self.ranks if r.role != "draft"]
+        if self.draft_rank is not None:
+            parts.append(f"rank {self.draft_rank}: draft")
+        return ", ".join(parts)
 
 
 def parse_layer_split(text: str) -> tuple[list[float], int]:
@@ -120,3 +129,21 @@ def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[in
     if n_draft:
         plans.append(RankPlan(n_stages, "draft", (0, 0), thr[n_stages]))
     return Topology(plans, n_stages, n_stages if n_draft else None, fractions_of(ranges, n_layer))
+
+
+def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host: int, layer_split: str | None,
+             threads: str | None, draft_path: Path | None = None, needs_draft: bool = False) -> Topology:
+    """The topology of a job on this model, from its GGUF header alone (well under a second, no MPI):
+    the relaunching command checks it before it starts any process."""
+    from ..gguf_info import read_model_info
+    from ..native import SUPPORTED_ARCHS
+
+    info = read_model_info(model_path)
+    if info.arch not in SUPPORTED_ARCHS:
+        raise UsageError(f"{model_label}: architecture {info.arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+    # A GGUF draft on the head (no "/1" in the split) costs about its weight bytes per drafted token.
+    head_extra = 0
+    if needs_draft and draft_path is not None and not (layer_split and "/" in layer_split):
+        head_extra = draft_path.stat().st_size
+    return plan_topology(world_size, layer_split, info.layer_bytes, info.output_bytes, threads, ranks_per_host,
+                         head_extra=head_extra)
