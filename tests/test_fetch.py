@@ -127,3 +127,42 @@ def test_cache_that_is_a_file(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPEINFER_CACHE", str(blocker / "sub"))
     with pytest.raises(CacheError, match="cannot create the model cache"):
         pull_model(entry("0" * 64), downloader=local_downloader(tmp_path))
+
+
+@pytest.mark.parametrize("how", ["permissions", "access-denied"])
+def test_pull_into_read_only_cache_is_one_line_before_any_progress(tmp_path, monkeypatch, how):
+    """`PIPEINFER_CACHE=/read-only pipeinfer models pull NAME`: the error, and no progress bar."""
+    from typer.testing import CliRunner
+
+    from pipeinfer_cli.cli.app import app
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if how == "permissions":
+        if os.geteuid() == 0:
+            pytest.skip("root can write to read-only directories")
+        ro.chmod(0o500)
+    else:  # the same directory as a non-root user sees it (the tests may run as root)
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == ro else real_access(p, mode, **kw))
+    monkeypatch.setenv("PIPEINFER_CACHE", str(ro))
+    r = CliRunner().invoke(app, ["models", "pull", "smollm2-135m-instruct"])
+    assert r.exit_code == 1
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: the model cache {ro} is not writable"), r.stderr
+    assert "PIPEINFER_CACHE" in lines[0]
+    assert list(ro.iterdir()) == []
+
+
+def test_read_only_file_system_is_detected(tmp_path, monkeypatch):
+    """On a read-only file system access() may still say yes (always for root): writing decides."""
+    from pipeinfer_cli import cache as cache_module
+
+    def read_only(root):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(cache_module, "_probe_write", read_only)
+    monkeypatch.setenv("PIPEINFER_CACHE", str(tmp_path))
+    with pytest.raises(CacheError, match=r"not writable \(read-only file system\); .* set PIPEINFER_CACHE"):
+        cache_module.ensure_writable_cache()

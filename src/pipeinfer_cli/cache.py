@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from .errors import CacheError
@@ -31,8 +32,20 @@ def ensure_writable_cache() -> Path:
         raise CacheError(
             f"cannot create the model cache {root}: {e.strerror}; set PIPEINFER_CACHE to a writable directory"
         ) from None
-    if not os.access(root, os.W_OK | os.X_OK):
+    reason = None if os.access(root, os.W_OK | os.X_OK) else "permission denied"
+    if reason is None:
+        try:  # also catches what access() does not: a read-only file system, or root on one
+            _probe_write(root)
+        except OSError as e:
+            reason = (e.strerror or str(e)).lower()
+    if reason:
         raise CacheError(
-            f"the model cache {root} is not writable; fix its permissions or set PIPEINFER_CACHE to a writable directory"
+            f"the model cache {root} is not writable ({reason}); fix its permissions or set PIPEINFER_CACHE to a writable directory"
         )
     return root
+
+
+def _probe_write(root: Path) -> None:
+    fd, name = tempfile.mkstemp(prefix=".pipeinfer-write-test-", dir=root)
+    os.close(fd)
+    os.unlink(name)

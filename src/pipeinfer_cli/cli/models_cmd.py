@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..cache import cache_dir, cached_model_path
+from ..cache import cache_dir, cached_model_path, ensure_writable_cache
 from ..fetch import pull_model
 from ..registry import load_registry
 from .console import byte_progress, err, human_bytes, out
@@ -83,6 +83,8 @@ def pull(
     for name in names:
         members = [reg.pairs[name].target, reg.pairs[name].draft] if name in reg.pairs else [reg.model(name).name]
         wanted += [m for m in members if m not in wanted]
+    if any(not cached_model_path(reg.models[name]).exists() for name in wanted):
+        ensure_writable_cache()  # before any progress bar: a read-only cache is one line of error
     for name in wanted:
         entry = reg.models[name]
         present = cached_model_path(entry).exists()
