@@ -132,3 +132,35 @@ def test_help_shows_flags_without_a_value_type(args):
         assert "<bool>" not in line and "BOOLEAN" not in line, line
     r = runner.invoke(app, ["-V"])
     assert r.exit_code == 0 and r.output.startswith("pipeinfer ")
+
+
+# -- unknown names ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("typed, want", [
+    ("smollm2", ["smollm2-135m-instruct"]),
+    ("smolm2-135m-instruct", ["smollm2-135m-instruct"]),
+    ("SmolLM2-135M-Instruct", ["smollm2-135m-instruct"]),
+    ("coder-0.5b", ["qwen2.5-coder-0.5b-instruct"]),
+    ("qwen-coders", ["qwen-coder"]),
+    ("gpt-17", []),
+])
+def test_unknown_model_suggests_the_closest_names(typed, want):
+    with pytest.raises(RegistryError) as e:
+        load_registry().model(typed)
+    msg = str(e.value)
+    if want:
+        assert f"did you mean {want[0]!r}" in msg, msg
+    else:
+        assert "did you mean" not in msg, msg
+    assert "smollm2-135m-instruct" in msg and "qwen-coder" in msg  # the known names, as before
+
+
+def test_unknown_model_on_the_command_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # "smollm2" is not a file here
+    for args in (["inspect", "smollm2"], ["models", "pull", "smollm2"], ["models", "path", "smollm2"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 1, (args, r.output)
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("Error: unknown model 'smollm2'; did you mean 'smollm2-135m-instruct'?"), r.stderr
+    r = runner.invoke(app, ["inspect", "qwen"])
+    assert "did you mean 'qwen-coder', 'qwen2.5-coder-1.5b-instruct' or 'qwen2.5-coder-0.5b-instruct'? Known models:" in r.stderr

@@ -6,6 +6,7 @@ source tree (editable installs), then inside the installed package.
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from dataclasses import dataclass
@@ -70,10 +71,31 @@ class Registry:
         try:
             return self.models[name]
         except KeyError:
+            close = [repr(c) for c in suggest(name, [*self.models, *self.pairs])]
+            known = (f"known models: {', '.join(sorted(self.models))} (pairs: {', '.join(sorted(self.pairs)) or 'none'}),"
+                     " or pass a path to a .gguf file")
+            if close:
+                choices = close[0] if len(close) == 1 else f"{', '.join(close[:-1])} or {close[-1]}"
+                known = f"did you mean {choices}? K{known[1:]}"
             raise RegistryError(
-                f"unknown model {name!r}; known models: {', '.join(sorted(self.models))}"
-                f" (pairs: {', '.join(sorted(self.pairs)) or 'none'}), or pass a path to a .gguf file"
+                f"unknown model {name!r}; {known}"
             ) from None
+
+
+def suggest(name: str, known: list[str], n: int = 3) -> list[str]:
+    """The known names closest to a mistyped one: names that contain it (`smollm2`, `qwen`), then
+    near spellings (`smolm2-135m-instruct`); the most similar first."""
+    low = name.lower().strip()
+    if not low:
+        return []
+
+    def similarity(k: str) -> float:
+        return difflib.SequenceMatcher(None, low, k.lower()).ratio()
+
+    hits = sorted((k for k in known if low in k.lower()), key=similarity, reverse=True)
+    lowered = {k.lower(): k for k in known}
+    hits += [lowered[k] for k in difflib.get_close_matches(low, list(lowered), n=n, cutoff=0.6) if lowered[k] not in hits]
+    return hits[:n]
 
 
 def default_registry_path() -> Path:
