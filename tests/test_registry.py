@@ -139,6 +139,7 @@ def test_help_shows_flags_without_a_value_type(args):
 @pytest.mark.parametrize("typed, want", [
     ("smollm2", ["smollm2-135m-instruct"]),
     ("smolm2-135m-instruct", ["smollm2-135m-instruct"]),
+    ("smolm2", ["smollm2-135m-instruct"]),
     ("SmolLM2-135M-Instruct", ["smollm2-135m-instruct"]),
     ("coder-0.5b", ["qwen2.5-coder-0.5b-instruct"]),
     ("qwen-coders", ["qwen-coder"]),

@@ -83,19 +83,22 @@ class Registry:
 
 
 def suggest(name: str, known: list[str], n: int = 3) -> list[str]:
-    """The known names closest to a mistyped one: names that contain it (`smollm2`, `qwen`), then
-    near spellings (`smolm2-135m-instruct`); the most similar first."""
+    """The known names closest to a mistyped one, most similar first: names that contain it
+    (`smollm2`, `qwen`), then near spellings of a whole name (`smolm2-135m-instruct`) or of its
+    beginning (`smolm2`)."""
     low = name.lower().strip()
     if not low:
         return []
 
-    def similarity(k: str) -> float:
-        return difflib.SequenceMatcher(None, low, k.lower()).ratio()
+    def similarity(k: str) -> tuple[float, float]:
+        k = k.lower()
+        whole = difflib.SequenceMatcher(None, low, k).ratio()
+        start = difflib.SequenceMatcher(None, low, k[:len(low) + 1]).ratio() if len(low) >= 4 else 0.0
+        return max(whole, start), whole
 
     hits = sorted((k for k in known if low in k.lower()), key=similarity, reverse=True)
-    lowered = {k.lower(): k for k in known}
-    hits += [lowered[k] for k in difflib.get_close_matches(low, list(lowered), n=n, cutoff=0.6) if lowered[k] not in hits]
-    return hits[:n]
+    near = sorted((k for k in known if k not in hits and similarity(k)[0] >= 0.75), key=similarity, reverse=True)
+    return (hits + near)[:n]
 
 
 def default_registry_path() -> Path:
