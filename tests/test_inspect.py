@@ -36,7 +36,7 @@ def test_inspect_tiny_qwen2(tiny_qwen2):
 def test_inspect_table_output(tiny_llama):
     r = runner.invoke(app, ["inspect", str(tiny_llama), "--ranks", "3"])
     assert r.exit_code == 0
-    for text in ("architecture", "llama", "heads / KV heads", "4 / 2", "bytes per layer", "default layer split for 3"):
+    for text in ("architecture", "llama", "heads / KV heads", "4 / 2", "bytes per layer", "layer split for 3 rank(s)", "token_embd"):
         assert text in r.stdout
 
 
@@ -68,3 +68,75 @@ def test_inspect_real_default_model(smollm2_path):
     assert set(d["tensor_types"]) == {"F32", "Q4_1", "Q8_0"}
     r = runner.invoke(app, ["inspect", "smollm2-135m-instruct"])
     assert r.exit_code == 0 and "smollm2-135m-instruct" in r.stdout
+
+
+# -- the split preview: --draft, --layer-split, token_embd apart ------------------------------------
+
+def test_balanced_split_looks_balanced_token_embd_apart(smollm2_path):
+    d = inspect_json(smollm2_path, ranks=2)
+    head, last = d["split"]
+    # What the split balances: the bytes read per token (layers, plus the LM head on the last stage).
+    assert head["per_token_bytes"] == head["layer_bytes"] == sum(d["layer_bytes"][slice(*head["layers"])])
+    assert last["per_token_bytes"] == last["layer_bytes"] + d["output_bytes"] and last["lm_head_bytes"] == d["output_bytes"]
+    assert max(head["per_token_bytes"], last["per_token_bytes"]) < 1.1 * min(head["per_token_bytes"], last["per_token_bytes"])
+    # The head's embedding table is held (memory), not read per token: listed on its own.
+    assert head["token_embd_bytes"] == d["token_embd_bytes"] > 0 and last["token_embd_bytes"] == 0
+    assert head["weight_bytes"] == head["layer_bytes"] + d["token_embd_bytes"]
+    r = runner.invoke(app, ["inspect", str(smollm2_path), "--ranks", "2"], terminal_width=80)
+    assert r.exit_code == 0
+    header = next(line for line in r.stdout.splitlines() if line.startswith("rank"))
+    assert header.split() == ["rank", "role", "layers", "weights", "LM", "head", "draft", "per", "token", "token_embd"]
+    assert "…" not in r.stdout.split("layer split for")[1]
+
+
+def plan_layers(model, world_size, layer_split=None, draft=None):
+    from pipeinfer_cli.engine.topology import plan_job
+
+    topo = plan_job(model, str(model), world_size, world_size, layer_split, None, draft, needs_draft=draft is not None)
+    return [[p.rank, p.role, list(p.layers)] for p in topo.ranks]
+
+
+@pytest.mark.parametrize("args, ranks, split, with_draft", [
+    (["--ranks", "3"], 3, None, False),
+    (["--layer-split", "0.25,0.75"], 2, "0.25,0.75", False),
+    (["--layer-split", "0.5,0.5/1", "--draft", "DRAFT"], 3, "0.5,0.5/1", True),
+    (["--ranks", "2", "--draft", "DRAFT"], 2, None, True),  # a draft on the head: fewer layers there
+    (["--ranks", "2", "--draft", "lookup"], 2, None, False),
+])
+def test_inspect_previews_the_plan_generate_uses(smollm2_path, args, ranks, split, with_draft):
+    args = [str(smollm2_path) if a == "DRAFT" else a for a in args]
+    r = runner.invoke(app, ["inspect", str(smollm2_path), "--json", *args])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    got = [[s["rank"], s["role"], s["layers"]] for s in d["split"]]
+    assert got == plan_layers(smollm2_path, ranks, split, smollm2_path if with_draft else None)
+    size = smollm2_path.stat().st_size
+    draft_on = [s["rank"] for s in d["split"] if s["draft_bytes"]]
+    if with_draft:
+        assert draft_on == [2 if split and "/1" in split else 0]
+        assert d["split"][draft_on[0]]["draft_bytes"] == size
+    else:
+        assert draft_on == []
+
+
+def test_inspect_draft_moves_layers_off_the_head(smollm2_path):
+    plain = inspect_json(smollm2_path, ranks=2)["split"][0]["n_layers"]
+    r = runner.invoke(app, ["inspect", str(smollm2_path), "--json", "--ranks", "2", "--draft", "smollm2-135m-instruct"])
+    d = json.loads(r.stdout)
+    assert d["draft"] == "smollm2-135m-instruct"
+    assert d["split"][0]["n_layers"] < plain
+    assert d["split"][0]["per_token_bytes"] == d["split"][0]["layer_bytes"] + d["split"][0]["draft_bytes"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--layer-split", "0.5,0.5", "--ranks", "3"], "describes 2 ranks but --ranks is 3"),
+    (["--layer-split", "0.5,0.5/1"], "needs a draft model"),
+    (["--layer-split", "half,half"], "comma-separated numbers"),
+    (["--ranks", "5"], "cannot split 4 layers over 5 ranks"),
+    (["--draft", "smolm2"], "did you mean 'smollm2-135m-instruct'?"),
+])
+def test_inspect_plan_errors_are_one_line(tiny_llama, args, needle):
+    r = runner.invoke(app, ["inspect", str(tiny_llama), *args])
+    assert r.exit_code != 0
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and needle in lines[0], r.stderr

@@ -8,27 +8,61 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from ..engine.topology import parse_layer_split
+from ..errors import UsageError
 from ..gguf_info import read_model_info
 from ..model_files import resolve_model
 from ..registry import load_registry
 from .console import human_bytes, out
-from .options import JsonFlag, RanksOption
+from .options import JsonFlag, LayerSplitOption
+
+
+InspectRanksOption = Annotated[int | None, typer.Option(
+    "--ranks", "-r", min=1, help="Ranks to plan for (default: 2, or the ranks --layer-split describes).")]
+InspectDraftOption = Annotated[str | None, typer.Option(
+    "--draft", "-md", help="Draft model (name or .gguf path) or 'lookup', to plan with it: a draft on the head gets the head fewer layers.")]
+
+
+def _draft_bytes(draft: str | None, reg) -> tuple[str | None, int]:
+    """(label, bytes of weights) of the draft; a registry model need not be downloaded."""
+    from ..model_files import looks_like_path
+
+    if draft is None or draft == "lookup":
+        return draft, 0
+    if draft in reg.models and not looks_like_path(draft):
+        return draft, reg.models[draft].size
+    ref = resolve_model(draft, reg)
+    return ref.label, ref.path.stat().st_size
 
 
 def inspect(
-    model: Annotated[str, typer.Argument(help="Registry name (see `pipeinfer models list`) or path to a .gguf file.")],
-    ranks: RanksOption = 2,
+    model: Annotated[str, typer.Argument(help="Registry name or pair (see `pipeinfer models list`), or path to a .gguf file.")],
+    ranks: InspectRanksOption = None,
+    draft: InspectDraftOption = None,
+    layer_split: LayerSplitOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Show a model's architecture, tensors and bytes per layer, and how its layers split over ranks.
 
-    The default split gives each rank consecutive layers so that the largest stage holds as few
-    bytes of weights as possible (the last stage also computes the LM head).
+    The split is the one `generate` would use with the same --ranks, --layer-split and --draft (a pair name brings its draft): by default each rank gets consecutive layers so that the stage reading the most bytes of weights per token reads as few as possible. The last stage also reads the LM head, the head also runs a draft model unless the split has a draft rank ('/1'). The head's token embedding table is shown apart: it is a lookup, one row per token, so it takes memory but next to no time.
     """
-    ref = resolve_model(model, load_registry())
-    info = read_model_info(ref.path).with_split(ranks)
+    reg = load_registry()
+    if model in reg.pairs:
+        pair = reg.pairs[model]
+        model, draft = pair.target, draft or pair.draft
+    ref = resolve_model(model, reg)
+    draft_label, draft_bytes = _draft_bytes(draft, reg)
+    if layer_split:
+        fractions, n_draft_ranks = parse_layer_split(layer_split)
+        split_ranks = len(fractions) + n_draft_ranks
+        if ranks is not None and ranks != split_ranks:
+            raise UsageError(f"--layer-split {layer_split!r} describes {split_ranks} ranks but --ranks is {ranks}")
+        if n_draft_ranks and draft_label in (None, "lookup"):
+            raise UsageError(f"--layer-split {layer_split!r} has a draft rank ('/1'), which needs a draft model: pass --draft MODEL")
+        ranks = split_ranks
+    info = read_model_info(ref.path).with_split(ranks or 2, layer_split, draft_bytes)
     if as_json:
-        out.print_json(json.dumps({"model": ref.label, **info.to_dict()}))
+        out.print_json(json.dumps({"model": ref.label, "draft": draft_label, **info.to_dict()}))
         return
     t = Table(title=f"{ref.label}  ({info.path})", title_justify="left", show_header=False)
     t.add_column("field", style="bold")
@@ -64,9 +98,24 @@ def inspect(
             lt.add_row(label, human_bytes(info.layer_bytes[start]))
             start = i
     out.print(lt)
-    st = Table(title=f"default layer split for {ranks} rank(s) (balanced by bytes)", title_justify="left")
-    for col in ("rank", "layers", "fraction", "weights"):
-        st.add_column(col, justify="right")
-    for s in info.split:
-        st.add_row(str(s["rank"]), f"[{s['layers'][0]}, {s['layers'][1]})", f"{s['fraction']:.3f}", human_bytes(s["weight_bytes"]))
+    how = f"--layer-split {layer_split}" if layer_split else "balanced by bytes read per token"
+    draft_note = f", draft {draft_label}" if draft_label else ""
+    st = Table(title=f"layer split for {len(info.split)} rank(s): {info.layer_split} ({how}{draft_note})",
+               title_justify="left", box=None, pad_edge=False, header_style="bold underline")
+    # "per token" = layers + LM head + draft: the bytes of weights a rank reads for each token, which
+    # the default split balances. token_embd is held, not read (one row per token).
+    for col in ("rank", "role", "layers", "weights", "LM head", "draft", "per token", "token_embd"):
+        st.add_column(col, justify="left" if col in ("role", "layers") else "right", no_wrap=True)
+
+    def size(n: int) -> str:
+        return human_bytes(n) if n else "-"
+
+    for r in info.split:
+        b, e = r["layers"]
+        layers = "-" if r["role"] == "draft" else (f"{b}–{e - 1} ({e - b})" if e - b > 1 else f"{b} (1)")
+        st.add_row(str(r["rank"]), r["role"], layers, size(r["layer_bytes"]), size(r["lm_head_bytes"]),
+                   size(r["draft_bytes"]), human_bytes(r["per_token_bytes"]), size(r["token_embd_bytes"]))
     out.print(st)
+    tied = "; as the tied LM head, the last stage reads all of it" if info.output_tied else ""
+    out.print(f"token_embd ({human_bytes(info.token_embd_bytes)}, on the head) is a lookup table: one row is read "
+              f"per token, so it is left out of the balance{tied}.", markup=False, highlight=False)
