@@ -221,6 +221,24 @@ def test_bench_csv(bench_run):
 
 
 @pytest.mark.mpi
+@pytest.mark.mpi
+def test_draft_prefills_while_the_stages_prefill_the_target(bench_run):
+    """The head processes the prompt with its draft model while rank 1 is still computing the
+    target's prompt, so the draft does not add its prefill to the time to first token."""
+    out, _ = bench_run
+    events = json.loads((out / "b.trace.json").read_text())["traceEvents"]
+    checked = 0
+    for mode in ("speculative", "pipeinfer"):
+        for prompt in ("csv-parse", "binary-search"):
+            mine = [e for e in events if e["ph"] != "M" and e["args"].get("mode") == mode and e["args"].get("prompt") == prompt]
+            draft = [e for e in mine if e["pid"] == 0 and e["name"] == "draft prefill"]
+            stage = [e for e in mine if e["pid"] == 1 and e["ph"] == "X" and e["name"].startswith("prefill")]
+            assert len(draft) == 1 and stage, (mode, prompt)
+            assert draft[0]["ts"] < max(e["ts"] + e["dur"] for e in stage), (mode, prompt)
+            checked += 1
+    assert checked == 4
+
+
 def test_bench_trace_is_chrome_trace_with_one_track_per_rank(bench_run):
     out, _ = bench_run
     trace = json.loads((out / "b.trace.json").read_text())

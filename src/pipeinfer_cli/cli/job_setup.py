@@ -10,7 +10,7 @@ from ..registry import load_registry
 
 def resolve_models(model: str, draft: str | None, mode: str, allow_pull: bool):
     """(target ModelRef, draft ModelRef | 'lookup' | None) from a model/pair name or paths."""
-    from ..cache import cached_model_path
+    from ..cache import cached_model_path, ensure_writable_cache
     from ..fetch import pull_model
     from ..model_files import resolve_model
     from .console import byte_progress
@@ -23,6 +23,7 @@ def resolve_models(model: str, draft: str | None, mode: str, allow_pull: bool):
     def ref(name: str):
         if allow_pull and name in reg.models and not cached_model_path(reg.models[name]).exists():
             entry = reg.models[name]
+            ensure_writable_cache()  # a clear error before any progress bar is drawn
             with byte_progress() as progress:
                 task = progress.add_task(f"pull {name}", total=entry.size)
                 pull_model(entry, progress=lambda n: progress.advance(task, n))
