@@ -3,20 +3,25 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from .pipeline import Pipeline
 from .session import CANONICAL_SEQ, PREFILL_CHUNK, DecodeOptions, Session
 
 
-def prefill(pipe: Pipeline, s: Session, draft_prefill: Callable[[], None] | None = None) -> None:
+def prefill(pipe: Pipeline, s: Session, draft_prefill: Callable[[], None] | None = None,
+            draft_in_thread: bool = True) -> None:
     """Process the prompt into the canonical sequence and commit the first token.
 
     The chunks are launched back to back, so on several ranks the stages work on chunk i while the
-    head computes chunk i+1; only the last chunk asks for logits (its last row). `draft_prefill`
-    (the draft model's own pass over the prompt) runs on the head while the stages compute; with a
-    single stage there is nothing to overlap, so it runs after the first token is known. Either
-    way it does not delay the first token.
+    head computes chunk i+1; only the last chunk asks for logits (its last row).
+
+    `draft_prefill` (the draft model's own pass over the prompt) must not delay the first token:
+    with several stages it runs while they compute, in a thread when it computes on the head
+    (draft_in_thread; llama.cpp releases the GIL), so that the first token is committed the moment
+    the target's logits arrive, even if the draft is still busy; with a single stage there is
+    nothing to overlap, and it runs after the first token.
     """
     prompt = s.tokens
     n_chunks = 0
@@ -27,14 +32,44 @@ def prefill(pipe: Pipeline, s: Session, draft_prefill: Callable[[], None] | None
                     [False] * (len(chunk) - 1) + [last], invariant=False)
         n_chunks += 1
     overlapped = draft_prefill is not None and pipe.n_stages > 1
-    if overlapped:
+    worker = None
+    if overlapped and draft_in_thread:
+        worker = _Background(draft_prefill)
+    elif overlapped:
         draft_prefill()
-    for _ in range(n_chunks):
-        res = pipe.next_result()
-    s.metrics.runs.launched += n_chunks
-    s.commit([s.sample_at(res.logits[0], len(prompt))])
+    try:
+        for _ in range(n_chunks):
+            res = pipe.next_result()
+        s.metrics.runs.launched += n_chunks
+        s.commit([s.sample_at(res.logits[0], len(prompt))])
+    except BaseException:
+        if worker is not None:
+            threading.Thread.join(worker)  # the first error wins; the draft's own is dropped
+        raise
+    if worker is not None:
+        worker.join()  # re-raises what the draft's prefill raised
     if draft_prefill is not None and not overlapped and not s.done:
         draft_prefill()
+
+
+class _Background(threading.Thread):
+    """Runs fn in a thread; join() re-raises its exception."""
+
+    def __init__(self, fn: Callable[[], None]):
+        super().__init__(daemon=True, name="draft-prefill")
+        self.fn, self.error = fn, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller in join()
+            self.error = exc
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
 
 
 def decode_iterative(pipe: Pipeline, s: Session, opts: DecodeOptions) -> None:

@@ -315,7 +315,7 @@ def _head(link: Link, cfg: JobConfig, state: dict, topo: Topology, trace, reques
                     drafter.start(prompt)
                     if topo.draft_rank is None:  # a draft rank traces its own work
                         trace.slice("draft", t_draft, now(), n_tokens=len(prompt), prefill=True)
-            prefill(pipe, s, draft_prefill)
+            prefill(pipe, s, draft_prefill, draft_in_thread=topo.draft_rank is None)
             if req.mode == "iterative":
                 decode_iterative(pipe, s, cfg.decode)
             elif req.mode == "speculative":
