@@ -9,7 +9,6 @@ from pipeinfer_cli.cli.app import app
 from pipeinfer_cli.errors import ModelFileError, UsageError
 from pipeinfer_cli.gguf_info import read_model_info
 from pipeinfer_cli.layer_split import balanced_split
-from tinygguf import write_tiny_model
 
 runner = CliRunner()
 

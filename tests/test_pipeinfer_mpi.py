@@ -244,7 +244,7 @@ def test_async_replies_are_launched_only_when_consistent(tiny_pair, delay, sampl
     prompt = list(range(5, 25))
     s = Session(prompt, params, 48, lambda t: False)
     prefill(pipe, s)
-    decode_iterative(pipe, s, DecodeOptions(n_predict=48))
+    decode_iterative(pipe, s)
     truth = list(s.tokens)
     pipe.kv_clear()
     drafter = ScriptedDraftRank(truth, delay)

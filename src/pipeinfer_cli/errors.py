@@ -1,4 +1,33 @@
-"""Typed errors. Raised deep in the library, reported once by the CLI as a one-line `Error: …`."""
+"""Typed errors. Raised deep in the library, reported once by the CLI as a one-line `Error: …`.
+
+This module also owns the one way an error is worded: `describe()` for an exception (on any rank),
+`error_line()` for the line the user sees, and `debug_enabled()` for PIPEINFER_DEBUG.
+"""
+
+import os
+import traceback
+
+DEBUG_ENV = "PIPEINFER_DEBUG"
+
+
+def debug_enabled() -> bool:
+    """PIPEINFER_DEBUG=1: full tracebacks, and the launcher's own output left unfiltered."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def describe(exc: BaseException, traceback_too: bool = False) -> str:
+    """What to tell the user about exc: a typed error's own message; anything else is a bug."""
+    if isinstance(exc, PipeinferError):
+        msg = str(exc)
+    else:
+        msg = f"internal error: {type(exc).__name__}: {exc} (set {DEBUG_ENV}=1 for a traceback)"
+    if traceback_too:
+        msg += "\n" + "".join(traceback.format_exception(exc)).rstrip()
+    return msg
+
+
+def error_line(msg: str) -> str:
+    return f"Error: {msg}"
 
 
 class PipeinferError(Exception):

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from ..errors import debug_enabled  # noqa: F401 - re-exported for the commands
 
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 
-def debug_enabled() -> bool:
-    return os.environ.get("PIPEINFER_DEBUG", "") not in ("", "0")
 
 
 def byte_progress() -> Progress:

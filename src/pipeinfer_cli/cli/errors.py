@@ -7,8 +7,6 @@ with a traceback only when PIPEINFER_DEBUG is set.
 
 from __future__ import annotations
 
-import traceback
-
 import typer
 from typer.core import TyperGroup
 
@@ -17,18 +15,12 @@ try:  # Typer >= 0.22 vendors click as typer._click; older releases use click it
 except ImportError:  # pragma: no cover - depends on the installed Typer
     from click.exceptions import UsageError as ClickUsageError
 
-from ..errors import PipeinferError
-from .console import debug_enabled, err
+from ..errors import PipeinferError, debug_enabled, describe, error_line
+from .console import err
 
 
 def report(exc: BaseException) -> None:
-    if debug_enabled():
-        err.print("".join(traceback.format_exception(exc)), markup=False, highlight=False)
-    if isinstance(exc, PipeinferError):
-        msg = str(exc)
-    else:
-        msg = f"internal error: {type(exc).__name__}: {exc} (set PIPEINFER_DEBUG=1 for a traceback)"
-    err.print(f"Error: {msg}", markup=False, highlight=False)
+    err.print(error_line(describe(exc, traceback_too=debug_enabled())), markup=False, highlight=False)
 
 
 def usage_message(exc: ClickUsageError) -> str:
@@ -51,5 +43,5 @@ class ErrorHandlingGroup(TyperGroup):
             report(exc)
             raise typer.Exit(exc.exit_code) from None
         except ClickUsageError as exc:
-            err.print(f"Error: {usage_message(exc)}", markup=False, highlight=False)
+            err.print(error_line(usage_message(exc)), markup=False, highlight=False)
             raise typer.Exit(2) from None

@@ -72,7 +72,7 @@ class _Background(threading.Thread):
             raise self.error
 
 
-def decode_iterative(pipe: Pipeline, s: Session, opts: DecodeOptions) -> None:
+def decode_iterative(pipe: Pipeline, s: Session) -> None:
     while not s.done:
         pos = len(s.tokens) - 1  # the last committed token is not in the KV yet
         pipe.launch([s.tokens[-1]], [pos], [[CANONICAL_SEQ]], [True])

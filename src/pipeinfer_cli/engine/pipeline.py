@@ -11,16 +11,11 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-from mpi4py import MPI
-
-from ..errors import PipeinferError
-from ..transport.messages import REPORT, RUN_FLAG_INVARIANT, SHUTDOWN, KvCommand, KvOp, RunHeader, Tag
-from ..transport.mpi_link import Backoff, Link
+from ..transport.messages import REPORT, RUN_FLAG_INVARIANT, SHUTDOWN, KvCommand, KvOp, ResultHeader, RunHeader, Tag
+from ..transport.mpi_link import Backoff, Link, RankFailedError
 from .metrics import now
 
-
-class PipelineError(PipeinferError):
-    """A rank of the job failed; the message names the rank."""
+PipelineError = RankFailedError  # a rank of the job failed; the message names the rank
 
 
 @dataclass
@@ -95,12 +90,13 @@ class Pipeline:
         got = False
         last = self.n_stages - 1
         while (st := self.link.probe(last, Tag.LOGITS)) is not None:
-            run_id, n_out, cancelled = (int(x) for x in self.link.recv_array(last, Tag.LOGITS, np.int64, st))
+            hdr = ResultHeader.decode(self.link.recv_array(last, Tag.LOGITS, np.int64, st))
             logits = None
-            if not cancelled:
-                logits = (self.link.recv_array(last, Tag.LOGITS_DATA, np.float32).reshape(n_out, -1) if n_out
-                          else np.empty((0, 0), np.float32))
-            self.ready.append(RunResult(run_id, logits))
+            if hdr.has_data:
+                logits = self.link.recv_array(last, Tag.LOGITS_DATA, np.float32).reshape(hdr.n_out, -1)
+            elif not hdr.cancelled:  # asked for no rows (a prompt chunk before the last)
+                logits = np.empty((0, 0), np.float32)
+            self.ready.append(RunResult(hdr.run_id, logits))
             got = True
         self.link.progress_sends()
         return got
@@ -115,10 +111,8 @@ class Pipeline:
         return self.ready.popleft()
 
     def check_errors(self) -> None:
-        st = self.link.probe(MPI.ANY_SOURCE, Tag.ERROR) if self.link is not None else None
-        if st is not None:
-            msg = self.link.comm.recv(source=st.Get_source(), tag=int(Tag.ERROR))
-            raise PipelineError(f"rank {st.Get_source()}: {msg}")
+        if self.link is not None:
+            self.link.raise_reported_error()
 
     # -- between requests and at the end ------------------------------------------------------
     def report(self) -> list[dict]:
@@ -132,8 +126,7 @@ class Pipeline:
         reports = []
         others = list(range(1, self.n_stages)) + ([self.draft_rank] if self.draft_rank is not None else [])
         for r in others:
-            self.link.wait_probe(r, Tag.STATS, on_idle=self.check_errors)
-            reports.append(self.link.comm.recv(source=r, tag=int(Tag.STATS)))
+            reports.append(self.link.recv_pickled(r, Tag.STATS, on_idle=self.check_errors))
         return reports
 
     def shutdown(self) -> None:

@@ -7,20 +7,15 @@ so a cancelled run is dropped before it starts or aborted between layers mid-com
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 
 import numpy as np
 
 from ..native import EvalCancelled
-from ..transport.messages import RUN_FLAG_INVARIANT, RUN_FLAG_SKIP, KvCommand, Msg, RunHeader, Tag, result_header
+from ..transport.messages import RUN_FLAG_INVARIANT, RUN_FLAG_SKIP, KvCommand, Msg, ResultHeader, RunHeader, Tag
 from ..transport.mpi_link import Backoff, Link
-from .metrics import now, peak_rss_mib
-
-
-class JobAborted(Exception):
-    """The head told this rank to stop because the job failed elsewhere."""
+from .metrics import now
+from .worker import JobAborted, RankReport, fault_injection
 
 
 class CancelListener(threading.Thread):
@@ -47,7 +42,7 @@ class CancelListener(threading.Thread):
                     if self.current is not None and self.current in self.cancelled:
                         self.engine.cancel()
                 progressed = True
-            if self.link.probe(0, Tag.ABORT) is not None:
+            if self.link.abort_requested():
                 self.aborted.set()
                 self.engine.cancel()
                 return
@@ -72,49 +67,19 @@ class CancelListener(threading.Thread):
             self.cancelled = {i for i in self.cancelled if i > run_id}
 
 
-def fault_injection(rank: int):
-    """PIPEINFER_DEBUG_FAIL=RANK:N makes rank RANK raise on its N-th run (a stage), draft proposal (the
-    draft rank) or committed token (the head, rank 0), to test fault handling."""
-    spec = os.environ.get("PIPEINFER_DEBUG_FAIL", "")
-    if not spec:
-        return None
-    r, _, n = spec.partition(":")
-    return int(n or 1) if int(r) == rank else None
-
-
-def rank_report(rank: int, role: str, layers, threads: int, busy_s: float, cpu0: float, trace, **extra) -> dict:
-    """This rank's counters and the trace events since the last report (sent to the head).
-
-    cpu_s counts CPU seconds since the rank started serving (after loading), so an idle rank that
-    spins would show it."""
-    events = list(trace.events)
-    trace.events.clear()
-    return {"rank": rank, "role": role, "layers": layers, "threads": threads,
-            "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(busy_s, 4),
-            "cpu_s": round(time.process_time() - cpu0, 3), **extra, "trace": events}
-
-
-def _engine_counters(engine, layers_unstarted: int) -> dict:
-    """The engine's counters, where layer_evals_skipped also counts the runs dropped before they started."""
-    stats = dict(engine.stats())
-    stats["layer_evals_skipped"] = stats.get("layer_evals_skipped", 0) + layers_unstarted
-    return stats
-
-
 def serve_stage(link: Link, engine, threads: int, trace) -> None:
-    """Run the stage loop until SHUTDOWN, reporting counters to the head at each REPORT."""
+    """Run the stage loop until SHUTDOWN, reporting this request's counters to the head at each REPORT."""
     rank, prev = link.rank, link.rank - 1
     is_last = engine.is_last
     nxt = None if is_last else rank + 1
     listener = CancelListener(link, engine)
     listener.start()
     fail_at = fault_injection(rank)
-    n_runs = 0
-    busy_s = 0.0
-    skipped_before_start = 0
-    layers_unstarted = 0  # layers of runs cancelled before this stage started them
+    n_runs = 0  # over the whole job, for fault injection
+    report = RankReport(rank, "stage", [engine.layer_begin, engine.layer_end], threads, trace, engine)
+    skipped_before_start = 0  # runs cancelled before this stage started them (this request)
+    layers_unstarted = 0  # their layers
     backoff = Backoff()
-    cpu0 = time.process_time()
     try:
         while True:
             if listener.aborted.is_set():
@@ -132,10 +97,10 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
                     link.send_array(msg, nxt, Tag.STREAM)
                 if kind == Msg.SHUTDOWN:
                     break
-                link.send_object(rank_report(rank, "stage", [engine.layer_begin, engine.layer_end], threads, busy_s, cpu0, trace,
-                                             runs=n_runs, skipped_before_start=skipped_before_start,
-                                             engine=_engine_counters(engine, layers_unstarted),
-                                             kv_used_cells=engine.kv_used_cells()), 0, Tag.STATS)
+                out = report.take(skipped_before_start=skipped_before_start)
+                out["engine"]["layer_evals_skipped"] = out["engine"].get("layer_evals_skipped", 0) + layers_unstarted
+                skipped_before_start = layers_unstarted = 0
+                link.send_pickled(out, 0, Tag.STATS)
                 continue
             if kind == Msg.KV:
                 KvCommand.decode(msg).apply(engine)
@@ -147,36 +112,48 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
             if not hdr.flags & RUN_FLAG_SKIP:
                 payload = link.recv_array(prev, Tag.PAYLOAD, np.float32).reshape(hdr.n_tokens, engine.n_embd)
             n_runs += 1
+            report.runs += 1
             if fail_at is not None and n_runs >= fail_at:
                 raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAIL) on run {hdr.run_id}")
             out = None
             if payload is not None and listener.begin(hdr.run_id):
-                t0 = now()
-                try:
-                    out = engine.eval(embd=payload, pos=hdr.pos, seq_ids=hdr.seq_ids,
-                                      output=hdr.output if is_last else None,
-                                      batch_invariant=bool(hdr.flags & RUN_FLAG_INVARIANT))
-                except EvalCancelled:
-                    out = None
-                t1 = now()
-                busy_s += t1 - t0
-                trace.slice("stage", t0, t1, run=hdr.run_id, n_tokens=hdr.n_tokens, spec=hdr.speculative,
-                            cancelled=out is None)
+                out = _compute(engine, hdr, payload, is_last, report, trace)
                 listener.end(hdr.run_id)
             elif payload is not None:
                 skipped_before_start += 1
                 layers_unstarted += engine.layer_end - engine.layer_begin
                 trace.instant("skip", now(), run=hdr.run_id)
-            if out is None:
-                hdr.flags |= RUN_FLAG_SKIP
-            if is_last:
-                link.send_array(result_header(hdr.run_id, 0 if out is None else len(out), out is None), 0, Tag.LOGITS)
-                if out is not None and len(out):  # a prompt chunk before the last asks for no rows
-                    link.send_array(out, 0, Tag.LOGITS_DATA)
-            else:
-                link.send_array(hdr.encode(), nxt, Tag.STREAM)
-                if out is not None:
-                    link.send_array(out, nxt, Tag.PAYLOAD)
+            _forward(link, hdr, out, nxt)
         link.flush()
     finally:
         listener.stopped.set()
+
+
+def _compute(engine, hdr: RunHeader, payload: np.ndarray, is_last: bool, report: RankReport, trace):
+    """This stage's layers for one run; None if it was cancelled while computing."""
+    t0 = now()
+    try:
+        out = engine.eval(embd=payload, pos=hdr.pos, seq_ids=hdr.seq_ids, output=hdr.output if is_last else None,
+                          batch_invariant=bool(hdr.flags & RUN_FLAG_INVARIANT))
+    except EvalCancelled:
+        out = None
+    t1 = now()
+    report.busy_s += t1 - t0
+    trace.slice("stage", t0, t1, run=hdr.run_id, n_tokens=hdr.n_tokens, spec=hdr.speculative, cancelled=out is None)
+    return out
+
+
+def _forward(link: Link, hdr: RunHeader, out, nxt: int | None) -> None:
+    """Hidden states to the next stage, or (last stage) logits back to the head. A cancelled run
+    still passes its header on, so every stage sees the stream in the same order."""
+    if out is None:
+        hdr.flags |= RUN_FLAG_SKIP
+    if nxt is None:
+        result = ResultHeader(hdr.run_id, 0 if out is None else len(out), cancelled=out is None)
+        link.send_array(result.encode(), 0, Tag.LOGITS)
+        if result.has_data:
+            link.send_array(out, 0, Tag.LOGITS_DATA)
+    else:
+        link.send_array(hdr.encode(), nxt, Tag.STREAM)
+        if out is not None:
+            link.send_array(out, nxt, Tag.PAYLOAD)

@@ -28,10 +28,6 @@ class Tokenizer:
         bos = self.add_bos if add_bos is None else add_bos
         return self.llm.tokenize(text.encode(), add_bos=bos, special=True)
 
-    def chat_prompt(self, message: str) -> list[int]:
-        """Tokens of a single-turn chat, formatted with the model's own template (GGUF metadata)."""
-        return self.chat_messages([{"role": "user", "content": message}])
-
     def chat_messages(self, messages: list[dict]) -> list[int]:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -44,6 +40,10 @@ class Tokenizer:
         text = fmt(messages=messages).prompt
         # The template already writes BOS when the model wants it.
         return self.encode(text, add_bos=self.add_bos and not (bos and text.startswith(bos)))
+
+    def token_text(self, token: int) -> bytes:
+        """The vocabulary entry of a token id (to compare two vocabularies)."""
+        return self._llama_cpp.llama_vocab_get_text(self.vocab, token)
 
     def is_eog(self, token: int) -> bool:
         return bool(self._llama_cpp.llama_vocab_is_eog(self.vocab, token))

@@ -4,6 +4,10 @@ One ordered stream per link (rank r -> r+1) carries, in order: run headers, thei
 operations and SHUTDOWN. Headers and KV operations use tag STREAM; a payload (hidden states)
 follows its header on tag PAYLOAD. MPI keeps messages of one (source, tag) in order, and a
 receiver always takes a header's payload right after the header, so the stream stays ordered.
+
+Every array message has a class here with `encode()` and `decode()`: RunHeader, KvCommand,
+ResultHeader (last stage -> head), DraftRequest and DraftReply (head <-> draft rank). Only ERROR,
+STATS and the clock probes at start are pickled (rare control messages, never on the hot path).
 """
 
 from __future__ import annotations
@@ -22,23 +26,23 @@ class Tag(IntEnum):
     CANCEL = 5  # head -> every stage, directly: run ids to drop
     ERROR = 6  # any rank -> head: a fatal error (small pickled string; never on the hot path)
     ABORT = 7  # head -> every rank: stop now, the job failed
-    STATS = 8  # stage -> head at shutdown: counters (pickled dict, once per job)
-    DRAFT_REQ = 9  # head -> draft rank
-    DRAFT_REP = 10  # draft rank -> head
-    CLOCK = 11  # clock-offset probes at start
+    STATS = 8  # stage or draft rank -> head after each request (REPORT): counters and trace events, pickled
+    DRAFT_REQ = 9  # head -> draft rank: DraftRequest
+    DRAFT_REP = 10  # draft rank -> head: DraftReply
+    CLOCK = 11  # clock-offset probes at start (pickled floats)
 
 
 class Msg(IntEnum):
-    RUN = 1
+    RUN = 1  # a run header (STREAM), or a draft proposal request (DRAFT_REQ)
     KV = 2
     SHUTDOWN = 3
     REPORT = 4  # end of one request: every rank sends its counters and trace events to the head
+    DRAFT_START = 5  # DRAFT_REQ: process this prompt (no reply)
 
 
 class KvOp(IntEnum):
     SEQ_RM = 1  # (seq, p0, p1)
     SEQ_CP = 2  # (src, p0, p1, dsts...): copy to one or many sequences in one message
-    SEQ_KEEP = 3  # (seq)
     CLEAR = 4
 
 
@@ -100,7 +104,7 @@ class KvCommand:
     """A KV-cache operation applied by every stage in stream order."""
 
     op: KvOp
-    seq: int = -1  # SEQ_RM/SEQ_KEEP: the sequence; SEQ_CP: the source
+    seq: int = -1  # SEQ_RM: the sequence; SEQ_CP: the source
     p0: int = -1
     p1: int = -1
     dsts: list[int] = field(default_factory=list)  # SEQ_CP destinations
@@ -118,8 +122,6 @@ class KvCommand:
             engine.seq_rm(self.seq, self.p0, self.p1)
         elif self.op == KvOp.SEQ_CP:
             engine.seq_cp_many(self.seq, self.dsts, self.p0, self.p1)
-        elif self.op == KvOp.SEQ_KEEP:
-            engine.seq_keep(self.seq)
         elif self.op == KvOp.CLEAR:
             engine.kv_clear()
 
@@ -128,6 +130,64 @@ SHUTDOWN = np.asarray([Msg.SHUTDOWN], np.int64)
 REPORT = np.asarray([Msg.REPORT], np.int64)
 
 
-def result_header(run_id: int, n_out: int, cancelled: bool) -> np.ndarray:
-    """Last stage -> head: which run these logits belong to, and whether it was cancelled."""
-    return np.asarray([run_id, n_out, int(cancelled)], np.int64)
+@dataclass
+class ResultHeader:
+    """Last stage -> head (tag LOGITS): which run the logits that follow (LOGITS_DATA) belong to.
+
+    A cancelled run, or one that asked for no rows (a prompt chunk before the last), has no data."""
+
+    run_id: int
+    n_out: int  # rows of logits that follow
+    cancelled: bool = False
+
+    def encode(self) -> np.ndarray:
+        return np.asarray([self.run_id, self.n_out, int(self.cancelled)], np.int64)
+
+    @staticmethod
+    def decode(buf: np.ndarray) -> "ResultHeader":
+        return ResultHeader(int(buf[0]), int(buf[1]), bool(buf[2]))
+
+    @property
+    def has_data(self) -> bool:
+        return not self.cancelled and self.n_out > 0
+
+
+def _f64_bits(values) -> np.ndarray:
+    """Floats carried bit for bit inside an int64 message."""
+    return np.asarray(values, np.float64).view(np.int64)
+
+
+@dataclass
+class DraftRequest:
+    """Head -> draft rank (tag DRAFT_REQ): start a prompt, propose a continuation, report, or stop."""
+
+    kind: Msg  # DRAFT_START, RUN (propose), REPORT or SHUTDOWN
+    path: list[int] = field(default_factory=list)  # DRAFT_START: the prompt; RUN: the path to continue
+    n_max: int = 0  # RUN: draft at most this many tokens
+    p_min: float = 0.0  # RUN: stop when the draft's top probability falls below this
+
+    def encode(self) -> np.ndarray:
+        return np.concatenate([np.asarray([self.kind, self.n_max], np.int64), _f64_bits([self.p_min]),
+                               np.asarray(self.path, np.int64)])
+
+    @staticmethod
+    def decode(buf: np.ndarray) -> "DraftRequest":
+        p_min = float(buf[2:3].view(np.float64)[0]) if len(buf) > 2 else 0.0
+        n_max = int(buf[1]) if len(buf) > 1 else 0
+        return DraftRequest(Msg(int(buf[0])), [int(x) for x in buf[3:]], n_max, p_min)
+
+
+@dataclass
+class DraftReply:
+    """Draft rank -> head (tag DRAFT_REP): the proposed tokens and the draft's probability of each."""
+
+    tokens: list[int]
+    probs: list[float]
+
+    def encode(self) -> np.ndarray:
+        return np.concatenate([np.asarray([len(self.tokens), *self.tokens], np.int64), _f64_bits(self.probs)])
+
+    @staticmethod
+    def decode(buf: np.ndarray) -> "DraftReply":
+        n = int(buf[0])
+        return DraftReply([int(x) for x in buf[1:1 + n]], [float(x) for x in buf[1 + n:1 + 2 * n].view(np.float64)])

@@ -1,8 +1,13 @@
-"""Point-to-point helpers over mpi4py that never spin.
+"""Point-to-point helpers over mpi4py that never spin, and the job's fault protocol on the wire.
 
 The mpich wheel's blocking Recv busy-waits (a full core while idle), and several ranks may share a
 core, so every wait here is Iprobe + sleep with exponential backoff, reset on progress.
 Sends are non-blocking: the buffers stay referenced until MPI reports them complete.
+
+`Link` is the only owner of the communicator. Besides arrays it carries the fault protocol: a
+failed rank reports its error to the head (`report_error`), the head raises it
+(`raise_reported_error`) and tells every rank to stop (`abort_all`), which each rank notices with
+`abort_requested`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,12 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import PipeinferError
 from .messages import Tag
+
+
+class RankFailedError(PipeinferError):
+    """Another rank of the job failed; the message names the rank and its error."""
 
 BACKOFF_MIN_S = 20e-6
 BACKOFF_MAX_S = 1e-3
@@ -41,6 +51,13 @@ class Link:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._pending: list[tuple[MPI.Request, object]] = []
+
+    def allgather(self, obj) -> list:
+        """Every rank's obj, on every rank (collective; pickled, for start-up only)."""
+        return self.comm.allgather(obj)
+
+    def ranks_on_this_host(self) -> int:
+        return self.comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
 
     # -- receiving -------------------------------------------------------------------------
     def probe(self, source: int, tag: Tag) -> MPI.Status | None:
@@ -75,10 +92,37 @@ class Link:
         req = self.comm.Isend([arr, MPI.BYTE], dest=dest, tag=int(tag))
         self._pending.append((req, arr))
 
-    def send_object(self, obj, dest: int, tag: Tag) -> None:
-        """Pickled send, for rare control messages only (errors, final stats)."""
+    def send_pickled(self, obj, dest: int, tag: Tag) -> None:
+        """Pickled send, for rare control messages only (errors, per-request stats, clock probes)."""
         req = self.comm.isend(obj, dest=dest, tag=int(tag))
         self._pending.append((req, obj))
+
+    def recv_pickled(self, source: int, tag: Tag, on_idle: Callable[[], None] | None = None):
+        """Wait (without spinning) for a pickled message and return it."""
+        st = self.wait_probe(source, tag, on_idle=on_idle)
+        return self.comm.recv(source=st.Get_source(), tag=int(tag))
+
+    # -- the fault protocol ----------------------------------------------------------------
+    def report_error(self, text: str) -> None:
+        """A failed rank: tell the head (which prints it once and aborts the job)."""
+        self.send_pickled(text, 0, Tag.ERROR)
+
+    def raise_reported_error(self) -> None:
+        """Head side: raise RankFailedError if a rank reported a failure."""
+        st = self.probe(MPI.ANY_SOURCE, Tag.ERROR)
+        if st is not None:
+            msg = self.comm.recv(source=st.Get_source(), tag=int(Tag.ERROR))
+            raise RankFailedError(f"rank {st.Get_source()}: {msg}")
+
+    def abort_all(self) -> None:
+        """Head side: tell every other rank to stop now (the job failed)."""
+        for r in range(1, self.size):
+            self.send_array(np.zeros(1, np.int64), r, Tag.ABORT)
+        self.flush(timeout_s=2)
+
+    def abort_requested(self) -> bool:
+        """Did the head tell this rank to stop?"""
+        return self.probe(0, Tag.ABORT) is not None
 
     def progress_sends(self) -> None:
         if self._pending:

@@ -1,0 +1,174 @@
+"""The head (rank 0): run each request through the pipeline in its mode, then assemble its result.
+
+For one request: prefill (the draft's own prefill overlapping the stages), decode in the request's
+mode, collect every rank's report (they travel behind the request's runs), clear the KV caches,
+and turn the session and reports into the result dict (the JSON of `generate --json`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..transport.mpi_link import Link
+from .decode_sync import decode_iterative, decode_speculative, prefill
+from .loading import Loaded, n_predict_for
+from .metrics import now
+from .pipeline import Pipeline
+from .session import Session
+from .text_stream import TextStream
+from .trace import TraceRecorder
+from .worker import RankReport, abort_job, fault_injection
+
+# PIPEINFER_DEBUG_DIVERGE=MODE changes the last generated token of every MODE result (the result
+# only, after generation), so tests can check that `bench` reports modes that disagree.
+DEBUG_DIVERGE = "PIPEINFER_DEBUG_DIVERGE"
+
+
+@dataclass
+class Callbacks:
+    """What the caller sees as the job runs (all optional, called on the head only)."""
+
+    on_start: Callable[[object], None] | None = None  # tokenizer, once the models are loaded
+    on_token: Callable[[int], None] | None = None  # each committed token
+    on_text: Callable[[str], None] | None = None  # text to show (UTF-8 completed, stop strings cut)
+    on_result: Callable[[dict], None] | None = None  # each request's result
+
+
+def serve_requests(link: Link | None, cfg, loaded: Loaded, trace: TraceRecorder, requests: list,
+                   offsets: list[float], cb: Callbacks) -> list[dict]:
+    """Run every request on the head; stop the other ranks at the end, or abort them on failure."""
+    from .remote_draft import RemoteDrafter
+
+    topo = loaded.topo
+    drafter = RemoteDrafter(link, topo.draft_rank) if topo.draft_rank is not None else loaded.drafter
+    pipe = Pipeline(link if topo.world_size > 1 else None, loaded.engine, topo.n_stages, trace, topo.draft_rank)
+    me = topo.ranks[0]
+    head_report = RankReport(0, "head", list(me.layers), me.threads, trace, loaded.engine)
+    if (fail_at := fault_injection(0)) is not None:
+        cb = Callbacks(cb.on_start, _failing_on_token(fail_at, cb.on_token), cb.on_text, cb.on_result)
+    if cb.on_start:
+        cb.on_start(loaded.tokenizer)
+    results = []
+    try:
+        for req, prompt in zip(requests, loaded.prompts):
+            s = run_request(pipe, cfg, loaded, req, prompt, drafter, cb, trace)
+            t_end = now()
+            _trace_commits(trace, s.metrics.token_times)
+            # Reports travel behind every run of this request, so they see its final KV occupancy;
+            # the clear after them readies the caches for the next request.
+            reports = pipe.report()
+            head_report.busy_s, pipe.busy_s = pipe.busy_s, 0.0
+            head_report.runs = s.metrics.runs.launched
+            ranks = [head_report.take()] + reports
+            pipe.kv_clear()
+            result = assemble_result(cfg, req, topo, loaded.tokenizer, s, ranks, offsets, t_end)
+            if os.environ.get(DEBUG_DIVERGE) == req.mode:
+                _debug_diverge(result)
+            results.append(result)
+            if cb.on_result:
+                cb.on_result(result)
+        pipe.shutdown()
+    except BaseException:
+        if topo.world_size > 1:
+            abort_job(link)
+        raise
+    finally:
+        if drafter is not None:
+            drafter.close()
+    return results
+
+
+def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], drafter, cb: Callbacks,
+                trace: TraceRecorder) -> Session:
+    """Generate one request's tokens in its mode; returns the finished session."""
+    tok = loaded.tokenizer
+    s = Session(prompt, cfg.sampling, n_predict_for(cfg, req, len(prompt)), tok.is_eog, cb.on_token,
+                text=TextStream(tok.piece, req.stop), on_text=cb.on_text)
+    local_draft = loaded.topo.draft_rank is None  # a draft rank traces its own work
+    draft_prefill = None
+    if drafter is not None and req.mode != "iterative":
+        def draft_prefill() -> None:
+            t0 = now()
+            drafter.start(prompt)
+            if local_draft:
+                trace.slice("draft", t0, now(), n_tokens=len(prompt), prefill=True)
+    prefill(pipe, s, draft_prefill, draft_in_thread=local_draft)
+    if req.mode == "iterative":
+        decode_iterative(pipe, s)
+    elif req.mode == "speculative":
+        decode_speculative(pipe, s, cfg.decode, _TracedDrafter(drafter, trace) if local_draft else drafter)
+    else:
+        from .decode_pipeinfer import decode_pipeinfer
+
+        decode_pipeinfer(pipe, s, cfg.decode, drafter)
+    s.finish_text()
+    return s
+
+
+def assemble_result(cfg, req, topo, tok, s: Session, ranks: list[dict], offsets: list[float], t_end: float) -> dict:
+    """One request's result: text, tokens, metrics (README, "JSON fields") and every rank's report."""
+    m = s.metrics.to_dict()
+    for r in ranks:
+        r["clock_offset_s"] = offsets[r["rank"]] if r["rank"] < len(offsets) else 0.0
+        engine = r.get("engine") or {}
+        m["runs"]["cancelled_mid_compute"] += engine.get("cancelled_mid_compute", 0)
+        m["runs"]["layer_evals_skipped"] += engine.get("layer_evals_skipped", 0)
+    return {
+        "prompt_id": req.label, "mode": req.mode, "model": cfg.model_label, "draft": cfg.draft_label,
+        "layer_split": topo.describe(), "n_ctx": cfg.n_ctx,
+        "text": s.text.text if s.text is not None else tok.llm.detokenize(s.generated).decode("utf-8", errors="replace"),
+        "tokens": s.generated, "finish_reason": s.finish_reason,
+        **m, "t_start": s.metrics.t_start, "t_end": t_end, "ranks": ranks,
+    }
+
+
+def _failing_on_token(fail_at: int, on_token):
+    """PIPEINFER_DEBUG_FAIL=0:N: the head raises when it commits its N-th token (fault tests)."""
+    n = 0
+
+    def wrapped(token: int) -> None:
+        nonlocal n
+        if on_token:
+            on_token(token)
+        n += 1
+        if n >= fail_at:
+            raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAIL) on the head at token {n}")
+
+    return wrapped
+
+
+class _TracedDrafter:
+    """A head-local drafter whose propose() calls become 'draft' slices on the head's track."""
+
+    def __init__(self, drafter, trace: TraceRecorder):
+        self._drafter, self._trace = drafter, trace
+
+    def propose(self, path: list[int], n_max: int, p_min: float):
+        t0 = now()
+        prop = self._drafter.propose(path, n_max, p_min)
+        self._trace.slice("draft", t0, now(), n_tokens=len(prop.tokens))
+        return prop
+
+    def __getattr__(self, name: str):
+        return getattr(self._drafter, name)
+
+
+def _trace_commits(trace: TraceRecorder, token_times: list[float]) -> None:
+    """One 'commit' instant per group of tokens committed together, unless the decoder recorded its own."""
+    if any(e[0] == "i" and e[1] == "commit" for e in trace.events):
+        return
+    i = 0
+    while i < len(token_times):
+        j = i
+        while j + 1 < len(token_times) and token_times[j + 1] == token_times[i]:
+            j += 1
+        trace.instant("commit", token_times[i], n=j - i + 1)
+        i = j + 1
+
+
+def _debug_diverge(result: dict) -> None:
+    if result["tokens"]:
+        result["tokens"] = result["tokens"][:-1] + [result["tokens"][-1] ^ 1]
+        result["debug_diverged"] = True

@@ -1,0 +1,96 @@
+"""What each rank loads once per job: its layer engine, and on the head the tokenizer, the
+tokenized prompts and a head-local drafter; on a draft rank, the draft model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+from .topology import RankPlan, Topology
+
+
+@dataclass
+class Loaded:
+    """One rank's loaded state. Fields a rank does not need stay None."""
+
+    topo: Topology
+    me: RankPlan
+    engine: object | None = None  # native.LayerEngine of this rank's layers (target ranks)
+    tokenizer: object | None = None  # tokenizer.Tokenizer (head)
+    prompts: list[list[int]] = field(default_factory=list)  # token ids of every request (head)
+    drafter: object | None = None  # the head's drafter, or the draft rank's model
+
+
+def spec_margin(cfg, req) -> int:
+    """KV cells beyond prompt + -n that a mode may fill: speculative runs in flight write past
+    the last committed token (rejected cells are removed again)."""
+    if req.mode == "iterative":
+        return 1
+    return cfg.decode.n_draft * (cfg.decode.max_inflight if req.mode == "pipeinfer" else 1) + 2
+
+
+def n_predict_for(cfg, req, n_prompt: int) -> int:
+    """Tokens to generate: -n, or with -n -1 as many as the context holds (until end of text)."""
+    if cfg.decode.n_predict > 0:
+        return cfg.decode.n_predict
+    return cfg.n_ctx - n_prompt - spec_margin(cfg, req)
+
+
+def make_drafter(cfg, threads: int):
+    from .drafters import LlamaDrafter, LookupDrafter
+
+    if cfg.draft_label == "lookup":
+        return LookupDrafter()
+    return LlamaDrafter(cfg.draft_path, n_ctx=cfg.n_ctx, n_threads=threads)
+
+
+def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool) -> Loaded:
+    from ..native import LayerEngine
+
+    me = topo.ranks[rank]
+    out = Loaded(topo, me)
+    if me.role == "draft":
+        if needs_draft:
+            out.drafter = make_drafter(cfg, me.threads)
+        return out
+    # Sequences: the canonical one, plus one per in-flight run and tree branch (pipeinfer).
+    n_seq = min(64, 2 + cfg.decode.max_inflight * max(1, cfg.decode.max_branches))
+    out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=cfg.n_ctx,
+                             n_threads=me.threads, n_seq_max=n_seq)
+    if me.role == "head":
+        _load_head(cfg, out, requests, needs_draft)
+    return out
+
+
+def _load_head(cfg, out: Loaded, requests: list, needs_draft: bool) -> None:
+    from .tokenizer import Tokenizer
+
+    tok = out.tokenizer = Tokenizer(cfg.model_path)
+    out.prompts = [_tokenize_request(cfg, tok, req) for req in requests]
+    if not needs_draft:
+        return
+    if cfg.draft_label is None:
+        raise UsageError("speculative and pipeinfer modes need a draft: pass --draft MODEL, --draft lookup, or a pair name")
+    if cfg.draft_path is not None:
+        # Checked from the draft's tokenizer alone, wherever the draft model runs.
+        from .vocab import check_vocab_compatible
+
+        check_vocab_compatible(tok, Tokenizer(cfg.draft_path), cfg.model_label, cfg.draft_label)
+    if out.topo.draft_rank is None:
+        out.drafter = make_drafter(cfg, out.me.threads)
+
+
+def _tokenize_request(cfg, tok, req) -> list[int]:
+    ids = tok.chat_messages(req.chat) if req.chat is not None else tok.encode(req.prompt or "")
+    label = f"{req.label} " if req.label else ""
+    if not ids:
+        raise UsageError(f"prompt {label}is empty; pass text with -p, -f or --chat")
+    n_predict = n_predict_for(cfg, req, len(ids))
+    margin = spec_margin(cfg, req)
+    need = len(ids) + max(n_predict, 1) + margin
+    if n_predict < 1 or need > cfg.n_ctx:
+        what = f"with -n {cfg.decode.n_predict}" if cfg.decode.n_predict > 0 else "with -n -1"
+        spec = " and the cells of speculative runs in flight" if margin > 1 else ""
+        raise UsageError(f"prompt {label}has {len(ids)} tokens; {what}{spec} it needs {need} KV cells, "
+                         f"more than --ctx {cfg.n_ctx}; raise --ctx or shorten the prompt")
+    return ids

@@ -1,0 +1,134 @@
+"""Every rank's part in the job's fault protocol, and the per-request report a rank sends the head.
+
+Fault handling: any rank that fails tells the head (ERROR); the head reports the error once and
+tells every rank to stop (ABORT); every process then exits with status 1 within seconds, so an
+`mpiexec` never hangs on a dead job.
+
+Order matters: MPI launchers (Hydra, Open MPI) kill the whole job as soon as one process exits
+without MPI_Finalize. So the other ranks wait for the head to leave first (at most ABORT_GRACE_S),
+and the head leaves without finalizing only after the error has been printed: the message cannot be
+lost, and the launcher tears the job down at once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+
+from ..errors import describe
+from ..transport.mpi_link import Backoff, Link
+from .metrics import peak_rss_mib
+
+ERROR_WAIT_S = 5.0  # a failed rank waits this long for the head's ABORT before leaving anyway
+ABORT_GRACE_S = 3.0  # a rank told to abort waits this long for the head to print the error and leave
+FAIL_ENV = "PIPEINFER_DEBUG_FAIL"
+
+
+class JobAborted(Exception):
+    """The head told this rank to stop because the job failed elsewhere."""
+
+
+def hard_exit(code: int) -> None:
+    """Leave without MPI_Finalize, which could wait forever on a dead peer."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def leave_after_head(code: int = 1) -> None:
+    """A non-head rank of a failed job: let the head leave first, then exit without MPI_Finalize.
+
+    The head prints the error and exits; the launcher then kills this process. If the head cannot
+    (it is stuck or dead), leave after ABORT_GRACE_S: the launcher then ends the job."""
+    time.sleep(ABORT_GRACE_S)
+    hard_exit(code)
+
+
+def head_failed() -> None:
+    """The head of a failed multi-rank job: once the error is reported (at interpreter exit), leave
+    without MPI_Finalize, so that the launcher stops the ranks waiting in leave_after_head at once."""
+    atexit.register(hard_exit, 1)
+
+
+def fail_after_error(link: Link, exc: BaseException, debug: bool) -> None:
+    """A worker rank that raised: report to the head, wait (briefly) for its ABORT, and leave."""
+    link.report_error(describe(exc, traceback_too=debug))
+    link.flush(timeout_s=2)
+    deadline = time.monotonic() + ERROR_WAIT_S
+    backoff = Backoff(hi=10e-3)
+    while time.monotonic() < deadline and not link.abort_requested():
+        backoff.idle()
+    if link.abort_requested():
+        leave_after_head(1)
+    hard_exit(1)
+
+
+def fault_injection(rank: int) -> int | None:
+    """PIPEINFER_DEBUG_FAIL=RANK:N makes rank RANK raise on its N-th run (a stage), draft proposal (the
+    draft rank) or committed token (the head, rank 0), to test fault handling."""
+    spec = os.environ.get(FAIL_ENV, "")
+    if not spec:
+        return None
+    r, _, n = spec.partition(":")
+    return int(n or 1) if int(r) == rank else None
+
+
+class RankReport:
+    """One rank's counters for the current request, sent to (or kept by) the head at each REPORT.
+
+    Every count restarts at each report, so a report is exactly one request's share. cpu_s counts
+    CPU seconds since the previous report, so an idle rank that spins would show it."""
+
+    def __init__(self, rank: int, role: str, layers, threads: int, trace, engine=None):
+        self.rank, self.role, self.layers, self.threads = rank, role, layers, threads
+        self.trace, self.engine = trace, engine
+        self.busy_s = 0.0  # seconds computing (stage evals, draft proposals)
+        self.runs = 0  # runs computed or draft requests answered
+        self._reset()
+
+    def _reset(self) -> None:
+        self.busy_s, self.runs = 0.0, 0
+        self._cpu0 = time.process_time()
+        self._engine0 = dict(self.engine.stats()) if self.engine is not None else None
+
+    def take(self, **extra) -> dict:
+        """The report since the previous one (trace events included); counting starts again."""
+        events = list(self.trace.events)
+        self.trace.events.clear()
+        out = {"rank": self.rank, "role": self.role, "layers": self.layers, "threads": self.threads,
+               "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(self.busy_s, 4),
+               "cpu_s": round(time.process_time() - self._cpu0, 3), "runs": self.runs}
+        if self.engine is not None:
+            stats = dict(self.engine.stats())
+            out["engine"] = {k: v - self._engine0.get(k, 0) for k, v in stats.items()}
+            out["kv_used_cells"] = self.engine.kv_used_cells()
+        out.update(extra)
+        out["trace"] = events
+        self._reset()
+        return out
+
+
+def abort_job(link: Link) -> None:
+    """The head of a failed multi-rank job: stop every other rank now; leave once the error is printed."""
+    head_failed()
+    link.abort_all()
+
+
+def serve_worker(link: Link, loaded, debug: bool, trace) -> None:
+    """A non-head rank: serve the pipeline (a stage) or draft requests (the draft rank) until the
+    head shuts the job down; on failure, report to the head and leave (see the module doc)."""
+    from .remote_draft import serve_draft
+    from .stage import serve_stage
+
+    try:
+        if loaded.me.role == "draft":
+            serve_draft(link, loaded.drafter, loaded.me.threads, trace)
+        else:
+            serve_stage(link, loaded.engine, loaded.me.threads, trace)
+        link.flush()
+    except JobAborted:
+        leave_after_head(1)
+    except Exception as exc:  # noqa: BLE001 - reported to the head, which prints it once
+        fail_after_error(link, exc, debug)

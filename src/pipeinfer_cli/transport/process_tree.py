@@ -1,0 +1,150 @@
+"""The processes of a relaunched MPI job: find them all (Hydra starts proxies and ranks in
+sessions of their own, so a process group does not reach them), stop them, and clean up after."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+
+STOP_GRACE_S = 0.5  # after SIGTERM to the job's processes, SIGKILL whatever is left
+GONE_TIMEOUT_S = 1.0  # then wait this long at most for the killed processes to disappear
+
+
+class _Proc(tuple):
+    """(ppid, start time, state) of a process, from /proc/PID/stat."""
+
+    ppid = property(lambda self: self[0])
+    start = property(lambda self: self[1])
+    state = property(lambda self: self[2])
+
+
+def _process_table() -> dict[int, _Proc]:
+    """Every process of the machine (Linux; {} where there is no /proc)."""
+    table: dict[int, _Proc] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return table
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state ppid pgrp … starttime
+        if len(fields) > 19:
+            table[int(entry)] = _Proc((int(fields[1]), fields[19], fields[0]))
+    return table
+
+
+def _mpich_shm_files(pid: int) -> set[str]:
+    """MPICH's shared-memory files that a process has mapped and that still have a name."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split(None, 5)[5].strip() for line in f
+                    if "/dev/shm/mpich_" in line and not line.rstrip().endswith("(deleted)")}
+    except (OSError, IndexError):
+        return set()
+
+
+class JobProcesses:
+    """mpiexec and every process under it: Hydra's proxies and the ranks.
+
+    Hydra starts each proxy and each rank in a session of its own, so neither mpiexec's process
+    group nor its session holds them: the job is the process tree under mpiexec. It is read from
+    /proc when the job is stopped, while it is still whole, and every process is remembered with
+    its start time, so that a signal never reaches an unrelated process that reused a pid. The
+    ranks' MPICH shared-memory files, which a killed job leaves in /dev/shm, are removed once the
+    job is gone.
+    """
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self._lock = threading.RLock()  # also taken by signal handlers, which run in the main thread
+        self._known: dict[int, bytes] = {}  # pid -> start time, of mpiexec and its descendants
+        self._shm: set[str] = set()
+        self._reaped = False
+        self._stop_at: float | None = None
+        self._timer: threading.Timer | None = None
+
+    def _refresh(self) -> dict[int, _Proc]:
+        """Add the processes now under mpiexec (or under a known process) to the known ones."""
+        table = _process_table()
+        if not self._reaped and self.proc.pid in table:
+            self._known.setdefault(self.proc.pid, table[self.proc.pid].start)
+        children: dict[int, list[int]] = {}
+        for pid, info in table.items():
+            children.setdefault(info.ppid, []).append(pid)
+        todo = [pid for pid, start in self._known.items() if pid in table and table[pid].start == start]
+        while todo:
+            for child in children.get(todo.pop(), ()):
+                if child not in self._known and child != os.getpid():
+                    self._known[child] = table[child].start
+                    self._shm |= _mpich_shm_files(child)
+                    todo.append(child)
+        return table
+
+    def _alive(self, table: dict[int, _Proc]) -> list[int]:
+        return [pid for pid, start in self._known.items()
+                if pid in table and table[pid].start == start and table[pid].state != b"Z"]
+
+    def signal(self, signum: int) -> None:
+        """Send signum to mpiexec and every known process of the job that is still there."""
+        with self._lock:
+            table = self._refresh()
+            if not self._reaped:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(signum)
+            for pid in self._alive(table):
+                if pid != self.proc.pid:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signum)
+
+    def stop(self) -> None:
+        """SIGTERM to every process of the job, SIGKILL STOP_GRACE_S later to what is left."""
+        with self._lock:
+            if self._stop_at is not None:
+                return
+            self._stop_at = time.monotonic()
+            self._timer = threading.Timer(STOP_GRACE_S, self.signal, (signal.SIGKILL,))
+            self._timer.daemon = True
+            self._timer.start()
+            self.signal(signal.SIGTERM)
+
+    def wait_exited(self) -> None:
+        """Until mpiexec has exited, without reaping it (signal handlers run meanwhile)."""
+        if hasattr(os, "waitid"):
+            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+        else:
+            self.proc.wait()
+
+    def finish(self) -> int:
+        """After mpiexec exited: if the job was stopped, make sure every process of it is gone
+        (SIGKILL after the grace period) and remove its shared-memory files; reap mpiexec and
+        return its exit status."""
+        with self._lock:
+            stop_at = self._stop_at
+        if stop_at is not None:
+            while self._alive(self._refresh()) and time.monotonic() < stop_at + STOP_GRACE_S:
+                time.sleep(0.01)
+            self.signal(signal.SIGKILL)
+            deadline = time.monotonic() + GONE_TIMEOUT_S
+            while self._alive(_process_table()) and time.monotonic() < deadline:  # mpiexec: a zombie, not alive
+                time.sleep(0.01)
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            rc = self.proc.wait()
+            self._reaped = True
+            if stop_at is not None and not self._alive(_process_table()):
+                for path in self._shm:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+        return rc
+
