@@ -2,11 +2,13 @@
 
 #include "errors.h"
 #include "ggml-cpu.h"
+#include "gguf_file.h"
 
 #include <algorithm>
 #include <chrono>
-#include <new>
+#include <climits>
 #include <cmath>
+#include <new>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -23,56 +25,74 @@ size_t graph_size_for(size_t n_layers, int64_t invariant_rows = 0) {
     return std::max<size_t>(1024, (64 + 30 * (size_t) invariant_rows) * n_layers + 256 + 8 * (size_t) invariant_rows);
 }
 
-// While loading, keep ggml's debug/info lines (one "repack tensor ..." line per weight) out of the
-// log, and pass warnings and errors on to whatever logger was installed (llama_cpp's, if loaded).
-class quiet_ggml_log {
-public:
-    quiet_ggml_log() {
-        ggml_log_get(&prev_cb_, &prev_ud_);
-        ggml_log_set(&quiet_ggml_log::filter, this);
-    }
-    ~quiet_ggml_log() { ggml_log_set(prev_cb_, prev_ud_); }
+// "(2, 63)", "(64,)": a shape as numpy prints it.
+std::string shape_str(const std::vector<int64_t> & shape) {
+    std::string s = "(";
+    for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+    return s + (shape.size() == 1 ? ",)" : ")");
+}
 
-private:
-    static void filter(ggml_log_level level, const char * text, void * ud) {
-        auto * self = (quiet_ggml_log *) ud;
-        if ((level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) && self->prev_cb_) {
-            self->prev_cb_(level, text, self->prev_ud_);
+// A 1-D argument with one entry per token.
+template <typename T>
+void check_per_token(const array_view<T> & a, const char * name, int64_t n_tokens) {
+    if (a.shape.size() != 1) {
+        throw invalid_input(std::string(name) + " must be 1-D, got shape " + shape_str(a.shape));
+    }
+    if (a.shape[0] != n_tokens) {
+        throw invalid_input(std::string(name) + " has " + std::to_string(a.shape[0]) + " entries, expected n_tokens=" +
+                            std::to_string(n_tokens));
+    }
+}
+
+// Attention inputs of an ordered graph: mask, scores and V rows indexed by position (see
+// attention_ordered in graph_builder.cpp). order[t*n_kv + p] is the cell at position p, or -1.
+void fill_ordered(const graph_inputs & in, const model_hparams & hp, int64_t n_tokens, int64_t n_kv,
+                  const std::vector<int32_t> & order) {
+    const int64_t n_head = hp.n_head, n_embd_gqa = hp.n_embd_gqa();
+    auto * mask = (float *) in.kq_mask->data;
+    auto * ko = (int32_t *) in.kq_order->data;
+    auto * vo = (int32_t *) in.v_order->data;
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        const int32_t * row = order.data() + t * n_kv;
+        for (int64_t p = 0; p < n_kv; ++p) mask[t * n_kv + p] = row[p] >= 0 ? 0.0f : -INFINITY;
+        for (int64_t h = 0; h < n_head; ++h) {
+            int32_t * dst = ko + (t * n_head + h) * n_kv;
+            for (int64_t p = 0; p < n_kv; ++p) dst[p] = std::max(row[p], 0);
+        }
+        for (int64_t c = 0; c < n_embd_gqa; ++c) {
+            int32_t * dst = vo + (t * n_embd_gqa + c) * n_kv;
+            for (int64_t p = 0; p < n_kv; ++p) dst[p] = std::max(row[p], 0);
         }
     }
-    ggml_log_callback prev_cb_ = nullptr;
-    void * prev_ud_ = nullptr;
-};
+}
 
 }  // namespace
 
 layer_engine::layer_engine(const engine_params & params) : params_(params) {
-    if (params.n_ctx < 1) {
-        throw invalid_input("n_ctx must be >= 1 (got " + std::to_string(params.n_ctx) + ")");
+    if (params.n_ctx < 1 || params.n_ctx > (int64_t) UINT32_MAX) {
+        throw invalid_input("n_ctx must be in [1, " + std::to_string(UINT32_MAX) + "] (got " +
+                            std::to_string(params.n_ctx) + ")");
     }
     if (params.n_threads < 1) {
         throw invalid_input("n_threads must be >= 1 (got " + std::to_string(params.n_threads) + ")");
     }
-    if (params.n_seq_max < 1 || params.n_seq_max > kv_max_seq) {
+    if (params.n_seq_max < 1 || params.n_seq_max > (int64_t) kv_max_seq) {
         throw invalid_input("n_seq_max must be in [1, " + std::to_string(kv_max_seq) + "] (got " +
                             std::to_string(params.n_seq_max) + ")");
     }
     {
-        // The ggml logger is process-global: one load at a time swaps it, or two loads in
-        // parallel threads could restore each other's (then dangling) filter.
-        static std::mutex load_mutex;
-        std::lock_guard<std::mutex> lock(load_mutex);
+        // Keeps the "repack tensor ..." lines out of the log; one load (or header read) at a time.
         quiet_ggml_log quiet;
         w_ = stage_weights_load(params.path, params.layer_begin, params.layer_end, params.use_repack);
     }
     try {
-        kv_ = std::make_unique<kv_cache>(params.n_ctx, params.n_seq_max, (int) w_->layers.size(),
+        kv_ = std::make_unique<kv_cache>((uint32_t) params.n_ctx, (uint32_t) params.n_seq_max, (int) w_->layers.size(),
                                          (int64_t) w_->hparams.n_embd_gqa(), /*v_trans=*/ !params.flash_attn);
     } catch (const std::bad_alloc &) {
         const double gib = 2.0 * 2.0 * params.n_ctx * w_->hparams.n_embd_gqa() * w_->layers.size() / (1u << 30);
         char msg[256];
-        std::snprintf(msg, sizeof(msg), "cannot allocate a KV cache of n_ctx=%u cells (%.1f GiB for K and V); "
-                      "open the engine with a smaller n_ctx", params.n_ctx, gib);
+        std::snprintf(msg, sizeof(msg), "cannot allocate a KV cache of n_ctx=%lld cells (%.1f GiB for K and V); "
+                      "open the engine with a smaller n_ctx", (long long) params.n_ctx, gib);
         throw engine_failure(msg);
     }
 
@@ -123,55 +143,95 @@ bool layer_engine::abort_cb(void * data) {
     return ((layer_engine *) data)->cancel_.load(std::memory_order_relaxed);
 }
 
-void layer_engine::validate(const eval_batch & b) const {
+// tokens= on the first stage (ids in [0, n_vocab)), embd= (n, n_embd) on the others; sets n_tokens.
+void layer_engine::check_embd_or_tokens(const eval_batch & b, checked_batch & cb) const {
     const model_hparams & hp = w_->hparams;
-    if (b.n_tokens < 1) throw invalid_input("eval needs at least one token (got an empty batch)");
-    if (b.n_tokens > (int64_t) kv_->size()) {
-        throw kv_cache_full("batch of " + std::to_string(b.n_tokens) + " tokens is larger than the KV cache (n_ctx=" +
-                            std::to_string(kv_->size()) + "); split it or open the engine with a larger n_ctx");
+    if (b.tokens.given() && b.embd.given()) throw invalid_input("pass either tokens= or embd=, not both");
+    if (!b.tokens.given() && !b.embd.given()) {
+        throw invalid_input("eval needs tokens= (first stage) or embd= (later stages)");
     }
-    if (is_first()) {
-        if (!b.tokens || b.embd) {
-            throw invalid_input("this stage holds layer 0: pass tokens=, not embd=");
-        }
-        for (int64_t i = 0; i < b.n_tokens; ++i) {
-            if (b.tokens[i] < 0 || (uint32_t) b.tokens[i] >= hp.n_vocab) {
-                throw invalid_input("token id " + std::to_string(b.tokens[i]) + " at row " + std::to_string(i) +
-                                    " is out of range [0, n_vocab=" + std::to_string(hp.n_vocab) + ")");
-            }
-        }
-    } else if (!b.embd || b.tokens) {
+    if (is_first() && !b.tokens.given()) throw invalid_input("this stage holds layer 0: pass tokens=, not embd=");
+    if (!is_first() && !b.embd.given()) {
         throw invalid_input("this stage starts at layer " + std::to_string(w_->layer_begin) +
                             ": pass embd= (hidden states of the previous stage), not tokens=");
     }
-    if (!b.pos) throw invalid_input("pos is required");
-    if ((int64_t) b.seqs.size() != b.n_tokens) {
-        throw invalid_input("seq_ids has " + std::to_string(b.seqs.size()) + " entries, expected one per token (" +
-                            std::to_string(b.n_tokens) + ")");
-    }
-    const uint64_t allowed = kv_->n_seq_max() >= 64 ? ~0ull : ((1ull << kv_->n_seq_max()) - 1);
-    for (int64_t i = 0; i < b.n_tokens; ++i) {
-        if (b.pos[i] < 0) {
-            throw invalid_input("position " + std::to_string(b.pos[i]) + " at row " + std::to_string(i) + " is negative");
+    if (b.embd.given()) {
+        if (b.embd.shape.size() != 2 || b.embd.shape[1] != (int64_t) hp.n_embd) {
+            throw invalid_input("embd must have shape (n_tokens, " + std::to_string(hp.n_embd) + ") (n_embd=" +
+                                std::to_string(hp.n_embd) + "), got " + shape_str(b.embd.shape));
         }
-        if (b.seqs[i] == 0) throw invalid_input("row " + std::to_string(i) + " has no sequence id");
-        if (b.seqs[i] & ~allowed) {
-            throw invalid_input("row " + std::to_string(i) + " has a sequence id >= n_seq_max=" +
-                                std::to_string(kv_->n_seq_max()));
-        }
+        cb.n_tokens = b.embd.shape[0];
+        cb.embd = b.embd.data;
+        return;
     }
-    if (is_last()) {
-        // No output rows is valid (a prompt chunk before the last): the batch only fills the
-        // KV cache, and the graph stops after the last layer's K/V store.
-        for (size_t i = 0; i < b.out_rows.size(); ++i) {
-            if (b.out_rows[i] < 0 || b.out_rows[i] >= b.n_tokens || (i > 0 && b.out_rows[i] <= b.out_rows[i - 1])) {
-                throw invalid_input("output rows must be distinct, ascending and < n_tokens");
-            }
+    if (b.tokens.shape.size() != 1) {
+        throw invalid_input("tokens must be 1-D, got shape " + shape_str(b.tokens.shape));
+    }
+    cb.n_tokens = b.tokens.shape[0];
+    cb.tokens = b.tokens.data;
+    for (int64_t i = 0; i < cb.n_tokens; ++i) {
+        if (cb.tokens[i] < 0 || (uint32_t) cb.tokens[i] >= hp.n_vocab) {
+            throw invalid_input("token id " + std::to_string(cb.tokens[i]) + " at row " + std::to_string(i) +
+                                " is out of range [0, n_vocab=" + std::to_string(hp.n_vocab) + ")");
         }
     }
 }
 
-int64_t layer_engine::out_rows(const eval_batch & b) const {
+// pos (non-negative), sequence ids (each row a non-empty set in [0, n_seq_max)) and output flags.
+void layer_engine::check_rows(const eval_batch & b, checked_batch & cb) const {
+    const int64_t n = cb.n_tokens;
+    if (!b.pos.given()) throw invalid_input("pos is required");
+    check_per_token(b.pos, "pos", n);
+    cb.pos = b.pos.data;
+    for (int64_t i = 0; i < n; ++i) {
+        if (cb.pos[i] < 0) {
+            throw invalid_input("position " + std::to_string(cb.pos[i]) + " at row " + std::to_string(i) + " is negative");
+        }
+    }
+    if ((int64_t) b.n_seq_id.size() != n) {
+        throw invalid_input("seq_ids has " + std::to_string(b.n_seq_id.size()) + " entries, expected n_tokens=" +
+                            std::to_string(n));
+    }
+    const int64_t n_seq_max = kv_->n_seq_max();
+    cb.seqs.assign(n, 0);
+    size_t k = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (b.n_seq_id[i] < 1) throw invalid_input("row " + std::to_string(i) + " has an empty seq_ids list");
+        for (int32_t j = 0; j < b.n_seq_id[i]; ++j, ++k) {
+            const int64_t s = k < b.seq_id.size() ? b.seq_id[k] : -1;
+            if (s < 0 || s >= n_seq_max) {
+                throw invalid_input("seq id " + std::to_string(s) + " at row " + std::to_string(i) +
+                                    " is out of range [0, n_seq_max=" + std::to_string(n_seq_max) + ")");
+            }
+            cb.seqs[i] |= 1ull << s;
+        }
+    }
+    if (!is_last()) return;  // the other stages return every row
+    if (!b.output.given()) {
+        cb.out_rows = {(int32_t) (n - 1)};
+        return;
+    }
+    // No output rows is valid (a prompt chunk before the last): the batch only fills the KV cache.
+    check_per_token(b.output, "output", n);
+    for (int64_t i = 0; i < n; ++i) {
+        if (b.output.data[i]) cb.out_rows.push_back((int32_t) i);
+    }
+}
+
+checked_batch layer_engine::validate(const eval_batch & b) const {
+    checked_batch cb;
+    cb.invariant = b.invariant;
+    check_embd_or_tokens(b, cb);
+    if (cb.n_tokens < 1) throw invalid_input("eval needs at least one token (got an empty batch)");
+    if (cb.n_tokens > (int64_t) kv_->size()) {
+        throw kv_cache_full("batch of " + std::to_string(cb.n_tokens) + " tokens is larger than the KV cache (n_ctx=" +
+                            std::to_string(kv_->size()) + "); split it or open the engine with a larger n_ctx");
+    }
+    check_rows(b, cb);
+    return cb;
+}
+
+int64_t layer_engine::out_rows(const checked_batch & b) const {
     return is_last() ? (int64_t) b.out_rows.size() : b.n_tokens;
 }
 
@@ -179,19 +239,91 @@ int64_t layer_engine::out_cols() const {
     return is_last() ? w_->hparams.n_vocab : w_->hparams.n_embd;
 }
 
-void layer_engine::eval(const eval_batch & b, float * out) {
-    validate(b);
-    std::lock_guard<std::mutex> lock(mutex_);
+graph_shape layer_engine::shape_for(const checked_batch & b, const std::vector<kv_token> & toks,
+                                    std::vector<int32_t> & order) const {
+    graph_shape shape;
+    shape.n_tokens = b.n_tokens;
+    shape.n_kv = kv_->n_kv();
+    shape.n_outputs = out_rows(b);
+    // Row slicing is for verification-sized batches; a prompt-sized batch would explode the graph.
+    shape.invariant = b.invariant && b.n_tokens <= max_invariant_rows;
+    // Cells out of plain decoding's layout (token trees): gather them in position order.
+    shape.ordered = shape.invariant && kv_->v_trans() && kv_->position_order(shape.n_kv, toks, order);
+    return shape;
+}
+
+// Writes the batch into the graph's input tensors (the gallocr buffer is host memory).
+void layer_engine::set_inputs(const cached_graph & g, const checked_batch & b, const std::vector<kv_token> & toks,
+                              const std::vector<uint32_t> & cells, const std::vector<int32_t> & order) const {
+    const graph_inputs & in = g.in;
+    const model_hparams & hp = w_->hparams;
+    if (in.tokens) std::memcpy(in.tokens->data, b.tokens, sizeof(int32_t) * b.n_tokens);
+    if (in.embd) std::memcpy(in.embd->data, b.embd, sizeof(float) * b.n_tokens * hp.n_embd);
+    std::memcpy(in.pos->data, b.pos, sizeof(int32_t) * b.n_tokens);
+    if (g.shape.ordered) {
+        fill_ordered(in, hp, b.n_tokens, g.shape.n_kv, order);
+    } else if (kv_->v_trans()) {
+        kv_->fill_mask((float *) in.kq_mask->data, g.shape.n_kv, toks);
+    } else {
+        kv_->fill_mask((ggml_fp16_t *) in.kq_mask->data, g.shape.n_kv, toks);
+    }
+    auto * k_idxs = (int64_t *) in.k_idxs->data;
+    auto * v_idxs = (int64_t *) in.v_idxs->data;
+    const int64_t n_embd_gqa = hp.n_embd_gqa(), kv_size = kv_->size();
+    for (int64_t i = 0; i < b.n_tokens; ++i) {
+        k_idxs[i] = cells[i];
+        if (kv_->v_trans()) {
+            // transposed V: channel c of the token in cell j is element c*kv_size + j
+            for (int64_t c = 0; c < n_embd_gqa; ++c) v_idxs[i * n_embd_gqa + c] = c * kv_size + cells[i];
+        } else {
+            v_idxs[i] = cells[i];
+        }
+    }
+    if (in.out_ids) std::memcpy(in.out_ids->data, b.out_rows.data(), sizeof(int32_t) * b.out_rows.size());
+}
+
+// Runs the graph and copies its result to out; throws eval_cancelled / engine_failure.
+void layer_engine::compute(const cached_graph & g, float * out, int & layers_done) {
     const int n_range = (int) w_->layers.size();
+    const auto t0 = std::chrono::steady_clock::now();
+    const ggml_status st = ggml_backend_graph_compute(backend_, g.gf);
+    const int64_t dt_us =
+        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+    layers_done = progress_.layers_done.load();
+    {
+        std::lock_guard<std::mutex> sl(stats_mutex_);
+        stats_.t_compute_us += dt_us;
+    }
+    if (st == GGML_STATUS_ABORTED) {
+        throw eval_cancelled("eval cancelled during compute after " + std::to_string(layers_done) + " of " +
+                             std::to_string(n_range) + " layers");
+    }
+    if (st != GGML_STATUS_SUCCESS) {
+        throw engine_failure(std::string("ggml graph compute failed: ") + ggml_status_to_string(st));
+    }
+    if (g.res) std::memcpy(out, g.res->data, ggml_nbytes(g.res));
+    std::lock_guard<std::mutex> sl(stats_mutex_);
+    stats_.layer_evals += n_range;
+}
+
+void layer_engine::count_cancel(bool computed, int layers_done) {
+    const int n_range = (int) w_->layers.size();
+    std::lock_guard<std::mutex> sl(stats_mutex_);
+    stats_.evals_cancelled++;
+    if (computed) stats_.cancelled_mid_compute++;
+    stats_.layer_evals += layers_done;
+    stats_.layer_evals_skipped += n_range - layers_done;
+}
+
+void layer_engine::eval(const checked_batch & b, float * out) {
+    std::lock_guard<std::mutex> lock(mutex_);
     progress_.layers_done.store(0);
     {
         std::lock_guard<std::mutex> sl(stats_mutex_);
         stats_.evals++;
     }
     if (cancel_.load()) {
-        std::lock_guard<std::mutex> sl(stats_mutex_);
-        stats_.evals_cancelled++;
-        stats_.layer_evals_skipped += n_range;
+        count_cancel(false, 0);
         throw eval_cancelled("eval cancelled before it started");
     }
 
@@ -202,90 +334,14 @@ void layer_engine::eval(const eval_batch & b, float * out) {
     int layers_done = 0;
     bool computed = false;
     try {
-        graph_shape shape;
-        shape.n_tokens = b.n_tokens;
-        shape.n_kv = kv_->n_kv();
-        shape.n_outputs = out_rows(b);
-        // Row slicing is for verification-sized batches; a prompt-sized batch would explode the graph.
-        shape.invariant = b.invariant && b.n_tokens <= max_invariant_rows;
-        // Cells out of plain decoding's layout (token trees): gather them in position order.
         std::vector<int32_t> order;
-        shape.ordered = shape.invariant && kv_->v_trans() && kv_->position_order(shape.n_kv, toks, order);
-
-        cached_graph & g = graph_for(shape);
-        ggml_cgraph * gf = g.gf;
-        const graph_inputs & in = g.in;
-        ggml_tensor * res = g.res;
-
-        // inputs (the gallocr buffer is host memory)
-        const model_hparams & hp = w_->hparams;
-        if (in.tokens) std::memcpy(in.tokens->data, b.tokens, sizeof(int32_t) * b.n_tokens);
-        if (in.embd) std::memcpy(in.embd->data, b.embd, sizeof(float) * b.n_tokens * hp.n_embd);
-        std::memcpy(in.pos->data, b.pos, sizeof(int32_t) * b.n_tokens);
-        if (shape.ordered) {
-            // Mask, scores and V rows indexed by position (see attention_ordered).
-            const int64_t n_kv = shape.n_kv, n_head = hp.n_head, n_embd_gqa = hp.n_embd_gqa();
-            auto * mask = (float *) in.kq_mask->data;
-            auto * ko = (int32_t *) in.kq_order->data;
-            auto * vo = (int32_t *) in.v_order->data;
-            for (int64_t t = 0; t < b.n_tokens; ++t) {
-                const int32_t * row = order.data() + t * n_kv;
-                for (int64_t p = 0; p < n_kv; ++p) mask[t * n_kv + p] = row[p] >= 0 ? 0.0f : -INFINITY;
-                for (int64_t h = 0; h < n_head; ++h) {
-                    int32_t * dst = ko + (t * n_head + h) * n_kv;
-                    for (int64_t p = 0; p < n_kv; ++p) dst[p] = std::max(row[p], 0);
-                }
-                for (int64_t c = 0; c < n_embd_gqa; ++c) {
-                    int32_t * dst = vo + (t * n_embd_gqa + c) * n_kv;
-                    for (int64_t p = 0; p < n_kv; ++p) dst[p] = std::max(row[p], 0);
-                }
-            }
-        } else if (kv_->v_trans()) {
-            kv_->fill_mask((float *) in.kq_mask->data, shape.n_kv, toks);
-        } else {
-            kv_->fill_mask_f16((ggml_fp16_t *) in.kq_mask->data, shape.n_kv, toks);
-        }
-        auto * k_idxs = (int64_t *) in.k_idxs->data;
-        auto * v_idxs = (int64_t *) in.v_idxs->data;
-        const int64_t n_embd_gqa = hp.n_embd_gqa(), kv_size = kv_->size();
-        for (int64_t i = 0; i < b.n_tokens; ++i) {
-            k_idxs[i] = cells[i];
-            if (kv_->v_trans()) {
-                // transposed V: channel c of the token in cell j is element c*kv_size + j
-                for (int64_t c = 0; c < n_embd_gqa; ++c) v_idxs[i * n_embd_gqa + c] = c * kv_size + cells[i];
-            } else {
-                v_idxs[i] = cells[i];
-            }
-        }
-        if (in.out_ids) std::memcpy(in.out_ids->data, b.out_rows.data(), sizeof(int32_t) * b.out_rows.size());
-
+        const cached_graph & g = graph_for(shape_for(b, toks, order));
+        set_inputs(g, b, toks, cells, order);
         computed = true;
-        const auto t0 = std::chrono::steady_clock::now();
-        const ggml_status st = ggml_backend_graph_compute(backend_, gf);
-        const int64_t dt_us =
-            std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
-        layers_done = progress_.layers_done.load();
-        {
-            std::lock_guard<std::mutex> sl(stats_mutex_);
-            stats_.t_compute_us += dt_us;
-        }
-        if (st == GGML_STATUS_ABORTED) {
-            throw eval_cancelled("eval cancelled during compute after " + std::to_string(layers_done) + " of " +
-                                 std::to_string(n_range) + " layers");
-        }
-        if (st != GGML_STATUS_SUCCESS) {
-            throw engine_failure(std::string("ggml graph compute failed: ") + ggml_status_to_string(st));
-        }
-        if (res) std::memcpy(out, res->data, ggml_nbytes(res));
-        std::lock_guard<std::mutex> sl(stats_mutex_);
-        stats_.layer_evals += n_range;
+        compute(g, out, layers_done);
     } catch (const eval_cancelled &) {
         kv_->release(cells);
-        std::lock_guard<std::mutex> sl(stats_mutex_);
-        stats_.evals_cancelled++;
-        if (computed) stats_.cancelled_mid_compute++;
-        stats_.layer_evals += layers_done;
-        stats_.layer_evals_skipped += n_range - layers_done;
+        count_cancel(computed, layers_done);
         throw;
     } catch (...) {
         kv_->release(cells);
@@ -293,9 +349,9 @@ void layer_engine::eval(const eval_batch & b, float * out) {
     }
 }
 
-bool layer_engine::seq_rm(int32_t seq_id, int32_t p0, int32_t p1) {
+void layer_engine::seq_rm(int32_t seq_id, int32_t p0, int32_t p1) {
     std::lock_guard<std::mutex> lock(mutex_);
-    return kv_->seq_rm(seq_id, p0, p1);
+    kv_->seq_rm(seq_id, p0, p1);
 }
 void layer_engine::seq_cp(int32_t src, int32_t dst, int32_t p0, int32_t p1) {
     std::lock_guard<std::mutex> lock(mutex_);

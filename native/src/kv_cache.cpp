@@ -92,17 +92,27 @@ uint32_t kv_cache::n_kv() const {
     return std::min(size(), padded);
 }
 
-void kv_cache::fill_mask(float * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const {
-    const float drop = -INFINITY;
+namespace {
+template <typename T> T mask_value(float v);
+template <> float mask_value<float>(float v) { return v; }
+template <> ggml_fp16_t mask_value<ggml_fp16_t>(float v) { return ggml_fp32_to_fp16(v); }
+}  // namespace
+
+template <typename T>
+void kv_cache::fill_mask(T * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const {
+    const T keep = mask_value<T>(0.0f);
+    const T drop = mask_value<T>(-INFINITY);
     for (size_t t = 0; t < tokens.size(); ++t) {
-        float * row = mask + t * n_kv;
+        T * row = mask + t * n_kv;
         const kv_token & tok = tokens[t];
         for (uint32_t j = 0; j < n_kv; ++j) {
             const kv_cell & c = cells_[j];
-            row[j] = ((c.seqs & tok.seqs) != 0 && c.pos <= tok.pos) ? 0.0f : drop;
+            row[j] = ((c.seqs & tok.seqs) != 0 && c.pos <= tok.pos) ? keep : drop;
         }
     }
 }
+template void kv_cache::fill_mask<float>(float *, uint32_t, const std::vector<kv_token> &) const;
+template void kv_cache::fill_mask<ggml_fp16_t>(ggml_fp16_t *, uint32_t, const std::vector<kv_token> &) const;
 
 bool kv_cache::position_order(uint32_t n_kv, const std::vector<kv_token> & tokens, std::vector<int32_t> & order) const {
     order.assign(tokens.size() * (size_t) n_kv, -1);
@@ -121,19 +131,6 @@ bool kv_cache::position_order(uint32_t n_kv, const std::vector<kv_token> & token
     return !identity;
 }
 
-void kv_cache::fill_mask_f16(ggml_fp16_t * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const {
-    const ggml_fp16_t keep = ggml_fp32_to_fp16(0.0f);
-    const ggml_fp16_t drop = ggml_fp32_to_fp16(-INFINITY);
-    for (size_t t = 0; t < tokens.size(); ++t) {
-        ggml_fp16_t * row = mask + t * n_kv;
-        const kv_token & tok = tokens[t];
-        for (uint32_t j = 0; j < n_kv; ++j) {
-            const kv_cell & c = cells_[j];
-            row[j] = ((c.seqs & tok.seqs) != 0 && c.pos <= tok.pos) ? keep : drop;
-        }
-    }
-}
-
 void kv_cache::check_seq(int32_t seq_id, const char * what) const {
     if (seq_id < 0 || (uint32_t) seq_id >= n_seq_max_) {
         throw invalid_input(std::string(what) + ": sequence id " + std::to_string(seq_id) +
@@ -141,7 +138,7 @@ void kv_cache::check_seq(int32_t seq_id, const char * what) const {
     }
 }
 
-bool kv_cache::seq_rm(int32_t seq_id, int32_t p0, int32_t p1) {
+void kv_cache::seq_rm(int32_t seq_id, int32_t p0, int32_t p1) {
     if (seq_id >= 0) check_seq(seq_id, "seq_rm");
     norm_range(p0, p1);
     for (uint32_t i = 0; i < size(); ++i) {
@@ -157,7 +154,6 @@ bool kv_cache::seq_rm(int32_t seq_id, int32_t p0, int32_t p1) {
             }
         }
     }
-    return true;
 }
 
 void kv_cache::seq_cp(int32_t src, int32_t dst, int32_t p0, int32_t p1) {

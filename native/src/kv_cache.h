@@ -49,8 +49,9 @@ public:
     uint32_t n_kv() const;
 
     // mask[i*n_kv + j] = 0 if token i may attend cell j (shared sequence and cell.pos <= pos), else -inf.
-    void fill_mask(float * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const;
-    void fill_mask_f16(ggml_fp16_t * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const;
+    // T is float (soft_max path) or ggml_fp16_t (flash attention); both are instantiated in kv_cache.cpp.
+    template <typename T>
+    void fill_mask(T * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const;
 
     // order[i*n_kv + p] = the cell token i may attend that holds position p, or -1 (none).
     // Returns true when some token's cells are not laid out at cell index == position (the layout of
@@ -59,7 +60,7 @@ public:
     bool position_order(uint32_t n_kv, const std::vector<kv_token> & tokens, std::vector<int32_t> & order) const;
 
     // llama.cpp semantics: [p0, p1) with negative = open end; seq_id < 0 means every sequence.
-    bool seq_rm(int32_t seq_id, int32_t p0, int32_t p1);
+    void seq_rm(int32_t seq_id, int32_t p0, int32_t p1);
     void seq_cp(int32_t src, int32_t dst, int32_t p0, int32_t p1);
     void seq_cp_many(int32_t src, const std::vector<int32_t> & dsts, int32_t p0, int32_t p1);
     void seq_keep(int32_t seq_id);

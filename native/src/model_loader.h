@@ -84,6 +84,9 @@ struct stage_weights {
     ~stage_weights();
 };
 
+// Architectures the engine computes (general.architecture values), in the order error messages list them.
+const std::vector<std::string> & supported_archs();
+
 // Reads and validates the file; throws model_file_error / invalid_input with a clear message.
 std::unique_ptr<stage_weights> stage_weights_load(const std::string & path, int layer_begin, int layer_end,
                                                   bool use_repack);

@@ -1,17 +1,22 @@
 // Python bindings of the pipeinfer native layer engine (module pipeinfer_cli._native).
-// The typed, documented API is pipeinfer_cli.native; this layer converts arrays, releases the GIL
-// around compute and maps the C++ exceptions of errors.h to Python classes.
+// The typed, documented API is pipeinfer_cli.native; this layer only converts Python objects to
+// the C++ types (layer_engine validates them), releases the GIL around loading and compute, and
+// maps the C++ exceptions of errors.h to Python classes.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "engine.h"
 #include "errors.h"
+#include "gguf_file.h"
 
 #include "ggml.h"
 #include "ggml-cpu.h"
 
+#include <cctype>
+#include <cstring>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -20,109 +25,104 @@ using namespace pipeinfer;
 
 namespace {
 
-// Checks that an optional argument is a C-contiguous array of the given dtype and rank.
+// Arrays arrive C-contiguous in the C++ type (pybind11 converts when it must); checking their
+// shapes and values is layer_engine::validate's job.
 template <typename T>
-py::array_t<T> expect_array(const py::object & obj, const char * name, int ndim) {
-    if (!py::isinstance<py::array>(obj)) {
-        throw invalid_input(std::string(name) + " must be a numpy array");
-    }
-    py::array a = py::reinterpret_borrow<py::array>(obj);
-    if (!a.dtype().is(py::dtype::of<T>())) {
-        throw invalid_input(std::string(name) + " must have dtype " + std::string(py::str(py::dtype::of<T>())) +
-                            ", got " + std::string(py::str(a.dtype())));
-    }
-    if (a.ndim() != ndim) {
-        throw invalid_input(std::string(name) + " must be " + std::to_string(ndim) + "-D, got " +
-                            std::to_string(a.ndim()) + "-D");
-    }
-    if (!(a.flags() & py::array::c_style)) {
-        throw invalid_input(std::string(name) + " must be C-contiguous (use np.ascontiguousarray)");
-    }
-    return py::array_t<T>(a);
+using c_array = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+template <typename T>
+array_view<T> view_of(const std::optional<c_array<T>> & a) {
+    array_view<T> v;
+    if (!a) return v;
+    v.data = a->data();
+    v.shape.assign(a->shape(), a->shape() + a->ndim());
+    return v;
 }
 
-py::array_t<float> engine_eval(layer_engine & eng, const py::object & tokens, const py::object & embd,
-                               const py::object & pos, const py::object & seq_ids, const py::object & output,
-                               bool batch_invariant) {
-    const model_hparams & hp = eng.hparams();
-    eval_batch b;
-    b.invariant = batch_invariant;
-    py::array_t<int32_t> tok_arr, pos_arr;
-    py::array_t<float> embd_arr;
-    if (!tokens.is_none() && !embd.is_none()) throw invalid_input("pass either tokens= or embd=, not both");
-    if (!tokens.is_none()) {
-        tok_arr = expect_array<int32_t>(tokens, "tokens", 1);
-        b.n_tokens = tok_arr.shape(0);
-        b.tokens = tok_arr.data();
-    } else if (!embd.is_none()) {
-        embd_arr = expect_array<float>(embd, "embd", 2);
-        if (embd_arr.shape(1) != (py::ssize_t) hp.n_embd) {
-            throw invalid_input("embd must have shape (n_tokens, n_embd=" + std::to_string(hp.n_embd) + "), got (" +
-                                std::to_string(embd_arr.shape(0)) + ", " + std::to_string(embd_arr.shape(1)) + ")");
-        }
-        b.n_tokens = embd_arr.shape(0);
-        b.embd = embd_arr.data();
-    } else {
-        throw invalid_input("eval needs tokens= (first stage) or embd= (later stages)");
-    }
-    pos_arr = expect_array<int32_t>(pos, "pos", 1);
-    if (pos_arr.shape(0) != b.n_tokens) {
-        throw invalid_input("pos has " + std::to_string(pos_arr.shape(0)) + " entries, expected n_tokens=" +
-                            std::to_string(b.n_tokens));
-    }
-    b.pos = pos_arr.data();
-
-    // seq_ids: one non-empty list of ids per token -> bit masks
-    const py::sequence seqs = py::reinterpret_borrow<py::sequence>(seq_ids);
-    if ((int64_t) py::len(seqs) != b.n_tokens) {
-        throw invalid_input("seq_ids has " + std::to_string(py::len(seqs)) + " entries, expected n_tokens=" +
-                            std::to_string(b.n_tokens));
-    }
-    const uint32_t n_seq_max = eng.params().n_seq_max;
-    b.seqs.resize(b.n_tokens);
-    for (int64_t i = 0; i < b.n_tokens; ++i) {
-        uint64_t m = 0;
-        auto add_id = [&](const py::handle & h) {
-            const long s = h.cast<long>();
-            if (s < 0 || (uint32_t) s >= n_seq_max) {
-                throw invalid_input("seq id " + std::to_string(s) + " at row " + std::to_string(i) +
-                                    " is out of range [0, n_seq_max=" + std::to_string(n_seq_max) + ")");
-            }
-            m |= 1ull << s;
-        };
-        const py::object row = seqs[i];
+// seq_ids: per token a sequence of ids, or a bare id (int, numpy integer) for a one-element list
+// -> llama_batch's layout: a count per token and the ids one after the other.
+void convert_seq_ids(const py::sequence & seq_ids, eval_batch & b) {
+    b.n_seq_id.reserve(py::len(seq_ids));
+    for (const py::handle & row : seq_ids) {
         if (PySequence_Check(row.ptr())) {
-            for (const py::handle & h : py::reinterpret_borrow<py::sequence>(row)) add_id(h);
+            const py::sequence ids = py::reinterpret_borrow<py::sequence>(row);
+            b.n_seq_id.push_back((int32_t) py::len(ids));
+            for (const py::handle & h : ids) b.seq_id.push_back(h.cast<long long>());
         } else {
-            add_id(row);  // a bare id (int, numpy integer) stands for a one-element list
-        }
-        if (m == 0) throw invalid_input("row " + std::to_string(i) + " has an empty seq_ids list");
-        b.seqs[i] = m;
-    }
-
-    if (eng.is_last()) {
-        if (output.is_none()) {
-            b.out_rows = {(int32_t) (b.n_tokens - 1)};
-        } else {
-            auto out_arr = expect_array<bool>(output, "output", 1);
-            if (out_arr.shape(0) != b.n_tokens) {
-                throw invalid_input("output has " + std::to_string(out_arr.shape(0)) + " entries, expected n_tokens=" +
-                                    std::to_string(b.n_tokens));
-            }
-            for (int64_t i = 0; i < b.n_tokens; ++i) {
-                if (out_arr.data()[i]) b.out_rows.push_back((int32_t) i);
-            }
+            b.n_seq_id.push_back(1);
+            b.seq_id.push_back(row.cast<long long>());
         }
     }
+}
 
-    eng.validate(b);
-    py::array_t<float> result({(py::ssize_t) eng.out_rows(b), (py::ssize_t) eng.out_cols()});
+py::array_t<float> engine_eval(layer_engine & eng, const std::optional<c_array<int32_t>> & tokens,
+                               const std::optional<c_array<float>> & embd, const std::optional<c_array<int32_t>> & pos,
+                               const py::sequence & seq_ids, const std::optional<c_array<bool>> & output,
+                               bool batch_invariant) {
+    eval_batch b;
+    b.tokens = view_of(tokens);
+    b.embd = view_of(embd);
+    b.pos = view_of(pos);
+    convert_seq_ids(seq_ids, b);
+    b.output = view_of(output);
+    b.invariant = batch_invariant;
+
+    const checked_batch cb = eng.validate(b);
+    py::array_t<float> result({(py::ssize_t) eng.out_rows(cb), (py::ssize_t) eng.out_cols()});
     float * dst = result.mutable_data();
     {
         py::gil_scoped_release release;
-        eng.eval(b, dst);
+        eng.eval(cb, dst);
     }
     return result;
+}
+
+// A GGUF value as a Python object; an array gives its length (its elements are not read).
+py::object gguf_value(const gguf_context * ctx, int64_t id) {
+    switch (gguf_get_kv_type(ctx, id)) {
+        case GGUF_TYPE_UINT8:   return py::int_(gguf_get_val_u8(ctx, id));
+        case GGUF_TYPE_INT8:    return py::int_(gguf_get_val_i8(ctx, id));
+        case GGUF_TYPE_UINT16:  return py::int_(gguf_get_val_u16(ctx, id));
+        case GGUF_TYPE_INT16:   return py::int_(gguf_get_val_i16(ctx, id));
+        case GGUF_TYPE_UINT32:  return py::int_(gguf_get_val_u32(ctx, id));
+        case GGUF_TYPE_INT32:   return py::int_(gguf_get_val_i32(ctx, id));
+        case GGUF_TYPE_UINT64:  return py::int_(gguf_get_val_u64(ctx, id));
+        case GGUF_TYPE_INT64:   return py::int_(gguf_get_val_i64(ctx, id));
+        case GGUF_TYPE_FLOAT32: return py::float_(gguf_get_val_f32(ctx, id));
+        case GGUF_TYPE_FLOAT64: return py::float_(gguf_get_val_f64(ctx, id));
+        case GGUF_TYPE_BOOL:    return py::bool_(gguf_get_val_bool(ctx, id));
+        case GGUF_TYPE_ARRAY:   return py::int_(gguf_get_arr_n(ctx, id));
+        case GGUF_TYPE_STRING: {
+            const char * v = gguf_get_val_str(ctx, id);
+            return py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(v, (py::ssize_t) std::strlen(v), "replace"));
+        }
+        default: return py::none();
+    }
+}
+
+// Header, key/values and tensor table of a GGUF file, without reading tensor data.
+py::dict gguf_metadata(const std::string & path) {
+    std::unique_ptr<gguf_file> f;
+    {
+        py::gil_scoped_release release;
+        f = std::make_unique<gguf_file>(path, /*with_tensor_meta=*/ false);
+    }
+    const gguf_context * ctx = f->ctx();
+    py::dict kv;
+    for (int64_t i = 0; i < gguf_get_n_kv(ctx); ++i) kv[py::str(gguf_get_key(ctx, i))] = gguf_value(ctx, i);
+    py::list tensors;
+    const size_t base = gguf_get_data_offset(ctx);
+    for (int64_t i = 0; i < gguf_get_n_tensors(ctx); ++i) {
+        std::string type = ggml_type_name(gguf_get_tensor_type(ctx, i));
+        for (char & c : type) c = (char) std::toupper((unsigned char) c);
+        tensors.append(py::make_tuple(gguf_get_tensor_name(ctx, i), type, base + gguf_get_tensor_offset(ctx, i),
+                                      gguf_get_tensor_size(ctx, i)));
+    }
+    py::dict d;
+    d["file_size"] = f->file_size();
+    d["kv"] = kv;
+    d["tensors"] = tensors;
+    return d;
 }
 
 }  // namespace
@@ -132,6 +132,13 @@ PYBIND11_MODULE(_native, m) {
 
     m.def("ggml_version", []() { return std::string(ggml_version()); },
           "Version string of the ggml library this extension is linked against.");
+
+    m.def("supported_archs", []() { return py::tuple(py::cast(supported_archs())); },
+          "Architectures (general.architecture) the layer engine computes.");
+
+    m.def("gguf_metadata", &gguf_metadata, py::arg("path"),
+          "{'file_size', 'kv': {key: value (an array: its length)}, 'tensors': [(name, TYPE, offset, bytes)]} "
+          "of a GGUF file, read with ggml's reader without the tensor data.");
 
     m.def("cpu_features", []() {
         std::map<std::string, bool> f;
@@ -153,8 +160,8 @@ PYBIND11_MODULE(_native, m) {
     py::register_exception<eval_cancelled>(m, "EvalCancelled", PyExc_RuntimeError);
 
     py::class_<layer_engine>(m, "LayerEngine")
-        .def(py::init([](const std::string & path, int layer_begin, int layer_end, uint32_t n_ctx, int n_threads,
-                         uint32_t n_seq_max, bool use_repack, bool flash_attn) {
+        .def(py::init([](const std::string & path, int layer_begin, int layer_end, int64_t n_ctx, int n_threads,
+                         int64_t n_seq_max, bool use_repack, bool flash_attn) {
                  engine_params p;
                  p.path = path;
                  p.layer_begin = layer_begin;
@@ -196,7 +203,7 @@ PYBIND11_MODULE(_native, m) {
             return d;
         })
         .def("eval", &engine_eval, py::arg("tokens") = py::none(), py::arg("embd") = py::none(),
-             py::arg("pos"), py::arg("seq_ids"), py::arg("output") = py::none(),
+             py::arg("pos") = py::none(), py::arg("seq_ids"), py::arg("output") = py::none(),
              py::arg("batch_invariant") = false)
         .def("cancel", &layer_engine::cancel)
         .def("clear_cancel", &layer_engine::clear_cancel)

@@ -1,4 +1,10 @@
-"""Reading a GGUF file's metadata and tensor table (ggml's reader, see gguf_c.py), for `inspect` and planning."""
+"""Reading a GGUF file's metadata and tensor table, for `inspect` and planning.
+
+The read is the native extension's (`_native.gguf_metadata`): the same ggml reader and the same
+checks as the layer engine's loader, without the tensor data. The `gguf` Python package would parse
+every element of every array field (about 10 s for a 151,936-token vocabulary); ggml's reader skips
+what it is not asked for and takes a few milliseconds.
+"""
 
 from __future__ import annotations
 
@@ -87,61 +93,60 @@ def read_model_info(path: Path) -> ModelInfo:
     """Parse the header and tensor table; a truncated or malformed file raises ModelFileError."""
     import gguf  # only for the names of the file-type enum
 
-    from .gguf_c import GGUFFile
+    from . import _native
 
     path = Path(path)
     check_gguf_file(path)
-    file_size = path.stat().st_size
     try:
-        reader = GGUFFile(path)
-    except ValueError as e:
-        raise ModelFileError(f"{path} is not a readable GGUF file ({e}); the file may be truncated, download it again") from None
-    with reader:
-        tensors = reader.tensors()
-        end = max((off + n for _, _, off, n in tensors), default=0)
-        if end > file_size:
-            raise ModelFileError(f"{path} is truncated: its tensors need {end} bytes but the file has {file_size}; download it again")
-        arch = reader.get("general.architecture", "")
-        if not arch:
-            raise ModelFileError(f"{path} has no general.architecture; it is not a model file")
+        meta = _native.gguf_metadata(str(path))
+    except _native.ModelFileError as e:
+        reason = str(e).removeprefix(f"{path}: ")
+        raise ModelFileError(f"{path} is not a readable GGUF file ({reason}); the file may be truncated, download it again") from None
+    file_size, kv, tensors = meta["file_size"], meta["kv"], meta["tensors"]
+    end = max((off + n for _, _, off, n in tensors), default=0)
+    if end > file_size:
+        raise ModelFileError(f"{path} is truncated: its tensors need {end} bytes but the file has {file_size}; download it again")
+    arch = kv.get("general.architecture", "")
+    if not arch:
+        raise ModelFileError(f"{path} has no general.architecture; it is not a model file")
 
-        def hp(key: str, default=0):
-            return reader.get(f"{arch}.{key}", default)
+    def hp(key: str, default=0):
+        return kv.get(f"{arch}.{key}", default)
 
-        n_layer = int(hp("block_count"))
-        layer_bytes = [0] * n_layer
-        types: Counter[str] = Counter()
-        token_embd = output = other = 0
-        has_output = False
-        for name, type_name, _, n_bytes in tensors:
-            types[type_name] += 1
-            m = _BLOCK.match(name)
-            if m and int(m.group(1)) < n_layer:
-                layer_bytes[int(m.group(1))] += n_bytes
-            elif name == "token_embd.weight":
-                token_embd = n_bytes
-            elif name == "output.weight":
-                output, has_output = n_bytes, True
-            else:
-                other += n_bytes
-        file_type = reader.get("general.file_type", None)
-        try:
-            file_type_name = gguf.LlamaFileType(file_type).name if file_type is not None else "unknown"
-        except ValueError:
-            file_type_name = str(file_type)
-        fields = {
-            "name": str(reader.get("general.name", "")),
-            "n_embd": int(hp("embedding_length")),
-            "n_head": int(hp("attention.head_count")),
-            "n_head_kv": int(hp("attention.head_count_kv", hp("attention.head_count"))),
-            "n_ff": int(hp("feed_forward_length")),
-            "n_ctx_train": int(hp("context_length")),
-            "rope_freq_base": (float(v) if (v := hp("rope.freq_base", None)) is not None else None),
-            "n_vocab": int(reader.get("tokenizer.ggml.tokens", 0)),
-            "tokenizer_model": str(reader.get("tokenizer.ggml.model", "")),
-            "tokenizer_pre": str(reader.get("tokenizer.ggml.pre", "")),
-            "chat_template": reader.get("tokenizer.chat_template") is not None,
-        }
+    n_layer = int(hp("block_count"))
+    layer_bytes = [0] * n_layer
+    types: Counter[str] = Counter()
+    token_embd = output = other = 0
+    has_output = False
+    for name, type_name, _, n_bytes in tensors:
+        types[type_name] += 1
+        m = _BLOCK.match(name)
+        if m and int(m.group(1)) < n_layer:
+            layer_bytes[int(m.group(1))] += n_bytes
+        elif name == "token_embd.weight":
+            token_embd = n_bytes
+        elif name == "output.weight":
+            output, has_output = n_bytes, True
+        else:
+            other += n_bytes
+    file_type = kv.get("general.file_type", None)
+    try:
+        file_type_name = gguf.LlamaFileType(file_type).name if file_type is not None else "unknown"
+    except ValueError:
+        file_type_name = str(file_type)
+    fields = {
+        "name": str(kv.get("general.name", "")),
+        "n_embd": int(hp("embedding_length")),
+        "n_head": int(hp("attention.head_count")),
+        "n_head_kv": int(hp("attention.head_count_kv", hp("attention.head_count"))),
+        "n_ff": int(hp("feed_forward_length")),
+        "n_ctx_train": int(hp("context_length")),
+        "rope_freq_base": (float(v) if (v := hp("rope.freq_base", None)) is not None else None),
+        "n_vocab": int(kv.get("tokenizer.ggml.tokens", 0)),
+        "tokenizer_model": str(kv.get("tokenizer.ggml.model", "")),
+        "tokenizer_pre": str(kv.get("tokenizer.ggml.pre", "")),
+        "chat_template": kv.get("tokenizer.chat_template") is not None,
+    }
     return ModelInfo(
         path=str(path),
         file_size=file_size,

@@ -12,7 +12,9 @@ The last stage returns logits `(n_out, n_vocab)` for the rows whose `output` fla
 Errors:
 - `pipeinfer_cli.errors.ModelFileError`: missing, truncated or non-GGUF file, missing tensor,
   unsupported architecture.
-- `ValueError`: bad arguments (layer range, token ids, shapes, dtypes, sequence ids).
+- `ValueError`: bad arguments (layer range, token ids, shapes, dtypes, sequence ids). Every check
+  is done once, in C++ (`native/src/engine.h` documents them); this module only turns array-likes
+  into arrays of the right dtype.
 - `KVCacheFullError` (a `ValueError`): the batch does not fit in the free KV cells; the cache is
   unchanged.
 - `EvalCancelled` (a `RuntimeError`): `cancel()` was called; the cells the eval claimed are freed,
@@ -21,9 +23,9 @@ Errors:
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,27 +33,16 @@ import numpy as np
 from . import _native
 from .errors import ModelFileError
 
-__all__ = ["LayerEngine", "EvalCancelled", "KVCacheFullError", "EngineStats", "SUPPORTED_ARCHS"]
+__all__ = ["LayerEngine", "EvalCancelled", "KVCacheFullError", "SUPPORTED_ARCHS"]
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS: tuple[str, ...] = _native.supported_archs()
+"""Architectures (`general.architecture`) the engine computes; the list lives in model_loader.cpp."""
 
 EvalCancelled = _native.EvalCancelled
 """Raised by `LayerEngine.eval` when the cancel flag was set before or during the eval."""
 
 KVCacheFullError = _native.KVCacheFullError
 """Raised when a batch needs more free KV cells than the cache has (a `ValueError`)."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Counters since the engine was opened (`LayerEngine.stats()` returns them as a dict)."""
-
-    evals: int                  # eval calls that passed validation
-    evals_cancelled: int        # evals that raised EvalCancelled
-    cancelled_mid_compute: int  # ... of which were aborted after compute had started
-    layer_evals: int            # layers computed, summed over evals
-    layer_evals_skipped: int    # layers not computed because of a cancel
-    t_compute_us: int           # wall time spent in ggml graph compute
 
 
 class LayerEngine:
@@ -76,16 +67,10 @@ class LayerEngine:
                  n_threads: int = 1, n_seq_max: int = 64, use_repack: bool = True,
                  flash_attn: bool = False) -> None:
         path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise ModelFileError(f"model file not found: {path}")
-        for name, value, lo in (("n_ctx", n_ctx, 1), ("n_threads", n_threads, 1), ("n_seq_max", n_seq_max, 1)):
-            if not isinstance(value, (int, np.integer)) or value < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
-        if n_seq_max > 64:
-            raise ValueError(f"n_seq_max must be <= 64, got {n_seq_max}")
+        index = operator.index  # integers (numpy ones too), never a truncated float
         try:
-            self._eng = _native.LayerEngine(path, int(layer_begin), int(layer_end), n_ctx=int(n_ctx),
-                                            n_threads=int(n_threads), n_seq_max=int(n_seq_max),
+            self._eng = _native.LayerEngine(path, index(layer_begin), index(layer_end), n_ctx=index(n_ctx),
+                                            n_threads=index(n_threads), n_seq_max=index(n_seq_max),
                                             use_repack=bool(use_repack), flash_attn=bool(flash_attn))
         except _native.ModelFileError as e:
             raise ModelFileError(str(e)) from None
@@ -194,11 +179,10 @@ class LayerEngine:
         if tokens is not None:
             tokens = _as_int32(tokens, "tokens")
         if embd is not None:
+            # Hidden states travel as float32; another dtype is a caller's mistake, not converted.
             if not isinstance(embd, np.ndarray) or embd.dtype != np.float32:
                 got = embd.dtype if isinstance(embd, np.ndarray) else type(embd).__name__
                 raise ValueError(f"embd must be a float32 numpy array of shape (n_tokens, {self.n_embd}), got {got}")
-            if embd.ndim != 2 or embd.shape[1] != self.n_embd:
-                raise ValueError(f"embd must have shape (n_tokens, {self.n_embd}), got {embd.shape}")
             embd = np.ascontiguousarray(embd)
         pos = _as_int32(pos, "pos")
         if output is not None:
@@ -227,9 +211,9 @@ class LayerEngine:
         return self._eng.eval_progress()
 
     # --- KV cache (llama.cpp semantics: [p0, p1), negative = open end) --------------------
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
         """Remove `seq_id` from the cells with position in [p0, p1); seq_id < 0 removes all sequences."""
-        return self._eng.seq_rm(int(seq_id), int(p0), int(p1))
+        self._eng.seq_rm(int(seq_id), int(p0), int(p1))
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Add `dst` to the cells of `src` with position in [p0, p1) (no data is copied)."""
@@ -260,8 +244,15 @@ class LayerEngine:
         return self._eng.kv_used_cells()
 
     def stats(self) -> dict[str, int]:
-        """Counters: evals, evals_cancelled, cancelled_mid_compute, layer_evals,
-        layer_evals_skipped, t_compute_us (see `EngineStats`)."""
+        """Counters since the engine was opened:
+
+        - evals: eval calls that passed validation
+        - evals_cancelled: evals that raised EvalCancelled
+        - cancelled_mid_compute: ... of which were aborted after compute had started
+        - layer_evals: layers computed, summed over evals
+        - layer_evals_skipped: layers not computed because of a cancel
+        - t_compute_us: wall time spent in ggml graph compute
+        """
         return self._eng.stats()
 
     def __repr__(self) -> str:
@@ -270,12 +261,11 @@ class LayerEngine:
 
 
 def _as_int32(x: Any, name: str) -> np.ndarray:
-    """Integer array-like -> contiguous int32 1-D array; refuses floats instead of truncating them."""
+    """Integer array-like -> contiguous int32 array; refuses floats and values outside int32 instead
+    of truncating them (the shape is checked in C++)."""
     a = np.asarray(x)
     if a.size and not np.issubdtype(a.dtype, np.integer):
         raise ValueError(f"{name} must hold integers, got dtype {a.dtype}")
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     if a.dtype != np.int32:
         if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
             raise ValueError(f"{name} has values outside the int32 range")
