@@ -16,8 +16,9 @@ runner = CliRunner()
 def test_help_lists_commands():
     r = runner.invoke(app, ["--help"])
     assert r.exit_code == 0
-    for cmd in ("models", "inspect"):
-        assert cmd in r.output
+    commands = r.output.split("Commands")[1]  # the command list, not the epilog's examples
+    for cmd in ("generate", "bench", "inspect", "models"):
+        assert f"│ {cmd} " in commands, cmd
 
 
 def test_version():

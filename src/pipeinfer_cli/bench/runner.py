@@ -1,7 +1,7 @@
 """Run a benchmark schedule as one job (models loaded once) and turn results into records.
 
 `run_bench` runs on every MPI rank, like `run_job`; it returns the records on the head only.
-A record is the job's result dict (metric names of design.md "Metrics") plus where it sits in the
+A record is the job's result dict (metric names of the README's "JSON fields") plus where it sits in the
 schedule: `index`, `repeat`, `warmup`.
 """
 

@@ -13,11 +13,8 @@ import typer
 
 from ..errors import PipeinferError, UsageError
 from .job_setup import check_n_predict, check_plan, check_world, make_job_config, ranks_wanted, resolve_models
-from .options import (
-    CtxOption, DraftOption, JobRanksOption, LayerSplitOption, MaxBranchesOption, MaxInflightOption, ModelArg,
-    NDraftOption, NPredictOption, PAcceptOption, PDecayOption, PMinOption, PRecoveryOption, PSplitOption,
-    SeedOption, TempOption, ThreadsOption, TopKOption, TopPOption,
-)
+from .job_options import JobOptions, job_options
+from .options import ModelArg
 
 DEFAULT_MODES = "iterative,speculative,pipeinfer"
 NON_TTY_WIDTH = 200
@@ -46,8 +43,6 @@ class TokenMismatchError(PipeinferError):
 
 
 def parse_modes(text: str) -> list[str]:
-    import importlib.util
-
     from ..engine.session import MODES
 
     modes = [m.strip() for m in text.split(",") if m.strip()]
@@ -59,36 +54,18 @@ def parse_modes(text: str) -> list[str]:
     dupes = sorted({m for m in modes if modes.count(m) > 1})
     if dupes:
         raise UsageError(f"--modes lists {', '.join(dupes)} more than once")
-    if "pipeinfer" in modes and importlib.util.find_spec("pipeinfer_cli.engine.decode_pipeinfer") is None:
-        raise UsageError("the pipeinfer mode is not available in this build; pass --modes iterative,speculative")
     return modes
 
 
+@job_options
 def bench(
     model: ModelArg,
-    draft: DraftOption = None,
     modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes to compare, in run order within each round.")] = DEFAULT_MODES,
     prompts: Annotated[Path | None, typer.Option("--prompts", help="JSONL prompt file (id + prompt or messages per line). Default: the shipped set.")] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Use only the first N prompts of the file.")] = None,
-    n_predict: NPredictOption = 128,
     repeat: Annotated[int, typer.Option("--repeat", min=1, help="Measured runs of every (prompt, mode).")] = 1,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Rounds of every mode run first and left out of the statistics.")] = 1,
-    temp: TempOption = 0.0,
-    top_k: TopKOption = 40,
-    top_p: TopPOption = 0.95,
-    seed: SeedOption = 0,
-    n_draft: NDraftOption = 4,
-    p_min: PMinOption = 0.0,
-    p_accept: PAcceptOption = 0.5,
-    p_split: PSplitOption = 0.1,
-    p_recovery: PRecoveryOption = 0.0,
-    p_decay: PDecayOption = 0.0,
-    max_branches: MaxBranchesOption = 1,
-    max_inflight: MaxInflightOption = 4,
-    ranks: JobRanksOption = None,
-    layer_split: LayerSplitOption = None,
-    threads: ThreadsOption = None,
-    ctx: CtxOption = 4096,
+    job: JobOptions = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every record, the per-mode summary and the header (versions, checksums, host) as JSON.")] = None,
     csv_out: Annotated[Path | None, typer.Option("--csv", help="Write the records flat as CSV (header as '# key: value' comment lines).")] = None,
     trace_out: Annotated[Path | None, typer.Option("--trace", help="Write a Chrome trace-event timeline, one track per rank (Perfetto, chrome://tracing).")] = None,
@@ -106,7 +83,7 @@ def bench(
 
     # Everything that can be wrong in the input fails here, before a model is pulled or loaded.
     mode_list = parse_modes(modes)
-    check_n_predict(n_predict)
+    check_n_predict(job.n_predict)
     prompt_set = load_prompts(prompts, limit)
     outputs = {"--json": json_out, "--csv": csv_out, "--trace": trace_out, "--plot": plot_out}
     check_output_paths(outputs)
@@ -115,20 +92,16 @@ def bench(
 
         if importlib.util.find_spec("matplotlib") is None:
             raise UsageError("--plot needs matplotlib; install it with `pip install 'matplotlib>=3.8,<4'`")
-    want, split_ranks = ranks_wanted(ranks, layer_split)
+    want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     inside = under_mpi_launcher()
     needs_draft = any(m != "iterative" for m in mode_list)
-    target, draft_ref = resolve_models(model, draft, mode_list[0], allow_pull=not inside)
+    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside)
     if needs_draft and draft_ref is None:
         wants = ", ".join(m for m in mode_list if m != "iterative")
         raise UsageError(f"--modes {wants} need a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
 
     if not inside and want > 1:
-        probe = make_job_config(target, draft_ref, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p, seed=seed,
-                                n_draft=n_draft, p_min=p_min, p_accept=p_accept, p_split=p_split,
-                                p_recovery=p_recovery, p_decay=p_decay, max_branches=max_branches,
-                                max_inflight=max_inflight, ctx=ctx, layer_split=layer_split, threads=threads)
-        check_plan(probe, want, needs_draft)
+        check_plan(make_job_config(target, draft_ref, job), want, needs_draft)
         for stream, var in _TTY_ENV.items():
             os.environ.setdefault(var, "1" if getattr(sys, stream).isatty() else "0")
         if sys.stdout.isatty():
@@ -139,11 +112,8 @@ def bench(
 
     from ..bench.runner import run_bench
 
-    check_world(want, explicit=bool(ranks or split_ranks))
-    cfg = make_job_config(target, draft_ref, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p, seed=seed,
-                          n_draft=n_draft, p_min=p_min, p_accept=p_accept, p_split=p_split, p_recovery=p_recovery,
-                          p_decay=p_decay, max_branches=max_branches, max_inflight=max_inflight, ctx=ctx,
-                          layer_split=layer_split, threads=threads)
+    check_world(want, explicit=bool(job.ranks or split_ranks))
+    cfg = make_job_config(target, draft_ref, job)
     items = build_schedule(prompt_set, mode_list, repeat, warmup)
     if not needs_draft:
         cfg.draft_path, cfg.draft_label = None, None  # iterative only: do not load a draft model
@@ -164,7 +134,7 @@ def bench(
     from ..bench.runner import describe_mismatch
 
     config = describe_config(cfg, mode_list, prompt_set, prompts, repeat=repeat, warmup=warmup, ranks=want,
-                             layer_split=layer_split, threads=threads)
+                             layer_split=job.layer_split, threads=job.threads)
     models = {"target": model_ref_facts(target), "draft": model_ref_facts(draft_ref) if needs_draft else None}
     res = collect(records, mode_list, models, config, "pipeinfer " + shlex.join(sys.argv[1:]))
     out_console.print(mode_table(res.summary, mode_list, res.title()))

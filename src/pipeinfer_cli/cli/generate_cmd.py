@@ -15,12 +15,8 @@ from .console import err, out
 from .job_setup import (
     check_n_predict, check_plan, check_world, default_mode, make_job_config, ranks_wanted, resolve_models,
 )
-from .options import (
-    CtxOption, DraftOption, JobRanksOption, JsonFlag, LayerSplitOption, MaxBranchesOption, MaxInflightOption,
-    MinPOption, ModelOption, ModeOption, NDraftOption, NPredictOption, OptionalModelArg, PAcceptOption, PDecayOption,
-    PMinOption, PRecoveryOption, PSplitOption, SeedOption, StopOption, TempOption, ThreadsOption, TopKOption,
-    TopPOption,
-)
+from .job_options import JobOptions, job_options
+from .options import JsonFlag, ModelOption, ModeOption, OptionalModelArg, StopOption
 from .prompt_input import read_prompt_input
 
 EPILOG = """Examples:
@@ -42,6 +38,7 @@ list of {"role": "system"|"user"|"assistant", "content": "..."} objects.
 """
 
 
+@job_options
 def generate(
     model: OptionalModelArg = None,
     model_opt: ModelOption = None,
@@ -50,27 +47,9 @@ def generate(
     chat: Annotated[str | None, typer.Option("--chat", help="A user message, formatted with the model's chat template.")] = None,
     messages: Annotated[Path | None, typer.Option("--messages", help="Chat messages from a JSON file ('-': standard input), formatted with the model's chat template.")] = None,
     system: Annotated[str | None, typer.Option("--system", help="System prompt, with --chat or --messages.")] = None,
-    draft: DraftOption = None,
     mode: ModeOption = None,
-    n_predict: NPredictOption = 128,
     stop: StopOption = None,
-    temp: TempOption = 0.0,
-    top_k: TopKOption = 40,
-    top_p: TopPOption = 0.95,
-    min_p: MinPOption = 0.0,
-    seed: SeedOption = 0,
-    n_draft: NDraftOption = 4,
-    p_min: PMinOption = 0.0,
-    p_accept: PAcceptOption = 0.5,
-    p_split: PSplitOption = 0.1,
-    p_recovery: PRecoveryOption = 0.0,
-    p_decay: PDecayOption = 0.0,
-    max_branches: MaxBranchesOption = 1,
-    max_inflight: MaxInflightOption = 4,
-    ranks: JobRanksOption = None,
-    layer_split: LayerSplitOption = None,
-    threads: ThreadsOption = None,
-    ctx: CtxOption = 4096,
+    job: JobOptions = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Generate text from a prompt, with the model's layers split across MPI ranks.
@@ -87,19 +66,16 @@ def generate(
     if model is None:
         raise UsageError("no model given; pass one, e.g. `pipeinfer generate smollm2-135m-instruct -p Hello` "
                          "(see `pipeinfer models list`)")
-    check_n_predict(n_predict)
+    check_n_predict(job.n_predict)
     inside = under_mpi_launcher()
     # Only the head reads the prompt: under a launcher, standard input reaches rank 0 alone.
     given = read_prompt_input(prompt, file, chat, messages, system) if not inside or world_rank() == 0 else None
-    want, split_ranks = ranks_wanted(ranks, layer_split)
-    target, draft_ref = resolve_models(model, draft, mode or "", allow_pull=not inside)
+    want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
+    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside)
     mode = default_mode(mode, draft_ref)
     if mode != "iterative" and draft_ref is None:
         raise UsageError(f"--mode {mode} needs a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
-    cfg = make_job_config(target, draft_ref, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p, seed=seed,
-                          n_draft=n_draft, p_min=p_min, p_accept=p_accept, p_split=p_split, p_recovery=p_recovery,
-                          p_decay=p_decay, max_branches=max_branches, max_inflight=max_inflight, ctx=ctx,
-                          layer_split=layer_split, threads=threads, min_p=min_p)
+    cfg = make_job_config(target, draft_ref, job)
 
     if not inside and want > 1:
         check_plan(cfg, want, needs_draft=mode != "iterative")
@@ -113,7 +89,7 @@ def generate(
 
     from ..engine.job import Request, run_job
 
-    check_world(want, explicit=bool(ranks or split_ranks))
+    check_world(want, explicit=bool(job.ranks or split_ranks))
 
     def on_text(text: str) -> None:
         if not as_json:

@@ -8,7 +8,7 @@ from ..errors import OptionValueError, UsageError
 from ..registry import load_registry
 
 
-def resolve_models(model: str, draft: str | None, mode: str, allow_pull: bool):
+def resolve_models(model: str, draft: str | None, allow_pull: bool):
     """(target ModelRef, draft ModelRef | 'lookup' | None) from a model/pair name or paths."""
     from ..cache import cached_model_path, ensure_writable_cache
     from ..fetch import pull_model
@@ -85,10 +85,8 @@ def check_plan(cfg, world_size: int, needs_draft: bool) -> None:
              cfg.draft_path, needs_draft)
 
 
-def make_job_config(target, draft_ref, *, n_predict: int, temp: float, top_k: int, top_p: float, seed: int,
-                    n_draft: int, p_min: float, p_accept: float, p_split: float, p_recovery: float, p_decay: float,
-                    max_branches: int, max_inflight: int, ctx: int, layer_split: str | None, threads: str | None,
-                    min_p: float = 0.0):
+def make_job_config(target, draft_ref, job):
+    """The engine's JobConfig from resolved models and the shared job options (a JobOptions)."""
     from ..engine.job import JobConfig
     from ..engine.sampling import SamplingParams
     from ..engine.session import DecodeOptions
@@ -98,8 +96,9 @@ def make_job_config(target, draft_ref, *, n_predict: int, temp: float, top_k: in
         model_path=target.path, model_label=target.label,
         draft_path=None if draft_ref in (None, "lookup") else draft_ref.path,
         draft_label=draft_ref if draft_ref in (None, "lookup") else draft_ref.label,
-        sampling=SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
-        decode=DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_min=p_min, p_accept=p_accept, p_split=p_split,
-                             p_recovery=p_recovery, p_decay=p_decay, max_branches=max_branches, max_inflight=max_inflight),
-        n_ctx=ctx, layer_split=layer_split, threads=threads, debug=debug_enabled(),
+        sampling=SamplingParams(temperature=job.temp, top_k=job.top_k, top_p=job.top_p, min_p=job.min_p, seed=job.seed),
+        decode=DecodeOptions(n_predict=job.n_predict, n_draft=job.n_draft, p_min=job.p_min, p_accept=job.p_accept,
+                             p_split=job.p_split, p_recovery=job.p_recovery, p_decay=job.p_decay,
+                             max_branches=job.max_branches, max_inflight=job.max_inflight),
+        n_ctx=job.ctx, layer_split=job.layer_split, threads=job.threads, debug=debug_enabled(),
     )

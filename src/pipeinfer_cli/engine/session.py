@@ -26,7 +26,7 @@ class DecodeOptions:
     p_recovery: float = 0.0  # pipeinfer: p_adjust grows by this per run launched this round
     p_decay: float = 0.0  # pipeinfer: p_adjust shrinks by this per rejection
     max_branches: int = 1  # pipeinfer: sequences a token tree may use (1 = no trees)
-    max_inflight: int = 8  # pipeinfer: runs in flight at once
+    max_inflight: int = 4  # pipeinfer: runs in flight at once
 
 
 class Session:

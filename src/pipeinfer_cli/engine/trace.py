@@ -12,13 +12,10 @@ from dataclasses import dataclass, field
 @dataclass
 class TraceRecorder:
     rank: int
-    enabled: bool = True
     events: list[tuple] = field(default_factory=list)  # (kind, name, t0, t1, args)
 
     def slice(self, name: str, t0: float, t1: float, **args) -> None:
-        if self.enabled:
-            self.events.append(("X", name, t0, t1, args))
+        self.events.append(("X", name, t0, t1, args))
 
     def instant(self, name: str, t: float, **args) -> None:
-        if self.enabled:
-            self.events.append(("i", name, t, t, args))
+        self.events.append(("i", name, t, t, args))
