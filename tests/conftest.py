@@ -45,3 +45,12 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen2.gguf", arch="qwen2")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny qwen2 target and a poor draft: same vocabulary, different random weights."""
+    d = tmp_path_factory.mktemp("pair")
+    target = write_tiny_model(d / "target.gguf", arch="qwen2", n_layer=6, seed=1)
+    draft = write_tiny_model(d / "draft.gguf", arch="qwen2", n_layer=2, seed=2)
+    return target, draft

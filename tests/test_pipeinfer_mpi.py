@@ -12,7 +12,6 @@ from functools import lru_cache
 
 import pytest
 
-from tinygguf import write_tiny_model
 
 pytestmark = pytest.mark.mpi
 
@@ -34,15 +33,6 @@ def reference(model: str, n: int, sampling: tuple, prompt: str = PROMPT) -> tupl
 
 GREEDY = ()
 TEMP = ("--temp", "0.8", "--seed", "7")
-
-
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
-    """A tiny qwen2 target and a poor draft: same vocabulary, different random weights."""
-    d = tmp_path_factory.mktemp("pair")
-    target = write_tiny_model(d / "target.gguf", arch="qwen2", n_layer=6, seed=1)
-    draft = write_tiny_model(d / "draft.gguf", arch="qwen2", n_layer=2, seed=2)
-    return target, draft
 
 
 @pytest.mark.parametrize("ranks, draft, sampling, branches", [
