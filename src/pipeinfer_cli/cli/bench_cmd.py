@@ -108,52 +108,65 @@ def bench(
             os.environ.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
         raise typer.Exit(relaunch(want, sys.argv[1:]))
 
-    from mpi4py import MPI
-
-    from ..bench.runner import run_bench
-
     check_world(want, explicit=bool(job.ranks or split_ranks))
     cfg = make_job_config(target, draft_ref, job)
-    items = build_schedule(prompt_set, mode_list, repeat, warmup)
     if not needs_draft:
         cfg.draft_path, cfg.draft_label = None, None  # iterative only: do not load a draft model
-    head = MPI.COMM_WORLD.Get_rank() == 0
-    out_console, err_console = _consoles()
-    progress = _Progress(err_console, len(items)) if head else None
-    try:
-        records = run_bench(cfg, items, on_record=progress.record if progress else None)
-    finally:
-        if progress:
-            progress.stop()
+    records = _run(cfg, build_schedule(prompt_set, mode_list, repeat, warmup))
     if records is None:  # a worker rank: the head reports
         return
 
     from ..bench.environment import model_ref_facts
-    from ..bench.report import mode_table, prompt_table
-    from ..bench.results import collect, describe_config, write_outputs
-    from ..bench.runner import describe_mismatch
+    from ..bench.results import collect, describe_config
 
     config = describe_config(cfg, mode_list, prompt_set, prompts, repeat=repeat, warmup=warmup, ranks=want,
                              layer_split=job.layer_split, threads=job.threads)
     models = {"target": model_ref_facts(target), "draft": model_ref_facts(draft_ref) if needs_draft else None}
     res = collect(records, mode_list, models, config, "pipeinfer " + shlex.join(sys.argv[1:]))
+    _report(res, records, mode_list, len(prompt_set) > 1, {"json": json_out, "csv": csv_out, "trace": trace_out,
+                                                           "plot": plot_out}, allow_mismatch)
+
+
+def _run(cfg, items) -> list[dict] | None:
+    """Run the schedule on this rank, with progress on the head; the head gets the records."""
+    from mpi4py import MPI
+
+    from ..bench.runner import run_bench
+
+    head = MPI.COMM_WORLD.Get_rank() == 0
+    progress = _Progress(_consoles()[1], len(items)) if head else None
+    try:
+        return run_bench(cfg, items, on_record=progress.record if progress else None)
+    finally:
+        if progress:
+            progress.stop()
+
+
+def _report(res, records: list[dict], mode_list: list[str], per_prompt: bool, outputs: dict, allow_mismatch: bool) -> None:
+    """Tables on stdout, files written, and a TokenMismatchError if modes disagreed."""
+    from ..bench.report import mode_table, prompt_table
+    from ..bench.results import write_outputs
+    from ..bench.runner import describe_mismatch
+
+    out_console, err_console = _consoles()
     out_console.print(mode_table(res.summary, mode_list, res.title()))
-    if len(prompt_set) > 1:
+    if per_prompt:
         out_console.print(prompt_table(records, mode_list, set(res.mismatched_prompts)))
-    written = write_outputs(res, json_out, csv_out, trace_out, plot_out)
+    written = write_outputs(res, outputs["json"], outputs["csv"], outputs["trace"], outputs["plot"])
     for path in written:
         err_console.print(f"wrote {path}", markup=False, highlight=False)
-    if res.mismatches:
-        for m in res.mismatches:
-            err_console.print(f"TOKENS DIFFER: {describe_mismatch(m)}", style="bold red", markup=False, highlight=False)
-        if allow_mismatch:
-            err_console.print(f"Warning: modes generated different tokens on {len(res.mismatched_prompts)} prompt(s); "
-                              "exiting 0 because of --allow-mismatch", style="bold red", markup=False, highlight=False)
-            return
-        raise TokenMismatchError(
-            f"modes generated different tokens on {len(res.mismatched_prompts)} prompt(s) "
-            f"({', '.join(res.mismatched_prompts)}); speculation must be lossless — the results above are flagged"
-            + (" and the outputs record it (tokens_identical: false)" if written else ""))
+    if not res.mismatches:
+        return
+    for m in res.mismatches:
+        err_console.print(f"TOKENS DIFFER: {describe_mismatch(m)}", style="bold red", markup=False, highlight=False)
+    if allow_mismatch:
+        err_console.print(f"Warning: modes generated different tokens on {len(res.mismatched_prompts)} prompt(s); "
+                          "exiting 0 because of --allow-mismatch", style="bold red", markup=False, highlight=False)
+        return
+    raise TokenMismatchError(
+        f"modes generated different tokens on {len(res.mismatched_prompts)} prompt(s) "
+        f"({', '.join(res.mismatched_prompts)}); speculation must be lossless — the results above are flagged"
+        + (" and the outputs record it (tokens_identical: false)" if written else ""))
 
 
 def _consoles():

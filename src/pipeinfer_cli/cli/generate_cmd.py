@@ -58,14 +58,9 @@ def generate(
 
     With --json: one JSON object with the text, the token ids and every metric.
     """
-    from ..transport.launch import relaunch, under_mpi_launcher
+    from ..transport.launch import under_mpi_launcher
 
-    if model is not None and model_opt is not None and model != model_opt:
-        raise UsageError(f"two models given: {model!r} and -m {model_opt!r}; give one")
-    model = model or model_opt
-    if model is None:
-        raise UsageError("no model given; pass one, e.g. `pipeinfer generate smollm2-135m-instruct -p Hello` "
-                         "(see `pipeinfer models list`)")
+    model = _one_model(model, model_opt)
     check_n_predict(job.n_predict)
     inside = under_mpi_launcher()
     # Only the head reads the prompt: under a launcher, standard input reaches rank 0 alone.
@@ -76,28 +71,49 @@ def generate(
     if mode != "iterative" and draft_ref is None:
         raise UsageError(f"--mode {mode} needs a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
     cfg = make_job_config(target, draft_ref, job)
-
     if not inside and want > 1:
         check_plan(cfg, want, needs_draft=mode != "iterative")
-        if given.stdin_text is None:
-            raise typer.Exit(relaunch(want, sys.argv[1:]))
-        # Standard input was read here: the job reads the same text from a private file.
-        with tempfile.NamedTemporaryFile("w", encoding="utf-8", prefix="pipeinfer-stdin-", suffix=".txt") as f:
-            f.write(given.stdin_text)
-            f.flush()
-            raise typer.Exit(relaunch(want, _stdin_as_file(sys.argv[1:], f.name)))
+        raise typer.Exit(_relaunch(want, given))
 
-    from ..engine.job import Request, run_job
+    from ..engine.job import Request
 
     check_world(want, explicit=bool(job.ranks or split_ranks))
+    request = Request(mode=mode, prompt=given.text if given else None, chat=given.messages if given else None,
+                      stop=list(stop or []))
+    _run_and_print(cfg, request, as_json)
+
+
+def _one_model(model: str | None, model_opt: str | None) -> str:
+    if model is not None and model_opt is not None and model != model_opt:
+        raise UsageError(f"two models given: {model!r} and -m {model_opt!r}; give one")
+    if (model or model_opt) is None:
+        raise UsageError("no model given; pass one, e.g. `pipeinfer generate smollm2-135m-instruct -p Hello` "
+                         "(see `pipeinfer models list`)")
+    return model or model_opt
+
+
+def _relaunch(n_ranks: int, given) -> int:
+    """This command again as an MPI job of n_ranks; standard input, already read here, reaches
+    the job as a private temporary file."""
+    from ..transport.launch import relaunch
+
+    if given.stdin_text is None:
+        return relaunch(n_ranks, sys.argv[1:])
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", prefix="pipeinfer-stdin-", suffix=".txt") as f:
+        f.write(given.stdin_text)
+        f.flush()
+        return relaunch(n_ranks, _stdin_as_file(sys.argv[1:], f.name))
+
+
+def _run_and_print(cfg, request, as_json: bool) -> None:
+    """Run the job on this rank; the head streams the text (or prints the JSON) and the summary."""
+    from ..engine.job import run_job
 
     def on_text(text: str) -> None:
         if not as_json:
             sys.stdout.write(text)
             sys.stdout.flush()
 
-    request = Request(mode=mode, prompt=given.text if given else None, chat=given.messages if given else None,
-                      stop=list(stop or []))
     results = run_job(cfg, [request], on_text=on_text)
     if results is None:  # a worker rank: the head reports
         return

@@ -64,7 +64,13 @@ def inspect(
     if as_json:
         out.print_json(json.dumps({"model": ref.label, "draft": draft_label, **info.to_dict()}))
         return
-    t = Table(title=f"{ref.label}  ({info.path})", title_justify="left", show_header=False)
+    out.print(_summary_table(ref.label, info))
+    out.print(_layer_bytes_table(info))
+    _print_split(info, layer_split, draft_label)
+
+
+def _summary_table(label: str, info) -> Table:
+    t = Table(title=f"{label}  ({info.path})", title_justify="left", show_header=False)
     t.add_column("field", style="bold")
     t.add_column("value")
     rows = [
@@ -86,7 +92,10 @@ def inspect(
     ]
     for k, v in rows:
         t.add_row(k, v)
-    out.print(t)
+    return t
+
+
+def _layer_bytes_table(info) -> Table:
     lt = Table(title="bytes per layer", title_justify="left")
     lt.add_column("layers")
     lt.add_column("bytes each", justify="right")
@@ -97,7 +106,10 @@ def inspect(
             label = f"{start}" if i - 1 == start else f"{start}–{i - 1}"
             lt.add_row(label, human_bytes(info.layer_bytes[start]))
             start = i
-    out.print(lt)
+    return lt
+
+
+def _print_split(info, layer_split: str | None, draft_label: str | None) -> None:
     how = f"--layer-split {layer_split}" if layer_split else "balanced by bytes read per token"
     draft_note = f", draft {draft_label}" if draft_label else ""
     st = Table(title=f"layer split for {len(info.split)} rank(s): {info.layer_split} ({how}{draft_note})",
