@@ -119,107 +119,112 @@ ggml_tensor * attention_ordered(ggml_context * ctx, ggml_tensor * q, ggml_tensor
     return out;
 }
 
-}  // namespace
+// One graph under construction, and the builders of its parts (as llama.cpp's llm_graph_context
+// has build_inp_*, build_attn and build_ffn). Each builder adds its nodes in the order llama.cpp does.
+struct graph_context {
+    ggml_context * ctx;
+    ggml_cgraph * gf;
+    const stage_weights & w;
+    const kv_cache & kv;
+    const graph_shape & shape;
+    graph_inputs & in;
+    const model_hparams & hp;
+    const int64_t n_tokens, n_kv, n_head, n_head_kv, d_head, n_embd_gqa, kv_size;
+    const float kq_scale;
+    const bool inv;         // slice matmuls and attention by rows (shape.invariant, more than one row)
+    const bool flash_attn;  // the cache layout follows the attention path
+    const bool ordered;     // attention over cells gathered in position order
 
-ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weights & w, const kv_cache & kv,
-                          const graph_shape & shape, graph_inputs & in, layer_progress & progress) {
-    const model_hparams & hp = w.hparams;
-    const int64_t n_tokens = shape.n_tokens;
-    const int64_t n_kv = shape.n_kv;
-    const int64_t n_head = hp.n_head, n_head_kv = hp.n_head_kv, d_head = hp.n_embd_head;
-    const int64_t n_embd_gqa = hp.n_embd_gqa();
-    const int64_t kv_size = kv.size();
-    const float kq_scale = 1.0f / std::sqrt((float) d_head);
-    const bool inv = shape.invariant && n_tokens > 1;
+    graph_context(ggml_context * ctx, ggml_cgraph * gf, const stage_weights & w, const kv_cache & kv,
+                  const graph_shape & shape, graph_inputs & in)
+        : ctx(ctx), gf(gf), w(w), kv(kv), shape(shape), in(in), hp(w.hparams), n_tokens(shape.n_tokens),
+          n_kv(shape.n_kv), n_head(hp.n_head), n_head_kv(hp.n_head_kv), d_head(hp.n_embd_head),
+          n_embd_gqa(hp.n_embd_gqa()), kv_size(kv.size()), kq_scale(1.0f / std::sqrt((float) hp.n_embd_head)),
+          inv(shape.invariant && shape.n_tokens > 1), flash_attn(!kv.v_trans()),
+          ordered(shape.ordered && kv.v_trans()) {}
 
-    // inputs
-    ggml_tensor * inpL;
-    if (w.is_first()) {
-        in.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
-        ggml_set_input(in.tokens);
-        inpL = ggml_get_rows(ctx, w.tok_embd, in.tokens);
-    } else {
-        in.embd = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hp.n_embd, n_tokens);
-        ggml_set_input(in.embd);
-        inpL = in.embd;
-    }
-    in.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
-    ggml_set_input(in.pos);
-    const bool flash_attn = !kv.v_trans();  // the cache layout follows the attention path
-    in.kq_mask = ggml_new_tensor_2d(ctx, flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, n_kv, n_tokens);
-    ggml_set_input(in.kq_mask);
-    in.k_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
-    ggml_set_input(in.k_idxs);
-    in.v_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, flash_attn ? n_tokens : n_tokens * n_embd_gqa);
-    ggml_set_input(in.v_idxs);
-    const bool ordered = shape.ordered && !flash_attn;
-    if (ordered) {
-        in.kq_order = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_kv, n_head, n_tokens);
-        ggml_set_input(in.kq_order);
-        in.v_order = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_kv, n_embd_gqa, n_tokens);
-        ggml_set_input(in.v_order);
-    }
-    // Like llama.cpp, drop the rows nobody wants before the last layer's FFN and the LM head.
-    if (w.is_last() && shape.n_outputs > 0 && shape.n_outputs < n_tokens) {
-        in.out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, shape.n_outputs);
-        ggml_set_input(in.out_ids);
+    ggml_tensor * input(ggml_tensor * t) {
+        ggml_set_input(t);
+        return t;
     }
 
-    const int n_local = (int) w.layers.size();
-    progress.markers.assign(n_local, layer_marker{&progress.layers_done, 0});
+    // Input tensors; returns the first layer's input (token embeddings, or the previous stage's states).
+    ggml_tensor * build_inputs() {
+        ggml_tensor * inpL;
+        if (w.is_first()) {
+            in.tokens = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens));
+            inpL = ggml_get_rows(ctx, w.tok_embd, in.tokens);
+        } else {
+            in.embd = input(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hp.n_embd, n_tokens));
+            inpL = in.embd;
+        }
+        in.pos = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens));
+        in.kq_mask = input(ggml_new_tensor_2d(ctx, flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, n_kv, n_tokens));
+        in.k_idxs = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens));
+        in.v_idxs = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I64, flash_attn ? n_tokens : n_tokens * n_embd_gqa));
+        if (ordered) {
+            in.kq_order = input(ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_kv, n_head, n_tokens));
+            in.v_order = input(ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_kv, n_embd_gqa, n_tokens));
+        }
+        // Like llama.cpp, drop the rows nobody wants before the last layer's FFN and the LM head.
+        if (w.is_last() && shape.n_outputs > 0 && shape.n_outputs < n_tokens) {
+            in.out_ids = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, shape.n_outputs));
+        }
+        return inpL;
+    }
 
-    for (int li = 0; li < n_local; ++li) {
-        const layer_weights & L = w.layers[li];
-        const bool model_last_layer = w.layer_begin + li == (int) hp.n_layer - 1;
-        ggml_tensor * inpSA = inpL;
-
-        // attention: x [n_embd, n_tokens]
-        ggml_tensor * cur = norm_rms(ctx, inpL, L.attn_norm, hp.f_norm_rms_eps);
-        ggml_tensor * Qcur = matmul_bias(ctx, L.wq, L.bq, cur, inv);
-        ggml_tensor * Kcur = matmul_bias(ctx, L.wk, L.bk, cur, inv);
-        ggml_tensor * Vcur = matmul_bias(ctx, L.wv, L.bv, cur, inv);
-        Qcur = ggml_reshape_3d(ctx, Qcur, d_head, n_head, n_tokens);
-        Kcur = ggml_reshape_3d(ctx, Kcur, d_head, n_head_kv, n_tokens);
-        Vcur = ggml_reshape_3d(ctx, Vcur, d_head, n_head_kv, n_tokens);
-        Qcur = ggml_rope_ext(ctx, Qcur, in.pos, w.rope_freqs, hp.n_rot, hp.rope_type, hp.n_ctx_orig_yarn,
+    ggml_tensor * rope(ggml_tensor * x) {
+        return ggml_rope_ext(ctx, x, in.pos, w.rope_freqs, hp.n_rot, hp.rope_type, hp.n_ctx_orig_yarn,
                              hp.rope_freq_base, hp.rope_freq_scale, hp.yarn_ext_factor, hp.yarn_attn_factor,
                              hp.yarn_beta_fast, hp.yarn_beta_slow);
-        Kcur = ggml_rope_ext(ctx, Kcur, in.pos, w.rope_freqs, hp.n_rot, hp.rope_type, hp.n_ctx_orig_yarn,
-                             hp.rope_freq_base, hp.rope_freq_scale, hp.yarn_ext_factor, hp.yarn_attn_factor,
-                             hp.yarn_beta_fast, hp.yarn_beta_slow);
-        ggml_build_forward_expand(gf, Qcur);
-        ggml_build_forward_expand(gf, Vcur);
-        ggml_build_forward_expand(gf, Kcur);
+    }
 
-        // Store K and V of the batch into their cells before attention reads the cache: the
-        // graph runs in insertion order, and the cache views below do not depend on these nodes.
+    // Q, K, V of the batch, roped: [d_head, n_head(_kv), n_tokens].
+    void build_qkv(const layer_weights & L, ggml_tensor * x, ggml_tensor *& Q, ggml_tensor *& K, ggml_tensor *& V) {
+        ggml_tensor * cur = norm_rms(ctx, x, L.attn_norm, hp.f_norm_rms_eps);
+        Q = matmul_bias(ctx, L.wq, L.bq, cur, inv);
+        K = matmul_bias(ctx, L.wk, L.bk, cur, inv);
+        V = matmul_bias(ctx, L.wv, L.bv, cur, inv);
+        Q = ggml_reshape_3d(ctx, Q, d_head, n_head, n_tokens);
+        K = ggml_reshape_3d(ctx, K, d_head, n_head_kv, n_tokens);
+        V = ggml_reshape_3d(ctx, V, d_head, n_head_kv, n_tokens);
+        Q = rope(Q);
+        K = rope(K);
+        ggml_build_forward_expand(gf, Q);
+        ggml_build_forward_expand(gf, V);
+        ggml_build_forward_expand(gf, K);
+    }
+
+    // Stores K and V of the batch into their cells before attention reads the cache: the graph
+    // runs in insertion order, and the cache views of build_attn do not depend on these nodes.
+    void build_kv_store(int li, ggml_tensor * K, ggml_tensor * V) {
         ggml_tensor * kc = kv.k(li);
         ggml_tensor * vc = kv.v(li);
-        ggml_build_forward_expand(gf, ggml_set_rows(ctx, kc, ggml_reshape_2d(ctx, Kcur, n_embd_gqa, n_tokens), in.k_idxs));
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, kc, ggml_reshape_2d(ctx, K, n_embd_gqa, n_tokens), in.k_idxs));
         if (flash_attn) {
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc, ggml_reshape_2d(ctx, Vcur, n_embd_gqa, n_tokens), in.v_idxs));
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc, ggml_reshape_2d(ctx, V, n_embd_gqa, n_tokens), in.v_idxs));
         } else {
-            ggml_tensor * v_flat = ggml_reshape_2d(ctx, Vcur, 1, n_embd_gqa * n_tokens);
+            ggml_tensor * v_flat = ggml_reshape_2d(ctx, V, 1, n_embd_gqa * n_tokens);
             ggml_tensor * vc_flat = ggml_reshape_2d(ctx, vc, 1, ggml_nelements(vc));
             ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc_flat, v_flat, in.v_idxs));
         }
+    }
 
-        // Nobody wants this batch's logits (a prompt chunk before the last): the K/V stores above
-        // are all the model's last layer has to do; its attention output, FFN and the LM head are
-        // skipped, as llama.cpp does for a batch without outputs.
-        if (model_last_layer && w.is_last() && shape.n_outputs == 0) {
-            return nullptr;
-        }
-
+    // Attention of Q over the first n_kv cells of layer li's cache, before the output projection:
+    // [d_head*n_head, n_tokens].
+    ggml_tensor * build_attn(int li, ggml_tensor * Q) {
+        ggml_tensor * kc = kv.k(li);
+        ggml_tensor * vc = kv.v(li);
         // views of the first n_kv cells: k [d_head, n_head_kv, n_kv]
         ggml_tensor * k = ggml_view_3d(ctx, kc, d_head, n_head_kv, n_kv,
                                        ggml_row_size(kc->type, d_head), ggml_row_size(kc->type, n_embd_gqa), 0);
-        ggml_tensor * q = ggml_permute(ctx, Qcur, 0, 2, 1, 3);  // [d_head, n_tokens, n_head]
-        k = ggml_permute(ctx, k, 0, 2, 1, 3);                    // [d_head, n_kv, n_head_kv]
+        ggml_tensor * q = ggml_permute(ctx, Q, 0, 2, 1, 3);  // [d_head, n_tokens, n_head]
+        k = ggml_permute(ctx, k, 0, 2, 1, 3);                 // [d_head, n_kv, n_head_kv]
+        ggml_tensor * cur;
         if (flash_attn) {
             ggml_tensor * v = ggml_view_3d(ctx, vc, d_head, n_head_kv, n_kv,
                                            ggml_row_size(vc->type, d_head), ggml_row_size(vc->type, n_embd_gqa), 0);
-            v = ggml_permute(ctx, v, 0, 2, 1, 3);                // [d_head, n_kv, n_head_kv]
+            v = ggml_permute(ctx, v, 0, 2, 1, 3);             // [d_head, n_kv, n_head_kv]
             cur = ggml_flash_attn_ext(ctx, q, k, v, in.kq_mask, kq_scale, 0.0f, 0.0f);  // [d_head, n_head, n_tokens]
             ggml_prec_set_acc(cur, GGML_PREC_F32);
             cur = ggml_reshape_2d(ctx, cur, d_head * n_head, n_tokens);
@@ -235,36 +240,68 @@ ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weig
             cur = ggml_cont_2d(ctx, cur, d_head * n_head, n_tokens);
         }
         ggml_build_forward_expand(gf, cur);
-        cur = matmul_bias(ctx, L.wo, L.bo, cur, inv);
+        return cur;
+    }
 
-        if (model_last_layer && in.out_ids) {
-            cur   = ggml_get_rows(ctx, cur, in.out_ids);
-            inpSA = ggml_get_rows(ctx, inpSA, in.out_ids);
-        }
-        ggml_tensor * ffn_inp = ggml_add(ctx, cur, inpSA);
-
-        // SwiGLU feed-forward
-        cur = norm_rms(ctx, ffn_inp, L.ffn_norm, hp.f_norm_rms_eps);
+    // SwiGLU feed-forward with its residual: x + down(silu(gate(norm x)) * up(norm x)).
+    ggml_tensor * build_ffn(const layer_weights & L, ggml_tensor * ffn_inp) {
+        ggml_tensor * cur = norm_rms(ctx, ffn_inp, L.ffn_norm, hp.f_norm_rms_eps);
         ggml_tensor * up   = mul_mat_rows(ctx, L.ffn_up, cur, inv);
         ggml_tensor * gate = mul_mat_rows(ctx, L.ffn_gate, cur, inv);
         cur = ggml_swiglu_split(ctx, gate, up);
         cur = mul_mat_rows(ctx, L.ffn_down, cur, inv);
-        cur = ggml_add(ctx, cur, ffn_inp);
+        return ggml_add(ctx, cur, ffn_inp);
+    }
+
+    // One decoder layer (local index li). Returns null when the model's last layer has no rows to
+    // output: its K/V stores are then all it has to do (as llama.cpp does for a batch without outputs).
+    ggml_tensor * build_layer(int li, ggml_tensor * inpL, layer_progress & progress) {
+        const layer_weights & L = w.layers[li];
+        const bool model_last_layer = w.layer_begin + li == (int) hp.n_layer - 1;
+        ggml_tensor *Q, *K, *V;
+        build_qkv(L, inpL, Q, K, V);
+        build_kv_store(li, K, V);
+        if (model_last_layer && w.is_last() && shape.n_outputs == 0) return nullptr;
+
+        ggml_tensor * cur = matmul_bias(ctx, L.wo, L.bo, build_attn(li, Q), inv);
+        ggml_tensor * inpSA = inpL;
+        if (model_last_layer && in.out_ids) {
+            cur   = ggml_get_rows(ctx, cur, in.out_ids);
+            inpSA = ggml_get_rows(ctx, inpSA, in.out_ids);
+        }
+        cur = build_ffn(L, ggml_add(ctx, cur, inpSA));
 
         progress.markers[li].value = li + 1;
         cur = ggml_map_custom1_inplace(ctx, cur, mark_layer_done, 1, &progress.markers[li]);
         ggml_build_forward_expand(gf, cur);
-        inpL = cur;
+        return cur;
     }
 
-    ggml_tensor * out = inpL;
-    if (w.is_last()) {
-        out = norm_rms(ctx, out, w.output_norm, hp.f_norm_rms_eps);
-        out = matmul_bias(ctx, w.output, w.output_b, out, shape.invariant && out->ne[1] > 1);
+    // Output norm and LM head on the last stage; the hidden states elsewhere.
+    ggml_tensor * build_output(ggml_tensor * out) {
+        if (w.is_last()) {
+            out = norm_rms(ctx, out, w.output_norm, hp.f_norm_rms_eps);
+            out = matmul_bias(ctx, w.output, w.output_b, out, shape.invariant && out->ne[1] > 1);
+        }
+        ggml_set_output(out);
+        ggml_build_forward_expand(gf, out);
+        return out;
     }
-    ggml_set_output(out);
-    ggml_build_forward_expand(gf, out);
-    return out;
+};
+
+}  // namespace
+
+ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weights & w, const kv_cache & kv,
+                          const graph_shape & shape, graph_inputs & in, layer_progress & progress) {
+    graph_context g(ctx, gf, w, kv, shape, in);
+    ggml_tensor * cur = g.build_inputs();
+    const int n_local = (int) w.layers.size();
+    progress.markers.assign(n_local, layer_marker{&progress.layers_done, 0});
+    for (int li = 0; li < n_local; ++li) {
+        cur = g.build_layer(li, cur, progress);
+        if (!cur) return nullptr;
+    }
+    return g.build_output(cur);
 }
 
 }  // namespace pipeinfer

@@ -125,11 +125,7 @@ py::dict gguf_metadata(const std::string & path) {
     return d;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(_native, m) {
-    m.doc() = "pipeinfer native layer engine, built on the ggml installed by llama-cpp-python";
-
+void bind_functions(py::module_ & m) {
     m.def("ggml_version", []() { return std::string(ggml_version()); },
           "Version string of the ggml library this extension is linked against.");
 
@@ -151,16 +147,20 @@ PYBIND11_MODULE(_native, m) {
         f["f16c"]        = ggml_cpu_has_f16c();
         return f;
     }, "CPU features that ggml's CPU backend detects on this machine.");
+}
 
+void bind_exceptions(py::module_ & m) {
     // Exception classes; pipeinfer_cli.native re-exports them.
     // Translators run newest first, so the subclasses are registered after their base.
     auto & exc_invalid = py::register_exception<invalid_input>(m, "NativeInputError", PyExc_ValueError);
     py::register_exception<model_file_error>(m, "ModelFileError", exc_invalid.ptr());
     py::register_exception<kv_cache_full>(m, "KVCacheFullError", exc_invalid.ptr());
     py::register_exception<eval_cancelled>(m, "EvalCancelled", PyExc_RuntimeError);
+}
 
-    py::class_<layer_engine>(m, "LayerEngine")
-        .def(py::init([](const std::string & path, int layer_begin, int layer_end, int64_t n_ctx, int n_threads,
+// LayerEngine's constructor and read-only properties.
+void bind_engine_properties(py::class_<layer_engine> & c) {
+    c.def(py::init([](const std::string & path, int layer_begin, int layer_end, int64_t n_ctx, int n_threads,
                          int64_t n_seq_max, bool use_repack, bool flash_attn) {
                  engine_params p;
                  p.path = path;
@@ -191,8 +191,12 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("is_last", &layer_engine::is_last)
         .def_property_readonly("weight_bytes", [](layer_engine & e) { return e.weights().weight_bytes; })
         .def_property_readonly("n_repacked", [](layer_engine & e) { return e.weights().n_repacked; })
-        .def_property_readonly("kv_bytes", &layer_engine::kv_bytes)
-        .def("hparams", [](layer_engine & e) {
+        .def_property_readonly("kv_bytes", &layer_engine::kv_bytes);
+}
+
+// LayerEngine's methods: hparams, eval, cancel, KV cache operations, stats.
+void bind_engine_methods(py::class_<layer_engine> & c) {
+    c.def("hparams", [](layer_engine & e) {
             const model_hparams & h = e.hparams();
             py::dict d;
             d["arch"] = h.arch; d["n_layer"] = h.n_layer; d["n_embd"] = h.n_embd; d["n_head"] = h.n_head;
@@ -229,4 +233,15 @@ PYBIND11_MODULE(_native, m) {
             d["t_compute_us"] = s.t_compute_us;
             return d;
         });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "pipeinfer native layer engine, built on the ggml installed by llama-cpp-python";
+    bind_functions(m);
+    bind_exceptions(m);
+    py::class_<layer_engine> engine(m, "LayerEngine");
+    bind_engine_properties(engine);
+    bind_engine_methods(engine);
 }
