@@ -68,7 +68,7 @@ def test_stats_count_layers(qwen_file):
     assert eng.eval_progress() == 2
 
 
-@pytest.mark.parametrize("split", [None, 2])
+@pytest.mark.parametrize("split", [None, 2, 3])  # 3: the last stage holds one layer
 def test_batch_without_output_rows_fills_the_cache(tiny_qwen2, split):
     """A prompt chunk before the last asks the last stage for no rows: it returns (0, n_vocab),
     stores its K/V, and the next chunk's logits are bit-identical to a run that asked for a row."""

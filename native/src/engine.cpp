@@ -260,7 +260,10 @@ void layer_engine::set_inputs(const cached_graph & g, const checked_batch & b, c
     if (in.tokens) std::memcpy(in.tokens->data, b.tokens, sizeof(int32_t) * b.n_tokens);
     if (in.embd) std::memcpy(in.embd->data, b.embd, sizeof(float) * b.n_tokens * hp.n_embd);
     std::memcpy(in.pos->data, b.pos, sizeof(int32_t) * b.n_tokens);
-    if (g.shape.ordered) {
+    if (!in.kq_mask->data) {
+        // Nothing reads the mask: a last stage of one layer with no rows to output only stores
+        // K/V, so the graph allocator gave the unused mask no memory.
+    } else if (g.shape.ordered) {
         fill_ordered(in, hp, b.n_tokens, g.shape.n_kv, order);
     } else if (kv_->v_trans()) {
         kv_->fill_mask((float *) in.kq_mask->data, g.shape.n_kv, toks);
