@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -37,6 +37,38 @@ class Drafter(Protocol):
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncDrafter(Protocol):
+    """A drafter that answers asynchronously: a draft rank's head-side proxy (`RemoteDrafter`).
+
+    pipeinfer mode drafts ahead with it instead of `propose`: `request` sends a path to continue,
+    `poll` returns the reply once it has arrived (with `Proposal.base` = that path), and at most one
+    request is outstanding, so a reply always answers the last request. The proxy is a `Drafter`
+    too (`start`, `propose`, `close`), for prefill and speculative mode; those are not repeated
+    here, so that `isinstance(d, AsyncDrafter)` tells the asynchronous ones apart by what
+    pipeinfer mode calls.
+    """
+
+    @property
+    def outstanding(self) -> bool:
+        """A request was sent and its reply not received yet."""
+        ...
+
+    def request(self, path: list[int], n_max: int, p_min: float) -> None: ...
+
+    def ready(self) -> bool:
+        """The outstanding request's reply has arrived (not received yet)."""
+        ...
+
+    def poll(self) -> Proposal | None:
+        """The reply, if it has arrived (without waiting)."""
+        ...
+
+    def wait(self) -> Proposal | None:
+        """Wait (without spinning) for the outstanding request's reply, if any."""
+        ...
 
 
 
