@@ -106,7 +106,7 @@ def no_models(monkeypatch):
 
 def _one_error_line(r) -> str:
     lines = [x for x in r.output.splitlines() if x.strip()]
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output  # usage errors
     assert len(lines) == 1 and lines[0].startswith("Error: "), r.output
     return lines[0]
 

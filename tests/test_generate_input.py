@@ -53,30 +53,30 @@ def test_bad_option_value_is_one_line_exit_2(smollm2_path, args, words):
 # -- the prompt ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args", [["-p", ""], ["--chat", ""]])
 def test_empty_prompt_and_empty_chat_are_refused_alike(smollm2_path, args):
-    assert "the prompt is empty" in one_error_line(runner.invoke(app, ["generate", MODEL, *args]), 1)
+    assert "the prompt is empty" in one_error_line(runner.invoke(app, ["generate", MODEL, *args]), 2)
 
 
 def test_invalid_utf8_file_names_file_and_offset(tmp_path):
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"hello \xff\xfe world")
-    line = one_error_line(runner.invoke(app, ["generate", MODEL, "-f", str(junk)]), 1)
+    line = one_error_line(runner.invoke(app, ["generate", MODEL, "-f", str(junk)]), 2)
     assert str(junk) in line and "offset 6" in line and "0xff" in line
 
 
 def test_invalid_utf8_argument_names_offset():
     # Python hands undecodable argv bytes over as lone surrogates (surrogateescape).
     bad = b"abc\xe9".decode("utf-8", "surrogateescape")
-    line = one_error_line(runner.invoke(app, ["generate", MODEL, "-p", bad]), 1)
+    line = one_error_line(runner.invoke(app, ["generate", MODEL, "-p", bad]), 2)
     assert "-p/--prompt" in line and "offset 3" in line
 
 
 def test_exactly_one_prompt_source():
-    line = one_error_line(runner.invoke(app, ["generate", MODEL, "-p", "a", "--chat", "b"]), 1)
+    line = one_error_line(runner.invoke(app, ["generate", MODEL, "-p", "a", "--chat", "b"]), 2)
     assert "exactly one of" in line and "-p/--prompt and --chat" in line
 
 
 def test_system_needs_a_chat():
-    assert "--system needs --chat" in one_error_line(runner.invoke(app, ["generate", MODEL, "-p", "a", "--system", "s"]), 1)
+    assert "--system needs --chat" in one_error_line(runner.invoke(app, ["generate", MODEL, "-p", "a", "--system", "s"]), 2)
 
 
 @pytest.mark.parametrize("content, words", [
@@ -88,23 +88,39 @@ def test_system_needs_a_chat():
 def test_bad_messages_file(tmp_path, content, words):
     f = tmp_path / "m.json"
     f.write_text(content)
-    assert words in one_error_line(runner.invoke(app, ["generate", MODEL, "--messages", str(f)]), 1)
+    assert words in one_error_line(runner.invoke(app, ["generate", MODEL, "--messages", str(f)]), 2)
 
 
 def test_model_option_and_argument():
-    assert "two models given" in one_error_line(runner.invoke(app, ["generate", MODEL, "-m", "other", "-p", "x"]), 1)
-    assert "no model given" in one_error_line(runner.invoke(app, ["generate", "-p", "x"]), 1)
+    assert "two models given" in one_error_line(runner.invoke(app, ["generate", MODEL, "-m", "other", "-p", "x"]), 2)
+    assert "no model given" in one_error_line(runner.invoke(app, ["generate", "-p", "x"]), 2)
 
 
 def test_split_too_fine_fails_before_any_process_starts(smollm2_path):
     # 30 layers over 100 ranks: refused from the GGUF header, in-process (nothing was launched).
-    line = one_error_line(runner.invoke(app, ["generate", "-m", MODEL, "-p", "hi", "--ranks", "100"]), 1)
+    line = one_error_line(runner.invoke(app, ["generate", "-m", MODEL, "-p", "hi", "--ranks", "100"]), 2)
     assert "cannot split 30 layers over 100 ranks" in line
 
 
 def test_ctx_error_in_iterative_mode_does_not_mention_speculation(smollm2_path):
-    line = one_error_line(runner.invoke(app, ["generate", MODEL, "-p", "hello there", "--ctx", "16", "-n", "40"]), 1)
-    assert "speculat" not in line and "--ctx 16" in line
+    line = one_error_line(runner.invoke(app, ["generate", MODEL, "-p", "hello there", "--ctx", "16", "-n", "40"]), 2)
+    assert "speculat" not in line and "--ctx 16" in line and "lower -n" in line
+
+
+def test_draft_rank_without_a_draft_is_refused(smollm2_path):
+    line = one_error_line(runner.invoke(app, ["generate", MODEL, "-p", "hi", "--layer-split", "1/1"]), 2)
+    assert "draft rank" in line
+
+
+@pytest.mark.parametrize("stop, words", [("", "--stop needs some text"),
+                                         (b"\xc3".decode("utf-8", "surrogateescape"), "the text of --stop")])
+def test_bad_stop_strings(smollm2_path, stop, words):
+    assert words in one_error_line(runner.invoke(app, ["generate", MODEL, "-p", "hi", "--stop", stop]), 2)
+
+
+def test_messages_from_stdin_errors_say_standard_input():
+    r = runner.invoke(app, ["generate", MODEL, "--messages", "-"], input="not json")
+    assert "standard input is not valid JSON" in one_error_line(r, 2)
 
 
 # -- pure pieces ------------------------------------------------------------------------------------

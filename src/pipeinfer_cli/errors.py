@@ -53,10 +53,10 @@ class CacheError(PipeinferError):
 
 
 class UsageError(PipeinferError):
-    """A combination of options that cannot work."""
+    """A combination of options that cannot work (exit status 2, like any command-line usage error)."""
+
+    exit_code = 2
 
 
 class OptionValueError(UsageError):
-    """An option's value is out of its range (exit status 2, like any command-line usage error)."""
-
-    exit_code = 2
+    """An option's value is out of its range."""

@@ -6,6 +6,7 @@ import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine.topology import format_layer_ranges
 from . import environment
 from .runner import check_tokens
 from .stats import summarize
@@ -30,7 +31,8 @@ class BenchResults:
         threads = ",".join(str(r["threads"]) for r in topo["ranks"])
         c = h["config"]
         return (f"{h['models']['target']['name']}" + (f" + draft {draft}" if draft else "")
-                + f" · {topo['world_size']} rank(s), split {topo['layer_split']}, threads {threads}"
+                + f" · {topo['world_size']} rank(s), layers {format_layer_ranges([r['layers'] for r in topo['ranks']])},"
+                + f" threads {threads}"
                 + f" · -n {c['n_predict']} · {c['prompts']['count']} prompt(s) × {c['repeat']} repeat(s)")
 
 

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from ..engine.topology import format_layer_ranges
 from ..errors import UsageError
 from .console import err, out
 from .job_setup import (
@@ -17,7 +18,7 @@ from .job_setup import (
 )
 from .job_options import JobOptions, job_options
 from .options import JsonFlag, ModelOption, ModeOption, OptionalModelArg, StopOption
-from .prompt_input import read_prompt_input
+from .prompt_input import check_stop_strings, read_prompt_input
 
 EPILOG = """Examples:
 
@@ -27,14 +28,17 @@ EPILOG = """Examples:
 
   pipeinfer generate qwen2.5-coder-1.5b-instruct --draft lookup --ranks 2 -f prompt.txt
 
-  git diff | pipeinfer generate qwen-coder --system "Review this patch." -f - --stop "\n\n\n"
+  pipeinfer generate qwen-coder --system "Review this patch." --chat "$(git diff)" -n -1
+
+  cat notes.txt | pipeinfer generate smollm2-135m-instruct -f - -n 64 --stop "###"
 
   mpirun -hostfile hosts -n 4 pipeinfer generate qwen-coder --layer-split 0.2,0.4,0.4/1 --chat "Hi"
 
-With a draft (--draft, or a pair name such as qwen-coder) the mode is pipeinfer unless -M says
-otherwise. Greedy decoding (--temp 0, the default) prints exactly the same tokens in every mode;
-with --temp > 0 the same --seed also gives the same tokens in every mode. --messages takes a JSON
-list of {"role": "system"|"user"|"assistant", "content": "..."} objects.
+With a draft (--draft, or a pair name such as qwen-coder) the mode is pipeinfer unless -M says otherwise.
+
+Greedy decoding (--temp 0, the default) prints exactly the same tokens in every mode; with --temp > 0 the same --seed also gives the same tokens in every mode.
+
+--messages takes a JSON list of {"role": "system"|"user"|"assistant", "content": "..."} objects.
 """
 
 
@@ -79,7 +83,7 @@ def generate(
 
     check_world(want, explicit=bool(job.ranks or split_ranks))
     request = Request(mode=mode, prompt=given.text if given else None, chat=given.messages if given else None,
-                      stop=list(stop or []))
+                      stop=check_stop_strings(stop))
     _run_and_print(cfg, request, as_json)
 
 
@@ -145,12 +149,6 @@ def world_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
-def _layer_range(layers) -> str:
-    if not layers or layers[1] <= layers[0]:
-        return "draft"
-    return str(layers[0]) if layers[1] - layers[0] == 1 else f"{layers[0]}-{layers[1] - 1}"
-
-
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
@@ -165,6 +163,5 @@ def summary_line(r: dict) -> str:
     if r["runs"]["cancelled"]:
         parts.append(f"{_plural(r['runs']['cancelled'], 'run')} cancelled")
     parts.append(f"mode {r['mode']}")
-    layers = [_layer_range(x.get("layers")) for x in r["ranks"]]
-    parts.append(f"{_plural(len(r['ranks']), 'rank')} (layers {', '.join(layers)})")
+    parts.append(f"{_plural(len(r['ranks']), 'rank')} (layers {format_layer_ranges([x.get('layers') for x in r['ranks']])})")
     return "pipeinfer: " + ", ".join(p for p in parts if p)

@@ -82,7 +82,7 @@ def check_plan(cfg, world_size: int, needs_draft: bool) -> None:
     from ..engine.topology import plan_job
 
     plan_job(cfg.model_path, cfg.model_label, world_size, world_size, cfg.layer_split, cfg.threads,
-             cfg.draft_path, needs_draft)
+             cfg.draft_path, needs_draft, has_draft=cfg.draft_label is not None)
 
 
 def make_job_config(target, draft_ref, job):

@@ -20,7 +20,7 @@ TempOption = Annotated[float, typer.Option("--temp", min=0.0, help="Temperature;
 TopKOption = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the k most likely tokens (0 = all).")]
 TopPOption = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling threshold (1 = off).")]
 MinPOption = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Drop tokens whose probability is below min-p times the most likely one's (0 = off).")]
-StopOption = Annotated[list[str] | None, typer.Option("--stop", show_default=False, help="Stop when this text appears (not printed); repeat for several.")]
+StopOption = Annotated[list[str] | None, typer.Option("--stop", metavar="TEXT", show_default=False, help="Stop when this text appears (not printed); repeat for several.")]
 SeedOption = Annotated[int, typer.Option("--seed", "-s", help="Sampling seed; each token depends only on (logits, seed, position).")]
 NDraftOption = Annotated[int, typer.Option("--n-draft", min=1, max=64, help="Max draft tokens per speculative run.")]
 PMinOption = Annotated[float, typer.Option("--p-min", min=0.0, max=1.0, help="speculative: stop drafting when the draft's top probability is below this.")]

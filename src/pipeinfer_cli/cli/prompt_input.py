@@ -55,6 +55,7 @@ def _read(path: Path, option: str) -> str:
 
 def _load_messages(path: Path) -> list[dict]:
     text = _read(path, "--messages")
+    path = "standard input" if str(path) == "-" else path  # for the messages below
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -70,6 +71,16 @@ def _load_messages(path: Path) -> list[dict]:
         if m["role"] not in ROLES:
             raise UsageError(f"{path}: message {i} has role {m['role']!r}; use one of {', '.join(ROLES)}")
     return [{"role": m["role"], "content": m["content"]} for m in data]
+
+
+def check_stop_strings(stop: list[str] | None) -> list[str]:
+    """--stop values: non-empty, valid UTF-8."""
+    out = []
+    for s in stop or []:
+        if s == "":
+            raise UsageError("--stop needs some text (an empty stop string would stop at once)")
+        out.append(_argument_text(s, "--stop"))
+    return out
 
 
 def read_prompt_input(prompt: str | None, file: Path | None, chat: str | None, messages: Path | None,

@@ -54,12 +54,18 @@ class JobConfig:
 
 
 class JobFailed(PipeinferError):
-    """The job could not start: a rank failed to plan or load (the message names the rank)."""
+    """The job could not start: a rank failed to plan or load (the message names the rank).
+
+    It exits as the original error would: 2 for a usage error (e.g. a prompt too long for --ctx)."""
+
+    def __init__(self, msg: str, exit_code: int = 1):
+        super().__init__(msg)
+        self.exit_code = exit_code
 
 
 def plan(cfg: JobConfig, world_size: int, ranks_per_host: int, needs_draft: bool = False) -> Topology:
     return plan_job(cfg.model_path, cfg.model_label, world_size, ranks_per_host, cfg.layer_split, cfg.threads,
-                    cfg.draft_path, needs_draft)
+                    cfg.draft_path, needs_draft, has_draft=cfg.draft_label is not None)
 
 
 def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,
@@ -93,13 +99,14 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request]) -> Loade
         topo = plan(cfg, link.size, link.ranks_on_this_host(), needs_draft)
         loaded = load_rank(cfg, topo, link.rank, requests, needs_draft)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there
-        err = describe(exc, traceback_too=cfg.debug)
+        err = (describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1))
     errors = link.allgather(err)
     if any(errors):
         if link.rank == 0:
             bad = next(r for r, e in enumerate(errors) if e)
             if link.size > 1:
                 head_failed()
-            raise JobFailed(errors[bad] if bad == 0 else f"rank {bad}: {errors[bad]}")
+            text, code = errors[bad]
+            raise JobFailed(text if bad == 0 else f"rank {bad}: {text}", code)
         leave_after_head(1)
     return loaded

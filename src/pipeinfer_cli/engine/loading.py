@@ -55,8 +55,13 @@ def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool)
         return out
     # Sequences: the canonical one, plus one per in-flight run and tree branch (pipeinfer).
     n_seq = min(64, 2 + cfg.decode.max_inflight * max(1, cfg.decode.max_branches))
-    out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=cfg.n_ctx,
-                             n_threads=me.threads, n_seq_max=n_seq)
+    try:
+        out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=cfg.n_ctx,
+                                 n_threads=me.threads, n_seq_max=n_seq)
+    except RuntimeError as e:
+        if "cannot allocate a KV cache" not in str(e):
+            raise
+        raise UsageError(f"--ctx {cfg.n_ctx} is too large for this machine's memory ({e}); lower --ctx") from None
     if me.role == "head":
         _load_head(cfg, out, requests, needs_draft)
     return out
@@ -91,6 +96,7 @@ def _tokenize_request(cfg, tok, req) -> list[int]:
     if n_predict < 1 or need > cfg.n_ctx:
         what = f"with -n {cfg.decode.n_predict}" if cfg.decode.n_predict > 0 else "with -n -1"
         spec = " and the cells of speculative runs in flight" if margin > 1 else ""
+        fix = "lower -n, raise --ctx or shorten the prompt" if cfg.decode.n_predict > 0 else "raise --ctx or shorten the prompt"
         raise UsageError(f"prompt {label}has {len(ids)} tokens; {what}{spec} it needs {need} KV cells, "
-                         f"more than --ctx {cfg.n_ctx}; raise --ctx or shorten the prompt")
+                         f"more than --ctx {cfg.n_ctx}; {fix}")
     return ids

@@ -38,12 +38,17 @@ class Topology:
     def describe(self) -> str:
         return ",".join(f"{f:g}" for f in self.split_fractions) + ("/1" if self.draft_rank is not None else "")
 
-    def describe_layers(self) -> str:
-        """The layer range of every rank, e.g. 'rank 0: layers 0-13, rank 1: layers 14-29'."""
-        parts = [f"rank {r.rank}: layers {r.layers[0]}-{r.layers[1] - 1}" for r in self.ranks if r.role != "draft"]
-        if self.draft_rank is not None:
-            parts.append(f"rank {self.draft_rank}: draft")
-        return ", ".join(parts)
+
+
+def format_layer_ranges(ranks: list) -> str:
+    """Each rank's layers as a user reads them, from [begin, end) pairs: '0-13, 14-28, 29, draft'."""
+    out = []
+    for layers in ranks:
+        if not layers or layers[1] <= layers[0]:
+            out.append("draft")
+        else:
+            out.append(str(layers[0]) if layers[1] - layers[0] == 1 else f"{layers[0]}-{layers[1] - 1}")
+    return ", ".join(out)
 
 
 def parse_layer_split(text: str) -> tuple[list[float], int]:
@@ -132,9 +137,15 @@ def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[in
 
 
 def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host: int, layer_split: str | None,
-             threads: str | None, draft_path: Path | None = None, needs_draft: bool = False) -> Topology:
+             threads: str | None, draft_path: Path | None = None, needs_draft: bool = False,
+             has_draft: bool = True) -> Topology:
     """The topology of a job on this model, from its GGUF header alone (well under a second, no MPI):
-    the relaunching command checks it before it starts any process."""
+    the relaunching command checks it before it starts any process.
+
+    has_draft: a draft was given (a model or lookup); a draft rank ('/1') needs one and a mode that drafts."""
+    if layer_split and "/" in layer_split and not (has_draft and needs_draft):
+        raise UsageError(f"--layer-split {layer_split!r} has a draft rank ('/1'), which needs a draft and a mode "
+                         "that drafts: pass --draft MODEL (or lookup) with -M speculative or pipeinfer, or drop '/1'")
     from ..gguf_info import read_model_info
     from ..native import SUPPORTED_ARCHS
 

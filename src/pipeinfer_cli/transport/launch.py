@@ -124,11 +124,20 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
     if rc != 0 and pumps[1].reported:
         return 1  # the head printed the error; the launcher may have killed the other ranks since
     if rc != 0:
-        reason = pumps[0].exit_string or pumps[1].exit_string
-        how = f"{reason}, " if reason else ""
-        _report(f"the MPI job ended abnormally ({how}mpiexec exit status {rc}): a rank crashed or was killed, "
-                "for example by the out-of-memory killer")
+        _report(abnormal_end(pumps[0].exit_string or pumps[1].exit_string, rc))
     return rc
+
+
+def abnormal_end(reason: str | None, rc: int) -> str:
+    """What to say when a rank died without reporting, from Hydra's exit string (if any)."""
+    how = f"{reason}, " if reason else ""
+    if reason and "signal 9" in reason:
+        why = "a rank was killed (SIGKILL), for example by the out-of-memory killer"
+    elif reason and ("Segmentation" in reason or "signal 11" in reason or "Aborted" in reason):
+        why = "a rank crashed; run again with PIPEINFER_DEBUG=1 and report it with the command"
+    else:
+        why = "a rank crashed or was killed, for example by the out-of-memory killer"
+    return f"the MPI job ended abnormally ({how}mpiexec exit status {rc}): {why}"
 
 
 def _report(msg: str) -> None:
