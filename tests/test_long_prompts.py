@@ -96,15 +96,15 @@ def cases(smollm2_path, tmp_path_factory) -> dict[str, Case]:
 _jobs: dict[tuple, dict] = {}
 
 
-def bench_records(case: Case, ranks: int, draft: str, sampling: str) -> dict[tuple[str, str], dict]:
+def bench_records(case: Case, ranks: int, draft: str, sampling: str, split: str | None = None) -> dict[tuple[str, str], dict]:
     """{(prompt id, mode): record} from one bench job over every mode and prompt."""
-    key = (case.name, ranks, draft, sampling)
+    key = (case.name, ranks, draft, sampling, split)
     if key not in _jobs:
-        out = case.prompts.parent / f"{case.name}-r{ranks}-{draft}-{sampling}.json"
+        out = case.prompts.parent / f"{case.name}-r{ranks}-{draft}-{sampling}-{split}.json".replace(",", "_")
         cmd = [sys.executable, "-m", "pipeinfer_cli", "bench", str(case.target),
                "--draft", str(case.draft) if draft == "model" else draft, "--modes", MODES, "--prompts", str(case.prompts),
                "-n", str(N_GEN), "--ctx", "3200", "--repeat", "1", "--warmup", "0", "--threads", "1",
-               "--ranks", str(ranks), "--json", str(out), *SAMPLING[sampling]]
+               "--ranks", str(ranks), "--json", str(out), *SAMPLING[sampling], *(["--layer-split", split] if split else [])]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
         doc = json.loads(out.read_text())
@@ -113,8 +113,9 @@ def bench_records(case: Case, ranks: int, draft: str, sampling: str) -> dict[tup
     return _jobs[key]
 
 
-def check_against_reference(case: Case, ranks: int, draft: str, sampling: str, reference: tuple) -> None:
-    got = bench_records(case, ranks, draft, sampling)
+def check_against_reference(case: Case, ranks: int, draft: str, sampling: str, reference: tuple,
+                            split: str | None = None) -> None:
+    got = bench_records(case, ranks, draft, sampling, split)
     want_job = bench_records(case, *reference, sampling)
     for n in LENGTHS:
         want = want_job[(f"len{n}", "iterative")]
@@ -150,6 +151,11 @@ def llama_cpp_greedy(path: Path, prompt: list[int], n_new: int) -> list[int]:
 @pytest.mark.parametrize("ranks, draft", TOPOLOGIES)
 def test_long_prompts_identical_in_every_mode_tiny(cases, ranks, draft, sampling):
     check_against_reference(cases["tiny-qwen2"], ranks, draft, sampling, reference=(1, "model"))
+
+
+def test_long_prompts_with_a_one_layer_last_stage(cases):
+    """A last stage of one layer stores the K/V of prompt chunks that ask for no rows (it crashed once)."""
+    check_against_reference(cases["tiny-qwen2"], 3, "lookup", "greedy", reference=(1, "model"), split="2,1,1")
 
 
 @pytest.mark.slow
