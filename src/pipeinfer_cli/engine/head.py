@@ -45,7 +45,7 @@ def serve_requests(link: Link | None, cfg, loaded: Loaded, trace: TraceRecorder,
     drafter = RemoteDrafter(link, topo.draft_rank) if topo.draft_rank is not None else loaded.drafter
     pipe = Pipeline(link if topo.world_size > 1 else None, loaded.engine, topo.n_stages, trace, topo.draft_rank)
     me = topo.ranks[0]
-    head_report = RankReport(0, "head", list(me.layers), me.threads, trace, loaded.engine)
+    head_report = RankReport(0, "head", list(me.layers), me.threads, trace, loaded.engine, link)
     if (fail_at := fault_injection(0)) is not None:
         cb = Callbacks(cb.on_start, _failing_on_token(fail_at, cb.on_token), cb.on_text, cb.on_result)
     if cb.on_start:
@@ -120,8 +120,24 @@ def assemble_result(cfg, req, topo, tok, s: Session, ranks: list[dict], offsets:
         "layer_split": topo.describe(), "n_ctx": cfg.n_ctx,
         "text": s.text.text if s.text is not None else tok.llm.detokenize(s.generated).decode("utf-8", errors="replace"),
         "tokens": s.generated, "finish_reason": s.finish_reason,
-        **m, "t_start": s.metrics.t_start, "t_end": t_end, "ranks": ranks,
+        **m, "wire": wire_summary(ranks, len(s.generated)), "t_start": s.metrics.t_start, "t_end": t_end,
+        "ranks": ranks,
     }
+
+
+def wire_summary(ranks: list[dict], n_gen: int) -> dict:
+    """Bytes and messages per link (array payloads: run headers, hidden states, results, KV
+    operations, cancels, draft requests), per generated token, and each rank's time waiting."""
+    per = max(n_gen, 1)
+    links = []
+    for r in ranks:
+        for dest, row in (r.get("wire") or {}).get("sent", {}).items():
+            links.append({"from": r["rank"], "to": int(dest), "bytes": row["bytes"], "messages": row["messages"],
+                          "bytes_per_token": round(row["bytes"] / per, 1),
+                          "messages_per_token": round(row["messages"] / per, 2)})
+    head_in = sum(row["bytes"] for row in ((ranks[0].get("wire") or {}).get("received") or {}).values())
+    return {"links": links, "head_received_bytes_per_token": round(head_in / per, 1),
+            "wait_s": {str(r["rank"]): (r.get("wire") or {}).get("wait_s", 0.0) for r in ranks}}
 
 
 def _failing_on_token(fail_at: int, on_token):

@@ -107,7 +107,10 @@ class Pipeline:
         while not self.ready:
             if self.poll():
                 break
-            backoff.idle()
+            if self.link is not None:
+                self.link.idle(backoff)
+            else:
+                backoff.idle()
         return self.ready.popleft()
 
     def check_errors(self) -> None:

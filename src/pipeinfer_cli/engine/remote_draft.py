@@ -86,7 +86,7 @@ def serve_draft(link: Link, drafter, threads: int, trace) -> None:
 
     fail_at = fault_injection(link.rank)
     n_req = 0  # over the whole job, for fault injection
-    report = RankReport(link.rank, "draft", None, threads, trace)
+    report = RankReport(link.rank, "draft", None, threads, trace, link=link)
     while True:
         st = link.wait_probe(0, Tag.DRAFT_REQ, on_idle=check_abort)
         req = DraftRequest.decode(link.recv_array(0, Tag.DRAFT_REQ, np.int64, st))

@@ -76,7 +76,7 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
     listener.start()
     fail_at = fault_injection(rank)
     n_runs = 0  # over the whole job, for fault injection
-    report = RankReport(rank, "stage", [engine.layer_begin, engine.layer_end], threads, trace, engine)
+    report = RankReport(rank, "stage", [engine.layer_begin, engine.layer_end], threads, trace, engine, link)
     skipped_before_start = 0  # runs cancelled before this stage started them (this request)
     layers_unstarted = 0  # their layers
     backoff = Backoff()
@@ -87,7 +87,7 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
             st = link.probe(prev, Tag.STREAM)
             if st is None:
                 link.progress_sends()
-                backoff.idle()
+                link.idle(backoff)
                 continue
             backoff.reset()
             msg = link.recv_array(prev, Tag.STREAM, np.int64, st)

@@ -81,9 +81,9 @@ class RankReport:
     Every count restarts at each report, so a report is exactly one request's share. cpu_s counts
     CPU seconds since the previous report, so an idle rank that spins would show it."""
 
-    def __init__(self, rank: int, role: str, layers, threads: int, trace, engine=None):
+    def __init__(self, rank: int, role: str, layers, threads: int, trace, engine=None, link: Link | None = None):
         self.rank, self.role, self.layers, self.threads = rank, role, layers, threads
-        self.trace, self.engine = trace, engine
+        self.trace, self.engine, self.link = trace, engine, link
         self.busy_s = 0.0  # seconds computing (stage evals, draft proposals)
         self.runs = 0  # runs computed or draft requests answered
         self._reset()
@@ -92,6 +92,8 @@ class RankReport:
         self.busy_s, self.runs = 0.0, 0
         self._cpu0 = time.process_time()
         self._engine0 = dict(self.engine.stats()) if self.engine is not None else None
+        if self.link is not None:
+            self.link.traffic.take()
 
     def take(self, **extra) -> dict:
         """The report since the previous one (trace events included); counting starts again."""
@@ -104,6 +106,8 @@ class RankReport:
             stats = dict(self.engine.stats())
             out["engine"] = {k: v - self._engine0.get(k, 0) for k, v in stats.items()}
             out["kv_used_cells"] = self.engine.kv_used_cells()
+        if self.link is not None:
+            out["wire"] = self.link.traffic.take()
         out.update(extra)
         out["trace"] = events
         self._reset()

@@ -43,6 +43,29 @@ class Backoff:
         self.delay = min(self.delay * 2, self.hi)
 
 
+class Traffic:
+    """What this rank moved since the last take(): array bytes and messages per peer, and the time
+    spent waiting for messages (sleeping between probes)."""
+
+    def __init__(self):
+        self.sent: dict[int, list[int]] = {}  # dest -> [bytes, messages]
+        self.received: dict[int, list[int]] = {}  # source -> [bytes, messages]
+        self.wait_s = 0.0
+
+    @staticmethod
+    def _add(table: dict[int, list[int]], peer: int, nbytes: int) -> None:
+        row = table.setdefault(peer, [0, 0])
+        row[0] += nbytes
+        row[1] += 1
+
+    def take(self) -> dict:
+        out = {"sent": {str(k): {"bytes": b, "messages": m} for k, (b, m) in sorted(self.sent.items())},
+               "received": {str(k): {"bytes": b, "messages": m} for k, (b, m) in sorted(self.received.items())},
+               "wait_s": round(self.wait_s, 4)}
+        self.__init__()
+        return out
+
+
 class Link:
     """One rank's view of the communicator: probe, receive arrays, send without blocking."""
 
@@ -51,6 +74,7 @@ class Link:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._pending: list[tuple[MPI.Request, object]] = []
+        self.traffic = Traffic()
 
     def allgather(self, obj) -> list:
         """Every rank's obj, on every rank (collective; pickled, for start-up only)."""
@@ -73,6 +97,7 @@ class Link:
         n = status.Get_count(MPI.BYTE) // np.dtype(dtype).itemsize
         buf = np.empty(n, dtype=dtype)
         self.comm.Recv([buf, MPI.BYTE], source=status.Get_source(), tag=int(tag))
+        Traffic._add(self.traffic.received, status.Get_source(), buf.nbytes)
         return buf
 
     def wait_probe(self, source: int, tag: Tag, on_idle: Callable[[], None] | None = None) -> MPI.Status:
@@ -84,13 +109,20 @@ class Link:
             if on_idle is not None:
                 on_idle()
             self.progress_sends()
-            backoff.idle()
+            self.idle(backoff)
+
+    def idle(self, backoff: Backoff) -> None:
+        """Sleep one backoff step while waiting for a message (counted as waiting time)."""
+        t0 = time.perf_counter()
+        backoff.idle()
+        self.traffic.wait_s += time.perf_counter() - t0
 
     # -- sending ---------------------------------------------------------------------------
     def send_array(self, arr: np.ndarray, dest: int, tag: Tag) -> None:
         arr = np.ascontiguousarray(arr)
         req = self.comm.Isend([arr, MPI.BYTE], dest=dest, tag=int(tag))
         self._pending.append((req, arr))
+        Traffic._add(self.traffic.sent, dest, arr.nbytes)
 
     def send_pickled(self, obj, dest: int, tag: Tag) -> None:
         """Pickled send, for rare control messages only (errors, per-request stats, clock probes)."""
