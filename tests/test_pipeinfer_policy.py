@@ -66,11 +66,15 @@ class FakePipeline:
         self.trace = TraceRecorder(0)
         self.ready: deque[RunResult] = deque()
         self.cells: list[list] = []  # [pos, token, set of seqs]
-        self.pending: deque = deque()  # (due tick, run_id, logits)
+        self.pending: deque = deque()  # (due tick, run_id, sampled tokens)
         self.cancelled: set[int] = set()
         self.tick = 0
         self.next_run_id = 1
         self.log: list[tuple] = []
+        self.sampling = SamplingParams()
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        self.sampling = params
 
     # -- KV ----------------------------------------------------------------------------------
     def context(self, seq: int, pos: int) -> tuple[int, ...]:
@@ -107,13 +111,13 @@ class FakePipeline:
         rows = []
         for t, p, sids, out in zip(tokens, pos, seq_ids, output):
             self.cells.append([p, t, set(sids)])
-            if out:
-                rows.append(target_logits(self.context(sids[0], p)))
-        logits = np.stack(rows) if rows else np.empty((0, V), np.float32)
+            if out:  # the last stage samples: only the token ids come back
+                rows.append(sample(target_logits(self.context(sids[0], p)), self.sampling, p + 1))
+        sampled = np.asarray(rows, np.int64)
         if self.latency == 0:
-            self.ready.append(RunResult(run_id, logits))
+            self.ready.append(RunResult(run_id, sampled))
         else:
-            self.pending.append((self.tick + self.latency, run_id, logits))
+            self.pending.append((self.tick + self.latency, run_id, sampled))
         return run_id
 
     def cancel(self, run_ids):
@@ -126,8 +130,8 @@ class FakePipeline:
         self.tick += 1
         got = False
         while self.pending and self.pending[0][0] <= self.tick:
-            _, run_id, logits = self.pending.popleft()
-            self.ready.append(RunResult(run_id, None if run_id in self.cancelled else logits))
+            _, run_id, sampled = self.pending.popleft()
+            self.ready.append(RunResult(run_id, None if run_id in self.cancelled else sampled))
             got = True
         return got
 

@@ -53,7 +53,7 @@ class PipelineLike(Protocol):
 
     engine: object  # .n_seq_max, .n_ctx
     trace: object  # .slice(name, t0, t1, **args), .instant(name, t, **args)
-    ready: deque  # results received, oldest first (RunResult: run_id, logits or None)
+    ready: deque  # results received, oldest first (RunResult: run_id, sampled tokens or None)
 
     def launch(self, tokens: list[int], pos: list[int], seq_ids: list[list[int]], output: list[bool],
                speculative: bool = False) -> int: ...
@@ -270,10 +270,10 @@ class PipeInfer:
             self.cancel_from(1)
             f.follow = ok[0]
 
-    def verify(self, f: Flight, logits) -> None:
+    def verify(self, f: Flight, sampled) -> None:
         s, acc = self.s, self.s.metrics.acceptance
         assert f.pos0 == len(s.tokens) - 1, "a valid run always starts at the last committed token"
-        walk = walk_tree(f.branches, lambda row, i: s.sample_at(logits[row], f.pos0 + i + 1))
+        walk = walk_tree(f.branches, lambda row, i: int(sampled[row]))
         taken = s.commit(walk.tokens)
         # Commit the KV of the inputs that are now committed tokens (through the winning branch's
         # sequence; none past an end of text), then drop every branch's sequence.
@@ -322,9 +322,9 @@ class PipeInfer:
     def handle(self, res) -> None:
         f = self.flights.popleft()
         assert f.run_id == res.run_id, f"results arrive in launch order ({f.run_id} != {res.run_id})"
-        if f.cancelled or res.logits is None or self.s.done:
+        if f.cancelled or res.tokens is None or self.s.done:
             return
-        self.verify(f, res.logits)
+        self.verify(f, res.tokens)
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:

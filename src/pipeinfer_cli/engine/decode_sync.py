@@ -24,6 +24,7 @@ def prefill(pipe: Pipeline, s: Session, draft_prefill: Callable[[], None] | None
     nothing to overlap, and it runs after the first token.
     """
     prompt = s.tokens
+    pipe.set_sampling(s.sampling)  # every request starts here: the last stage samples its rows
     n_chunks = 0
     for b in range(0, len(prompt), PREFILL_CHUNK):
         chunk = prompt[b:b + PREFILL_CHUNK]
@@ -41,7 +42,7 @@ def prefill(pipe: Pipeline, s: Session, draft_prefill: Callable[[], None] | None
         for _ in range(n_chunks):
             res = pipe.next_result()
         s.metrics.runs.launched += n_chunks
-        s.commit([s.sample_at(res.logits[0], len(prompt))])
+        s.commit([int(res.tokens[0])])
     except BaseException:
         if worker is not None:
             threading.Thread.join(worker)  # the first error wins; the draft's own is dropped
@@ -78,15 +79,16 @@ def decode_iterative(pipe: Pipeline, s: Session) -> None:
         pipe.launch([s.tokens[-1]], [pos], [[CANONICAL_SEQ]], [True])
         s.metrics.runs.launched += 1
         res = pipe.next_result()
-        s.commit([s.sample_at(res.logits[0], pos + 1)])
+        s.commit([int(res.tokens[0])])
 
 
-def verify(s: Session, logits, draft: list[int], first_pos: int) -> list[int]:
-    """Target tokens for a batch [last, d0, d1, …] at positions first_pos…: the accepted drafts
-    (those equal to the target's own sample) plus the target's token after them."""
+def verify(sampled, draft: list[int]) -> list[int]:
+    """The committed tokens of a verified batch [last, d0, d1, …]: the accepted drafts (those equal to
+    the target's own sample) plus the target's token after them. sampled[i] is the target's token
+    after row i (sampled by the last stage)."""
     out: list[int] = []
     for i in range(len(draft) + 1):
-        t = s.sample_at(logits[i], first_pos + 1 + i)
+        t = int(sampled[i])
         out.append(t)
         if i == len(draft) or t != draft[i]:
             break
@@ -105,7 +107,7 @@ def decode_speculative(pipe: Pipeline, s: Session, opts: DecodeOptions, drafter)
         s.metrics.runs.launched += 1
         s.metrics.runs.speculative += bool(draft)
         res = pipe.next_result()
-        new = verify(s, res.logits, draft, pos)
+        new = verify(res.tokens, draft)
         n_acc = len(new) - 1
         if n_acc < len(draft):
             # Roll back the rejected drafts' KV on every stage (the batch wrote positions pos…).

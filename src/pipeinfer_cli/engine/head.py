@@ -61,7 +61,8 @@ def serve_requests(link: Link | None, cfg, loaded: Loaded, trace: TraceRecorder,
             reports = pipe.report()
             head_report.busy_s, pipe.busy_s = pipe.busy_s, 0.0
             head_report.runs = s.metrics.runs.launched
-            ranks = [head_report.take()] + reports
+            ranks = [head_report.take(rows_requested=pipe.rows_requested)] + reports
+            pipe.rows_requested = 0
             pipe.kv_clear()
             result = assemble_result(cfg, req, topo, loaded.tokenizer, s, ranks, offsets, t_end)
             if os.environ.get(DEBUG_DIVERGE) == req.mode:
@@ -136,7 +137,9 @@ def wire_summary(ranks: list[dict], n_gen: int) -> dict:
                           "bytes_per_token": round(row["bytes"] / per, 1),
                           "messages_per_token": round(row["messages"] / per, 2)})
     head_in = sum(row["bytes"] for row in ((ranks[0].get("wire") or {}).get("received") or {}).values())
+    rows = ranks[0].get("rows_requested") or 0
     return {"links": links, "head_received_bytes_per_token": round(head_in / per, 1),
+            "head_received_bytes_per_row": round(head_in / rows, 1) if rows else None,
             "wait_s": {str(r["rank"]): (r.get("wire") or {}).get("wait_s", 0.0) for r in ranks}}
 
 

@@ -1,8 +1,11 @@
-"""The head's side of the pipeline: launch runs, send KV operations, cancel runs, collect logits.
+"""The head's side of the pipeline: launch runs, send KV operations, cancel runs, collect results.
 
 Rank 0 computes the first layers itself, then streams hidden states to rank 1. The last stage
-sends the logits of the rows the head asked for straight back to rank 0. With one stage the head
-computes everything and a run's logits are ready when `launch` returns.
+samples the rows the head asked for and sends only the token ids straight back to rank 0: the
+sampler is a pure function of (logits, seed, position), so the last stage picks exactly the token
+the head would, and logits (n_vocab floats a row) never cross the network. With one stage the head
+computes and samples everything, through the same function, and a run's result is ready when
+`launch` returns.
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+
 from ..transport.messages import REPORT, RUN_FLAG_INVARIANT, SHUTDOWN, KvCommand, KvOp, ResultHeader, RunHeader, Tag
 from ..transport.mpi_link import Backoff, Link, RankFailedError
 from .metrics import now
+from .sampling import SamplingParams, sample_rows, to_spec
 
 PipelineError = RankFailedError  # a rank of the job failed; the message names the rank
 
@@ -21,7 +26,8 @@ PipelineError = RankFailedError  # a rank of the job failed; the message names t
 @dataclass
 class RunResult:
     run_id: int
-    logits: np.ndarray | None  # (n_out, n_vocab), None when the run was cancelled on some stage
+    tokens: np.ndarray | None  # int64 (n_out,): the target's sampled token after each requested row;
+    #                            None when the run was cancelled on some stage
 
 
 class Pipeline:
@@ -31,6 +37,14 @@ class Pipeline:
         self.next_run_id = 1
         self.ready: deque[RunResult] = deque()  # results already received, oldest first
         self.busy_s = 0.0
+        self.rows_requested = 0  # rows whose sampled token was asked for (this request)
+        self.sampling = SamplingParams()
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        """How the rows of the runs launched from now on are sampled (sent in stream order)."""
+        self.sampling = params
+        if self.n_stages > 1:
+            self.link.send_array(to_spec(params).encode(), 1, Tag.STREAM)
 
     # -- runs ------------------------------------------------------------------------------
     def launch(self, tokens: list[int], pos: list[int], seq_ids: list[list[int]], output: list[bool],
@@ -43,6 +57,7 @@ class Pipeline:
         """
         run_id = self.next_run_id
         self.next_run_id += 1
+        self.rows_requested += int(np.count_nonzero(output))
         hdr = RunHeader(run_id, np.asarray(pos, np.int32), seq_ids, np.asarray(output, bool), speculative=speculative,
                         flags=RUN_FLAG_INVARIANT if invariant else 0)
         t0 = now()
@@ -52,7 +67,7 @@ class Pipeline:
         self.busy_s += t1 - t0
         self.trace.slice("stage", t0, t1, run=run_id, n_tokens=len(tokens), spec=speculative)
         if self.n_stages == 1:
-            self.ready.append(RunResult(run_id, out))
+            self.ready.append(RunResult(run_id, sample_rows(out, self.sampling, hdr.pos[hdr.output] + 1)))
         else:
             self.link.send_array(hdr.encode(), 1, Tag.STREAM)
             self.link.send_array(out, 1, Tag.PAYLOAD)
@@ -89,14 +104,14 @@ class Pipeline:
         self.check_errors()
         got = False
         last = self.n_stages - 1
-        while (st := self.link.probe(last, Tag.LOGITS)) is not None:
-            hdr = ResultHeader.decode(self.link.recv_array(last, Tag.LOGITS, np.int64, st))
-            logits = None
+        while (st := self.link.probe(last, Tag.RESULT)) is not None:
+            hdr = ResultHeader.decode(self.link.recv_array(last, Tag.RESULT, np.int64, st))
+            tokens = None
             if hdr.has_data:
-                logits = self.link.recv_array(last, Tag.LOGITS_DATA, np.float32).reshape(hdr.n_out, -1)
+                tokens = self.link.recv_array(last, Tag.RESULT_DATA, np.int64)
             elif not hdr.cancelled:  # asked for no rows (a prompt chunk before the last)
-                logits = np.empty((0, 0), np.float32)
-            self.ready.append(RunResult(hdr.run_id, logits))
+                tokens = np.empty(0, np.int64)
+            self.ready.append(RunResult(hdr.run_id, tokens))
             got = True
         self.link.progress_sends()
         return got

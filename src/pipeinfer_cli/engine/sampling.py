@@ -62,6 +62,23 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
     return int(cand[min(idx, len(cand) - 1)])
 
 
+def sample_rows(logits: np.ndarray, params: SamplingParams, positions) -> np.ndarray:
+    """The token after each row of logits `(n_out, n_vocab)`, row i sampled for sequence index
+    positions[i]. The last stage calls this, so that only token ids cross the network."""
+    return np.asarray([sample(row, params, int(p)) for row, p in zip(logits, positions)], np.int64)
+
+
+def to_spec(params: SamplingParams):
+    from ..transport.messages import SamplingSpec
+
+    return SamplingSpec(params.temperature, params.top_k, params.top_p, params.min_p, params.seed)
+
+
+def from_spec(spec) -> SamplingParams:
+    return SamplingParams(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
+                          seed=spec.seed)
+
+
 def softmax_top(logits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The n most likely tokens and their probabilities (for draft confidence and tree splits)."""
     top = np.argpartition(-logits, n - 1)[:n] if n < len(logits) else np.arange(len(logits))

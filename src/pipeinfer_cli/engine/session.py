@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .metrics import GenerationMetrics, now
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 from .text_stream import TextStream
 
 MODES = ("iterative", "speculative", "pipeinfer")
@@ -57,10 +57,6 @@ class Session:
     @property
     def remaining(self) -> int:
         return self.n_predict - self.n_gen
-
-    def sample_at(self, logits_row, position: int) -> int:
-        """The target's token for sequence index `position` (a pure function of logits, seed, position)."""
-        return sample(logits_row, self.sampling, position)
 
     def commit(self, new_tokens: list[int]) -> int:
         """Append tokens (stopping at end-of-generation or -n); return how many were taken."""

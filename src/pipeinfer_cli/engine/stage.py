@@ -1,5 +1,6 @@
 """A target stage (rank >= 1): take runs from the previous rank in stream order, compute this rank's
-layers, pass hidden states on (or logits back to the head from the last stage).
+layers, pass hidden states on (or, from the last stage, the sampled token of each requested row
+back to the head).
 
 A listener thread takes CANCEL and ABORT messages from the head while the main thread computes,
 so a cancelled run is dropped before it starts or aborted between layers mid-compute.
@@ -12,9 +13,12 @@ import threading
 import numpy as np
 
 from ..native import EvalCancelled
-from ..transport.messages import RUN_FLAG_INVARIANT, RUN_FLAG_SKIP, KvCommand, Msg, ResultHeader, RunHeader, Tag
+from ..transport.messages import (
+    RUN_FLAG_INVARIANT, RUN_FLAG_SKIP, KvCommand, Msg, ResultHeader, RunHeader, SamplingSpec, Tag,
+)
 from ..transport.mpi_link import Backoff, Link
 from .metrics import now
+from .sampling import SamplingParams, from_spec, sample_rows
 from .worker import JobAborted, RankReport, fault_injection
 
 
@@ -77,6 +81,7 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
     fail_at = fault_injection(rank)
     n_runs = 0  # over the whole job, for fault injection
     report = RankReport(rank, "stage", [engine.layer_begin, engine.layer_end], threads, trace, engine, link)
+    sampling = SamplingParams()  # set by the head at the start of every request (Msg.SAMPLING)
     skipped_before_start = 0  # runs cancelled before this stage started them (this request)
     layers_unstarted = 0  # their layers
     backoff = Backoff()
@@ -102,8 +107,11 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
                 skipped_before_start = layers_unstarted = 0
                 link.send_pickled(out, 0, Tag.STATS)
                 continue
-            if kind == Msg.KV:
-                KvCommand.decode(msg).apply(engine)
+            if kind in (Msg.KV, Msg.SAMPLING):
+                if kind == Msg.KV:
+                    KvCommand.decode(msg).apply(engine)
+                else:
+                    sampling = from_spec(SamplingSpec.decode(msg))
                 if nxt is not None:
                     link.send_array(msg, nxt, Tag.STREAM)
                 continue
@@ -123,6 +131,8 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
                 skipped_before_start += 1
                 layers_unstarted += engine.layer_end - engine.layer_begin
                 trace.instant("skip", now(), run=hdr.run_id)
+            if out is not None and is_last:
+                out = sample_rows(out, sampling, hdr.pos[hdr.output] + 1)
             _forward(link, hdr, out, nxt)
         link.flush()
     finally:
@@ -144,15 +154,15 @@ def _compute(engine, hdr: RunHeader, payload: np.ndarray, is_last: bool, report:
 
 
 def _forward(link: Link, hdr: RunHeader, out, nxt: int | None) -> None:
-    """Hidden states to the next stage, or (last stage) logits back to the head. A cancelled run
-    still passes its header on, so every stage sees the stream in the same order."""
+    """Hidden states to the next stage, or (last stage) the sampled tokens back to the head. A
+    cancelled run still passes its header on, so every stage sees the stream in the same order."""
     if out is None:
         hdr.flags |= RUN_FLAG_SKIP
     if nxt is None:
         result = ResultHeader(hdr.run_id, 0 if out is None else len(out), cancelled=out is None)
-        link.send_array(result.encode(), 0, Tag.LOGITS)
+        link.send_array(result.encode(), 0, Tag.RESULT)
         if result.has_data:
-            link.send_array(out, 0, Tag.LOGITS_DATA)
+            link.send_array(out, 0, Tag.RESULT_DATA)
     else:
         link.send_array(hdr.encode(), nxt, Tag.STREAM)
         if out is not None:

@@ -21,8 +21,8 @@ import numpy as np
 class Tag(IntEnum):
     STREAM = 1  # run headers, KV operations, SHUTDOWN (rank r -> r+1)
     PAYLOAD = 2  # hidden states of the run whose header came just before
-    LOGITS = 3  # last stage -> head: result header; followed by LOGITS_DATA
-    LOGITS_DATA = 4
+    RESULT = 3  # last stage -> head: ResultHeader; followed by RESULT_DATA
+    RESULT_DATA = 4  # the sampled token of each requested row (int64): logits never cross the network
     CANCEL = 5  # head -> every stage, directly: run ids to drop
     ERROR = 6  # any rank -> head: a fatal error (small pickled string; never on the hot path)
     ABORT = 7  # head -> every rank: stop now, the job failed
@@ -38,6 +38,7 @@ class Msg(IntEnum):
     SHUTDOWN = 3
     REPORT = 4  # end of one request: every rank sends its counters and trace events to the head
     DRAFT_START = 5  # DRAFT_REQ: process this prompt (no reply)
+    SAMPLING = 6  # STREAM: the sampling parameters of the runs that follow (the last stage samples)
 
 
 class KvOp(IntEnum):
@@ -61,7 +62,7 @@ class RunHeader:
     run_id: int
     pos: np.ndarray  # int32 (n,)
     seq_ids: list[list[int]]
-    output: np.ndarray  # bool (n,): rows whose logits the head wants
+    output: np.ndarray  # bool (n,): rows whose sampled next token the head wants
     flags: int = 0
     speculative: bool = False
 
@@ -132,12 +133,12 @@ REPORT = np.asarray([Msg.REPORT], np.int64)
 
 @dataclass
 class ResultHeader:
-    """Last stage -> head (tag LOGITS): which run the logits that follow (LOGITS_DATA) belong to.
+    """Last stage -> head (tag RESULT): which run the sampled tokens that follow (RESULT_DATA) belong to.
 
     A cancelled run, or one that asked for no rows (a prompt chunk before the last), has no data."""
 
     run_id: int
-    n_out: int  # rows of logits that follow
+    n_out: int  # sampled tokens that follow, one per requested row
     cancelled: bool = False
 
     def encode(self) -> np.ndarray:
@@ -155,6 +156,27 @@ class ResultHeader:
 def _f64_bits(values) -> np.ndarray:
     """Floats carried bit for bit inside an int64 message."""
     return np.asarray(values, np.float64).view(np.int64)
+
+
+@dataclass
+class SamplingSpec:
+    """Head -> every stage in stream order (Msg.SAMPLING): how the last stage samples the rows of
+    the runs that follow. The fields are engine.sampling.SamplingParams' own; floats bit-exact."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+
+    def encode(self) -> np.ndarray:
+        return np.concatenate([np.asarray([Msg.SAMPLING, self.top_k, self.seed], np.int64),
+                               _f64_bits([self.temperature, self.top_p, self.min_p])])
+
+    @staticmethod
+    def decode(buf: np.ndarray) -> "SamplingSpec":
+        temperature, top_p, min_p = (float(x) for x in buf[3:6].view(np.float64))
+        return SamplingSpec(temperature, int(buf[1]), top_p, min_p, int(buf[2]))
 
 
 @dataclass
