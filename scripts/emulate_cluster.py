@@ -91,7 +91,7 @@ class Failure(Exception):
 
 # -- small helpers ------------------------------------------------------------------------------
 
-def sh(*cmd: str, check: bool = True, quiet: bool = False) -> subprocess.CompletedProcess:
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run(list(cmd), capture_output=True, text=True)
     if check and r.returncode != 0:
         raise Failure(f"`{shlex.join(cmd)}` failed: {(r.stderr or r.stdout).strip()}")
@@ -469,10 +469,13 @@ def main(argv: list[str] | None = None) -> int:
         def interrupted(signum, _frame):
             raise KeyboardInterrupt
 
+        if c.is_up or c._leftovers():  # someone else's: never taken down by this run
+            raise Failure(f"an emulated cluster {c.prefix} exists already; use `exec` on it, "
+                          f"or `down` first, or another --prefix and --subnet")
         for s in stop:
             signal.signal(s, interrupted)
         try:
-            c.up(n, a.rate)
+            c.up(n, a.rate)  # removes what it made if it fails
             return run_child([pipeinfer, "generate", "--ranks", str(n), *rest], c.env())
         except KeyboardInterrupt:
             print("Error: interrupted", file=sys.stderr)

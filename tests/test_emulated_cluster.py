@@ -35,9 +35,8 @@ SCRIPT = ROOT / "scripts" / "emulate-cluster.sh"
 HOSTS_FILE = Path("/etc/hosts")
 STATE_ROOT = Path("/run/pipeinfer-emulate-cluster" if Path("/run").is_dir() else "/tmp/pipeinfer-emulate-cluster")
 MARKER_ENV = "PIPEINFER_TEST_MARKER"  # inherited by mpiexec, the launcher wrapper and every rank
-# Unique per test session, so that concurrent sessions on one machine never meet.
+# Names unique per test session (the pid), so that concurrent sessions on one machine never meet.
 _ID = os.getpid() % 10000
-_NET = (_ID % 80) * 3  # three /24 subnets per session: 2 hosts, 3 hosts, `run`
 
 PROMPT = "The capital of France is"
 COMMON = ["-p", PROMPT, "-n", 16, "--ctx", 256, "--threads", 1, "--json"]
@@ -56,7 +55,8 @@ def _unusable() -> str | None:
     probe = f"pt{_ID}p-h99"
     r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if r.returncode != 0:
-        return f"`ip netns add` does not work here: {r.stderr.strip()}"
+        why = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[0]
+        return f"`ip netns add` does not work here: {why}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
@@ -143,8 +143,24 @@ def assert_no_survivors(marker: str, grace_s: float = 5.0) -> None:
     assert not left, f"processes of the job still running: {left}"
 
 
-def _up(n: int, prefix: str, subnet: str, rate: str = "100mbit"):
-    emu = Emu(n, prefix, subnet)
+_taken: set[str] = set()
+
+
+def free_subnet() -> str:
+    """A 10.214.X.0/24 that no route of this machine (another cluster's bridge) uses yet."""
+    routes = subprocess.run(["ip", "-4", "-o", "route", "show"], capture_output=True, text=True).stdout
+    for x in range(250):
+        net = f"10.214.{x}.0/24"
+        if net not in _taken and f"10.214.{x}." not in routes:
+            _taken.add(net)
+            return net
+    pytest.fail("no free 10.214.X.0/24 subnet for an emulated cluster")
+
+
+def _up(n: int, prefix: str, rate: str = "100mbit"):
+    emu = Emu(n, prefix, free_subnet())
+    # The prefix holds this session's pid: a cluster with it was left by a dead session.
+    subprocess.run(emu.cmd("down"), capture_output=True, timeout=60)
     r = subprocess.run(emu.cmd("up", n, "--rate", rate), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     try:
@@ -159,12 +175,12 @@ def _up(n: int, prefix: str, subnet: str, rate: str = "100mbit"):
 
 @pytest.fixture(scope="module")
 def cluster2():
-    yield from _up(2, f"pt{_ID}a", f"10.214.{_NET}.0/24")
+    yield from _up(2, f"pt{_ID}a")
 
 
 @pytest.fixture(scope="module")
 def cluster3():
-    yield from _up(3, f"pt{_ID}b", f"10.214.{_NET + 1}.0/24")
+    yield from _up(3, f"pt{_ID}b")
 
 
 @pytest.fixture
@@ -357,7 +373,7 @@ def test_a_failing_rank_under_mpiexec_ends_the_job(smollm2_path, cluster3):
 # -- run: up, one job, down -----------------------------------------------------------------------
 
 def test_run_brings_up_runs_and_removes_everything(smollm2_path):
-    prefix, subnet = f"pt{_ID}c", f"10.214.{_NET + 2}.0/24"
+    prefix, subnet = f"pt{_ID}c", free_subnet()
     emu = Emu(2, prefix, subnet)
     marker = uuid.uuid4().hex
     args = [smollm2_path, *COMMON, "--mode", "iterative"]
@@ -377,7 +393,7 @@ def test_run_brings_up_runs_and_removes_everything(smollm2_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_an_interrupted_run_removes_everything(tiny_long, sig):
-    prefix, subnet = f"pt{_ID}c", f"10.214.{_NET + 2}.0/24"
+    prefix, subnet = f"pt{_ID}c", free_subnet()
     emu = Emu(2, prefix, subnet)
     proc, marker = _start(emu.cmd("run", 2, "--", tiny_long, *LONG))
     _wait_first_output(proc)
