@@ -168,6 +168,11 @@ class Cluster:
     def addr(self, k: int) -> str:
         return str(self.net.network_address + k + 2)
 
+    def _mac(self, k: int) -> str:
+        """A locally administered MAC address, from the subnet and k."""
+        a, b, c, _ = self.net.network_address.packed
+        return f"02:70:{a:02x}:{b:02x}:{c:02x}:{k:02x}"
+
     @property
     def bridge_addr(self) -> str:
         return str(self.net.network_address + 1)
@@ -212,7 +217,9 @@ class Cluster:
         self.n_hosts, self.rate = n, rate
         try:
             self._save()  # first: a failure half-way leaves a state that `down` understands
-            sh("ip", "link", "add", self.bridge, "type", "bridge")
+            # A fixed address: by default a bridge takes the lowest of its ports' addresses, which
+            # changes as hosts join and leaves the hosts that joined before with a stale ARP entry.
+            sh("ip", "link", "add", self.bridge, "address", self._mac(0xFF), "type", "bridge")
             sh("ip", "addr", "add", f"{self.bridge_addr}/{self.net.prefixlen}", "dev", self.bridge)
             sh("ip", "link", "set", self.bridge, "up")
             for k in range(n):
@@ -268,6 +275,8 @@ class Cluster:
                        str(port), str(timeout), check=False)
                 if r.returncode != 0:
                     raise Failure(f"{self.host(k)} cannot reach {self.bridge_addr} through the bridge {self.bridge}")
+                srv.settimeout(timeout)
+                srv.accept()[0].close()  # keep the backlog empty
 
     def _add_hosts_entries(self) -> None:
         lines = [f"{self.addr(k)} {self.host(k)} {self.marker}\n" for k in range(self.n_hosts)]
@@ -418,6 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--subnet", default=os.environ.get("PIPEINFER_EMU_SUBNET", DEFAULT_SUBNET))
     p.add_argument("-n", type=int, help="ranks for mpiexec (default: one per host)")
     a = p.parse_args(own)
+
+    def interrupted(signum, _frame):
+        raise KeyboardInterrupt
+
+    # SIGTERM and SIGHUP, like Ctrl-C, unwind: a half-made `up` or a `run` removes what it made.
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, interrupted)
     try:
         c = Cluster(a.prefix, a.subnet)
         if a.command in ("up", "run"):
@@ -464,27 +480,19 @@ def main(argv: list[str] | None = None) -> int:
         if not rest:
             raise Failure("`run` needs the arguments of `pipeinfer generate` after --")
         pipeinfer = os.environ.get("PIPEINFER", str(ROOT / ".venv" / "bin" / "pipeinfer"))
-        stop = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
-
-        def interrupted(signum, _frame):
-            raise KeyboardInterrupt
-
         if c.is_up or c._leftovers():  # someone else's: never taken down by this run
             raise Failure(f"an emulated cluster {c.prefix} exists already; use `exec` on it, "
                           f"or `down` first, or another --prefix and --subnet")
-        for s in stop:
-            signal.signal(s, interrupted)
         try:
             c.up(n, a.rate)  # removes what it made if it fails
             return run_child([pipeinfer, "generate", "--ranks", str(n), *rest], c.env())
-        except KeyboardInterrupt:
-            print("Error: interrupted", file=sys.stderr)
-            return 130
         finally:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            for s in stop:
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 signal.signal(s, signal.SIG_IGN)
             c.down()
+    except KeyboardInterrupt:
+        print("Error: interrupted", file=sys.stderr)
+        return 130
     except Failure as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1
