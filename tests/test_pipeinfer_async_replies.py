@@ -14,8 +14,6 @@ class ScriptedDraftRank:
     """An asynchronous drafter (the head-side interface of a draft rank) whose replies take `delay`
     polls to arrive and continue the request's path with the true text, every third one wrong at its end."""
 
-    asynchronous = True
-
     def __init__(self, truth: list[int], delay: int):
         self.truth, self.delay = truth, delay
         self.requested = None

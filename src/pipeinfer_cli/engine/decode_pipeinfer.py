@@ -73,7 +73,7 @@ class PipeInfer:
     """The speculation policy of one request: what to launch, what to cancel, what to commit.
 
     clock: the time for trace events. wait_until(cond): return once cond() is true (cond polls the
-    pipeline and the draft rank); how to wait is the pipeline's business (see `waiting.py`).
+    pipeline and the draft rank); how to wait is the pipeline's business (`Pipeline.wait_until`).
     """
 
     def __init__(self, pipe: PipelineLike, s: Session, opts: DecodeOptions, drafter: Drafter | AsyncDrafter, *,
@@ -377,6 +377,4 @@ class PipeInfer:
 
 
 def decode_pipeinfer(pipe: Pipeline, s: Session, opts: DecodeOptions, drafter: Drafter | AsyncDrafter) -> None:
-    from .waiting import wait_until
-
-    PipeInfer(pipe, s, opts, drafter, wait_until=lambda cond: wait_until(pipe, cond)).run()
+    PipeInfer(pipe, s, opts, drafter, wait_until=pipe.wait_until).run()

@@ -15,7 +15,6 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import UsageError
 from .sampling import softmax_top
 from .session import PREFILL_CHUNK
 
@@ -69,8 +68,6 @@ class AsyncDrafter(Protocol):
     def wait(self) -> Proposal | None:
         """Wait (without spinning) for the outstanding request's reply, if any."""
         ...
-
-
 
 
 class LlamaDrafter:
@@ -191,9 +188,8 @@ class LookupDrafter:
                     cont = arr[start + n:start + n + n_max]
                     if cont:
                         # Longer matches are more trustworthy; the confidence is a fixed prior. With the
-                        # default --p-accept 0.5, pipeinfer speculates on 3-gram matches and longer:
-                        # on Qwen 1.5B / 2 ranks, accepting 1-grams gave 34 % acceptance and 0.70x
-                        # iterative, 2-grams 56 % and 0.91x, 3-grams 77 % and 0.95x (BENCHMARKS.md).
+                        # default --p-accept 0.5, pipeinfer speculates on 3-gram matches and longer
+                        # (measured against 1- and 2-grams: BENCHMARKS.md, "Lookup drafting").
                         conf = min(0.9, 0.15 + 0.15 * n)
                         return Proposal(list(cont), [conf] * len(cont), [[] for _ in cont])
                     break
@@ -205,19 +201,3 @@ class LookupDrafter:
     def close(self) -> None:
         pass
 
-
-def check_vocab_compatible(target_tok, drafter: LlamaDrafter, target_label: str, draft_label: str) -> None:
-    """Refuse a draft whose vocabulary differs from the target's, as llama.cpp's speculative does."""
-    n_t, n_d = target_tok.n_vocab, drafter.n_vocab
-    if abs(n_t - n_d) > 128:
-        raise UsageError(
-            f"draft {draft_label} has a vocabulary of {n_d} tokens but target {target_label} has {n_t}; "
-            "the draft must share the target's tokenizer (pick a model of the same family)"
-        )
-    lib = drafter.lib
-    for i in range(5, min(n_t, n_d)):
-        if lib.llama_vocab_get_text(target_tok.vocab, i) != lib.llama_vocab_get_text(drafter.vocab, i):
-            raise UsageError(
-                f"draft {draft_label} and target {target_label} tokenize differently (token {i} differs); "
-                "the draft must share the target's tokenizer"
-            )

@@ -52,8 +52,7 @@ class GenerationMetrics:
     acceptance: Acceptance = field(default_factory=Acceptance)
     runs: RunCounters = field(default_factory=RunCounters)
 
-    def committed(self, n: int) -> None:
-        t = now()
+    def committed(self, n: int, t: float) -> None:
         self.token_times.extend([t] * n)
 
     def to_dict(self) -> dict:

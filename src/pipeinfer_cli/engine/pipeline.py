@@ -128,6 +128,18 @@ class Pipeline:
                 backoff.idle()
         return self.ready.popleft()
 
+    def wait_until(self, cond) -> None:
+        """Sleep (with backoff, never spinning) until cond() is true; cond polls what it waits for.
+        A failure another rank reported is raised, and sends keep moving while waiting."""
+        backoff = Backoff()
+        while not cond():
+            if self.link is None:
+                backoff.idle()
+                continue
+            self.link.raise_reported_error()
+            self.link.progress_sends()
+            self.link.idle(backoff)
+
     def check_errors(self) -> None:
         if self.link is not None:
             self.link.raise_reported_error()

@@ -23,7 +23,6 @@ class RemoteDrafter:
     """
 
     name = "model"
-    asynchronous = True  # pipeinfer mode drafts ahead with request/poll instead of propose
 
     def __init__(self, link: Link, rank: int):
         self.link, self.rank = link, rank
@@ -70,11 +69,6 @@ class RemoteDrafter:
 
     def close(self) -> None:
         pass
-
-
-def raise_reported_error(link: Link) -> None:
-    """Raise the error a failed rank sent to the head, if any (head side)."""
-    link.raise_reported_error()
 
 
 def serve_draft(link: Link, drafter, threads: int, trace) -> None:

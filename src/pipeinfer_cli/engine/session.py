@@ -37,7 +37,8 @@ class Session:
 
     def __init__(self, prompt: list[int], sampling: SamplingParams, n_predict: int,
                  is_eog: Callable[[int], bool], on_token: Callable[[int], None] | None = None,
-                 text: TextStream | None = None, on_text: Callable[[str], None] | None = None):
+                 text: TextStream | None = None, on_text: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = now):
         self.tokens = list(prompt)
         self.n_prompt = len(prompt)
         self.sampling = sampling
@@ -48,7 +49,8 @@ class Session:
         self.on_text = on_text
         self.done = n_predict <= 0
         self.finish_reason: str | None = "length" if self.done else None
-        self.metrics = GenerationMetrics(n_prompt=len(prompt), t_start=now())
+        self.clock = clock  # wall time here; a simulated pipeline passes its virtual time
+        self.metrics = GenerationMetrics(n_prompt=len(prompt), t_start=clock())
 
     @property
     def n_gen(self) -> int:
@@ -76,7 +78,7 @@ class Session:
                 self.done, self.finish_reason = True, "stop"
             elif self.n_gen >= self.n_predict:
                 self.done, self.finish_reason = True, "length"
-        self.metrics.committed(taken)
+        self.metrics.committed(taken, self.clock())
         return taken
 
     def finish_text(self) -> None:
