@@ -91,8 +91,6 @@ class ModelInfo:
 
 def read_model_info(path: Path) -> ModelInfo:
     """Parse the header and tensor table; a truncated or malformed file raises ModelFileError."""
-    import gguf  # only for the names of the file-type enum
-
     from . import _native
 
     path = Path(path)
@@ -110,10 +108,14 @@ def read_model_info(path: Path) -> ModelInfo:
     if not arch:
         raise ModelFileError(f"{path} has no general.architecture; it is not a model file")
 
-    def hp(key: str, default=0):
-        return kv.get(f"{arch}.{key}", default)
+    n_layer = int(kv.get(f"{arch}.block_count", 0))
+    sizes = _tensor_bytes(tensors, n_layer)
+    return ModelInfo(path=str(path), file_size=file_size, arch=arch, n_layer=n_layer, **_hparams(kv, arch),
+                     file_type=_file_type_name(kv.get("general.file_type", None)), **sizes)
 
-    n_layer = int(hp("block_count"))
+
+def _tensor_bytes(tensors, n_layer: int) -> dict:
+    """Bytes per layer, of token_embd, of the LM head (tied to token_embd when absent) and the rest."""
     layer_bytes = [0] * n_layer
     types: Counter[str] = Counter()
     token_embd = output = other = 0
@@ -129,12 +131,25 @@ def read_model_info(path: Path) -> ModelInfo:
             output, has_output = n_bytes, True
         else:
             other += n_bytes
-    file_type = kv.get("general.file_type", None)
+    return {"tensor_types": dict(sorted(types.items())), "n_tensors": len(tensors), "layer_bytes": layer_bytes,
+            "token_embd_bytes": token_embd, "output_bytes": output if has_output else token_embd,
+            "output_tied": not has_output, "other_bytes": other}
+
+
+def _file_type_name(file_type) -> str:
+    import gguf  # only for the names of the file-type enum
+
     try:
-        file_type_name = gguf.LlamaFileType(file_type).name if file_type is not None else "unknown"
+        return gguf.LlamaFileType(file_type).name if file_type is not None else "unknown"
     except ValueError:
-        file_type_name = str(file_type)
-    fields = {
+        return str(file_type)
+
+
+def _hparams(kv: dict, arch: str) -> dict:
+    def hp(key: str, default=0):
+        return kv.get(f"{arch}.{key}", default)
+
+    return {
         "name": str(kv.get("general.name", "")),
         "n_embd": int(hp("embedding_length")),
         "n_head": int(hp("attention.head_count")),
@@ -147,18 +162,3 @@ def read_model_info(path: Path) -> ModelInfo:
         "tokenizer_pre": str(kv.get("tokenizer.ggml.pre", "")),
         "chat_template": kv.get("tokenizer.chat_template") is not None,
     }
-    return ModelInfo(
-        path=str(path),
-        file_size=file_size,
-        arch=arch,
-        n_layer=n_layer,
-        **fields,
-        file_type=file_type_name,
-        tensor_types=dict(sorted(types.items())),
-        n_tensors=len(tensors),
-        layer_bytes=layer_bytes,
-        token_embd_bytes=token_embd,
-        output_bytes=output if has_output else token_embd,
-        output_tied=not has_output,
-        other_bytes=other,
-    )

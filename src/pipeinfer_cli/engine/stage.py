@@ -73,70 +73,83 @@ class CancelListener(threading.Thread):
 
 def serve_stage(link: Link, engine, threads: int, trace) -> None:
     """Run the stage loop until SHUTDOWN, reporting this request's counters to the head at each REPORT."""
-    rank, prev = link.rank, link.rank - 1
-    is_last = engine.is_last
-    nxt = None if is_last else rank + 1
     listener = CancelListener(link, engine)
     listener.start()
-    fail_at = fault_injection(rank)
-    n_runs = 0  # over the whole job, for fault injection
-    report = RankReport(rank, "stage", [engine.layer_begin, engine.layer_end], threads, trace, engine, link)
-    sampling = SamplingParams()  # set by the head at the start of every request (Msg.SAMPLING)
-    skipped_before_start = 0  # runs cancelled before this stage started them (this request)
-    layers_unstarted = 0  # their layers
-    backoff = Backoff()
     try:
+        _StageLoop(link, engine, threads, trace, listener).run()
+        link.flush()
+    finally:
+        listener.stopped.set()
+
+
+class _StageLoop:
+    """One stage's stream: control messages (KV, SAMPLING, REPORT, SHUTDOWN) and runs, in order."""
+
+    def __init__(self, link: Link, engine, threads: int, trace, listener: CancelListener):
+        self.link, self.engine, self.trace, self.listener = link, engine, trace, listener
+        self.prev = link.rank - 1
+        self.is_last = engine.is_last
+        self.nxt = None if self.is_last else link.rank + 1
+        self.fail_at = fault_injection(link.rank)
+        self.n_runs = 0  # over the whole job, for fault injection
+        self.report = RankReport(link.rank, "stage", [engine.layer_begin, engine.layer_end], threads, trace, engine, link)
+        self.sampling = SamplingParams()  # set by the head at the start of every request (Msg.SAMPLING)
+        self.skipped_before_start = 0  # runs cancelled before this stage started them (this request)
+        self.layers_unstarted = 0  # their layers
+
+    def run(self) -> None:
+        link, backoff = self.link, Backoff()
         while True:
-            if listener.aborted.is_set():
+            if self.listener.aborted.is_set():
                 raise JobAborted()
-            st = link.probe(prev, Tag.STREAM)
+            st = link.probe(self.prev, Tag.STREAM)
             if st is None:
                 link.progress_sends()
                 link.idle(backoff)
                 continue
             backoff.reset()
-            msg = link.recv_array(prev, Tag.STREAM, np.int64, st)
+            msg = link.recv_array(self.prev, Tag.STREAM, np.int64, st)
             kind = int(msg[0])
-            if kind in (Msg.SHUTDOWN, Msg.REPORT):
-                if nxt is not None:
-                    link.send_array(msg, nxt, Tag.STREAM)
-                if kind == Msg.SHUTDOWN:
-                    break
-                out = report.take(skipped_before_start=skipped_before_start)
-                out["engine"]["layer_evals_skipped"] = out["engine"].get("layer_evals_skipped", 0) + layers_unstarted
-                skipped_before_start = layers_unstarted = 0
-                link.send_pickled(out, 0, Tag.STATS)
+            if kind == Msg.RUN:
+                self.run_one(RunHeader.decode(msg))
                 continue
-            if kind in (Msg.KV, Msg.SAMPLING):
-                if kind == Msg.KV:
-                    KvCommand.decode(msg).apply(engine)
-                else:
-                    sampling = from_spec(SamplingSpec.decode(msg))
-                if nxt is not None:
-                    link.send_array(msg, nxt, Tag.STREAM)
-                continue
-            hdr = RunHeader.decode(msg)
-            payload = None
-            if not hdr.flags & RUN_FLAG_SKIP:
-                payload = link.recv_array(prev, Tag.PAYLOAD, np.float32).reshape(hdr.n_tokens, engine.n_embd)
-            n_runs += 1
-            report.runs += 1
-            if fail_at is not None and n_runs >= fail_at:
-                raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAIL) on run {hdr.run_id}")
-            out = None
-            if payload is not None and listener.begin(hdr.run_id):
-                out = _compute(engine, hdr, payload, is_last, report, trace)
-                listener.end(hdr.run_id)
-            elif payload is not None:
-                skipped_before_start += 1
-                layers_unstarted += engine.layer_end - engine.layer_begin
-                trace.instant("skip", now(), run=hdr.run_id)
-            if out is not None and is_last:
-                out = sample_rows(out, sampling, hdr.pos[hdr.output] + 1)
-            _forward(link, hdr, out, nxt)
-        link.flush()
-    finally:
-        listener.stopped.set()
+            if self.nxt is not None:  # control messages pass down the stream in order
+                link.send_array(msg, self.nxt, Tag.STREAM)
+            if kind == Msg.SHUTDOWN:
+                return
+            self.control(kind, msg)
+
+    def control(self, kind: int, msg: np.ndarray) -> None:
+        if kind == Msg.KV:
+            KvCommand.decode(msg).apply(self.engine)
+        elif kind == Msg.SAMPLING:
+            self.sampling = from_spec(SamplingSpec.decode(msg))
+        elif kind == Msg.REPORT:
+            out = self.report.take(skipped_before_start=self.skipped_before_start)
+            out["engine"]["layer_evals_skipped"] = out["engine"].get("layer_evals_skipped", 0) + self.layers_unstarted
+            self.skipped_before_start = self.layers_unstarted = 0
+            self.link.send_pickled(out, 0, Tag.STATS)
+
+    def run_one(self, hdr: RunHeader) -> None:
+        engine = self.engine
+        payload = None
+        if not hdr.flags & RUN_FLAG_SKIP:
+            payload = self.link.recv_array(self.prev, Tag.PAYLOAD, np.float32).reshape(hdr.n_tokens, engine.n_embd)
+        self.n_runs += 1
+        self.report.runs += 1
+        if self.fail_at is not None and self.n_runs >= self.fail_at:
+            raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAIL) on run {hdr.run_id}")
+        out = None
+        if payload is not None and self.listener.begin(hdr.run_id):
+            out = _compute(engine, hdr, payload, self.is_last, self.report, self.trace)
+            self.listener.end(hdr.run_id)
+        elif payload is not None:
+            self.skipped_before_start += 1
+            self.layers_unstarted += engine.layer_end - engine.layer_begin
+            self.trace.instant("skip", now(), run=hdr.run_id)
+        if out is not None and self.is_last:
+            out = sample_rows(out, self.sampling, hdr.pos[hdr.output] + 1)
+        _forward(self.link, hdr, out, self.nxt)
 
 
 def _compute(engine, hdr: RunHeader, payload: np.ndarray, is_last: bool, report: RankReport, trace):
