@@ -16,15 +16,19 @@ LAUNCHER_PREFIXES = (b"[mpiexec@", b"[proxy:")
 class LauncherFilter:
     """Removes the launcher's own messages from a byte stream: from "[mpiexec@" or "[proxy:" to the
     end of that line, wherever it starts (Hydra writes into the same pipe as the ranks, so after a
-    token streamed without newline its message may start mid-line). Used once the job is being
-    stopped, when such messages only describe the teardown. Everything else passes at once, except
-    a tail that may be the start of a launcher message.
+    token streamed without newline its message may start mid-line). Such messages describe the
+    launcher's side of a failure (a rank that died, the teardown after a stop), which pipeinfer
+    reports itself in one line; the first few are kept in `dropped`, for that line. Everything else
+    passes at once, except a tail that may be the start of a launcher message.
     """
+
+    KEEP = 5  # launcher messages remembered for the report
 
     def __init__(self, prefixes: tuple[bytes, ...] = LAUNCHER_PREFIXES):
         self.prefixes = prefixes
         self.held = b""  # the end of the last chunk, which may begin a prefix
         self.dropping = False  # inside a launcher message, up to its newline
+        self.dropped: list[bytes] = []  # the first KEEP launcher messages, whole lines
 
     def _tail_to_hold(self, data: bytes) -> int:
         """Length of the longest end of data that is a proper start of a prefix."""
@@ -43,9 +47,12 @@ class LauncherFilter:
         while i < len(data):
             if self.dropping:
                 nl = data.find(b"\n", i)
+                self._remember(data[i:len(data) if nl < 0 else nl])
                 if nl < 0:
                     break
                 self.dropping, i = False, nl + 1
+                if len(self.dropped) <= self.KEEP:
+                    self.dropped.append(b"")
                 continue
             hits = [k for k in (data.find(p, i) for p in self.prefixes) if k >= 0]
             if hits:
@@ -57,6 +64,16 @@ class LauncherFilter:
             self.held = data[len(data) - keep:]
             break
         return b"".join(out)
+
+    def _remember(self, part: bytes) -> None:
+        if not self.dropped:
+            self.dropped.append(b"")
+        if len(self.dropped) <= self.KEEP:
+            self.dropped[-1] += part
+
+    @property
+    def messages(self) -> list[str]:
+        return [m.decode(errors="replace").strip() for m in self.dropped if m.strip()]
 
     def close(self) -> bytes:
         held, self.held = self.held, b""
@@ -163,8 +180,8 @@ class BannerFilter:
 
 
 class OutputPump(threading.Thread):
-    """Copies one of the job's output streams to ours through a BannerFilter and, once the job is
-    being stopped, a LauncherFilter (or, with drop_when_stopping, drops the rest of the stream).
+    """Copies one of the job's output streams to ours through a BannerFilter and a LauncherFilter;
+    once the job is being stopped, with drop_when_stopping, it drops the rest of the stream.
     With debug set, everything passes."""
 
     def __init__(self, src, dst, debug: bool, on_broken: Callable[[], None], stopping: threading.Event,
@@ -175,6 +192,7 @@ class OutputPump(threading.Thread):
         self.filter = None if debug else BannerFilter()
         self.launcher_filter = LauncherFilter()
         self.reported = False  # a line starting with "Error: " went through
+        self.passed = 0  # bytes of the job's own output that went through (it ran)
         self.broken = False  # our reader went away (`pipeinfer … | head`)
         self.start()
 
@@ -197,17 +215,23 @@ class OutputPump(threading.Thread):
             self._out(chunk)
         if self.filter is not None:
             self._out(self.filter.close())
-        if self._stopping() and not self.drop_when_stopping:
+        if not self.debug and not (self._stopping() and self.drop_when_stopping):
             self._write(self.launcher_filter.close())
 
     def _out(self, data: bytes) -> None:
-        if self._stopping():
-            if self.drop_when_stopping:
-                return
-            data = self.launcher_filter.feed(data)
-        self._write(data)
+        if self.debug:
+            self._write(data)
+            return
+        if self._stopping() and self.drop_when_stopping:
+            return
+        self._write(self.launcher_filter.feed(data))
+
+    @property
+    def launcher_messages(self) -> list[str]:
+        return self.launcher_filter.messages
 
     def _write(self, data: bytes) -> None:
+        self.passed += len(data)
         if not data or self.broken:
             return  # keep draining the job's output, so that mpiexec never blocks on a full pipe
         try:

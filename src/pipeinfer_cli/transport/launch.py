@@ -124,12 +124,22 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
     if rc != 0 and pumps[1].reported:
         return 1  # the head printed the error; the launcher may have killed the other ranks since
     if rc != 0:
-        _report(abnormal_end(pumps[0].exit_string or pumps[1].exit_string, rc))
+        # A job that printed nothing of its own never ran: then the launcher's message says why.
+        said = [] if any(p.passed for p in pumps) else pumps[1].launcher_messages + pumps[0].launcher_messages
+        _report(abnormal_end(pumps[0].exit_string or pumps[1].exit_string, rc, said))
     return rc
 
 
-def abnormal_end(reason: str | None, rc: int) -> str:
-    """What to say when a rank died without reporting, from Hydra's exit string (if any)."""
+# Launcher messages that only describe the teardown after a rank died (not why it died).
+_TEARDOWN = ("assert (!closed)", "terminated badly", "Sending Ctrl-C")
+
+
+def abnormal_end(reason: str | None, rc: int, launcher_said: list[str] | None = None) -> str:
+    """What to say when the job ended without an error of its own: from Hydra's exit string, or
+    the launcher's first message when it failed to run the job at all (e.g. a host it cannot reach)."""
+    said = [m for m in launcher_said or [] if not any(t in m for t in _TEARDOWN)]
+    if said and not reason:
+        return f"the MPI launcher failed (mpiexec exit status {rc}): {said[0]}"
     how = f"{reason}, " if reason else ""
     if reason and "signal 9" in reason:
         why = "a rank was killed (SIGKILL), for example by the out-of-memory killer"
