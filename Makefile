@@ -9,7 +9,7 @@ BUILD  := build/native
 # llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: install deps native demo test test-slow bench bench-native clean help
+.PHONY: install deps native demo test test-slow bench bench-native bench-network clean help
 
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
@@ -18,6 +18,7 @@ help:
 	@echo "make test-slow    run the slow tests on the Qwen pair"
 	@echo "make bench        run the standard benchmark and update BENCHMARKS.md"
 	@echo "make bench-native native layer engine vs llama.cpp"
+	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +58,11 @@ clean:
 BENCH_NATIVE_ARGS ?= --model qwen2.5-coder-0.5b-instruct --model qwen2.5-coder-1.5b-instruct --threads 1,2
 bench-native: install
 	$(PY) scripts/bench_native.py $(BENCH_NATIVE_ARGS) --json build/bench_native.json
+
+# Bandwidth (issue 11): the three modes on 2 and 3 emulated hosts (root: namespaces, tc) with links
+# at 1gbit, 100mbit and 10mbit against the same job over shared memory; SmolLM2, prints a table + JSON.
+bench-network: install
+	$(PY) scripts/bench_network.py --limit 2 --json build/bench_network.json
 
 # Standard comparison on the Qwen pair (pulled if needed), greedy: llama.cpp's own decoding at the
 # same total threads first, then every mode interleaved over the shipped prompts on BENCH_RANKS
