@@ -62,7 +62,7 @@ bench-native: install
 # Bandwidth (issue 11): the three modes on 2 and 3 emulated hosts (root: namespaces, tc) with links
 # at 1gbit, 100mbit and 10mbit against the same job over shared memory; SmolLM2, prints a table + JSON.
 bench-network: install
-	$(PY) scripts/bench_network.py --limit 2 --json build/bench_network.json
+	$(PY) scripts/bench_network.py --limit 2 --rounds 3 --json build/bench_network.json
 
 # Standard comparison on the Qwen pair (pulled if needed), greedy: llama.cpp's own decoding at the
 # same total threads first, then every mode interleaved over the shipped prompts on BENCH_RANKS

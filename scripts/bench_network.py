@@ -106,11 +106,12 @@ def cluster_opts(a) -> str:
 
 # -- figures ------------------------------------------------------------------------------------
 
-def per_prompt(records: list[dict], mode: str) -> dict[str, float]:
+def per_prompt(records: list[dict], mode: str, key: str = "tok_per_s") -> dict[str, float]:
+    """{prompt: median of key over the mode's measured records of that prompt}."""
     groups: dict[str, list[float]] = {}
     for r in records:
-        if r["mode"] == mode and not r["warmup"] and r.get("tok_per_s"):
-            groups.setdefault(r["prompt_id"], []).append(r["tok_per_s"])
+        if r["mode"] == mode and not r["warmup"] and r.get(key):
+            groups.setdefault(r["prompt_id"], []).append(r[key])
     return {p: statistics.median(v) for p, v in groups.items()}
 
 
@@ -153,6 +154,8 @@ def mode_figures(records: list[dict], mode: str, base: list[dict], ref: dict[str
         "tok_per_s_min": min(toks) if toks else None, "tok_per_s_max": max(toks) if toks else None,
         "per_prompt_tok_per_s": per_prompt(records, mode),
         "x_shm": paired_ratio(per_prompt(records, mode), per_prompt(base, mode)),
+        "x_shm_decode": paired_ratio(per_prompt(records, mode, "decode_tok_per_s"),
+                                     per_prompt(base, mode, "decode_tok_per_s")),
         "wire_bytes_per_token": link_bytes / n_gen if n_gen else None,
         "wire_messages_per_token": link_msgs / n_gen if n_gen else None,
         "wire_bytes_per_token_by_link": {k: v / n_gen for k, v in per_link.items()} if n_gen else {},
@@ -214,29 +217,29 @@ def fmt(v, spec: str, none: str = "–") -> str:
 
 
 def table(rows: list[dict], modes: list[str], markdown: bool) -> str:
-    head = ["hosts", "link"]
-    for m in modes:
-        head += [f"{m} tok/s", "× shm", "B/tok (links)", "B/tok (head in)", "tokens"]
-    head += ["pipeinfer × spec."]
+    """One line per (hosts, link, mode)."""
+    head = ["hosts", "link", "mode", "tok/s", "× shm", "decode × shm", "B/tok (all links)", "B/tok (head in)",
+            "head B/row", "tokens vs shm", "pipeinfer × spec."]
     lines = []
     for row in rows:
-        cells = [str(row["hosts"]), "shared memory" if row["link"] == SHM else row["link"]]
         for m in modes:
             f = row["modes"].get(m)
+            cells = [str(row["hosts"]), "shared memory" if row["link"] == SHM else row["link"], m]
             if f is None:
-                cells += ["failed"] + [""] * 4
+                lines.append(cells + ["failed"] + [""] * (len(head) - 4))
                 continue
             cells += [fmt(f["tok_per_s_median"], ".1f"), fmt(f["x_shm"], ".2f") + "×",
-                      fmt(f["wire_bytes_per_token"], ",.0f"), fmt(f["head_received_bytes_per_token"], ",.0f"),
-                      "same" if f["tokens_same_as_shm"] else "DIFFER"]
-        cells.append(fmt(row.get("pipeinfer_x_speculative"), ".2f") + "×")
-        lines.append(cells)
+                      fmt(f["x_shm_decode"], ".2f") + "×", fmt(f["wire_bytes_per_token"], ",.0f"),
+                      fmt(f["head_received_bytes_per_token"], ",.0f"), fmt(f["head_received_bytes_per_row_median"], ".0f"),
+                      "same" if f["tokens_same_as_shm"] else "DIFFER",
+                      fmt(row.get("pipeinfer_x_speculative"), ".2f") + "×" if m == "pipeinfer" else ""]
+            lines.append(cells)
     if markdown:
-        out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
-        out += ["| " + " | ".join(c) + " |" for c in lines]
+        out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|"]
+        out += ["| " + " | ".join(f"`{c}`" if i == 2 else c for i, c in enumerate(cells)) + " |" for cells in lines]
         return "\n".join(out)
-    widths = [max(len(x) for x in col) for col in zip(head, *lines)]
-    return "\n".join("  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
+    return "\n".join("  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
                      for cells in [head, *lines])
 
 
@@ -287,10 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     a.work_dir = a.work_dir.parent / (a.work_dir.name + ".runs")
 
     if a.from_json:
-        doc = json.loads(a.from_json.read_text())
-        print(table(doc["rows"], doc["config"]["modes"], a.markdown))
+        doc = json.loads(a.from_json.read_text())  # figures recomputed from the raw bench documents
+        cfg = argparse.Namespace(**doc["config"])
+        runs = [{k: v for k, v in r.items() if k != "bench"} | ({"doc": r["bench"]} if "bench" in r else {})
+                for r in doc["runs"]]
+        rows = summarize(cfg, runs)
+        print(table(rows, cfg.modes, a.markdown))
         print()
-        print(goal_text(doc["goal"]))
+        print(goal_text(goal_check(rows)))
         return 0
 
     def interrupted(signum, _frame):
