@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..transport.mpi_link import Link
 from .decode_sync import decode_iterative, decode_speculative, prefill
+from .handoff import handoff_ms
 from .loading import Loaded, n_predict_for
 from .metrics import now
 from .pipeline import Pipeline
@@ -121,7 +122,8 @@ def assemble_result(cfg, req, topo, tok, s: Session, ranks: list[dict], offsets:
         "layer_split": topo.describe(), "n_ctx": cfg.n_ctx,
         "text": s.text.text if s.text is not None else tok.llm.detokenize(s.generated).decode("utf-8", errors="replace"),
         "tokens": s.generated, "finish_reason": s.finish_reason,
-        **m, "wire": wire_summary(ranks, len(s.generated)), "t_start": s.metrics.t_start, "t_end": t_end,
+        **m, "wire": {**wire_summary(ranks, len(s.generated)), "handoff_ms": handoff_ms(ranks, topo.n_stages)},
+        "t_start": s.metrics.t_start, "t_end": t_end,
         "ranks": ranks,
     }
 
