@@ -261,6 +261,12 @@ def test_bench_trace_is_chrome_trace_with_one_track_per_rank(bench_run):
     assert runs[1] | skipped == runs[0]  # ... on every stage (or its skip, if cancelled before it started there)
     assert any(e["name"].startswith("verify") for e in events) and any(e["name"] == "draft" for e in events)
     assert any(e["ph"] == "i" and e["name"].startswith("commit") for e in events)
+    # Transfers: the head sends every run to rank 1, and rank 1 (the last stage) returns each
+    # run's result to the head (a few bytes: token ids, not logits).
+    sends = {pid: {e["args"]["run"]: e["args"] for e in events if e["ph"] == "i" and e["name"].startswith("send r")
+                   and e["pid"] == pid} for pid in (0, 1)}
+    assert set(sends[0]) == runs[0] and all(a["to"] == 1 for a in sends[0].values())
+    assert set(sends[1]) == runs[0] and all(a["to"] == 0 and 24 <= a["bytes"] < 24 + 8 * 16 for a in sends[1].values())
     # Slices on one track nest properly (Perfetto drops partially overlapping ones).
     for pid in (0, 1):
         stack: list[float] = []

@@ -50,6 +50,8 @@ def _event(kind: str, name: str, t0: float, t1: float, args: dict, rank: int, of
             out_name = f"commit +{args['n']}"
         elif name in ("skip",) and "run" in args:
             out_name = f"skip r{args['run']}"
+        elif name == "send" and "run" in args:
+            out_name = f"send r{args['run']} → rank {args.get('to')} ({args.get('bytes', 0)} B)"
         out_args = {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in args.items()}, **ctx}
     ev = {"name": out_name, "cat": ctx["mode"], "pid": rank, "tid": rank, "ts": round(ts, 3), "args": out_args}
     if kind == "X":

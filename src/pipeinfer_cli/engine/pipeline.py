@@ -69,8 +69,10 @@ class Pipeline:
         if self.n_stages == 1:
             self.ready.append(RunResult(run_id, sample_rows(out, self.sampling, hdr.pos[hdr.output] + 1)))
         else:
-            self.link.send_array(hdr.encode(), 1, Tag.STREAM)
+            head = hdr.encode()
+            self.link.send_array(head, 1, Tag.STREAM)
             self.link.send_array(out, 1, Tag.PAYLOAD)
+            self.trace.instant("send", now(), run=run_id, to=1, bytes=head.nbytes + out.nbytes)
         return run_id
 
     def kv(self, cmd: KvCommand) -> None:

@@ -149,7 +149,7 @@ class _StageLoop:
             self.trace.instant("skip", now(), run=hdr.run_id)
         if out is not None and self.is_last:
             out = sample_rows(out, self.sampling, hdr.pos[hdr.output] + 1)
-        _forward(self.link, hdr, out, self.nxt)
+        _forward(self.link, hdr, out, self.nxt, self.trace)
 
 
 def _compute(engine, hdr: RunHeader, payload: np.ndarray, is_last: bool, report: RankReport, trace):
@@ -166,17 +166,23 @@ def _compute(engine, hdr: RunHeader, payload: np.ndarray, is_last: bool, report:
     return out
 
 
-def _forward(link: Link, hdr: RunHeader, out, nxt: int | None) -> None:
+def _forward(link: Link, hdr: RunHeader, out, nxt: int | None, trace) -> None:
     """Hidden states to the next stage, or (last stage) the sampled tokens back to the head. A
-    cancelled run still passes its header on, so every stage sees the stream in the same order."""
+    cancelled run still passes its header on, so every stage sees the stream in the same order.
+    A 'send' instant in the trace marks each transfer (destination and bytes)."""
     if out is None:
         hdr.flags |= RUN_FLAG_SKIP
     if nxt is None:
         result = ResultHeader(hdr.run_id, 0 if out is None else len(out), cancelled=out is None)
-        link.send_array(result.encode(), 0, Tag.RESULT)
+        msgs = [result.encode()] + ([out] if result.has_data else [])
+        link.send_array(msgs[0], 0, Tag.RESULT)
         if result.has_data:
             link.send_array(out, 0, Tag.RESULT_DATA)
+        to = 0
     else:
-        link.send_array(hdr.encode(), nxt, Tag.STREAM)
+        msgs = [hdr.encode()] + ([out] if out is not None else [])
+        link.send_array(msgs[0], nxt, Tag.STREAM)
         if out is not None:
             link.send_array(out, nxt, Tag.PAYLOAD)
+        to = nxt
+    trace.instant("send", now(), run=hdr.run_id, to=to, bytes=sum(m.nbytes for m in msgs))
