@@ -88,3 +88,14 @@ def test_real_process_error_has_no_traceback_unless_debug(tmp_path):
 def test_usage_error_exit_code():
     r = _run(["inspect"])
     assert r.returncode == 2 and "Missing argument" in r.stderr
+
+
+def test_omp_wait_policy_is_passive_only_where_ranks_share_a_host():
+    from pipeinfer_cli.cli.app import omp_wait_policy
+
+    assert omp_wait_policy({}) is None  # alone: libgomp's brief, bounded spin
+    assert omp_wait_policy({"MPI_LOCALNRANKS": "1", "PMI_RANK": "0"}) is None  # one rank per node
+    assert omp_wait_policy({"MPI_LOCALNRANKS": "3"}) == "passive"
+    assert omp_wait_policy({"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == "passive"
+    assert omp_wait_policy({"SLURM_NTASKS_PER_NODE": "4"}) == "passive"
+    assert omp_wait_policy({"MPI_LOCALNRANKS": "3", "OMP_WAIT_POLICY": "active"}) is None  # the user's choice

@@ -33,6 +33,19 @@ def under_mpi_launcher() -> bool:
     return "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
+# Ranks of this job on this host, as launchers announce them: Hydra, Open MPI, Slurm.
+_LOCAL_RANKS_ENV = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def local_rank_count(environ=os.environ) -> int:
+    """How many ranks of this job share this host (1 outside a launcher, or when none says)."""
+    for key in _LOCAL_RANKS_ENV:
+        value = environ.get(key, "").split("(")[0]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
 def find_mpiexec() -> str:
     """The mpiexec of the mpich wheel next to this Python, else the one on PATH."""
     local = Path(sys.executable).parent / "mpiexec"
