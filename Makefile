@@ -60,9 +60,10 @@ bench-native: install
 	$(PY) scripts/bench_native.py $(BENCH_NATIVE_ARGS) --json build/bench_native.json
 
 # Bandwidth (issue 11): the three modes on 2 and 3 emulated hosts (root: namespaces, tc) with links
-# at 1gbit, 100mbit and 10mbit against the same job over shared memory; SmolLM2, prints a table + JSON.
+# unshaped and at 1gbit, 100mbit and 10mbit against the same job over shared memory; SmolLM2, 3 rounds
+# pooled; prints a table + JSON (about 7 minutes on 2 cores).
 bench-network: install
-	$(PY) scripts/bench_network.py --limit 2 --rounds 3 --json build/bench_network.json
+	$(PY) scripts/bench_network.py --rates none,1gbit,100mbit,10mbit --limit 2 --rounds 3 --json build/bench_network.json
 
 # Standard comparison on the Qwen pair (pulled if needed), greedy: llama.cpp's own decoding at the
 # same total threads first, then every mode interleaved over the shipped prompts on BENCH_RANKS

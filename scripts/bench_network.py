@@ -6,7 +6,8 @@ For each number of hosts N (--hosts) it runs, one after the other:
 - the shared-memory baseline: `pipeinfer bench MODEL --ranks N ...` on this machine, no emulation;
 - the same command on an emulated cluster of N hosts (scripts/emulate_cluster.py; one rank per
   network namespace, MPI over TCP through veth links shaped with tc tbf), once per link rate
-  (--rates), the links being reshaped between runs (`emulate-cluster.sh rate RATE`).
+  (--rates), the links being reshaped between runs (`emulate-cluster.sh rate RATE`); the rate
+  `none` leaves the links unshaped (MPI over TCP through the veths, no bandwidth limit).
 
 Per (hosts, link, mode) it reports the median tok/s, the ratio to the same mode over shared memory
 (geometric mean over prompts of the per-prompt median tok/s ratio: paired by prompt), the wire bytes
@@ -224,7 +225,8 @@ def table(rows: list[dict], modes: list[str], markdown: bool) -> str:
     for row in rows:
         for m in modes:
             f = row["modes"].get(m)
-            cells = [str(row["hosts"]), "shared memory" if row["link"] == SHM else row["link"], m]
+            link = {SHM: "shared memory", "none": "TCP, unshaped"}.get(row["link"], row["link"])
+            cells = [str(row["hosts"]), link, m]
             if f is None:
                 lines.append(cells + ["failed"] + [""] * (len(head) - 4))
                 continue
