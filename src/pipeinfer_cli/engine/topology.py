@@ -142,10 +142,10 @@ def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host
     """The topology of a job on this model, from its GGUF header alone (well under a second, no MPI):
     the relaunching command checks it before it starts any process.
 
-    has_draft: a draft was given (a model or lookup); a draft rank ('/1') needs one and a mode that drafts."""
-    if layer_split and "/" in layer_split and not (has_draft and needs_draft):
-        raise UsageError(f"--layer-split {layer_split!r} has a draft rank ('/1'), which needs a draft and a mode "
-                         "that drafts: pass --draft MODEL (or lookup) with -M speculative or pipeinfer, or drop '/1'")
+    has_draft: a draft was given (a model or lookup); a draft rank ('/1') needs one."""
+    if layer_split and "/" in layer_split and not has_draft:
+        raise UsageError(f"--layer-split {layer_split!r} has a draft rank ('/1'), which needs a draft: "
+                         "pass --draft MODEL (or lookup), or drop '/1'")
     from ..gguf_info import read_model_info
     from ..native import SUPPORTED_ARCHS
 

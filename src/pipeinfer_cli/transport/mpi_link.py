@@ -25,22 +25,37 @@ from .messages import Tag
 class RankFailedError(PipeinferError):
     """Another rank of the job failed; the message names the rank and its error."""
 
+
 BACKOFF_MIN_S = 20e-6
-BACKOFF_MAX_S = 1e-3
+BACKOFF_MAX_S = 1e-3  # the longest sleep of a rank that has been idle for a while
+# A rank that just made progress expects the next message soon (the pipeline is running): for
+# BACKOFF_HOT_S it sleeps at most BACKOFF_HOT_MAX_S between probes. With a 1 ms cap from the
+# start, a run waited 1.7 ms (p50) between two stages on shared memory; with 0.1 ms, 0.65 ms, and
+# 2-rank iterative decoding went from 46 to 53 tok/s (SmolLM2, 1 thread per rank).
+BACKOFF_HOT_MAX_S = 1e-4
+BACKOFF_HOT_S = 0.05
 
 
 class Backoff:
-    """Sleep a little longer each idle round; reset() after any progress."""
+    """Sleep a little longer each idle round, finely while the wait is young; reset() after progress."""
 
-    def __init__(self, lo: float = BACKOFF_MIN_S, hi: float = BACKOFF_MAX_S):
-        self.lo, self.hi, self.delay = lo, hi, lo
+    def __init__(self, lo: float = BACKOFF_MIN_S, hi: float = BACKOFF_MAX_S,
+                 hot_hi: float = BACKOFF_HOT_MAX_S, hot_s: float = BACKOFF_HOT_S):
+        self.lo, self.hi, self.hot_hi, self.hot_s = lo, hi, min(hot_hi, hi), hot_s
+        self.delay = lo
+        self.idle_since: float | None = None
 
     def reset(self) -> None:
         self.delay = self.lo
+        self.idle_since = None
 
     def idle(self) -> None:
+        now = time.monotonic()
+        if self.idle_since is None:
+            self.idle_since = now
         time.sleep(self.delay)
-        self.delay = min(self.delay * 2, self.hi)
+        cap = self.hot_hi if now - self.idle_since < self.hot_s else self.hi
+        self.delay = min(self.delay * 2, cap)
 
 
 class Traffic:
