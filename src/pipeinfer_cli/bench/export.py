@@ -54,6 +54,20 @@ def _flatten(obj, prefix: str, out: dict) -> None:
         out[prefix] = obj
 
 
+def _flatten_wire(wire: dict, row: dict) -> None:
+    """Per link bytes/messages per token, the head's return bytes, waiting and hand-off times."""
+    for link in wire.get("links", []):
+        p = f"wire.{link['from']}->{link['to']}"
+        row[f"{p}.bytes_per_token"] = link["bytes_per_token"]
+        row[f"{p}.messages_per_token"] = link["messages_per_token"]
+    for k in ("head_received_bytes_per_token", "head_received_bytes_per_row"):
+        row[f"wire.{k}"] = wire.get(k)
+    for rank, s in (wire.get("wait_s") or {}).items():
+        row[f"wire.wait_s.rank{rank}"] = s
+    for link, h in (wire.get("handoff_ms") or {}).items():
+        row[f"wire.handoff_ms.{link}.p50"] = h["p50"]
+
+
 def tokens_sha1(tokens: list[int]) -> str:
     return hashlib.sha1(" ".join(map(str, tokens)).encode()).hexdigest()[:16]
 
@@ -65,6 +79,7 @@ def flat_record(rec: dict) -> dict:
     for k in METRIC_FIELDS:
         v = rec.get(k)
         _flatten(EMPTY_ITL if k == "itl_ms" and v is None else v, k, row)  # same columns for 1-token records
+    _flatten_wire(rec.get("wire") or {}, row)
     row["tokens_match"] = rec.get("tokens_match")
     row["reference_mode"] = rec.get("reference_mode")
     row["tokens_sha1"] = tokens_sha1(rec["tokens"])
