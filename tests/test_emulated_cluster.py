@@ -17,24 +17,22 @@ from __future__ import annotations
 import json
 import os
 import re
-import selectors
 import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from jobprocs import assert_no_survivors, job_env, start_job, wait_first_output
 from tinygguf import write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "emulate-cluster.sh"
 HOSTS_FILE = Path("/etc/hosts")
 STATE_ROOT = Path("/run/pipeinfer-emulate-cluster" if Path("/run").is_dir() else "/tmp/pipeinfer-emulate-cluster")
-MARKER_ENV = "PIPEINFER_TEST_MARKER"  # inherited by mpiexec, the launcher wrapper and every rank
 # Names unique per test session (the pid), so that concurrent sessions on one machine never meet.
 _ID = os.getpid() % 10000
 
@@ -106,41 +104,6 @@ def leftovers(prefix: str) -> list[str]:
     if (STATE_ROOT / prefix).exists():
         left.append(f"state {STATE_ROOT / prefix}")
     return left
-
-
-def job_env(marker: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PIPEINFER_", "PMI_", "OMPI_", "PMIX_", "HYDRA_"))}
-    if "PIPEINFER_CACHE" in os.environ:
-        env["PIPEINFER_CACHE"] = os.environ["PIPEINFER_CACHE"]
-    env.update({MARKER_ENV: marker, **extra})
-    return env
-
-
-def marked_pids(marker: str) -> list[int]:
-    needle = f"{MARKER_ENV}={marker}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if needle in Path(f"/proc/{entry}/environ").read_bytes() and \
-                        Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
-
-
-def assert_no_survivors(marker: str, grace_s: float = 5.0) -> None:
-    deadline = time.monotonic() + grace_s
-    while (left := marked_pids(marker)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    assert not left, f"processes of the job still running: {left}"
 
 
 _taken: set[str] = set()
@@ -301,22 +264,6 @@ def test_a_large_send_takes_the_shaped_links_time(cluster2, tmp_path):
 
 # -- faults ---------------------------------------------------------------------------------------
 
-def _start(cmd: list[str], **env) -> tuple[subprocess.Popen, str]:
-    marker = uuid.uuid4().hex
-    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=job_env(marker, **env), start_new_session=True)
-    return proc, marker
-
-
-def _wait_first_output(proc: subprocess.Popen, timeout: float = 60) -> None:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    if not sel.select(timeout):
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("the job printed nothing within the load timeout")
-    assert os.read(proc.stdout.fileno(), 1 << 16), "the job ended before it printed a token"
-
-
 def _finish(proc: subprocess.Popen, marker: str, within_s: float) -> tuple[int, list[str]]:
     try:
         _, stderr = proc.communicate(timeout=within_s)
@@ -334,9 +281,9 @@ LONG = ["-p", "The quick brown fox", "-n", 3000, "--ctx", 4096, "--threads", 1]
 
 def test_a_rank_killed_on_another_host_ends_the_job(cluster2, tiny_long):
     emu = cluster2
-    proc, marker = _start(emu.cmd("exec", "--", sys.executable, "-m", "pipeinfer_cli", "generate", tiny_long,
+    proc, marker = start_job(emu.cmd("exec", "--", sys.executable, "-m", "pipeinfer_cli", "generate", tiny_long,
                                   *LONG, "--ranks", 2))
-    _wait_first_output(proc)
+    wait_first_output(proc)
     ranks = [p for p in emu.pids() if b"PMI_RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes()
              and b"pipeinfer_cli" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(ranks) == 1, ranks  # rank 1 runs in the namespace of host 1
@@ -353,7 +300,7 @@ def test_a_rank_killed_on_another_host_ends_the_job(cluster2, tiny_long):
 def test_a_failing_rank_under_mpiexec_ends_the_job(smollm2_path, cluster3):
     """The plain Hydra form (world size from mpiexec -n, no --ranks): rank 2 on host 2 raises."""
     emu = cluster3
-    proc, marker = _start(emu.cmd("mpiexec", "--", sys.executable, "-m", "pipeinfer_cli", "generate", smollm2_path,
+    proc, marker = start_job(emu.cmd("mpiexec", "--", sys.executable, "-m", "pipeinfer_cli", "generate", smollm2_path,
                                   "-p", PROMPT, "-n", 64, "--threads", 1, "--mode", "pipeinfer", "--draft", "lookup"),
                           PIPEINFER_DEBUG_FAIL="2:3")
     rc, lines = _finish(proc, marker, within_s=60)
@@ -389,8 +336,8 @@ def test_run_brings_up_runs_and_removes_everything(smollm2_path):
 def test_an_interrupted_run_removes_everything(tiny_long, sig):
     prefix, subnet = f"pt{_ID}c", free_subnet()
     emu = Emu(2, prefix, subnet)
-    proc, marker = _start(emu.cmd("run", 2, "--", tiny_long, *LONG))
-    _wait_first_output(proc)
+    proc, marker = start_job(emu.cmd("run", 2, "--", tiny_long, *LONG))
+    wait_first_output(proc)
     assert leftovers(prefix) != []  # it is up
     proc.send_signal(sig)
     rc, lines = _finish(proc, marker, within_s=15)

@@ -23,7 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jobprocs import assert_no_survivors, job_env, marked_pids, wait_first_output
+from jobprocs import start_job as start_marked_job
 from tinygguf import write_tiny_model
 
 pytestmark = pytest.mark.mpi
@@ -39,7 +40,6 @@ PROMPT = "The capital of France is"
 N_GEN = 32
 N_DRAFT = 4  # generate's default --n-draft
 COMMON = ["-p", PROMPT, "-n", N_GEN, "--ctx", 512, "--threads", 1, "--json"]
-MARKER_ENV = "PIPEINFER_TEST_MARKER"  # inherited by mpiexec, its proxies and every rank
 
 SAMPLING = {"greedy": [], "temp0.8-seed7": ["--temp", "0.8", "--seed", "7"]}
 
@@ -74,44 +74,6 @@ def models(smollm2_path, tiny_files) -> dict[str, ModelCase]:
 
 def cli(*args) -> list[str]:
     return [sys.executable, "-m", "pipeinfer_cli", "generate", *map(str, args)]
-
-
-def job_env(marker: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPEINFER_", "PMI_", "OMPI_", "PMIX_"))}
-    env.update({MARKER_ENV: marker, **extra})
-    return env
-
-
-def marked_pids(marker: str) -> list[int]:
-    """Live processes (any depth: mpiexec, hydra proxies, ranks) that carry this job's marker."""
-    needle = f"{MARKER_ENV}={marker}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read():
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            pids.append(int(entry))
-    return pids
-
-
-def assert_no_survivors(marker: str, grace_s: float = 5.0) -> None:
-    deadline = time.monotonic() + grace_s
-    while (left := marked_pids(marker)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in left:  # do not leak them into the rest of the session
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    assert not left, f"processes of the job still running: {left}"
 
 
 def run(*args, timeout: float = 120, **env) -> subprocess.CompletedProcess:
@@ -324,24 +286,7 @@ LONG_JOB = ["-p", "The quick brown fox", "-n", 3000, "--ctx", 4096, "--threads",
 
 def start_job(target: Path, *args, **env):
     """Start a streaming (non-JSON) job in its own session; return (process, marker)."""
-    marker = uuid.uuid4().hex
-    proc = subprocess.Popen(cli(target, *LONG_JOB, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=job_env(marker, **env), start_new_session=True)
-    return proc, marker
-
-
-def wait_first_output(proc: subprocess.Popen, timeout: float = 60) -> bytes:
-    """Block until the job prints its first bytes (the models are loaded and decoding started)."""
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    if not sel.select(timeout):
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("the job printed nothing within the load timeout")
-    first = os.read(proc.stdout.fileno(), 1 << 16)
-    assert first, "the job ended before it printed a token"
-    return first
+    return start_marked_job(cli(target, *LONG_JOB, *args), **env)
 
 
 def finish(proc: subprocess.Popen, marker: str, within_s: float) -> tuple[int, str]:

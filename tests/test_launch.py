@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from jobprocs import job_env, marked_pids
 from pipeinfer_cli.transport.launch import BannerFilter, LauncherFilter
 
 BANNER = b"""
@@ -183,23 +184,6 @@ def test_launcher_teardown_chatter_is_not_blamed():
 
 # -- Ctrl-C on a real job (mpiexec of the mpich wheel, SmolLM2 on 2 ranks) --------------------------
 
-MARKER_ENV = "PIPEINFER_TEST_MARKER"  # inherited by mpiexec, its proxies and every rank
-
-
-def marked_pids(marker: str) -> list[int]:
-    needle = f"{MARKER_ENV}={marker}\0".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if needle in Path(f"/proc/{entry}/environ").read_bytes():
-                    if Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                        pids.append(int(entry))
-            except OSError:
-                continue
-    return pids
-
-
 def rank_pids(marker: str) -> list[int]:
     return [p for p in marked_pids(marker) if b"PMI_RANK=" in Path(f"/proc/{p}/environ").read_bytes()]
 
@@ -211,8 +195,7 @@ def test_ctrl_c_leaves_only_results_and_ends_the_job(smollm2_path, phase):
     """`pipeinfer generate … --ranks 2 --json > out.json`, Ctrl-C: stdout holds only results, stderr
     one `Error: interrupted`, exit status 130, and no process of the job is left when it returns."""
     marker = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPEINFER_", "PMI_", "OMPI_", "PMIX_"))}
-    env[MARKER_ENV] = marker
+    env = job_env(marker)
     json_flag = ["--json"] if phase == "loading" else []
     cmd = [sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "--ranks", "2", "-n", "3000",
            "--ctx", "4096", "--threads", "1", "-p", "The quick brown fox", *json_flag]
@@ -250,8 +233,7 @@ def test_ctrl_c_leaves_only_results_and_ends_the_job(smollm2_path, phase):
 def test_ctrl_c_on_one_rank_says_interrupted(smollm2_path):
     """Without relaunch (one rank, in this process), Ctrl-C while decoding: one line, status 130."""
     marker = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPEINFER_", "PMI_", "OMPI_", "PMIX_"))}
-    env[MARKER_ENV] = marker
+    env = job_env(marker)
     cmd = [sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "-n", "3000", "--ctx", "4096",
            "--threads", "1", "-p", "The quick brown fox"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)

@@ -1,0 +1,75 @@
+"""Real job processes in tests: mark every process of a job (mpiexec, launcher, proxies, ranks) with
+an environment variable, start it in its own session, wait for its first output, and make sure
+nothing of it survives."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+MARKER_ENV = "PIPEINFER_TEST_MARKER"  # inherited by mpiexec, the launcher, its proxies and every rank
+
+
+def job_env(marker: str, **extra: str) -> dict[str, str]:
+    """This environment without launcher or pipeinfer settings (the model cache kept), plus the marker."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PIPEINFER_", "PMI_", "OMPI_", "PMIX_", "HYDRA_"))}
+    if "PIPEINFER_CACHE" in os.environ:
+        env["PIPEINFER_CACHE"] = os.environ["PIPEINFER_CACHE"]
+    env.update({MARKER_ENV: marker, **extra})
+    return env
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live processes (any depth) that carry this job's marker."""
+    needle = f"{MARKER_ENV}={marker}\0".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if needle in Path(f"/proc/{entry}/environ").read_bytes() and \
+                    Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def assert_no_survivors(marker: str, grace_s: float = 5.0) -> None:
+    deadline = time.monotonic() + grace_s
+    while (left := marked_pids(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:  # do not leak them into the rest of the session
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"processes of the job still running: {left}"
+
+
+def start_job(cmd: list, **env: str) -> tuple[subprocess.Popen, str]:
+    """Start a marked job in its own session (as from a terminal); return (process, marker)."""
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=job_env(marker, **env), start_new_session=True)
+    return proc, marker
+
+
+def wait_first_output(proc: subprocess.Popen, timeout: float = 60) -> bytes:
+    """Block until the job prints its first bytes (the models are loaded and decoding started)."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the job printed nothing within the load timeout")
+    first = os.read(proc.stdout.fileno(), 1 << 16)
+    assert first, "the job ended before it printed a token"
+    return first
