@@ -93,8 +93,9 @@ class LlamaDrafter:
         self.n_alternatives = n_alternatives
         self.n_evals = 0
 
-    def vocab_texts(self, ids) -> list[bytes]:
-        return [self.lib.llama_vocab_get_text(self.vocab, i) for i in ids]
+    def token_text(self, token: int) -> bytes:
+        """The vocabulary entry of a token id (to compare the draft's vocabulary with the target's)."""
+        return self.lib.llama_vocab_get_text(self.vocab, token)
 
     def _decode(self, tokens: list[int], start: int) -> np.ndarray:
         """Append tokens at positions start.. to sequence 0; return the last row's logits."""

@@ -76,13 +76,14 @@ def _load_head(cfg, out: Loaded, requests: list, needs_draft: bool) -> None:
         return
     if cfg.draft_label is None:
         raise UsageError("speculative and pipeinfer modes need a draft: pass --draft MODEL, --draft lookup, or a pair name")
-    if cfg.draft_path is not None:
-        # Checked from the draft's tokenizer alone, wherever the draft model runs.
-        from .vocab import check_vocab_compatible
-
-        check_vocab_compatible(tok, Tokenizer(cfg.draft_path), cfg.model_label, cfg.draft_label)
     if out.topo.draft_rank is None:
         out.drafter = make_drafter(cfg, out.me.threads)
+    if cfg.draft_path is not None:
+        from .vocab import check_vocab_compatible
+
+        # A draft on the head is checked through its loaded model; a draft rank's from its file alone.
+        draft_vocab = out.drafter if out.drafter is not None else Tokenizer(cfg.draft_path)
+        check_vocab_compatible(tok, draft_vocab, cfg.model_label, cfg.draft_label)
 
 
 def _tokenize_request(cfg, tok, req) -> list[int]:

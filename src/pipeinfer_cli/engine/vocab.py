@@ -10,7 +10,8 @@ VOCAB_SLACK = 128  # llama.cpp's speculative example tolerates this many extra (
 def check_vocab_compatible(target_tok, draft_tok, target_label: str, draft_label: str) -> None:
     """Refuse a draft whose vocabulary differs from the target's, as llama.cpp's speculative does.
 
-    Both arguments are tokenizer.Tokenizer objects (vocab-only loads: no weights)."""
+    Both arguments have `n_vocab` and `token_text(id)`: a tokenizer.Tokenizer (a vocab-only load)
+    or a drafters.LlamaDrafter (the loaded draft model)."""
     n_t, n_d = target_tok.n_vocab, draft_tok.n_vocab
     if abs(n_t - n_d) > VOCAB_SLACK:
         raise UsageError(
