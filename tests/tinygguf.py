@@ -1,4 +1,4 @@
-"""Write tiny random-weight GGUF models (llama and qwen2 layouts) that llama.cpp itself can load.
+"""Write tiny random-weight GGUF models (llama, qwen2, qwen3 layouts) that llama.cpp itself can load.
 
 The vocabulary is GPT-2 byte-level: the 256 byte tokens in byte order, then a few merged tokens
 and the special tokens, so any text tokenizes and the files work end to end without downloads.
@@ -48,7 +48,8 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
                      n_ctx_train: int = 512, rope_freq_base: float = 10000.0, rms_eps: float = 1e-5,
                      tied_output: bool = False, omit_tensors: tuple[str, ...] = (), scale: float = 0.08,
                      weight_type: str = "f32", arch_name: str | None = None,
-                     rope_scaling: tuple[str, float] | None = None, rope_orig_ctx: int | None = None) -> Path:
+                     rope_scaling: tuple[str, float] | None = None, rope_orig_ctx: int | None = None,
+                     head_dim: int | None = None) -> Path:
     """Write a random-weight model and return its path.
 
     `omit_tensors` drops tensors (for error tests). `weight_type` ("f32", "f16", "q8_0", "q4_0")
@@ -56,12 +57,16 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
     (ggml's CPU_REPACK buffers) can be tested without a download. `arch_name` writes another
     `general.architecture` with the `arch` layout (to test an unsupported architecture).
     `rope_scaling=("linear"|"yarn", factor)` and `rope_orig_ctx` write RoPE scaling metadata.
+    `head_dim` writes attention.key_length/value_length with Q/K/V heads of that size (Qwen3's heads
+    are wider than n_embd / n_head); qwen3 adds the per-head Q and K norms.
     """
     import gguf
 
     path = Path(path)
     rng = np.random.default_rng(seed)
-    head_dim = n_embd // n_head
+    explicit_head_dim = head_dim is not None
+    head_dim = head_dim or n_embd // n_head
+    n_embd_q = head_dim * n_head
     n_embd_kv = head_dim * n_head_kv
 
     def w(*shape):  # numpy shape is (rows, cols) = ggml's (ne1, ne0)
@@ -74,14 +79,17 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
     for i in range(n_layer):
         p = f"blk.{i}."
         tensors[p + "attn_norm.weight"] = norm(n_embd)
-        tensors[p + "attn_q.weight"] = w(n_embd, n_embd)
+        tensors[p + "attn_q.weight"] = w(n_embd_q, n_embd)
         tensors[p + "attn_k.weight"] = w(n_embd_kv, n_embd)
         tensors[p + "attn_v.weight"] = w(n_embd_kv, n_embd)
         if arch == "qwen2":
-            tensors[p + "attn_q.bias"] = w(n_embd)
+            tensors[p + "attn_q.bias"] = w(n_embd_q)
             tensors[p + "attn_k.bias"] = w(n_embd_kv)
             tensors[p + "attn_v.bias"] = w(n_embd_kv)
-        tensors[p + "attn_output.weight"] = w(n_embd, n_embd)
+        tensors[p + "attn_output.weight"] = w(n_embd, n_embd_q)
+        if arch == "qwen3":
+            tensors[p + "attn_q_norm.weight"] = norm(head_dim)
+            tensors[p + "attn_k_norm.weight"] = norm(head_dim)
         tensors[p + "ffn_norm.weight"] = norm(n_embd)
         tensors[p + "ffn_gate.weight"] = w(n_ff, n_embd)
         tensors[p + "ffn_up.weight"] = w(n_ff, n_embd)
@@ -110,6 +118,9 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
     writer.add_layer_norm_rms_eps(rms_eps)
     writer.add_rope_freq_base(rope_freq_base)
     writer.add_rope_dimension_count(head_dim)
+    if explicit_head_dim:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if rope_scaling is not None:
         kind, factor = rope_scaling
         writer.add_rope_scaling_type({"linear": gguf.RopeScalingType.LINEAR, "yarn": gguf.RopeScalingType.YARN}[kind])

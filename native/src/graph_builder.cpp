@@ -188,7 +188,9 @@ struct graph_context {
         Q = ggml_reshape_3d(ctx, Q, d_head, n_head, n_tokens);
         K = ggml_reshape_3d(ctx, K, d_head, n_head_kv, n_tokens);
         V = ggml_reshape_3d(ctx, V, d_head, n_head_kv, n_tokens);
+        if (L.attn_q_norm) Q = norm_rms(ctx, Q, L.attn_q_norm, hp.f_norm_rms_eps);  // per head (qwen3)
         Q = rope(Q);
+        if (L.attn_k_norm) K = norm_rms(ctx, K, L.attn_k_norm, hp.f_norm_rms_eps);
         K = rope(K);
         ggml_build_forward_expand(gf, Q);
         ggml_build_forward_expand(gf, V);

@@ -1,4 +1,4 @@
-// Builds the ggml graph of one eval over a stage's layer range (llama / qwen2 decoder layers).
+// Builds the ggml graph of one eval over a stage's layer range (llama / qwen2 / qwen3 decoder layers).
 #pragma once
 
 #include "kv_cache.h"

@@ -42,21 +42,28 @@ void read_sizes(const gguf_file & f, const std::string & a, model_hparams & hp) 
     hp.n_ctx_train = (uint32_t) f.get_uint(a + "context_length", 0, true);
     hp.f_norm_rms_eps = f.get_f32(a + "attention.layer_norm_rms_epsilon", 1e-5f);
     if (hp.n_layer == 0 || hp.n_embd == 0 || hp.n_head == 0 || hp.n_head_kv == 0 || hp.n_ff == 0 ||
-        hp.n_embd % hp.n_head != 0 || hp.n_head % hp.n_head_kv != 0) {
+        hp.n_head % hp.n_head_kv != 0) {
         throw model_file_error(path + ": inconsistent hyperparameters (block_count=" + std::to_string(hp.n_layer) +
                                ", embedding_length=" + std::to_string(hp.n_embd) + ", head_count=" +
                                std::to_string(hp.n_head) + ", head_count_kv=" + std::to_string(hp.n_head_kv) + ")");
     }
     if (f.get_uint(a + "expert_count", 0, false) > 0) {
         throw model_file_error(path + ": mixture-of-experts models (" + a + "expert_count > 0) are not supported; "
-                               "the native engine runs dense llama/qwen2 models");
+                               "the native engine runs dense llama/qwen2/qwen3 models");
     }
-    hp.n_embd_head = hp.n_embd / hp.n_head;
-    const uint32_t key_len = (uint32_t) f.get_uint(a + "attention.key_length", hp.n_embd_head, false);
+    // The head size is attention.key_length when the file has it (Qwen3: 128 with n_embd/n_head = 64
+    // in the 0.6B model), else n_embd/n_head, as llama.cpp resolves it.
+    const bool has_key_len = gguf_find_key(f.ctx(), (a + "attention.key_length").c_str()) >= 0;
+    if (!has_key_len && hp.n_embd % hp.n_head != 0) {
+        throw model_file_error(path + ": embedding_length (" + std::to_string(hp.n_embd) + ") is not a multiple of "
+                               "head_count (" + std::to_string(hp.n_head) + ") and the file has no attention.key_length");
+    }
+    hp.n_embd_head = (uint32_t) f.get_uint(a + "attention.key_length", has_key_len ? 0 : hp.n_embd / hp.n_head, false);
     const uint32_t val_len = (uint32_t) f.get_uint(a + "attention.value_length", hp.n_embd_head, false);
-    if (key_len != hp.n_embd_head || val_len != hp.n_embd_head) {
-        throw model_file_error(path + ": attention key/value length differs from embedding_length/head_count; "
-                               "not supported");
+    if (hp.n_embd_head == 0 || val_len != hp.n_embd_head) {
+        throw model_file_error(path + ": attention.key_length (" + std::to_string(hp.n_embd_head) +
+                               ") and attention.value_length (" + std::to_string(val_len) +
+                               ") must be equal and non-zero; other head sizes are not supported");
     }
 }
 
@@ -69,8 +76,8 @@ void read_rope(const gguf_file & f, const std::string & a, model_hparams & hp) {
         throw model_file_error(path + ": rope.dimension_count (" + std::to_string(hp.n_rot) +
                                ") must equal the head size (" + std::to_string(hp.n_embd_head) + ")");
     }
-    // llama rotates adjacent pairs, qwen2 rotates halves (GPT-NeoX style).
-    hp.rope_type = hp.arch == "qwen2" ? GGML_ROPE_TYPE_NEOX : 0;
+    // llama rotates adjacent pairs, the qwen family rotates halves (GPT-NeoX style).
+    hp.rope_type = hp.arch == "llama" ? 0 : GGML_ROPE_TYPE_NEOX;
     hp.rope_freq_base = f.get_f32(a + "rope.freq_base", 10000.0f);
 
     const std::string scaling = f.get_str(a + "rope.scaling.type", "linear", false);
@@ -132,9 +139,10 @@ struct tensor_request {
 // LM head (or the tied token_embd) on the last.
 std::vector<tensor_request> stage_tensors(const gguf_file & f, stage_weights & sw) {
     const model_hparams & hp = sw.hparams;
-    const int64_t E = hp.n_embd, V = hp.n_vocab, F = hp.n_ff, Q = (int64_t) hp.n_embd_head * hp.n_head,
-                  G = hp.n_embd_gqa();
+    const int64_t E = hp.n_embd, V = hp.n_vocab, F = hp.n_ff, Q = hp.n_embd_q(), G = hp.n_embd_gqa(),
+                  D = hp.n_embd_head;
     const bool qwen2 = hp.arch == "qwen2";
+    const bool qk_norm = hp.arch == "qwen3";  // per-head RMS norms of Q and K before RoPE
     std::vector<tensor_request> req;
     auto add = [&](const std::string & fname, ggml_tensor ** dst, std::vector<int64_t> ne, bool mm, bool required,
                    const std::string & as = "") {
@@ -156,6 +164,10 @@ std::vector<tensor_request> stage_tensors(const gguf_file & f, stage_weights & s
         add(p + "attn_k.bias",        &L.bk,        {G},    false, qwen2);
         add(p + "attn_v.bias",        &L.bv,        {G},    false, qwen2);
         add(p + "attn_output.bias",   &L.bo,        {E},    false, false);
+        if (qk_norm) {
+            add(p + "attn_q_norm.weight", &L.attn_q_norm, {D}, false, true);
+            add(p + "attn_k_norm.weight", &L.attn_k_norm, {D}, false, true);
+        }
         add(p + "ffn_norm.weight",    &L.ffn_norm,  {E},    false, true);
         add(p + "ffn_gate.weight",    &L.ffn_gate,  {E, F}, true,  true);
         add(p + "ffn_up.weight",      &L.ffn_up,    {E, F}, true,  true);
@@ -319,7 +331,7 @@ void read_tensors(const gguf_file & f, const std::vector<tensor_request> & req, 
 }  // namespace
 
 const std::vector<std::string> & supported_archs() {
-    static const std::vector<std::string> archs = {"llama", "qwen2"};
+    static const std::vector<std::string> archs = {"llama", "qwen2", "qwen3"};
     return archs;
 }
 

@@ -1,4 +1,5 @@
-// Loads the hyperparameters and the tensors of one layer range of a llama/qwen2 GGUF file.
+// Loads the hyperparameters and the tensors of one layer range of a GGUF file (the architectures
+// of supported_archs(): llama, qwen2, qwen3).
 //
 // Only the tensors the range needs are read: the layers [layer_begin, layer_end), plus
 // token_embd on the first stage and output_norm/output (or the tied token_embd) on the last one.
@@ -19,12 +20,12 @@ namespace pipeinfer {
 
 // Hyperparameters read from the GGUF metadata; field names follow llama.cpp's llama_hparams.
 struct model_hparams {
-    std::string arch;             // general.architecture: "llama" or "qwen2"
+    std::string arch;             // general.architecture, one of supported_archs()
     uint32_t n_layer     = 0;     // layers in the whole file
     uint32_t n_embd      = 0;     // hidden size
     uint32_t n_head      = 0;     // query heads
     uint32_t n_head_kv   = 0;     // key/value heads (GQA when < n_head)
-    uint32_t n_embd_head = 0;     // head size of q, k and v
+    uint32_t n_embd_head = 0;     // head size of q, k and v (attention.key_length, else n_embd/n_head)
     uint32_t n_ff        = 0;     // feed-forward size
     uint32_t n_vocab     = 0;     // rows of token_embd
     uint32_t n_ctx_train = 0;     // context_length the model was trained with
@@ -41,6 +42,7 @@ struct model_hparams {
     float    yarn_beta_slow  = 1.0f;
 
     uint32_t n_embd_gqa() const { return n_embd_head * n_head_kv; }  // width of one K or V row
+    uint32_t n_embd_q() const { return n_embd_head * n_head; }       // width of Q (may differ from n_embd)
 };
 
 // Weights of one transformer layer. Biases are null when the file has none (llama).
@@ -58,6 +60,9 @@ struct layer_weights {
     ggml_tensor * ffn_gate = nullptr;   // [n_embd, n_ff]
     ggml_tensor * ffn_up   = nullptr;   // [n_embd, n_ff]
     ggml_tensor * ffn_down = nullptr;   // [n_ff, n_embd]
+    // qwen3, qwen3moe: RMS norms of each Q and K head before RoPE.
+    ggml_tensor * attn_q_norm = nullptr;  // [n_embd_head]
+    ggml_tensor * attn_k_norm = nullptr;  // [n_embd_head]
 };
 
 // Everything one stage computes with. Owns the ggml contexts and backend buffers of its tensors.

@@ -1,7 +1,7 @@
 """Typed wrapper of the native layer engine (`pipeinfer_cli._native`, C++ on ggml).
 
-A `LayerEngine` holds the layers `[layer_begin, layer_end)` of a llama/qwen2 GGUF file, its own
-multi-sequence KV cache, and computes one pipeline stage:
+A `LayerEngine` holds the layers `[layer_begin, layer_end)` of a GGUF file (an architecture of
+`SUPPORTED_ARCHS`), its own multi-sequence KV cache, and computes one pipeline stage:
 
     eng = LayerEngine(path, 0, 12, n_ctx=4096, n_threads=2)
     hidden = eng.eval(tokens=np.array([1, 2, 3], np.int32), pos=np.arange(3, dtype=np.int32),
@@ -49,7 +49,7 @@ class LayerEngine:
     """One pipeline stage: the layers `[layer_begin, layer_end)` of a GGUF model plus a KV cache.
 
     Args:
-        path: GGUF file (architecture `llama` or `qwen2`).
+        path: GGUF file (an architecture of `SUPPORTED_ARCHS`).
         layer_begin, layer_end: the layer range; `0 <= layer_begin < layer_end <= n_layer`.
             The first stage (layer_begin == 0) also loads the token embeddings, the last stage
             (layer_end == n_layer) the output norm and LM head.
@@ -79,7 +79,7 @@ class LayerEngine:
     # --- read-only properties -------------------------------------------------------------
     @property
     def arch(self) -> str:
-        """`general.architecture` of the file: "llama" or "qwen2"."""
+        """`general.architecture` of the file, one of `SUPPORTED_ARCHS`."""
         return self._eng.arch
 
     @property
