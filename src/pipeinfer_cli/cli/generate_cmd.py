@@ -64,7 +64,7 @@ def generate(
     """
     from ..transport.launch import under_mpi_launcher
 
-    model = _one_model(model, model_opt)
+    model = one_model(model, model_opt)
     check_n_predict(job.n_predict)
     inside = under_mpi_launcher()
     # Only the head reads the prompt: under a launcher, standard input reaches rank 0 alone.
@@ -87,7 +87,7 @@ def generate(
     _run_and_print(cfg, request, as_json)
 
 
-def _one_model(model: str | None, model_opt: str | None) -> str:
+def one_model(model: str | None, model_opt: str | None) -> str:
     if model is not None and model_opt is not None and model != model_opt:
         raise UsageError(f"two models given: {model!r} and -m {model_opt!r}; give one")
     if (model or model_opt) is None:

@@ -8,7 +8,7 @@ and turn the session and reports into the result dict (the JSON of `generate --j
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..transport.mpi_link import Link
@@ -37,9 +37,12 @@ class Callbacks:
     on_result: Callable[[dict], None] | None = None  # each request's result
 
 
-def serve_requests(link: Link | None, cfg, loaded: Loaded, trace: TraceRecorder, requests: list,
+def serve_requests(link: Link | None, cfg, loaded: Loaded, trace: TraceRecorder, requests: Iterable,
                    offsets: list[float], cb: Callbacks) -> list[dict]:
-    """Run every request on the head; stop the other ranks at the end, or abort them on failure."""
+    """Run every request on the head; stop the other ranks at the end, or abort them on failure.
+
+    requests: (Request, prompt token ids) pairs; an iterator may block until the next one comes
+    (a server's queue) and ends the job by stopping."""
     from .remote_draft import RemoteDrafter
 
     topo = loaded.topo
@@ -53,7 +56,7 @@ def serve_requests(link: Link | None, cfg, loaded: Loaded, trace: TraceRecorder,
         cb.on_start(loaded.tokenizer)
     results = []
     try:
-        for req, prompt in zip(requests, loaded.prompts):
+        for req, prompt in requests:
             s = run_request(pipe, cfg, loaded, req, prompt, drafter, cb, trace)
             t_end = now()
             _trace_commits(trace, s.metrics.token_times)
@@ -86,8 +89,8 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
                 trace: TraceRecorder) -> Session:
     """Generate one request's tokens in its mode; returns the finished session."""
     tok = loaded.tokenizer
-    s = Session(prompt, cfg.sampling, n_predict_for(cfg, req, len(prompt)), tok.is_eog, cb.on_token,
-                text=TextStream(tok.piece, req.stop), on_text=cb.on_text)
+    s = Session(prompt, req.sampling or cfg.sampling, n_predict_for(cfg, req, len(prompt)), tok.is_eog, cb.on_token,
+                text=TextStream(tok.piece, req.stop), on_text=cb.on_text, cancelled=req.cancelled)
     local_draft = loaded.topo.draft_rank is None  # a draft rank traces its own work
     draft_prefill = None
     if drafter is not None and req.mode != "iterative":

@@ -37,6 +37,10 @@ class Request:
     chat: list[dict] | None = None  # messages, formatted with the model's chat template
     label: str = ""  # prompt id, for reports
     stop: list[str] = field(default_factory=list)  # stop strings: generation ends where one appears
+    # Per-request overrides of the job's settings (a server's requests); None: the job's own.
+    sampling: SamplingParams | None = None
+    n_predict: int | None = None  # tokens to generate; -1: until end of text or a full context
+    cancelled: Callable[[], bool] | None = None  # polled at each commit: True ends it ("cancelled")
 
 
 @dataclass
@@ -87,15 +91,46 @@ def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object]
     if link.rank != 0:
         serve_worker(link, loaded, cfg.debug, trace)
         return None
-    return serve_requests(link, cfg, loaded, trace, requests, offsets,
+    return serve_requests(link, cfg, loaded, trace, zip(requests, loaded.prompts), offsets,
                           Callbacks(on_start, on_token, on_text, on_result))
 
 
-def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request]) -> Loaded:
+def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None = None) -> None:
+    """Run on every rank of COMM_WORLD: the head answers a `service.Service`'s requests, one at a
+    time, until service.stop(); the other ranks serve the pipeline. The draft (if any) is loaded,
+    so that each request may choose its mode.
+
+    before_load() runs on the head before the models load (e.g. to start answering "loading");
+    an error it raises ends the job like a failed load. Returns once the job is over; a rank's
+    failure is raised on the head after service.fail() told every waiting client.
+    """
+    from mpi4py import MPI
+
+    link = Link(MPI.COMM_WORLD)
+    trace = TraceRecorder(link.rank)
+    loaded = _plan_and_load(link, cfg, [], needs_draft=cfg.draft_label is not None,
+                            before_load=before_load if link.rank == 0 else None)
+    offsets = clock_offsets(link)
+    if link.rank != 0:
+        serve_worker(link, loaded, cfg.debug, trace)
+        return
+    service.attach(cfg, loaded)
+    try:
+        serve_requests(link, cfg, loaded, trace, service.requests(), offsets, service.callbacks())
+    except BaseException as exc:
+        service.fail(describe(exc, traceback_too=cfg.debug))
+        raise
+
+
+def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_draft: bool | None = None,
+                   before_load: Callable[[], None] | None = None) -> Loaded:
     """Plan and load on every rank; a failure on any rank is reported once, by the head."""
-    needs_draft = any(r.mode != "iterative" for r in requests)
+    if needs_draft is None:
+        needs_draft = any(r.mode != "iterative" for r in requests)
     loaded, err = None, None
     try:
+        if before_load is not None:
+            before_load()
         topo = plan(cfg, link.size, link.ranks_on_this_host(), needs_draft)
         loaded = load_rank(cfg, topo, link.rank, requests, needs_draft)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there

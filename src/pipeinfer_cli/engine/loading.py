@@ -31,8 +31,9 @@ def spec_margin(cfg, req) -> int:
 
 def n_predict_for(cfg, req, n_prompt: int) -> int:
     """Tokens to generate: -n, or with -n -1 as many as the context holds (until end of text)."""
-    if cfg.decode.n_predict > 0:
-        return cfg.decode.n_predict
+    n = cfg.decode.n_predict if getattr(req, "n_predict", None) is None else req.n_predict
+    if n > 0:
+        return n
     return cfg.n_ctx - n_prompt - spec_margin(cfg, req)
 
 

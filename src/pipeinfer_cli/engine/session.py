@@ -32,13 +32,17 @@ class DecodeOptions:
 class Session:
     """One request at the head: the prompt, the committed tokens, and when to stop.
 
-    finish_reason: "stop" (end of generation token or a stop string), "length" (-n reached).
+    finish_reason: "stop" (end of generation token or a stop string), "length" (-n reached),
+    "cancelled" (`cancelled()` turned true, e.g. the client went away).
+
+    cancelled: polled at each commit; once it returns True the session is done, so every decode
+    loop stops at its next commit and drains what it has in flight, as at any end of generation.
     """
 
     def __init__(self, prompt: list[int], sampling: SamplingParams, n_predict: int,
                  is_eog: Callable[[int], bool], on_token: Callable[[int], None] | None = None,
                  text: TextStream | None = None, on_text: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = now):
+                 clock: Callable[[], float] = now, cancelled: Callable[[], bool] | None = None):
         self.tokens = list(prompt)
         self.n_prompt = len(prompt)
         self.sampling = sampling
@@ -50,6 +54,7 @@ class Session:
         self.done = n_predict <= 0
         self.finish_reason: str | None = "length" if self.done else None
         self.clock = clock  # wall time here; a simulated pipeline passes its virtual time
+        self.cancelled = cancelled
         self.metrics = GenerationMetrics(n_prompt=len(prompt), t_start=clock())
 
     @property
@@ -78,6 +83,8 @@ class Session:
                 self.done, self.finish_reason = True, "stop"
             elif self.n_gen >= self.n_predict:
                 self.done, self.finish_reason = True, "length"
+        if not self.done and self.cancelled is not None and self.cancelled():
+            self.done, self.finish_reason = True, "cancelled"
         self.metrics.committed(taken, self.clock())
         return taken
 

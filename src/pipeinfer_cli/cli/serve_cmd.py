@@ -1,0 +1,165 @@
+"""`pipeinfer serve`: load the models once and answer OpenAI-compatible HTTP requests."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from typing import Annotated
+
+import typer
+
+from ..errors import OptionValueError, UsageError
+from .console import err
+from .generate_cmd import one_model, summary_line
+from .job_options import JobOptions, job_options
+from .job_setup import (
+    check_n_predict, check_plan, check_world, default_mode, make_job_config, ranks_wanted, resolve_models,
+)
+from .options import ModelOption, ModeOption, OptionalModelArg
+
+API_KEY_ENV = "PIPEINFER_API_KEY"
+FAIL_GRACE_S = 1.0  # after a rank failed, keep answering 503 this long before the server exits
+
+EPILOG = """Examples:
+
+  pipeinfer serve smollm2-135m-instruct --ranks 2 --draft lookup
+
+  pipeinfer serve qwen-coder --ranks 2 --port 8081 --queue 4 --api-key "$(cat key.txt)"
+
+  curl -N http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "stream": true}'
+
+The API: POST /v1/chat/completions, POST /v1/completions (OpenAI format, streaming with "stream": true),
+GET /v1/models, GET /health ({"status": "loading"} with 503 until ready, then {"status": "ok"}),
+GET /metrics (Prometheus). A request's "mode" field chooses its mode; the server's --mode applies otherwise.
+-n, --temp, --top-k, --top-p, --min-p and --seed are the defaults of requests that do not set them.
+
+One request is generated at a time; up to --queue more wait in order, and beyond that the server answers
+503 with Retry-After. Ctrl-C or SIGTERM stops every rank; requests in progress end with an error.
+"""
+
+
+@job_options
+def serve(
+    model: OptionalModelArg = None,
+    model_opt: ModelOption = None,
+    mode: ModeOption = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface; "
+                                      "then set --api-key).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="TCP port to listen on.")] = 8080,
+    queue: Annotated[int, typer.Option("--queue", min=0, max=10000, help="Requests that may wait behind the one "
+                                       "being generated; more get 503 with Retry-After.")] = 8,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar=API_KEY_ENV, show_default=False,
+                                                help=f"Require `Authorization: Bearer KEY` on /v1/* and /metrics "
+                                                     f"(or set {API_KEY_ENV}).")] = None,
+    job: JobOptions = None,
+) -> None:
+    """Serve the OpenAI HTTP API from the models loaded once, with the layers split across MPI ranks.
+
+    Rank 0 answers HTTP; every answer is generated in the request's mode (lossless speculation),
+    and the response's `timings` say how the speculation went.
+    """
+    from ..transport.launch import relaunch, under_mpi_launcher
+
+    model = one_model(model, model_opt)
+    check_n_predict(job.n_predict)
+    if api_key is not None and not api_key.strip():
+        raise OptionValueError(f"--api-key (or {API_KEY_ENV}) is empty; give a key or leave it unset")
+    inside = under_mpi_launcher()
+    want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
+    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside)
+    mode = default_mode(mode, draft_ref)
+    if mode != "iterative" and draft_ref is None:
+        raise UsageError(f"--mode {mode} needs a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
+    cfg = make_job_config(target, draft_ref, job)
+    if not inside:
+        from ..server.http_thread import bind
+
+        bind(host, port).close()  # a port in use is reported now, not after the launch
+    if not inside and want > 1:
+        check_plan(cfg, want, needs_draft=draft_ref is not None)
+        raise typer.Exit(relaunch(want, sys.argv[1:]))
+    check_world(want, explicit=bool(job.ranks or split_ranks))
+    _serve_on_this_rank(cfg, mode, host, port, queue, api_key)
+
+
+def _serve_on_this_rank(cfg, mode: str, host: str, port: int, queue: int, api_key: str | None) -> None:
+    """Rank 0: the HTTP server (its own thread) and the pipeline (this thread). Other ranks: the pipeline."""
+    from mpi4py import MPI
+
+    from ..engine.job import run_service
+    from ..engine.service import Service
+
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        run_service(cfg, None)
+        return
+    service = Service(max_queue=queue, mode=mode, on_ready=lambda s: _banner(s, host, port))
+    http = _HttpStarter(service, cfg, host, port, api_key)
+    _stop_on_signals(service)
+    try:
+        run_service(cfg, service, before_load=http.start)
+    except BaseException:
+        if service.status == "failed":
+            time.sleep(FAIL_GRACE_S)  # clients in flight get their 503 before the server goes
+        raise
+    finally:
+        http.stop()
+    err.print("pipeinfer serve: stopped", markup=False, highlight=False)
+
+
+class _HttpStarter:
+    """Binds and starts the HTTP server on the head, before the models load (then /health says loading)."""
+
+    def __init__(self, service, cfg, host: str, port: int, api_key: str | None):
+        self.service, self.cfg, self.host, self.port, self.api_key = service, cfg, host, port, api_key
+        self.http = None
+
+    def start(self) -> None:
+        from ..server.app import ServerSettings, build_app
+        from ..server.http_thread import HttpThread, bind
+
+        settings = ServerSettings(model=self.cfg.model_label, draft=self.cfg.draft_label, api_key=self.api_key,
+                                  on_finished=_log_request)
+        self.http = HttpThread(build_app(self.service, settings), bind(self.host, self.port))
+        self.http.start()
+        err.print(f"pipeinfer serve: listening on http://{self.host}:{self.port}; loading {self.cfg.model_label}"
+                  + (f" (draft {self.cfg.draft_label})" if self.cfg.draft_label else "") + " …",
+                  markup=False, highlight=False)
+
+    def stop(self) -> None:
+        if self.http is not None:
+            self.http.stop()
+
+
+def _stop_on_signals(service) -> None:
+    """Ctrl-C, SIGTERM, SIGHUP: stop the service. The handler runs on this (the pipeline) thread,
+    between two bytecodes, so the work is handed to a thread of its own."""
+
+    def on_signal(signum, _frame) -> None:
+        threading.Thread(target=service.stop, args=(f"the server is shutting down ({signal.Signals(signum).name})",),
+                         daemon=True).start()
+
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, on_signal)
+
+
+def _banner(service, host: str, port: int) -> None:
+    """Printed once the models are loaded, in the manner of llama-server."""
+    from ..engine.topology import format_layer_ranges
+
+    cfg, topo = service.cfg, service.loaded.topo
+    ranks = "; ".join(f"{r.rank} {r.role} ({format_layer_ranges([r.layers])}, {r.threads} threads)" for r in topo.ranks)
+    lines = [f"model {cfg.model_label}, draft {cfg.draft_label or 'none'}, default mode {service.default_mode()}, "
+             f"context {cfg.n_ctx} cells, queue {service.max_queue}",
+             f"{len(topo.ranks)} ranks: {ranks}",
+             f"ready: http://{host}:{port}/v1 (chat/completions, completions, models), /health, /metrics"]
+    for line in lines:
+        err.print(f"pipeinfer serve: {line}", markup=False, highlight=False)
+
+
+def _log_request(endpoint: str, result: dict) -> None:
+    line = summary_line(result).removeprefix("pipeinfer: ")
+    err.print(f"pipeinfer serve: {endpoint} #{result.get('prompt_id')}: {result['finish_reason']}, {line}",
+              markup=False, highlight=False)

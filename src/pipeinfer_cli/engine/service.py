@@ -1,0 +1,293 @@
+"""A generation service on the head: models loaded once, many clients, one request at a time.
+
+PipeInfer accelerates a single request, so the pipeline runs one request at a time; the others
+wait in a FIFO queue of bounded length. The service knows nothing of HTTP: a client (the HTTP
+server in `server/`, or a terminal chat) calls `submit()` from any thread and receives its
+request's `Event`s through a callback, called from the pipeline thread. The pipeline thread — the
+one thread that makes MPI calls on the head — runs `job.run_service(cfg, service)`, which feeds
+`requests()` to `head.serve_requests` like any list of requests.
+
+Python API (what `pipeinfer serve` uses; a terminal chat can use the same):
+
+    service = Service(max_queue=8)
+    # in the pipeline thread (rank 0 of the MPI job; the other ranks run it too and serve):
+    run_service(cfg, service)                 # returns once service.stop() was called
+    # in any other thread, once service.status == "ok":
+    prompt = service.tokenize(messages=[{"role": "user", "content": "Hi"}])
+    ticket = service.submit(GenerationRequest(prompt, mode="pipeinfer", n_predict=64), on_event)
+    # on_event(Event("text", text=…)) as text is committed, then one Event("done", result=…)
+    # (the dict of `generate --json`) or one Event("error", text=…); ticket.cancel() ends it early.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ..errors import PipeinferError, UsageError
+from .head import Callbacks
+from .loading import spec_margin
+from .metrics import now
+from .sampling import SamplingParams
+from .session import MODES
+
+
+class ServiceUnavailable(PipeinferError):
+    """The service cannot take a request now: still loading, queue full, failed or stopping.
+
+    retry_after: seconds after which trying again makes sense (None: it will not)."""
+
+    def __init__(self, msg: str, reason: str, retry_after: int | None = None):
+        super().__init__(msg)
+        self.reason, self.retry_after = reason, retry_after
+
+
+class RequestTooLong(UsageError):
+    """Prompt + tokens to generate (+ the cells of speculative runs in flight) exceed the context.
+
+    field: "prompt" when the prompt alone does not fit, else "n_predict"."""
+
+    def __init__(self, msg: str, field: str):
+        super().__init__(msg)
+        self.field = field
+
+
+@dataclass
+class GenerationRequest:
+    """What a client asks for. Fields left None take the job's settings (`pipeinfer serve` options)."""
+
+    prompt: list[int]  # token ids (see Service.tokenize)
+    mode: str | None = None  # iterative / speculative / pipeinfer
+    n_predict: int | None = None  # tokens at most; -1: until end of text or a full context
+    sampling: SamplingParams | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings (cut from the text)
+
+
+@dataclass
+class Event:
+    """What a ticket's callback receives: "text" (text to show), then one "done" (result) or "error"."""
+
+    kind: str
+    text: str = ""  # "text": the text; "error": the message
+    result: dict | None = None  # "done": the result dict (README, "JSON fields")
+    reason: str = ""  # "error": "failed" (a rank failed), "stopping" (shutdown), "cancelled"
+
+
+class Ticket:
+    """One submitted request, from submit() until its "done" or "error" event."""
+
+    def __init__(self, seq: int, request: GenerationRequest, on_event: Callable[[Event], None]):
+        self.seq = seq  # 1, 2, … in submission order
+        self.request = request
+        self.on_event = on_event
+        self.t_submit = now()
+        self.t_start: float | None = None  # taken off the queue
+        self.t_first_token: float | None = None
+        self.n_tokens = 0
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self.finished = False
+
+    def cancel(self) -> None:
+        """Stop this request (from any thread): dropped if queued, ended at its next commit if running."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.t_start is None else self.t_start - self.t_submit
+
+    def emit(self, event: Event) -> None:
+        """Deliver an event; nothing after the final one ("done"/"error")."""
+        with self._lock:
+            if self.finished:
+                return
+            self.finished = event.kind in ("done", "error")
+        self.on_event(event)
+
+
+class Service:
+    """The FIFO queue between clients and the pipeline thread, and the service's status.
+
+    status: "loading" until the models are loaded, then "ok"; "failed" once a rank failed (message
+    says why), "stopping" once stop() was called.
+    """
+
+    def __init__(self, max_queue: int = 8, mode: str | None = None, on_ready: Callable[[Service], None] | None = None):
+        self.max_queue = max_queue  # requests that may wait behind the one being generated
+        self.mode = mode  # for requests that name none (None: pipeinfer with a draft, else iterative)
+        self.on_ready = on_ready
+        self.status = "loading"
+        self.message = "loading the model"
+        self.cfg = None  # JobConfig, Loaded: set by attach() before serving
+        self.loaded = None
+        self._cond = threading.Condition()
+        self._queue: deque[Ticket] = deque()
+        self._current: Ticket | None = None
+        self._seq = 0
+
+    # -- what clients call (any thread) ---------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer if self.loaded is not None else None
+
+    @property
+    def has_draft(self) -> bool:
+        return self.cfg is not None and self.cfg.draft_label is not None
+
+    def default_mode(self) -> str:
+        return self.mode or ("pipeinfer" if self.has_draft else "iterative")
+
+    def tokenize(self, text: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Token ids of a raw prompt, or of chat messages formatted with the model's chat template."""
+        tok = self._require_ready().tokenizer
+        return tok.chat_messages(messages) if messages is not None else tok.encode(text or "")
+
+    def queue_depth(self) -> int:
+        """Requests waiting (not counting the one being generated)."""
+        with self._cond:
+            return len(self._queue)
+
+    def busy(self) -> bool:
+        with self._cond:
+            return self._current is not None
+
+    def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> Ticket:
+        """Queue a request. Raises ServiceUnavailable (not ready, queue full) or UsageError (bad request)."""
+        self._require_ready()
+        self.check(request)
+        with self._cond:
+            self._require_ready()
+            if len(self._queue) + (self._current is not None) > self.max_queue:
+                raise ServiceUnavailable(f"the queue is full ({len(self._queue)} requests waiting, --queue "
+                                         f"{self.max_queue}); try again shortly", "queue_full", retry_after=1)
+            self._seq += 1
+            ticket = Ticket(self._seq, request, on_event)
+            self._queue.append(ticket)
+            self._cond.notify_all()
+        return ticket
+
+    def check(self, request: GenerationRequest) -> None:
+        """Refuse a request that cannot run: unknown mode, a mode without a draft, too long for the context."""
+        mode = request.mode or self.default_mode()
+        if mode not in MODES:
+            raise UsageError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode != "iterative" and not self.has_draft:
+            raise UsageError(f"mode {mode} needs a draft, and this server has none (start it with --draft MODEL, "
+                             "--draft lookup or a pair name); use mode iterative")
+        if not request.prompt:
+            raise RequestTooLong("the prompt is empty", "prompt")
+        cfg = self.cfg
+        n_prompt = len(request.prompt)
+        margin = spec_margin(cfg, _ModeOnly(mode))
+        n = cfg.decode.n_predict if request.n_predict is None else request.n_predict
+        if n < 0 and cfg.n_ctx - n_prompt - margin < 1:
+            raise RequestTooLong(f"the prompt has {n_prompt} tokens; with the cells of speculative runs in flight "
+                                 f"({margin}) nothing fits in the context of {cfg.n_ctx} (--ctx); shorten it", "prompt")
+        if n > 0 and n_prompt + n + margin > cfg.n_ctx:
+            field = "prompt" if n_prompt + 1 + margin > cfg.n_ctx else "n_predict"
+            raise RequestTooLong(f"the prompt has {n_prompt} tokens; generating {n} more needs {n_prompt + n + margin} "
+                                 f"KV cells, more than the context of {cfg.n_ctx} (--ctx); ask for at most "
+                                 f"{max(cfg.n_ctx - n_prompt - margin, 0)} tokens or shorten the prompt", field)
+
+    def stop(self, reason: str = "the server is shutting down") -> None:
+        """End the service (from any thread but a signal handler's): every request waiting or running
+        ends with an "error" event now, and requests() ends once the running one has stopped."""
+        self._end("stopping", reason)
+
+    def fail(self, message: str) -> None:
+        """The job failed (a rank died): every request ends with an "error" event, none is taken any more."""
+        self._end("failed", message)
+
+    # -- what the pipeline thread calls ------------------------------------------------------------
+    def attach(self, cfg, loaded) -> None:
+        self.cfg, self.loaded = cfg, loaded
+
+    def callbacks(self) -> Callbacks:
+        return Callbacks(on_start=self._ready, on_token=self._token, on_text=self._text, on_result=self._result)
+
+    def requests(self) -> Iterator[tuple]:
+        """(Request, prompt) pairs in FIFO order, blocking for the next one; ends on stop() or fail()."""
+        from .job import Request
+
+        while (ticket := self._take()) is not None:
+            r = ticket.request
+            req = Request(mode=r.mode or self.default_mode(), label=str(ticket.seq), stop=list(r.stop),
+                          sampling=r.sampling, n_predict=r.n_predict,
+                          cancelled=lambda t=ticket: t.cancelled or self.status != "ok")
+            yield req, list(r.prompt)
+            with self._cond:
+                self._current = None
+
+    # -- internals ------------------------------------------------------------------------------
+    def _require_ready(self) -> Service:
+        if self.status == "loading":
+            raise ServiceUnavailable("the model is still loading; try again shortly", "loading", retry_after=5)
+        if self.status != "ok":
+            raise ServiceUnavailable(self.message, self.status)
+        return self
+
+    def _take(self) -> Ticket | None:
+        with self._cond:
+            while True:
+                if self.status != "ok":
+                    return None
+                while self._queue:
+                    ticket = self._queue.popleft()
+                    if ticket.cancelled:  # its client went away while it waited
+                        ticket.emit(Event("error", text="cancelled", reason="cancelled"))
+                        continue
+                    ticket.t_start = now()
+                    self._current = ticket
+                    return ticket
+                self._cond.wait(timeout=0.5)
+
+    def _end(self, status: str, message: str) -> None:
+        with self._cond:
+            if self.status in ("failed", "stopping"):
+                return
+            self.status, self.message = status, message
+            tickets = list(self._queue) + ([self._current] if self._current is not None else [])
+            self._queue.clear()
+            self._cond.notify_all()
+        for t in tickets:
+            t.cancel()
+            t.emit(Event("error", text=message, reason=status))
+
+    def _ready(self, _tokenizer) -> None:
+        with self._cond:
+            if self.status == "loading":
+                self.status, self.message = "ok", "ready"
+        if self.on_ready is not None:
+            self.on_ready(self)
+
+    def _token(self, _token: int) -> None:
+        t = self._current
+        if t is not None:
+            t.n_tokens += 1
+            if t.t_first_token is None:
+                t.t_first_token = now()
+
+    def _text(self, text: str) -> None:
+        if self._current is not None:
+            self._current.emit(Event("text", text=text))
+
+    def _result(self, result: dict) -> None:
+        for r in result.get("ranks", []):
+            r.pop("trace", None)  # a long-running server keeps no trace events
+        t = self._current
+        if t is not None:
+            result["queue_s"] = t.queue_s
+            t.emit(Event("done", result=result))
+
+
+@dataclass
+class _ModeOnly:
+    """spec_margin() reads only the request's mode."""
+
+    mode: str

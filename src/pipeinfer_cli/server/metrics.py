@@ -1,0 +1,59 @@
+"""GET /metrics: Prometheus text format (prometheus-client), one registry per server."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """Counters over the server's life; gauges read the service when scraped."""
+
+    def __init__(self, service):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pipeinfer_requests", "Requests answered, by endpoint and outcome "
+                                "(stop, length, cancelled, error, rejected)", ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("pipeinfer_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generated_tokens = Counter("pipeinfer_generated_tokens", "Tokens generated", registry=r)
+        self.draft_tokens = Counter("pipeinfer_draft_tokens", "Draft tokens whose verification completed", registry=r)
+        self.accepted_tokens = Counter("pipeinfer_draft_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.runs_launched = Counter("pipeinfer_runs_launched", "Pipeline runs launched", registry=r)
+        self.runs_cancelled = Counter("pipeinfer_runs_cancelled", "Pipeline runs cancelled (rejected drafts, "
+                                      "or in flight when a text ended)", registry=r)
+        self.ttft = Histogram("pipeinfer_time_to_first_token_seconds", "From the start of prompt processing to the "
+                              "first token (queue time not included)", buckets=TTFT_BUCKETS, registry=r)
+        self.queue_wait = Histogram("pipeinfer_queue_wait_seconds", "Time requests waited in the queue",
+                                    buckets=TTFT_BUCKETS, registry=r)
+        self.kv_cells = Gauge("pipeinfer_kv_cells_used", "KV cells in use on each rank at the end of the last "
+                              "request (before the caches are cleared for the next one)", ["rank"], registry=r)
+        Gauge("pipeinfer_queue_depth", "Requests waiting behind the one being generated",
+              registry=r).set_function(service.queue_depth)
+        Gauge("pipeinfer_requests_running", "Requests being generated (0 or 1)",
+              registry=r).set_function(lambda: int(service.busy()))
+        Gauge("pipeinfer_ready", "1 once the models are loaded and the service answers",
+              registry=r).set_function(lambda: int(service.status == "ok"))
+
+    def finished(self, endpoint: str, result: dict) -> None:
+        self.requests.labels(endpoint, result.get("finish_reason") or "stop").inc()
+        self.prompt_tokens.inc(result["n_prompt"])
+        self.generated_tokens.inc(result["n_gen"])
+        self.draft_tokens.inc(result["acceptance"]["drafted"])
+        self.accepted_tokens.inc(result["acceptance"]["accepted"])
+        self.runs_launched.inc(result["runs"]["launched"])
+        self.runs_cancelled.inc(result["runs"]["cancelled"])
+        if result.get("ttft_s") is not None:
+            self.ttft.observe(result["ttft_s"])
+        if result.get("queue_s") is not None:
+            self.queue_wait.observe(result["queue_s"])
+        for rank in result.get("ranks", []):
+            if "kv_used_cells" in rank:
+                self.kv_cells.labels(str(rank["rank"])).set(rank["kv_used_cells"])
+
+    def refused(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
