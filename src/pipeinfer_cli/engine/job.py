@@ -118,7 +118,7 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
     try:
         serve_requests(link, cfg, loaded, trace, service.requests(), offsets, service.callbacks())
     except BaseException as exc:
-        service.fail(describe(exc, traceback_too=cfg.debug))
+        service.fail(f"the job failed and the server is stopping: {describe(exc)}")
         raise
 
 

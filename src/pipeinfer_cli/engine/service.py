@@ -78,13 +78,15 @@ class Event:
 class Ticket:
     """One submitted request, from submit() until its "done" or "error" event."""
 
-    def __init__(self, seq: int, request: GenerationRequest, on_event: Callable[[Event], None]):
+    def __init__(self, seq: int, request: GenerationRequest, on_event: Callable[[Event], None], tag: str = ""):
         self.seq = seq  # 1, 2, … in submission order
+        self.tag = tag  # the submitter's label (the server: its endpoint), handed to observers
         self.request = request
         self.on_event = on_event
         self.t_submit = now()
         self.t_start: float | None = None  # taken off the queue
         self.t_first_token: float | None = None
+        self.run_index: int | None = None  # 0, 1, … in the order the pipeline took the requests
         self.n_tokens = 0
         self._cancel = threading.Event()
         self._lock = threading.Lock()
@@ -130,6 +132,12 @@ class Service:
         self._queue: deque[Ticket] = deque()
         self._current: Ticket | None = None
         self._seq = 0
+        self._runs = 0  # requests taken off the queue so far
+        self._observers: list[Callable[[Ticket, dict], None]] = []
+
+    def add_observer(self, fn: Callable[[Ticket, dict], None]) -> None:
+        """fn(ticket, result) after every request that ran, cancelled ones included (pipeline thread)."""
+        self._observers.append(fn)
 
     # -- what clients call (any thread) ---------------------------------------------------------
     @property
@@ -157,17 +165,19 @@ class Service:
         with self._cond:
             return self._current is not None
 
-    def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> Ticket:
+    def submit(self, request: GenerationRequest, on_event: Callable[[Event], None], tag: str = "") -> Ticket:
         """Queue a request. Raises ServiceUnavailable (not ready, queue full) or UsageError (bad request)."""
         self._require_ready()
         self.check(request)
         with self._cond:
             self._require_ready()
-            if len(self._queue) + (self._current is not None) > self.max_queue:
-                raise ServiceUnavailable(f"the queue is full ({len(self._queue)} requests waiting, --queue "
-                                         f"{self.max_queue}); try again shortly", "queue_full", retry_after=1)
+            # Requests in the service (waiting or running), counted the same whether or not the
+            # pipeline thread has taken the first one yet: at most one running plus max_queue waiting.
+            if len(self._queue) + (self._current is not None) >= self.max_queue + 1:
+                raise ServiceUnavailable(f"the queue is full (one request generating, {self.max_queue} waiting: "
+                                         f"--queue {self.max_queue}); try again shortly", "queue_full", retry_after=1)
             self._seq += 1
-            ticket = Ticket(self._seq, request, on_event)
+            ticket = Ticket(self._seq, request, on_event, tag)
             self._queue.append(ticket)
             self._cond.notify_all()
         return ticket
@@ -243,6 +253,8 @@ class Service:
                         ticket.emit(Event("error", text="cancelled", reason="cancelled"))
                         continue
                     ticket.t_start = now()
+                    ticket.run_index = self._runs
+                    self._runs += 1
                     self._current = ticket
                     return ticket
                 self._cond.wait(timeout=0.5)
@@ -282,8 +294,12 @@ class Service:
             r.pop("trace", None)  # a long-running server keeps no trace events
         t = self._current
         if t is not None:
-            result["queue_s"] = t.queue_s
+            result.update(queue_s=t.queue_s, request_seq=t.seq, run_index=t.run_index)
             t.emit(Event("done", result=result))
+            for fn in self._observers:
+                fn(t, result)
+        with self._cond:
+            self._current = None  # the caches are clear: the pipeline is idle until the next request
 
 
 @dataclass

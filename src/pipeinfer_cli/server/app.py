@@ -48,13 +48,14 @@ def build_app(service: Service, settings: ServerSettings) -> Starlette:
     api = _Api(service, settings, metrics)
     routes = [
         Route("/health", api.health, methods=["GET"]),
-        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/metrics", api.prometheus, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.metrics = metrics
+    service.add_observer(lambda ticket, result: api.finished(ticket.tag, result))
     return app
 
 
@@ -76,7 +77,7 @@ class _Api:
         body = {"status": status} if status == "loading" else {"status": "error", "message": self.service.message}
         return JSONResponse(body, status_code=503)
 
-    async def metrics(self, request: Request) -> Response:
+    async def prometheus(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -113,7 +114,7 @@ class _Api:
 
         try:
             parsed = parse(parse_json(await _read_body(request, self.settings.max_body_bytes)))
-            ticket = self.service.submit(self._generation(parsed), on_event)
+            ticket = self.service.submit(self._generation(parsed), on_event, tag=endpoint)
         except ApiError as e:
             self.metrics.refused(endpoint, "rejected")
             return e.response()
@@ -163,11 +164,9 @@ class _Api:
             except TimeoutError:
                 if await request.is_disconnected():
                     ticket.cancel()
-                    self.metrics.refused(endpoint, "cancelled")
                     return Response(status_code=499)
                 continue
             if ev.kind == "done":
-                self._finished(endpoint, ev.result)
                 return JSONResponse(reply.complete(ev.result))
             if ev.kind == "error":
                 self.metrics.refused(endpoint, "error")
@@ -184,7 +183,6 @@ class _Api:
                 if ev.kind == "text":
                     yield {"data": json.dumps(reply.chunk(ev.text))}
                 elif ev.kind == "done":
-                    self._finished(endpoint, ev.result)
                     yield {"data": json.dumps(reply.last_chunk(ev.result, parsed.include_usage))}
                     if parsed.include_usage:
                         yield {"data": json.dumps(reply.usage_chunk(ev.result))}
@@ -197,9 +195,9 @@ class _Api:
         finally:
             if not ticket.finished:
                 ticket.cancel()  # the client went away mid-stream
-                self.metrics.refused(endpoint, "cancelled")
 
-    def _finished(self, endpoint: str, result: dict) -> None:
+    def finished(self, endpoint: str, result: dict) -> None:
+        """After every request that ran (the pipeline thread): metrics and the log line."""
         self.metrics.finished(endpoint, result)
         if self.settings.on_finished is not None:
             self.settings.on_finished(endpoint, result)

@@ -2,8 +2,9 @@
 
 `timings` has llama-server's fields (prompt_n, prompt_ms, predicted_n, predicted_ms, …) and what
 only pipeinfer has: the mode, the draft's acceptance, the runs launched and cancelled, TTFT and
-the time spent in the queue. `pipeinfer` (extension) gives each rank's KV cells in use at the end
-of the request, before the caches are cleared for the next one.
+the time spent in the queue. `pipeinfer` (extension) gives the token ids, the request's number
+(submission order) and run index (the order the pipeline took requests), and each rank's KV cells
+in use at the end of the request, before the caches are cleared for the next one.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def timings(result: dict) -> dict:
 
 
 def extension(result: dict) -> dict:
-    return {"mode": result["mode"], "draft": result.get("draft"),
+    return {"mode": result["mode"], "draft": result.get("draft"), "tokens": result["tokens"],
+            "request": result.get("request_seq"), "run_index": result.get("run_index"),
             "kv_used_cells": {str(r["rank"]): r["kv_used_cells"] for r in result["ranks"] if "kv_used_cells" in r}}
 
 

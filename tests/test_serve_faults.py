@@ -1,0 +1,45 @@
+"""`pipeinfer serve` when things go wrong: a rank fails mid-request, the port is taken."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from serving import start_server
+
+pytestmark = pytest.mark.mpi
+
+
+def test_a_failing_rank_gives_503_and_the_server_exits_nonzero(smollm2_path, tmp_path):
+    # Rank 1 raises on its 30th run: in the middle of the second request below.
+    server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 512, log_dir=tmp_path,
+                          PIPEINFER_DEBUG_FAIL="1:30")
+    try:
+        ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 100}
+        status, body = server.post_json("/v1/chat/completions", {**ask, "mode": "pipeinfer"})
+        assert status == 400 and body["error"]["param"] == "mode" and "needs a draft" in body["error"]["message"]
+        status, body = server.post_json("/v1/chat/completions", {**ask, "max_tokens": 8})
+        assert status == 200
+        status, body = server.post_json("/v1/completions", {"prompt": "1, 2, 3,", "max_tokens": 100})
+        msg = body["error"]["message"]
+        assert status == 503 and "the job failed" in msg and "rank 1" in msg and "injected fault" in msg, msg
+        rc = server.proc.wait(timeout=30)
+    finally:
+        server.stop()
+    assert rc not in (0, None)
+    log = server.stderr()
+    assert "Error: rank 1: " in log and "injected fault" in log and "Traceback" not in log, log
+
+
+def test_a_port_in_use_is_a_usage_error(smollm2_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "pipeinfer_cli", "serve", str(smollm2_path), "--ranks", "2",
+                            "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"Error: port {port} on 127.0.0.1 is in use by another program; pass another --port"
