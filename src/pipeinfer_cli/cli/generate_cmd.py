@@ -13,9 +13,7 @@ import typer
 from ..engine.topology import format_layer_ranges
 from ..errors import UsageError
 from .console import err, out
-from .job_setup import (
-    check_n_predict, check_plan, check_world, default_mode, make_job_config, ranks_wanted, resolve_models,
-)
+from .job_setup import check_n_predict, check_plan, check_world, prepare_job
 from .job_options import JobOptions, job_options
 from .options import JsonFlag, ModelOption, ModeOption, OptionalModelArg, StopOption
 from .prompt_input import check_stop_strings, read_prompt_input
@@ -69,20 +67,16 @@ def generate(
     inside = under_mpi_launcher()
     # Only the head reads the prompt: under a launcher, standard input reaches rank 0 alone.
     given = read_prompt_input(prompt, file, chat, messages, system) if not inside or world_rank() == 0 else None
-    want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
-    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside)
-    mode = default_mode(mode, draft_ref)
-    if mode != "iterative" and draft_ref is None:
-        raise UsageError(f"--mode {mode} needs a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
-    cfg = make_job_config(target, draft_ref, job)
-    if not inside and want > 1:
-        check_plan(cfg, want, needs_draft=mode != "iterative")
-        raise typer.Exit(_relaunch(want, given))
+    prep = prepare_job(model, mode, job, inside)
+    cfg = prep.cfg
+    if not inside and prep.ranks > 1:
+        check_plan(cfg, prep.ranks, needs_draft=prep.mode != "iterative")
+        raise typer.Exit(_relaunch(prep.ranks, given))
 
     from ..engine.job import Request
 
-    check_world(want, explicit=bool(job.ranks or split_ranks))
-    request = Request(mode=mode, prompt=given.text if given else None, chat=given.messages if given else None,
+    check_world(prep.ranks, explicit=prep.explicit_ranks)
+    request = Request(mode=prep.mode, prompt=given.text if given else None, chat=given.messages if given else None,
                       stop=check_stop_strings(stop))
     _run_and_print(cfg, request, as_json)
 

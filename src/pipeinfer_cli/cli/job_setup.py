@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from ..errors import OptionValueError, UsageError
 from ..registry import load_registry
@@ -102,3 +103,25 @@ def make_job_config(target, draft_ref, job):
                              max_branches=job.max_branches, max_inflight=job.max_inflight),
         n_ctx=job.ctx, layer_split=job.layer_split, threads=job.threads, debug=debug_enabled(),
     )
+
+
+@dataclass
+class PreparedJob:
+    """What a job command knows once its options are checked and its models resolved."""
+
+    cfg: object  # engine.job.JobConfig
+    mode: str  # the mode asked for, or the default one
+    ranks: int  # ranks to run
+    explicit_ranks: bool  # --ranks or --layer-split said how many
+    has_draft: bool
+
+
+def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:
+    """Ranks, models (pulled unless inside the MPI job), mode and JobConfig of a job command."""
+    want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
+    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside)
+    mode = default_mode(mode, draft_ref)
+    if mode != "iterative" and draft_ref is None:
+        raise UsageError(f"--mode {mode} needs a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
+    return PreparedJob(make_job_config(target, draft_ref, job), mode, want, bool(job.ranks or split_ranks),
+                       draft_ref is not None)

@@ -10,13 +10,11 @@ from typing import Annotated
 
 import typer
 
-from ..errors import OptionValueError, UsageError
+from ..errors import OptionValueError
 from .console import err
 from .generate_cmd import one_model, summary_line
 from .job_options import JobOptions, job_options
-from .job_setup import (
-    check_n_predict, check_plan, check_world, default_mode, make_job_config, ranks_wanted, resolve_models,
-)
+from .job_setup import check_n_predict, check_plan, check_world, prepare_job
 from .options import ModelOption, ModeOption, OptionalModelArg
 
 API_KEY_ENV = "PIPEINFER_API_KEY"
@@ -68,21 +66,16 @@ def serve(
     if api_key is not None and not api_key.strip():
         raise OptionValueError(f"--api-key (or {API_KEY_ENV}) is empty; give a key or leave it unset")
     inside = under_mpi_launcher()
-    want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
-    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside)
-    mode = default_mode(mode, draft_ref)
-    if mode != "iterative" and draft_ref is None:
-        raise UsageError(f"--mode {mode} needs a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
-    cfg = make_job_config(target, draft_ref, job)
+    prep = prepare_job(model, mode, job, inside)
     if not inside:
         from ..server.http_thread import bind
 
         bind(host, port).close()  # a port in use is reported now, not after the launch
-    if not inside and want > 1:
-        check_plan(cfg, want, needs_draft=draft_ref is not None)
-        raise typer.Exit(relaunch(want, sys.argv[1:]))
-    check_world(want, explicit=bool(job.ranks or split_ranks))
-    _serve_on_this_rank(cfg, mode, host, port, queue, api_key)
+    if not inside and prep.ranks > 1:
+        check_plan(prep.cfg, prep.ranks, needs_draft=prep.has_draft)
+        raise typer.Exit(relaunch(prep.ranks, sys.argv[1:]))
+    check_world(prep.ranks, explicit=prep.explicit_ranks)
+    _serve_on_this_rank(prep.cfg, prep.mode, host, port, queue, api_key)
 
 
 def _serve_on_this_rank(cfg, mode: str, host: str, port: int, queue: int, api_key: str | None) -> None:
