@@ -1,4 +1,5 @@
-"""Write tiny random-weight GGUF models (llama, qwen2, qwen3 layouts) that llama.cpp itself can load.
+"""Write tiny random-weight GGUF models (llama, qwen2, qwen3, and mixture-of-experts qwen3moe and llama
+layouts) that llama.cpp itself can load.
 
 The vocabulary is GPT-2 byte-level: the 256 byte tokens in byte order, then a few merged tokens
 and the special tokens, so any text tokenizes and the files work end to end without downloads.
@@ -43,13 +44,25 @@ def vocab(n_vocab: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+def _expert_tensors(p: str, w, n_embd: int, n_expert: int, n_ff_exp: int) -> dict[str, np.ndarray]:
+    """A mixture-of-experts FFN: the router (kept F32, as llama.cpp's quantizer keeps it) and the
+    experts stacked on a third axis (numpy (n_expert, rows, cols) = ggml's (cols, rows, n_expert))."""
+    return {
+        p + "ffn_gate_inp.weight": w(n_expert, n_embd) * 8,  # wide router logits: decisive routing
+        p + "ffn_gate_exps.weight": w(n_expert, n_ff_exp, n_embd),
+        p + "ffn_up_exps.weight": w(n_expert, n_ff_exp, n_embd),
+        p + "ffn_down_exps.weight": w(n_expert, n_embd, n_ff_exp),
+    }
+
+
 def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 64, n_head: int = 4,
                      n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 300, seed: int = 0,
                      n_ctx_train: int = 512, rope_freq_base: float = 10000.0, rms_eps: float = 1e-5,
                      tied_output: bool = False, omit_tensors: tuple[str, ...] = (), scale: float = 0.08,
                      weight_type: str = "f32", arch_name: str | None = None,
                      rope_scaling: tuple[str, float] | None = None, rope_orig_ctx: int | None = None,
-                     head_dim: int | None = None) -> Path:
+                     head_dim: int | None = None, n_expert: int = 0, n_expert_used: int = 2,
+                     n_ff_exp: int | None = None) -> Path:
     """Write a random-weight model and return its path.
 
     `omit_tensors` drops tensors (for error tests). `weight_type` ("f32", "f16", "q8_0", "q4_0")
@@ -58,12 +71,18 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
     `general.architecture` with the `arch` layout (to test an unsupported architecture).
     `rope_scaling=("linear"|"yarn", factor)` and `rope_orig_ctx` write RoPE scaling metadata.
     `head_dim` writes attention.key_length/value_length with Q/K/V heads of that size (Qwen3's heads
-    are wider than n_embd / n_head); qwen3 adds the per-head Q and K norms.
+    are wider than n_embd / n_head); qwen3 and qwen3moe add the per-head Q and K norms.
+    `n_expert` > 0 writes mixture-of-experts layers (qwen3moe, or llama: Mixtral-style): a router
+    `ffn_gate_inp` and stacked `ffn_{gate,up,down}_exps` in place of the dense FFN, `n_expert_used`
+    experts per token, each `n_ff_exp` wide (qwen3moe's expert_feed_forward_length; llama: n_ff).
     """
     import gguf
 
     path = Path(path)
     rng = np.random.default_rng(seed)
+    if arch == "qwen3moe" and not n_expert:
+        raise ValueError("qwen3moe needs n_expert > 0")
+    n_ff_exp = (n_ff_exp or n_ff) if arch == "qwen3moe" else n_ff
     explicit_head_dim = head_dim is not None
     head_dim = head_dim or n_embd // n_head
     n_embd_q = head_dim * n_head
@@ -87,19 +106,22 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
             tensors[p + "attn_k.bias"] = w(n_embd_kv)
             tensors[p + "attn_v.bias"] = w(n_embd_kv)
         tensors[p + "attn_output.weight"] = w(n_embd, n_embd_q)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             tensors[p + "attn_q_norm.weight"] = norm(head_dim)
             tensors[p + "attn_k_norm.weight"] = norm(head_dim)
         tensors[p + "ffn_norm.weight"] = norm(n_embd)
-        tensors[p + "ffn_gate.weight"] = w(n_ff, n_embd)
-        tensors[p + "ffn_up.weight"] = w(n_ff, n_embd)
-        tensors[p + "ffn_down.weight"] = w(n_embd, n_ff)
+        if n_expert:
+            tensors.update(_expert_tensors(p, w, n_embd, n_expert, n_ff_exp))
+        else:
+            tensors[p + "ffn_gate.weight"] = w(n_ff, n_embd)
+            tensors[p + "ffn_up.weight"] = w(n_ff, n_embd)
+            tensors[p + "ffn_down.weight"] = w(n_embd, n_ff)
     tensors["output_norm.weight"] = norm(n_embd)
     if not tied_output:
         tensors["output.weight"] = w(n_vocab, n_embd)
 
     matrix_suffixes = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-                       "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+                       "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "_exps.weight")
     qtype = {"f32": None, "f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
              "q4_0": gguf.GGMLQuantizationType.Q4_0}[weight_type]
 
@@ -121,6 +143,11 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
     if explicit_head_dim:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if n_expert:
+        writer.add_expert_count(n_expert)
+        writer.add_expert_used_count(n_expert_used)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(n_ff_exp)
     if rope_scaling is not None:
         kind, factor = rope_scaling
         writer.add_rope_scaling_type({"linear": gguf.RopeScalingType.LINEAR, "yarn": gguf.RopeScalingType.YARN}[kind])

@@ -20,9 +20,13 @@ namespace {
 constexpr int64_t max_invariant_rows = 64;
 
 // Graph nodes for a layer range. An invariant graph slices matmuls and attention by rows, which
-// adds about 30 nodes per row per layer (see graph_builder.cpp).
-size_t graph_size_for(size_t n_layers, int64_t invariant_rows = 0) {
-    return std::max<size_t>(1024, (64 + 30 * (size_t) invariant_rows) * n_layers + 256 + 8 * (size_t) invariant_rows);
+// adds about 30 nodes per row per layer (see graph_builder.cpp). A mixture-of-experts FFN adds its
+// router and expert ops, two per routed expert, and up to 16 per row when sliced (ffn_moe.cpp).
+size_t graph_size_for(const model_hparams & hp, size_t n_layers, int64_t invariant_rows = 0) {
+    const size_t per_layer = 64 + (hp.n_expert ? 32 + 2 * (size_t) hp.n_expert_used : 0);
+    const size_t per_row = 30 + (hp.n_expert ? 16 : 0);
+    return std::max<size_t>(1024, (per_layer + per_row * (size_t) invariant_rows) * n_layers + 256 +
+                                  8 * (size_t) invariant_rows);
 }
 
 // "(2, 63)", "(64,)": a shape as numpy prints it.
@@ -103,7 +107,7 @@ layer_engine::layer_engine(const engine_params & params) : params_(params) {
 
     galloc_ = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
     if (!galloc_) throw engine_failure("ggml_gallocr_new failed");
-    const size_t gs = graph_size_for(w_->layers.size());
+    const size_t gs = graph_size_for(w_->hparams, w_->layers.size());
     graph_meta_.resize(ggml_tensor_overhead() * gs + ggml_graph_overhead_custom(gs, false));
 }
 
@@ -121,7 +125,7 @@ void layer_engine::graph_drop() {
 layer_engine::cached_graph & layer_engine::graph_for(const graph_shape & shape) {
     if (graph_.ctx && graph_.shape == shape) return graph_;
     graph_drop();
-    const size_t gs = graph_size_for(w_->layers.size(), shape.invariant ? shape.n_tokens * (shape.ordered ? 2 : 1) : 0);
+    const size_t gs = graph_size_for(w_->hparams, w_->layers.size(), shape.invariant ? shape.n_tokens * (shape.ordered ? 2 : 1) : 0);
     const size_t meta = ggml_tensor_overhead() * gs + ggml_graph_overhead_custom(gs, false);
     if (graph_meta_.size() < meta) graph_meta_.resize(meta);
     ggml_init_params ip = { graph_meta_.size(), graph_meta_.data(), true };

@@ -1,5 +1,7 @@
 #include "graph_builder.h"
 
+#include "batch_invariance.h"
+#include "ffn_moe.h"
 #include "ggml-backend.h"
 
 #include <algorithm>
@@ -21,45 +23,6 @@ void mark_layer_done(ggml_tensor * /*dst*/, const ggml_tensor * /*a*/, int ith, 
 
 ggml_tensor * norm_rms(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, float eps) {
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
-}
-
-// Batch invariance. ggml's CPU matmul changes kernels with the number of activation rows:
-// llamafile's tinyBLAS takes over from 2 rows (F32/F16/BF16/Q8_0/Q4_0/Q5_0/IQ4_NL weights, and the
-// F16 KV cache in attention), and repacked weights switch from gemv to gemm from 4 rows. Each
-// kernel rounds differently, and the difference grows through the layers until a greedy argmax
-// can flip. Speculative verification evaluates k tokens in one batch where plain decoding
-// evaluates one, so to be lossless an invariant graph splits every such matmul into slices of
-// rows that the one-row kernel computes (repacked: up to 3 rows still use gemv, row by row).
-// Other types (Q4_1, K-quants without repack, ...) go through vec_dot, invariant up to 7 rows.
-int64_t invariant_rows(const ggml_tensor * w) {
-    if (w->buffer) {
-        const char * name = ggml_backend_buft_name(ggml_backend_buffer_get_type(w->buffer));
-        if (name && std::strstr(name, "REPACK")) return 3;
-    }
-    switch (w->type) {
-        case GGML_TYPE_F32: case GGML_TYPE_F16: case GGML_TYPE_BF16: case GGML_TYPE_Q8_0:
-        case GGML_TYPE_Q4_0: case GGML_TYPE_Q5_0: case GGML_TYPE_IQ4_NL:
-            return 1;
-        default:
-            // Measured on this ggml (Q6_K, Q4_K without repack): rows stay bit-identical to a
-            // one-row batch in slices of up to 7 rows, not from 8.
-            return 7;
-    }
-}
-
-// w [n_in, n_out] x x [n_in, n] -> [n_out, n]; with invariant, in row slices (see above).
-ggml_tensor * mul_mat_rows(ggml_context * ctx, ggml_tensor * w, ggml_tensor * x, bool invariant) {
-    const int64_t n = x->ne[1];
-    const int64_t step = invariant ? invariant_rows(w) : n;
-    if (step >= n) return ggml_mul_mat(ctx, w, x);
-    ggml_tensor * out = nullptr;
-    for (int64_t i = 0; i < n; i += step) {
-        const int64_t rows = std::min(step, n - i);
-        ggml_tensor * xi = ggml_view_2d(ctx, x, x->ne[0], rows, x->nb[1], i * x->nb[1]);
-        ggml_tensor * yi = ggml_mul_mat(ctx, w, xi);
-        out = out ? ggml_concat(ctx, out, yi, 1) : yi;
-    }
-    return out;
 }
 
 ggml_tensor * matmul_bias(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x, bool invariant) {
@@ -245,9 +208,11 @@ struct graph_context {
         return cur;
     }
 
-    // SwiGLU feed-forward with its residual: x + down(silu(gate(norm x)) * up(norm x)).
+    // SwiGLU feed-forward with its residual: x + down(silu(gate(norm x)) * up(norm x)); a
+    // mixture-of-experts layer routes each row to its experts instead (ffn_moe.cpp).
     ggml_tensor * build_ffn(const layer_weights & L, ggml_tensor * ffn_inp) {
         ggml_tensor * cur = norm_rms(ctx, ffn_inp, L.ffn_norm, hp.f_norm_rms_eps);
+        if (L.ffn_gate_inp) return ggml_add(ctx, build_moe_ffn(ctx, gf, cur, L, hp, inv), ffn_inp);
         ggml_tensor * up   = mul_mat_rows(ctx, L.ffn_up, cur, inv);
         ggml_tensor * gate = mul_mat_rows(ctx, L.ffn_gate, cur, inv);
         cur = ggml_swiglu_split(ctx, gate, up);

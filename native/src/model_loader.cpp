@@ -31,6 +31,8 @@ std::string fmt_shape(const int64_t * ne) {
 
 struct ggml_ctx_deleter { void operator()(ggml_context * c) const { ggml_free(c); } };
 
+constexpr uint32_t max_experts = 512;  // llama.cpp's LLAMA_MAX_EXPERTS
+
 // Sizes of the decoder; refuses what the engine cannot compute (MoE, odd head sizes).
 void read_sizes(const gguf_file & f, const std::string & a, model_hparams & hp) {
     const std::string & path = f.path();
@@ -47,10 +49,6 @@ void read_sizes(const gguf_file & f, const std::string & a, model_hparams & hp) 
                                ", embedding_length=" + std::to_string(hp.n_embd) + ", head_count=" +
                                std::to_string(hp.n_head) + ", head_count_kv=" + std::to_string(hp.n_head_kv) + ")");
     }
-    if (f.get_uint(a + "expert_count", 0, false) > 0) {
-        throw model_file_error(path + ": mixture-of-experts models (" + a + "expert_count > 0) are not supported; "
-                               "the native engine runs dense llama/qwen2/qwen3 models");
-    }
     // The head size is attention.key_length when the file has it (Qwen3: 128 with n_embd/n_head = 64
     // in the 0.6B model), else n_embd/n_head, as llama.cpp resolves it.
     const bool has_key_len = gguf_find_key(f.ctx(), (a + "attention.key_length").c_str()) >= 0;
@@ -65,6 +63,30 @@ void read_sizes(const gguf_file & f, const std::string & a, model_hparams & hp) 
                                ") and attention.value_length (" + std::to_string(val_len) +
                                ") must be equal and non-zero; other head sizes are not supported");
     }
+}
+
+// Mixture of experts: llama files with expert_count > 0 (Mixtral-style) and qwen3moe. As in
+// llama.cpp 0.3.36, both route with a softmax over the experts, take the top expert_used_count and
+// renormalise their weights to sum to 1 (qwen3moe's norm_topk_prob; for llama it is the same as a
+// softmax over the chosen experts), with no weight scale and no shared expert.
+void read_experts(const gguf_file & f, const std::string & a, model_hparams & hp) {
+    const std::string & path = f.path();
+    const bool has_experts = hp.arch == "llama" || hp.arch == "qwen3moe";
+    hp.n_expert = has_experts ? (uint32_t) f.get_uint(a + "expert_count", 0, hp.arch == "qwen3moe") : 0;
+    if (hp.n_expert == 0) {
+        if (hp.arch == "qwen3moe") throw model_file_error(path + ": " + a + "expert_count must be > 0 for qwen3moe");
+        return;
+    }
+    hp.n_expert_used = (uint32_t) f.get_uint(a + "expert_used_count", 0, true);
+    if (hp.n_expert > max_experts || hp.n_expert_used == 0 || hp.n_expert_used > hp.n_expert) {
+        throw model_file_error(path + ": inconsistent experts (expert_count=" + std::to_string(hp.n_expert) +
+                               ", expert_used_count=" + std::to_string(hp.n_expert_used) + "); need 1 <= "
+                               "expert_used_count <= expert_count <= " + std::to_string(max_experts));
+    }
+    // llama experts are n_ff wide; qwen3moe's have their own width (n_ff / n_expert_used if unset).
+    hp.n_ff_exp = hp.arch == "llama"
+        ? hp.n_ff : (uint32_t) f.get_uint(a + "expert_feed_forward_length", hp.n_ff / hp.n_expert_used, false);
+    if (hp.n_ff_exp == 0) throw model_file_error(path + ": " + a + "expert_feed_forward_length must be > 0");
 }
 
 // RoPE: style, base and scaling, resolved the way llama.cpp resolves its context params when the
@@ -112,6 +134,7 @@ model_hparams read_hparams(const gguf_file & f) {
     }
     const std::string a = hp.arch + ".";
     read_sizes(f, a, hp);
+    read_experts(f, a, hp);
     read_rope(f, a, hp);
     const int64_t tid = gguf_find_tensor(f.ctx(), "token_embd.weight");
     if (tid < 0) {
@@ -129,11 +152,30 @@ struct tensor_request {
     std::vector<int64_t> ne;   // expected shape
     bool is_matmul_weight;     // used as src0 of MUL_MAT: a candidate for the repack buffer types
     bool required;
+    bool is_expert = false;    // src0 of MUL_MAT_ID (ffn_*_exps), not of MUL_MAT
     // Filled by locate_tensors; meta stays null for an optional tensor the file does not have.
     const ggml_tensor * meta = nullptr;
     uint64_t offset = 0;       // absolute offset of the data in the file
     ggml_backend_buffer_type_t buft = nullptr;  // filled by choose_buffer_types
 };
+
+// A mixture-of-experts layer's FFN: the router (a MUL_MAT weight) and the stacked experts (MUL_MAT_ID).
+void add_expert_tensors(const std::string & p, layer_weights & L, const model_hparams & hp,
+                        std::vector<tensor_request> & req) {
+    const int64_t E = hp.n_embd, X = hp.n_expert, Fe = hp.n_ff_exp;
+    req.push_back({p + "ffn_gate_inp.weight", p + "ffn_gate_inp.weight", &L.ffn_gate_inp, {E, X}, true, true});
+    // llama.cpp loads a llama MoE without gate experts (the FFN is then SiLU(up)); qwen3moe needs them.
+    const bool gate_required = hp.arch != "llama";
+    const struct { const char * name; ggml_tensor ** dst; std::vector<int64_t> ne; bool required; } exps[] = {
+        {"ffn_gate_exps.weight", &L.ffn_gate_exps, {E, Fe, X}, gate_required},
+        {"ffn_up_exps.weight",   &L.ffn_up_exps,   {E, Fe, X}, true},
+        {"ffn_down_exps.weight", &L.ffn_down_exps, {Fe, E, X}, true},
+    };
+    for (const auto & e : exps) {
+        req.push_back({p + e.name, p + e.name, e.dst, e.ne, true, e.required});
+        req.back().is_expert = true;
+    }
+}
 
 // The tensors of the stage: its layers, plus token_embd on the first stage and the output norm and
 // LM head (or the tied token_embd) on the last.
@@ -142,7 +184,7 @@ std::vector<tensor_request> stage_tensors(const gguf_file & f, stage_weights & s
     const int64_t E = hp.n_embd, V = hp.n_vocab, F = hp.n_ff, Q = hp.n_embd_q(), G = hp.n_embd_gqa(),
                   D = hp.n_embd_head;
     const bool qwen2 = hp.arch == "qwen2";
-    const bool qk_norm = hp.arch == "qwen3";  // per-head RMS norms of Q and K before RoPE
+    const bool qk_norm = hp.arch == "qwen3" || hp.arch == "qwen3moe";  // per-head RMS norms of Q and K before RoPE
     std::vector<tensor_request> req;
     auto add = [&](const std::string & fname, ggml_tensor ** dst, std::vector<int64_t> ne, bool mm, bool required,
                    const std::string & as = "") {
@@ -169,9 +211,13 @@ std::vector<tensor_request> stage_tensors(const gguf_file & f, stage_weights & s
             add(p + "attn_k_norm.weight", &L.attn_k_norm, {D}, false, true);
         }
         add(p + "ffn_norm.weight",    &L.ffn_norm,  {E},    false, true);
-        add(p + "ffn_gate.weight",    &L.ffn_gate,  {E, F}, true,  true);
-        add(p + "ffn_up.weight",      &L.ffn_up,    {E, F}, true,  true);
-        add(p + "ffn_down.weight",    &L.ffn_down,  {F, E}, true,  true);
+        if (hp.n_expert > 0) {
+            add_expert_tensors(p, L, hp, req);
+        } else {
+            add(p + "ffn_gate.weight", &L.ffn_gate, {E, F}, true, true);
+            add(p + "ffn_up.weight",   &L.ffn_up,   {E, F}, true, true);
+            add(p + "ffn_down.weight", &L.ffn_down, {F, E}, true, true);
+        }
     }
     if (sw.is_last()) {
         add("output_norm.weight", &sw.output_norm, {E}, false, true);
@@ -219,15 +265,23 @@ void locate_tensors(const gguf_file & f, std::vector<tensor_request> & req) {
     }
 }
 
-// Mirrors llama.cpp's weight_buft_supported for MUL_MAT: ask the device whether it can run a
-// MUL_MAT whose weight lives in a buffer of this type.
-bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const ggml_tensor * meta) {
+// Mirrors llama.cpp's weight_buft_supported for MUL_MAT (and MUL_MAT_ID for experts, n_expert_used
+// > 0): ask the device whether it can run the op with the weight in a buffer of this type.
+bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const ggml_tensor * meta,
+                          int64_t n_expert_used) {
     ggml_init_params ip = { ggml_tensor_overhead() * 8, nullptr, true };
     std::unique_ptr<ggml_context, ggml_ctx_deleter> ctx(ggml_init(ip));
     if (!ctx) return false;
     ggml_tensor * w = ggml_dup_tensor(ctx.get(), meta);
-    ggml_tensor * b = ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, w->ne[0], 512, w->ne[2], w->ne[3]);
-    ggml_tensor * op = ggml_mul_mat(ctx.get(), w, b);
+    ggml_tensor * op;
+    if (n_expert_used > 0) {  // an expert stack: the MUL_MAT_ID llama.cpp probes with
+        ggml_tensor * b = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, w->ne[0], n_expert_used, 512);
+        ggml_tensor * ids = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, n_expert_used, 512);
+        op = ggml_mul_mat_id(ctx.get(), w, b, ids);
+    } else {
+        ggml_tensor * b = ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, w->ne[0], 512, w->ne[2], w->ne[3]);
+        op = ggml_mul_mat(ctx.get(), w, b);
+    }
     w->buffer = ggml_backend_buft_alloc_buffer(buft, 0);
     if (!w->buffer) return false;
     const bool ok = ggml_backend_dev_supports_op(dev, op);
@@ -252,7 +306,8 @@ void pread_all(int fd, void * dst, size_t n, uint64_t offset, const std::string 
 
 // Chooses a buffer type per tensor: the first extra buffer type (CPU_REPACK, ...) whose device
 // can run MUL_MAT with it, else the plain CPU buffer type. Returns the plain CPU buffer type.
-ggml_backend_buffer_type_t choose_buffer_types(std::vector<tensor_request> & req, bool use_repack) {
+ggml_backend_buffer_type_t choose_buffer_types(std::vector<tensor_request> & req, bool use_repack,
+                                               int64_t n_expert_used) {
     ggml_backend_dev_t cpu_dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     if (!cpu_dev) throw engine_failure("ggml has no CPU device");
     ggml_backend_buffer_type_t cpu_buft = ggml_backend_dev_buffer_type(cpu_dev);
@@ -269,7 +324,7 @@ ggml_backend_buffer_type_t choose_buffer_types(std::vector<tensor_request> & req
         r.buft = cpu_buft;
         if (!r.meta || !r.is_matmul_weight) continue;
         for (auto * b : extra) {
-            if (buft_supports_matmul(cpu_dev, b, r.meta)) {
+            if (buft_supports_matmul(cpu_dev, b, r.meta, r.is_expert ? n_expert_used : 0)) {
                 r.buft = b;
                 break;
             }
@@ -325,13 +380,14 @@ void read_tensors(const gguf_file & f, const std::vector<tensor_request> & req, 
             sw.n_repacked++;
         }
         sw.weight_bytes += nb;
+        if (r.is_expert) sw.expert_bytes += nb;
     }
 }
 
 }  // namespace
 
 const std::vector<std::string> & supported_archs() {
-    static const std::vector<std::string> archs = {"llama", "qwen2", "qwen3"};
+    static const std::vector<std::string> archs = {"llama", "qwen2", "qwen3", "qwen3moe"};
     return archs;
 }
 
@@ -357,7 +413,7 @@ std::unique_ptr<stage_weights> stage_weights_load(const std::string & path, int 
 
     std::vector<tensor_request> req = stage_tensors(f, *sw);
     locate_tensors(f, req);
-    ggml_backend_buffer_type_t cpu_buft = choose_buffer_types(req, use_repack);
+    ggml_backend_buffer_type_t cpu_buft = choose_buffer_types(req, use_repack, sw->hparams.n_expert_used);
     allocate_tensors(req, *sw);
     read_tensors(f, req, cpu_buft, *sw);
     return sw;

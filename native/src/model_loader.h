@@ -1,5 +1,5 @@
 // Loads the hyperparameters and the tensors of one layer range of a GGUF file (the architectures
-// of supported_archs(): llama, qwen2, qwen3).
+// of supported_archs(): llama, also with experts, qwen2, qwen3, qwen3moe).
 //
 // Only the tensors the range needs are read: the layers [layer_begin, layer_end), plus
 // token_embd on the first stage and output_norm/output (or the tied token_embd) on the last one.
@@ -41,6 +41,11 @@ struct model_hparams {
     float    yarn_beta_fast  = 32.0f;
     float    yarn_beta_slow  = 1.0f;
 
+    // Mixture of experts (read_experts in model_loader.cpp, graph in ffn_moe.cpp); 0 experts: dense FFN.
+    uint32_t n_expert      = 0;      // expert_count: experts per layer
+    uint32_t n_expert_used = 0;      // expert_used_count: experts each token is routed to (top-k)
+    uint32_t n_ff_exp      = 0;      // rows of one expert's gate/up matrices
+
     uint32_t n_embd_gqa() const { return n_embd_head * n_head_kv; }  // width of one K or V row
     uint32_t n_embd_q() const { return n_embd_head * n_head; }       // width of Q (may differ from n_embd)
 };
@@ -63,6 +68,11 @@ struct layer_weights {
     // qwen3, qwen3moe: RMS norms of each Q and K head before RoPE.
     ggml_tensor * attn_q_norm = nullptr;  // [n_embd_head]
     ggml_tensor * attn_k_norm = nullptr;  // [n_embd_head]
+    // Mixture of experts (then ffn_gate/ffn_up/ffn_down are null).
+    ggml_tensor * ffn_gate_inp  = nullptr;  // router [n_embd, n_expert]
+    ggml_tensor * ffn_gate_exps = nullptr;  // [n_embd, n_ff_exp, n_expert]; optional for llama (then SiLU(up))
+    ggml_tensor * ffn_up_exps   = nullptr;  // [n_embd, n_ff_exp, n_expert]
+    ggml_tensor * ffn_down_exps = nullptr;  // [n_ff_exp, n_embd, n_expert]
 };
 
 // Everything one stage computes with. Owns the ggml contexts and backend buffers of its tensors.
@@ -82,6 +92,7 @@ struct stage_weights {
 
     size_t weight_bytes = 0;             // bytes of all tensors loaded
     size_t n_repacked   = 0;             // tensors placed in an extra (repack) buffer type
+    size_t expert_bytes = 0;             // of weight_bytes: the experts' matrices (ffn_*_exps)
 
     std::vector<ggml_context *>          ctxs;     // one per buffer type used
     std::vector<ggml_backend_buffer_t>   buffers;  // matching buffers

@@ -191,6 +191,7 @@ void bind_engine_properties(py::class_<layer_engine> & c) {
         .def_property_readonly("is_last", &layer_engine::is_last)
         .def_property_readonly("weight_bytes", [](layer_engine & e) { return e.weights().weight_bytes; })
         .def_property_readonly("n_repacked", [](layer_engine & e) { return e.weights().n_repacked; })
+        .def_property_readonly("expert_bytes", [](layer_engine & e) { return e.weights().expert_bytes; })
         .def_property_readonly("kv_bytes", &layer_engine::kv_bytes);
 }
 
@@ -204,6 +205,7 @@ void bind_engine_methods(py::class_<layer_engine> & c) {
             d["n_vocab"] = h.n_vocab; d["n_ctx_train"] = h.n_ctx_train; d["f_norm_rms_eps"] = h.f_norm_rms_eps;
             d["rope_type"] = h.rope_type; d["rope_freq_base"] = h.rope_freq_base;
             d["rope_freq_scale"] = h.rope_freq_scale;
+            d["n_expert"] = h.n_expert; d["n_expert_used"] = h.n_expert_used; d["n_ff_exp"] = h.n_ff_exp;
             return d;
         })
         .def("eval", &engine_eval, py::arg("tokens") = py::none(), py::arg("embd") = py::none(),

@@ -42,10 +42,14 @@ class ModelInfo:
     tensor_types: dict[str, int]  # ggml type name -> number of tensors
     n_tensors: int
     layer_bytes: list[int]  # bytes of the weights of each layer
+    expert_bytes: list[int]  # of layer_bytes, the mixture-of-experts matrices (ffn_*_exps) of each layer
     token_embd_bytes: int
     output_bytes: int  # LM head (the tied token_embd when there is no output.weight)
     output_tied: bool
     other_bytes: int  # output_norm and anything else outside the layers
+    n_expert: int = 0  # experts per layer (0: dense)
+    n_expert_used: int = 0  # experts each token is routed to
+    n_ff_exp: int = 0  # width of one expert's FFN
     split: list[dict] = field(default_factory=list)  # layer split per rank, filled by with_split()
     layer_split: str = ""  # the split in --layer-split notation, filled by with_split()
 
@@ -114,9 +118,14 @@ def read_model_info(path: Path) -> ModelInfo:
                      file_type=_file_type_name(kv.get("general.file_type", None)), **sizes)
 
 
+_EXPERTS = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.")
+
+
 def _tensor_bytes(tensors, n_layer: int) -> dict:
-    """Bytes per layer, of token_embd, of the LM head (tied to token_embd when absent) and the rest."""
+    """Bytes per layer (and of its experts), of token_embd, of the LM head (tied to token_embd when
+    absent) and the rest."""
     layer_bytes = [0] * n_layer
+    expert_bytes = [0] * n_layer
     types: Counter[str] = Counter()
     token_embd = output = other = 0
     has_output = False
@@ -125,6 +134,8 @@ def _tensor_bytes(tensors, n_layer: int) -> dict:
         m = _BLOCK.match(name)
         if m and int(m.group(1)) < n_layer:
             layer_bytes[int(m.group(1))] += n_bytes
+            if _EXPERTS.match(name):
+                expert_bytes[int(m.group(1))] += n_bytes
         elif name == "token_embd.weight":
             token_embd = n_bytes
         elif name == "output.weight":
@@ -132,6 +143,7 @@ def _tensor_bytes(tensors, n_layer: int) -> dict:
         else:
             other += n_bytes
     return {"tensor_types": dict(sorted(types.items())), "n_tensors": len(tensors), "layer_bytes": layer_bytes,
+            "expert_bytes": expert_bytes,
             "token_embd_bytes": token_embd, "output_bytes": output if has_output else token_embd,
             "output_tied": not has_output, "other_bytes": other}
 
@@ -161,4 +173,17 @@ def _hparams(kv: dict, arch: str) -> dict:
         "tokenizer_model": str(kv.get("tokenizer.ggml.model", "")),
         "tokenizer_pre": str(kv.get("tokenizer.ggml.pre", "")),
         "chat_template": kv.get("tokenizer.chat_template") is not None,
+        **_experts(hp, arch),
     }
+
+
+def _experts(hp, arch: str) -> dict:
+    """Mixture-of-experts sizes, resolved as the native loader resolves them (model_loader.cpp:
+    llama's experts are feed_forward_length wide, qwen3moe's expert_feed_forward_length)."""
+    n_expert = int(hp("expert_count"))
+    if not n_expert:
+        return {}
+    n_used = int(hp("expert_used_count"))
+    n_ff = int(hp("feed_forward_length"))
+    n_ff_exp = n_ff if arch == "llama" else int(hp("expert_feed_forward_length", n_ff // max(n_used, 1)))
+    return {"n_expert": n_expert, "n_expert_used": n_used, "n_ff_exp": n_ff_exp}

@@ -136,6 +136,11 @@ class LayerEngine:
         return self._eng.weight_bytes
 
     @property
+    def expert_bytes(self) -> int:
+        """Of `weight_bytes`, the mixture-of-experts matrices (`ffn_*_exps`) of this range; 0 if dense."""
+        return self._eng.expert_bytes
+
+    @property
     def kv_bytes(self) -> int:
         """Bytes of this stage's K and V cache tensors."""
         return self._eng.kv_bytes
@@ -146,7 +151,8 @@ class LayerEngine:
         return self._eng.n_repacked
 
     def hparams(self) -> dict[str, Any]:
-        """Hyperparameters read from the file (n_head, n_head_kv, n_ff, rope settings, ...)."""
+        """Hyperparameters read from the file (n_head, n_head_kv, n_ff, rope settings, n_expert,
+        n_expert_used, n_ff_exp (0 for a dense model), ...)."""
         return self._eng.hparams()
 
     # --- compute --------------------------------------------------------------------------
