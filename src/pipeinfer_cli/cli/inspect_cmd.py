@@ -44,7 +44,7 @@ def inspect(
 ) -> None:
     """Show a model's architecture, tensors and bytes per layer, and how its layers split over ranks.
 
-    The split is the one `generate` would use with the same --ranks, --layer-split and --draft (a pair name brings its draft): by default each rank gets consecutive layers so that the stage reading the most bytes of weights per token reads as few as possible. The last stage also reads the LM head, the head also runs a draft model unless the split has a draft rank ('/1'). The head's token embedding table is shown apart: it is a lookup, one row per token, so it takes memory but next to no time.
+    The split is the one `generate` would use with the same --ranks, --layer-split and --draft (a pair name brings its draft): by default each rank gets consecutive layers so that the stage reading the most bytes of weights per token reads as few as possible. For a mixture-of-experts model the layer bytes count every expert (a stage holds them all), so the split balances memory too; the summary shows the experts, the experts used per token and the expert bytes per layer. The last stage also reads the LM head, the head also runs a draft model unless the split has a draft rank ('/1'). The head's token embedding table is shown apart: it is a lookup, one row per token, so it takes memory but next to no time.
     """
     reg = load_registry()
     if model in reg.pairs:
@@ -82,6 +82,7 @@ def _summary_table(label: str, info) -> Table:
         ("n_embd", str(info.n_embd)),
         ("heads / KV heads", f"{info.n_head} / {info.n_head_kv}"),
         ("n_ff", str(info.n_ff)),
+        *_expert_rows(info),
         ("context length", str(info.n_ctx_train)),
         ("rope freq base", "-" if info.rope_freq_base is None else f"{info.rope_freq_base:g}"),
         ("vocabulary", f"{info.n_vocab} ({info.tokenizer_model}, pre {info.tokenizer_pre or '-'})"),
@@ -95,16 +96,31 @@ def _summary_table(label: str, info) -> Table:
     return t
 
 
+def _expert_rows(info) -> list[tuple[str, str]]:
+    """Mixture-of-experts facts; none for a dense model."""
+    if not info.n_expert:
+        return []
+    experts = sum(info.expert_bytes)
+    return [("experts", f"{info.n_expert} per layer, {info.n_expert_used} used per token, n_ff {info.n_ff_exp} each"),
+            ("expert weights", f"{human_bytes(experts)} ({100 * experts / max(sum(info.layer_bytes), 1):.0f} % of the "
+                               f"layers); a token reads {info.n_expert_used}/{info.n_expert} of them")]
+
+
 def _layer_bytes_table(info) -> Table:
     lt = Table(title="bytes per layer", title_justify="left")
     lt.add_column("layers")
     lt.add_column("bytes each", justify="right")
+    moe = bool(info.n_expert)
+    if moe:
+        lt.add_column("of which experts", justify="right")
     # Consecutive layers of equal size are shown as one row, to keep 28-layer models readable.
     start = 0
     for i in range(1, info.n_layer + 1):
-        if i == info.n_layer or info.layer_bytes[i] != info.layer_bytes[start]:
+        if i == info.n_layer or (info.layer_bytes[i], info.expert_bytes[i]) != (info.layer_bytes[start],
+                                                                                info.expert_bytes[start]):
             label = f"{start}" if i - 1 == start else f"{start}–{i - 1}"
-            lt.add_row(label, human_bytes(info.layer_bytes[start]))
+            cells = [human_bytes(info.layer_bytes[start])] + ([human_bytes(info.expert_bytes[start])] if moe else [])
+            lt.add_row(label, *cells)
             start = i
     return lt
 
@@ -131,3 +147,6 @@ def _print_split(info, layer_split: str | None, draft_label: str | None) -> None
     tied = "; as the tied LM head, the last stage reads all of it" if info.output_tied else ""
     out.print(f"token_embd ({human_bytes(info.token_embd_bytes)}, on the head) is a lookup table: one row is read "
               f"per token, so it is left out of the balance{tied}.", markup=False, highlight=False)
+    if info.n_expert:
+        out.print(f"Layer bytes include all {info.n_expert} experts of each layer: a stage must hold them all, so the "
+                  "split balances memory as well as the bytes read per token.", markup=False, highlight=False)
