@@ -14,11 +14,11 @@ from tinygguf import write_tiny_model
 TOKENS = [1, 504, 2988, 314, 42, 216, 33, 30, 198, 17, 3, 9]
 
 
-def rows(path, chunks, invariant, n_threads=1, begin=0, end=None, vocab=None):
-    """Evaluate TOKENS in consecutive batches of the given sizes; return every row's logits."""
+def rows(path, chunks, invariant, n_threads=1, begin=0, end=None, vocab=None, tokens=TOKENS):
+    """Evaluate tokens in consecutive batches of the given sizes; return every row's logits."""
     eng = LayerEngine(str(path), begin, end if end is not None else LayerEngine(str(path), 0, 1).n_layer,
                       n_ctx=256, n_threads=n_threads)
-    toks = np.asarray(TOKENS, np.int32) % (vocab or eng.n_vocab)
+    toks = np.asarray(tokens, np.int32) % (vocab or eng.n_vocab)
     out, p = [], 0
     for c in chunks:
         out.extend(eng.eval(tokens=toks[p:p + c], pos=np.arange(p, p + c, dtype=np.int32), seq_ids=[[0]] * c,

@@ -17,9 +17,9 @@ import pytest
 from pipeinfer_cli.errors import ModelFileError
 from pipeinfer_cli.gguf_info import read_model_info
 from pipeinfer_cli.native import LayerEngine
-from test_native_batch_invariance import CHUNKINGS
-from test_native_parity import (N_DECODE, TINY_PROMPT, assert_parity, llama_cpp_greedy, native_greedy,
-                                open_stages, split_ranges)
+from test_native_batch_invariance import CHUNKINGS, rows
+from test_native_parity import (N_DECODE, TINY_PROMPT, assert_parity, assert_split_equals_single, llama_cpp_greedy,
+                                native_greedy, open_stages, split_ranges)
 from tinygguf import write_tiny_model
 
 # name -> write_tiny_model arguments. qwen3moe: 8 experts, 2 used, experts narrower than n_ff and
@@ -57,10 +57,7 @@ def test_moe_parity_and_greedy(moe_path):
 @moe_files
 @pytest.mark.parametrize("n_parts", [2, 3])
 def test_moe_split_equals_single(moe_path, n_parts):
-    single_logits, single_tokens = native_greedy(open_stages(moe_path, 6, 1), TINY_PROMPT, N_DECODE)
-    split_logits, split_tokens = native_greedy(open_stages(moe_path, 6, n_parts), TINY_PROMPT, N_DECODE)
-    np.testing.assert_array_equal(split_logits, single_logits)
-    assert split_tokens == single_tokens
+    assert_split_equals_single(moe_path, 6, n_parts)
 
 
 def test_llama_moe_without_gate_experts(tmp_path):
@@ -131,15 +128,7 @@ BATCH_TOKENS = [1, 504, 2988, 314, 42, 216, 33, 30, 198, 17, 3, 9, 77, 140, 260,
 
 
 def all_rows(path, chunks, invariant):
-    """Logits of every row of BATCH_TOKENS evaluated in consecutive batches of the given sizes."""
-    eng = LayerEngine(path, 0, LayerEngine(path, 0, 1, n_ctx=8).n_layer, n_ctx=256)
-    toks = np.asarray(BATCH_TOKENS, np.int32) % eng.n_vocab
-    out, p = [], 0
-    for c in chunks:
-        out.extend(eng.eval(tokens=toks[p:p + c], pos=np.arange(p, p + c, dtype=np.int32), seq_ids=[[0]] * c,
-                            output=np.ones(c, bool), batch_invariant=invariant))
-        p += c
-    return np.asarray(out)
+    return rows(path, chunks, invariant, tokens=BATCH_TOKENS)
 
 
 @moe_files

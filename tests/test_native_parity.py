@@ -80,6 +80,14 @@ def assert_parity(native: np.ndarray, ref: np.ndarray) -> None:
 TINY_PROMPT = [5, 17, 42, 100, 255, 7, 3, 280, 64, 1]
 
 
+def assert_split_equals_single(path, n_layer: int, n_parts: int) -> None:
+    """The model split into n_parts stages computes bit for bit what one stage computes."""
+    single_logits, single_tokens = native_greedy(open_stages(path, n_layer, 1), TINY_PROMPT, N_DECODE)
+    split_logits, split_tokens = native_greedy(open_stages(path, n_layer, n_parts), TINY_PROMPT, N_DECODE)
+    np.testing.assert_array_equal(split_logits, single_logits)
+    assert split_tokens == single_tokens
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_parity_and_greedy(tmp_path, arch):
     path = write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, seed=3)
@@ -134,11 +142,7 @@ def test_tiny_flash_attn_matches_llama_cpp_flash_attn(tmp_path, arch):
 @pytest.mark.parametrize("n_parts", [2, 3])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_split_equals_single(tmp_path, arch, n_parts):
-    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, n_layer=6, seed=6)
-    single_logits, single_tokens = native_greedy(open_stages(path, 6, 1), TINY_PROMPT, N_DECODE)
-    split_logits, split_tokens = native_greedy(open_stages(path, 6, n_parts), TINY_PROMPT, N_DECODE)
-    np.testing.assert_array_equal(split_logits, single_logits)
-    assert split_tokens == single_tokens
+    assert_split_equals_single(write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, n_layer=6, seed=6), 6, n_parts)
 
 
 SMOL_TEXT = b"The quick brown fox jumps over the lazy dog. Once upon a time, in a small village,"

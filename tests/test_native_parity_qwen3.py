@@ -13,8 +13,8 @@ import pytest
 
 from pipeinfer_cli.native import LayerEngine
 from test_native_batch_invariance import CHUNKINGS, rows
-from test_native_parity import (N_DECODE, TINY_PROMPT, assert_parity, llama_cpp_greedy, native_greedy,
-                                open_stages)
+from test_native_parity import (N_DECODE, TINY_PROMPT, assert_parity, assert_split_equals_single, llama_cpp_greedy,
+                                native_greedy, open_stages)
 from tinygguf import write_tiny_model
 
 HEAD_DIM = 32  # n_embd 64 / n_head 4 = 16: Qwen3-style wide heads
@@ -42,10 +42,7 @@ def test_qwen3_parity_and_greedy(qwen3_path):
 
 @pytest.mark.parametrize("n_parts", [2, 3])
 def test_qwen3_split_equals_single(qwen3_path, n_parts):
-    single_logits, single_tokens = native_greedy(open_stages(qwen3_path, 6, 1), TINY_PROMPT, N_DECODE)
-    split_logits, split_tokens = native_greedy(open_stages(qwen3_path, 6, n_parts), TINY_PROMPT, N_DECODE)
-    np.testing.assert_array_equal(split_logits, single_logits)
-    assert split_tokens == single_tokens
+    assert_split_equals_single(qwen3_path, 6, n_parts)
 
 
 def test_qwen3_quantized_parity(tmp_path):
