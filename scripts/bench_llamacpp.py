@@ -2,12 +2,17 @@
 """llama.cpp's own greedy decoding (llama-cpp-python, one process) on a `pipeinfer bench` prompt set.
 
 The reference that `make bench` compares every pipeinfer mode against, at the same total threads.
+With --lookup, llama.cpp's prompt-lookup decoding instead (llama-cpp-python's
+`LlamaPromptLookupDecoding` draft model in `Llama.generate`: draft up to --lookup-tokens tokens
+by matching the last 1..--lookup-ngram tokens earlier in the text, verify them in one batch).
+`--prompts` takes a shipped set's name (`default`, `grounded`) or a JSONL file, as `pipeinfer bench`.
 Prompts are tokenized exactly as `pipeinfer bench` does (the model's chat template for `messages`),
 generation stops at end-of-generation or -n like a bench request, and the metrics follow
 design.md: tok_per_s = n_gen / (t_last_token - t_start), decode_tok_per_s = (n_gen - 1) /
 (t_last_token - t_first_token). Writes JSON (--json) and prints one line per prompt on stderr.
 
     python scripts/bench_llamacpp.py qwen-coder -n 128 --threads 2 --json build/bench_llamacpp.json
+    python scripts/bench_llamacpp.py qwen-coder --prompts grounded -n 96 --threads 2 --lookup --json build/lookup.json
 """
 
 from __future__ import annotations
@@ -52,6 +57,24 @@ def generate(llm, lib, prompt: list[int], n_predict: int, is_eog) -> dict:
         if is_eog(tok) or len(tokens) >= n_predict:
             break
         llm.eval([tok])
+    return _record(prompt, tokens, times, t_start)
+
+
+def generate_lookup(llm, lib, prompt: list[int], n_predict: int, is_eog) -> dict:
+    """Greedy decoding through `Llama.generate` with the prompt-lookup draft model the Llama was built with."""
+    llm.reset()
+    lib.llama_memory_clear(lib.llama_get_memory(llm.ctx), True)
+    t_start = time.perf_counter()
+    times, tokens = [], []
+    for tok in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+        tokens.append(int(tok))
+        times.append(time.perf_counter())
+        if is_eog(tok) or len(tokens) >= n_predict:
+            break
+    return _record(prompt, tokens, times, t_start)
+
+
+def _record(prompt: list[int], tokens: list[int], times: list[float], t_start: float) -> dict:
     n = len(tokens)
     return {"n_prompt": len(prompt), "n_gen": n, "tokens": tokens, "ttft_s": times[0] - t_start,
             "tok_per_s": n / (times[-1] - t_start),
@@ -61,13 +84,16 @@ def generate(llm, lib, prompt: list[int], n_predict: int, is_eog) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="pair name (its target is used), registry name or .gguf path")
-    ap.add_argument("--prompts", type=Path, default=None, help="JSONL prompt set (default: the one bench ships)")
+    ap.add_argument("--prompts", default=None, help="shipped prompt set (default, grounded) or a JSONL file (default: default)")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--lookup", action="store_true", help="llama.cpp's prompt-lookup decoding instead of plain decoding")
+    ap.add_argument("--lookup-ngram", type=int, default=2, help="longest n-gram matched (LlamaPromptLookupDecoding's max_ngram_size; its default)")
+    ap.add_argument("--lookup-tokens", type=int, default=10, help="tokens drafted per match (its num_pred_tokens; its default)")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
 
@@ -81,25 +107,35 @@ def main() -> int:
     prompts = load_prompts(args.prompts, args.limit)
     tok = Tokenizer(path)
     ids = {p.id: tok.chat_messages(list(p.messages)) if p.messages else tok.encode(p.prompt) for p in prompts}
+    draft = None
+    if args.lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(max_ngram_size=args.lookup_ngram, num_pred_tokens=args.lookup_tokens)
     llm = llama_cpp.Llama(str(path), n_ctx=args.ctx, n_batch=512, n_threads=args.threads,
-                          n_threads_batch=args.threads, verbose=False)
+                          n_threads_batch=args.threads, draft_model=draft, verbose=False)
+    run = generate_lookup if args.lookup else generate
+    name = "llama.cpp lookup" if args.lookup else "llama.cpp"
     for w in range(args.warmup):
-        generate(llm, llama_cpp, ids[prompts[w % len(prompts)].id], args.n_predict, tok.is_eog)
+        run(llm, llama_cpp, ids[prompts[w % len(prompts)].id], args.n_predict, tok.is_eog)
     records = []
     for rep in range(args.repeat):
         for p in prompts:
-            r = generate(llm, llama_cpp, ids[p.id], args.n_predict, tok.is_eog)
+            r = run(llm, llama_cpp, ids[p.id], args.n_predict, tok.is_eog)
             records.append({"prompt_id": p.id, "repeat": rep, **r})
-            print(f"llama.cpp {p.id}: {r['n_gen']} tokens, {r['tok_per_s']:.2f} tok/s, decode "
-                  f"{r['decode_tok_per_s'] or 0:.2f} tok/s", file=sys.stderr)
+            print(f"{name} {p.id}: {r['n_prompt']} prompt tokens, {r['n_gen']} tokens, {r['tok_per_s']:.2f} tok/s, "
+                  f"decode {r['decode_tok_per_s'] or 0:.2f} tok/s", file=sys.stderr)
     med = {k: statistics.median(r[k] for r in records if r[k] is not None) for k in ("tok_per_s", "decode_tok_per_s")}
-    doc = {"engine": "llama.cpp (llama-cpp-python, greedy, one process)", "model": label, "path": str(path),
+    engine = ("llama.cpp prompt-lookup decoding (llama-cpp-python LlamaPromptLookupDecoding, "
+              f"max_ngram_size={args.lookup_ngram}, num_pred_tokens={args.lookup_tokens}, greedy, one process)"
+              if args.lookup else "llama.cpp (llama-cpp-python, greedy, one process)")
+    doc = {"engine": engine, "model": label, "path": str(path),
            "threads": args.threads, "n_predict": args.n_predict, "repeat": args.repeat, "warmup": args.warmup,
            "command": " ".join(["python", *sys.argv]), "versions": versions(), "host": host_facts(),
-           "median": med, "records": records}
+           "prompts": args.prompts or "default", "median": med, "records": records}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"llama.cpp median: {med['tok_per_s']:.2f} tok/s, decode {med['decode_tok_per_s']:.2f} tok/s "
+    print(f"{name} median: {med['tok_per_s']:.2f} tok/s, decode {med['decode_tok_per_s']:.2f} tok/s "
           f"({args.threads} threads) -> {args.json}", file=sys.stderr)
     return 0
 

@@ -5,6 +5,11 @@
 
 Blank lines and lines starting with `#` are skipped. Everything is validated before any model is
 loaded, and an error names the file, the line and the fix.
+
+Two sets ship with the package, selected by name (`--prompts grounded`): `default`, short coding
+and prose requests whose answers are new text, and `grounded`, tasks whose answer copies much of
+a 400-550-token prompt (edit, fix, convert, document code; answer from a given document), where
+drafting by prompt lookup should be right most of the time.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 from ..errors import UsageError
 
 DEFAULT_PROMPTS = "default.jsonl"  # shipped in pipeinfer_cli/bench/prompts/
+SHIPPED_SETS = {"default": "default.jsonl", "grounded": "grounded.jsonl"}  # name -> file in that folder
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -36,16 +42,36 @@ class BenchPrompt:
 
 
 def default_prompts_path() -> Path:
-    return Path(str(resources.files("pipeinfer_cli.bench") / "prompts" / DEFAULT_PROMPTS))
+    return shipped_prompts_path("default")
 
 
-def load_prompts(path: Path | None = None, limit: int | None = None) -> list[BenchPrompt]:
-    """Read and validate a prompt set (the shipped default when path is None); first `limit` prompts."""
-    path = path or default_prompts_path()
+def shipped_prompts_path(name: str) -> Path:
+    return Path(str(resources.files("pipeinfer_cli.bench") / "prompts" / SHIPPED_SETS[name]))
+
+
+def resolve_prompts(spec: str | Path | None) -> Path | None:
+    """The file a --prompts value names: None (the default set), a shipped set's name, or a path.
+
+    A file of that name in the current directory wins over a shipped set (it is what a user who
+    typed it meant); names stay simple words, so the two rarely meet.
+    """
+    if spec is None:
+        return None
+    text = str(spec)
+    if text in SHIPPED_SETS and not Path(text).is_file():
+        return shipped_prompts_path(text)
+    return Path(text)
+
+
+def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[BenchPrompt]:
+    """Read and validate a prompt set (the shipped default when path is None, a shipped set by name,
+    or a JSONL file); first `limit` prompts."""
+    path = resolve_prompts(path) or default_prompts_path()
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise PromptFileError(f"prompt file {path} does not exist; pass a JSONL file to --prompts or omit it for the default set") from None
+        raise PromptFileError(f"prompt file {path} does not exist; pass a JSONL file to --prompts, a shipped set "
+                              f"({', '.join(SHIPPED_SETS)}), or omit it for the default set") from None
     except IsADirectoryError:
         raise PromptFileError(f"prompt file {path} is a directory; pass a JSONL file to --prompts") from None
     except UnicodeDecodeError:

@@ -30,8 +30,12 @@ EPILOG = """Examples:
 
 Prompt files are JSONL, one object per line: {"id": "x", "prompt": "raw text"} or
 {"id": "y", "messages": [{"role": "user", "content": "..."}]}. Without --prompts, a shipped set of
-8 coding and prose prompts is used. Modes run interleaved (A, B, C, A, B, C …) on models loaded
-once. Every mode must produce the same tokens: a difference is flagged in the table, on stderr
+8 coding and prose prompts is used ('default'); --prompts grounded selects the other shipped set,
+8 tasks whose answer copies from a 400-550-token prompt (where --draft lookup is right most often):
+
+  pipeinfer bench qwen2.5-coder-1.5b-instruct --draft lookup --prompts grounded -n 96 --ranks 2
+
+Modes run interleaved (A, B, C, A, B, C …) on models loaded once. Every mode must produce the same tokens: a difference is flagged in the table, on stderr
 and in the JSON (tokens_identical, token_mismatches), and the command then exits with status 1
 after writing its outputs (0 with --allow-mismatch). Open --trace files in
 https://ui.perfetto.dev or chrome://tracing.
@@ -61,7 +65,7 @@ def parse_modes(text: str) -> list[str]:
 def bench(
     model: ModelArg,
     modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes to compare, in run order within each round.")] = DEFAULT_MODES,
-    prompts: Annotated[Path | None, typer.Option("--prompts", help="JSONL prompt file (id + prompt or messages per line). Default: the shipped set.")] = None,
+    prompts: Annotated[str | None, typer.Option("--prompts", help="A shipped prompt set, 'default' or 'grounded' (answers that copy from 400-550-token prompts: edit, fix, convert code, answer from a document), or a JSONL file (id + prompt or messages per line). Default: 'default'.")] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Use only the first N prompts of the file.")] = None,
     repeat: Annotated[int, typer.Option("--repeat", min=1, help="Measured runs of every (prompt, mode).")] = 1,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Rounds of every mode run first and left out of the statistics.")] = 1,
@@ -77,14 +81,15 @@ def bench(
     The table goes to stdout, progress to stderr; --json/--csv/--trace/--plot write files.
     """
     from ..bench.outputs import check_output_paths
-    from ..bench.prompts import load_prompts
+    from ..bench.prompts import load_prompts, resolve_prompts
     from ..bench.schedule import build_schedule
     from ..transport.launch import relaunch, under_mpi_launcher
 
     # Everything that can be wrong in the input fails here, before a model is pulled or loaded.
     mode_list = parse_modes(modes)
     check_n_predict(job.n_predict)
-    prompt_set = load_prompts(prompts, limit)
+    prompts_file = resolve_prompts(prompts)
+    prompt_set = load_prompts(prompts_file, limit)
     outputs = {"--json": json_out, "--csv": csv_out, "--trace": trace_out, "--plot": plot_out}
     check_output_paths(outputs)
     if plot_out is not None:
@@ -119,7 +124,7 @@ def bench(
     from ..bench.environment import model_ref_facts
     from ..bench.results import collect, describe_config
 
-    config = describe_config(cfg, mode_list, prompt_set, prompts, repeat=repeat, warmup=warmup, ranks=want,
+    config = describe_config(cfg, mode_list, prompt_set, prompts_file, repeat=repeat, warmup=warmup, ranks=want,
                              layer_split=job.layer_split, threads=job.threads)
     models = {"target": model_ref_facts(target), "draft": model_ref_facts(draft_ref) if needs_draft else None}
     res = collect(records, mode_list, models, config, "pipeinfer " + shlex.join(sys.argv[1:]))
