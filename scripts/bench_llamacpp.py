@@ -12,7 +12,7 @@ design.md: tok_per_s = n_gen / (t_last_token - t_start), decode_tok_per_s = (n_g
 (t_last_token - t_first_token). Writes JSON (--json) and prints one line per prompt on stderr.
 
     python scripts/bench_llamacpp.py qwen-coder -n 128 --threads 2 --json build/bench_llamacpp.json
-    python scripts/bench_llamacpp.py qwen-coder --prompts grounded -n 96 --threads 2 --lookup --json build/lookup.json
+    python scripts/bench_llamacpp.py qwen-coder --prompts grounded -n 96 --threads 2 --lookup --ctx 1024 --json build/lookup.json
 """
 
 from __future__ import annotations
@@ -112,8 +112,10 @@ def main() -> int:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(max_ngram_size=args.lookup_ngram, num_pred_tokens=args.lookup_tokens)
+    # With a draft model, Llama keeps every row's logits (ctx × vocab floats, 2.5 GB at --ctx 4096
+    # for Qwen: pass --ctx 1024) but sizes that array only if logits_all is passed too.
     llm = llama_cpp.Llama(str(path), n_ctx=args.ctx, n_batch=512, n_threads=args.threads,
-                          n_threads_batch=args.threads, draft_model=draft, verbose=False)
+                          n_threads_batch=args.threads, draft_model=draft, logits_all=args.lookup, verbose=False)
     run = generate_lookup if args.lookup else generate
     name = "llama.cpp lookup" if args.lookup else "llama.cpp"
     for w in range(args.warmup):

@@ -300,7 +300,7 @@ def test_kv_slots_hand_out_lowest_ids_and_issue_kv_ops():
 
 
 def test_drafter_protocols():
-    from pipeinfer_cli.engine.drafters import LookupDrafter
+    from pipeinfer_cli.engine.lookup import LookupDrafter
     from pipeinfer_cli.engine.remote_draft import RemoteDrafter
 
     assert isinstance(AsyncOracle(OracleDrafter(), 1), AsyncDrafter)

@@ -166,39 +166,3 @@ class LlamaDrafter:
             self.lib.llama_batch_free(self.batch)
             self.batch = None
         self.llm.close()
-
-
-class LookupDrafter:
-    """Prompt-lookup drafting: continue the path with what followed its last n-gram earlier on.
-
-    It costs no model, so it does not compete with the target stages for the cores.
-    """
-
-    name = "lookup"
-
-    def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
-        self.ngram_max, self.ngram_min = ngram_max, ngram_min
-
-    def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
-        arr = path
-        for n in range(min(self.ngram_max, len(arr) - 1), self.ngram_min - 1, -1):
-            key = arr[-n:]
-            # Most recent earlier occurrence of the n-gram.
-            for start in range(len(arr) - n - 1, -1, -1):
-                if arr[start:start + n] == key:
-                    cont = arr[start + n:start + n + n_max]
-                    if cont:
-                        # Longer matches are more trustworthy; the confidence is a fixed prior. With the
-                        # default --p-accept 0.5, pipeinfer speculates on 3-gram matches and longer
-                        # (measured against 1- and 2-grams: BENCHMARKS.md, "Lookup drafting").
-                        conf = min(0.9, 0.15 + 0.15 * n)
-                        return Proposal(list(cont), [conf] * len(cont), [[] for _ in cont])
-                    break
-        return Proposal([], [], [])
-
-    def start(self, prompt: list[int]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-

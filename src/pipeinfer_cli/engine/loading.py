@@ -38,7 +38,8 @@ def n_predict_for(cfg, req, n_prompt: int) -> int:
 
 
 def make_drafter(cfg, threads: int):
-    from .drafters import LlamaDrafter, LookupDrafter
+    from .drafters import LlamaDrafter
+    from .lookup import LookupDrafter
 
     if cfg.draft_label == "lookup":
         return LookupDrafter()
