@@ -9,7 +9,7 @@ BUILD  := build/native
 # llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: install deps native demo test test-slow bench bench-native bench-network clean help
+.PHONY: install deps native demo test test-slow bench bench-grounded bench-native bench-network clean help
 
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
@@ -17,6 +17,7 @@ help:
 	@echo "make test         run the test suite (pulls smollm2-135m-instruct once)"
 	@echo "make test-slow    run the slow tests on the Qwen pair"
 	@echo "make bench        run the standard benchmark and update BENCHMARKS.md"
+	@echo "make bench-grounded grounded prompts (answers copied from the prompt): pipeinfer vs llama.cpp and its prompt lookup"
 	@echo "make bench-native native layer engine vs llama.cpp"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
 
@@ -86,3 +87,20 @@ bench: install
 	if [ -f build/bench.json ]; then \
 	  $(PY) scripts/update_benchmarks.py build/bench.json --baseline build/bench_llamacpp.json --plot docs/bench.png --out BENCHMARKS.md; \
 	fi; exit $$status
+
+# Grounded prompt set (`--prompts grounded`: answers that copy from 400-550-token prompts), greedy,
+# -n 96, end to end: llama.cpp plain and llama.cpp's own prompt-lookup decoding at BENCH_THREADS
+# threads in one process, then pipeinfer on GROUNDED_RANKS ranks with --draft lookup and with the
+# pair's 0.5B draft (iterative in the same job as the reference), then the side-by-side table
+# (build/grounded.md; BENCHMARKS.md's "Grounded prompts" section quotes it). About 15 minutes on 2 cores.
+GROUNDED_N     ?= 96
+GROUNDED_RANKS ?= 2
+GROUNDED_ARGS  ?= --temp 0 --repeat 1 --warmup 1
+bench-grounded: install
+	@mkdir -p build
+	$(PY) scripts/bench_llamacpp.py $(BENCH_MODEL) --prompts grounded -n $(GROUNDED_N) --threads $(BENCH_THREADS) --json build/grounded_llamacpp.json
+	$(PY) scripts/bench_llamacpp.py $(BENCH_MODEL) --prompts grounded -n $(GROUNDED_N) --threads $(BENCH_THREADS) --lookup --ctx 1024 --json build/grounded_llamacpp_lookup.json
+	$(VENV)/bin/pipeinfer bench $(BENCH_MODEL) --draft lookup --prompts grounded --ranks $(GROUNDED_RANKS) -n $(GROUNDED_N) --modes iterative,pipeinfer $(GROUNDED_ARGS) --json build/grounded_lookup.json
+	$(VENV)/bin/pipeinfer bench $(BENCH_MODEL) --prompts grounded --ranks $(GROUNDED_RANKS) -n $(GROUNDED_N) --modes iterative,pipeinfer $(GROUNDED_ARGS) --json build/grounded_pair.json
+	$(PY) scripts/grounded_table.py --ref build/grounded_llamacpp.json --ref build/grounded_llamacpp_lookup.json \
+	  --bench build/grounded_lookup.json --bench build/grounded_pair.json | tee build/grounded.md

@@ -35,6 +35,20 @@ def test_default_prompt_set_ships_with_the_package():
     assert {p.kind for p in prompts} == {"raw", "chat"}
 
 
+def test_grounded_prompt_set_is_selected_by_name(tmp_path, monkeypatch):
+    grounded = load_prompts("grounded")
+    assert len(grounded) == 8 and {p.kind for p in grounded} == {"chat"}
+    assert {p.id for p in grounded}.isdisjoint({p.id for p in load_prompts("default")})
+    # Every task hands the model the text its answer copies from: a long user message.
+    assert all(len(p.messages[-1]["content"]) > 1200 for p in grounded)
+    # A file of that name in the current directory is what a user typing it meant.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "grounded").write_text('{"id": "mine", "prompt": "x"}\n')
+    assert [p.id for p in load_prompts("grounded")] == ["mine"]
+    with pytest.raises(PromptFileError, match="grounded"):
+        load_prompts("groundd")
+
+
 @pytest.mark.parametrize("text, message", [
     ("{not json}\n", "not valid JSON"),
     ('{"id": "a"}\n', "exactly one of"),
@@ -374,3 +388,12 @@ def test_trace_moves_every_rank_onto_the_head_clock():
     assert by_name[(0, "a · speculative")]["dur"] == pytest.approx(0.5e6)  # the request, enclosing its runs
     assert by_name[(1, "verify r1")]["args"] == {"run": 1, "n_tokens": 3, "speculative": True, "cancelled": False,
                                                  "prompt": "a", "mode": "speculative", "repeat": 0, "warmup": False}
+
+
+@pytest.mark.slow
+def test_grounded_prompts_are_400_to_550_qwen_tokens(qwen15_path):
+    from pipeinfer_cli.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(qwen15_path)
+    lengths = {p.id: len(tok.chat_messages(list(p.messages))) for p in load_prompts("grounded")}
+    assert all(400 <= n <= 550 for n in lengths.values()), lengths
