@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Side-by-side speed of several job shapes on one machine: topologies, rank counts, threads.
+
+Each suite is a list of configurations, each one `pipeinfer bench` command (or llama.cpp's own
+decoding through scripts/bench_llamacpp.py). The suite runs every configuration once per round,
+every other round in reverse order, so that background load hits them alike; records of all
+rounds are pooled. Figures are paired by prompt: a ratio is the geometric mean over prompts of the
+per-prompt median tok/s ratio.
+
+Suites:
+- overhead    the cost of the pipeline itself: `iterative` on 1 rank against 2 ranks, the same
+              threads per rank (the same compute, plus two hops per token);
+- topologies  `iterative` and `pipeinfer` on each way to place a target and its draft on the
+              machine's cores (2 stages with the draft on the head, a stage plus a draft rank,
+              2 stages with lookup, 3 stages), with llama.cpp at all the cores as a reference;
+- threads     ranks that share the cores given their share of threads or all of them, with
+              OpenMP waiting passively or spinning briefly (GOMP_SPINCOUNT), in each mode.
+
+Prints a table on stdout, progress on stderr, and writes every figure and the raw bench documents
+to --json. Not a test: nothing asserts.
+
+    python scripts/bench_topologies.py --suite overhead --rounds 3 --json build/bench_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = "qwen2.5-coder-1.5b-instruct"
+PAIR = "qwen-coder"
+
+
+@dataclass
+class Config:
+    """One job shape: a label, the `pipeinfer bench` arguments after the model, and extra env."""
+
+    label: str
+    model: str  # registry name, pair name or path
+    args: list[str]  # bench options (modes, ranks, threads, draft, split)
+    env: dict[str, str] = field(default_factory=dict)
+    llamacpp: bool = False  # llama.cpp's own decoding (args: its --threads)
+
+
+def suite_configs(suite: str, cores: int) -> list[Config]:
+    half = max(cores // 2, 1)
+    if suite == "overhead":
+        return [Config(f"1 rank × {half} thread(s)", TARGET, ["--modes", "iterative", "--ranks", "1", "--threads", str(half)]),
+                Config(f"2 ranks × {half} thread(s)", TARGET, ["--modes", "iterative", "--ranks", "2", "--threads", str(half)])]
+    if suite == "topologies":
+        both = ["--modes", "iterative,pipeinfer"]
+        return [Config(f"llama.cpp, {cores} threads", PAIR, ["--threads", str(cores)], llamacpp=True),
+                Config("2 stages, draft on the head", PAIR, [*both, "--ranks", "2"]),
+                Config("1/1: one stage + a draft rank", PAIR, [*both, "--layer-split", "1/1"]),
+                Config("2 stages, --draft lookup", TARGET, [*both, "--ranks", "2", "--draft", "lookup"]),
+                Config("3 stages, draft on the head", PAIR, [*both, "--ranks", "3"])]
+    if suite == "threads":
+        modes = ["--modes", "iterative,pipeinfer", "--ranks", "2"]
+        return [Config(f"llama.cpp, {cores} threads", PAIR, ["--threads", str(cores)], llamacpp=True),
+                Config(f"2 ranks × {half}, passive", PAIR, [*modes, "--threads", str(half)]),
+                Config(f"2 ranks × {cores}, passive", PAIR, [*modes, "--threads", str(cores)],
+                       {"OMP_WAIT_POLICY": "passive"}),
+                Config(f"2 ranks × {cores}, spin 10k", PAIR, [*modes, "--threads", str(cores)],
+                       {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "10000"}),
+                Config(f"2 ranks × {cores}, spin 100k", PAIR, [*modes, "--threads", str(cores)],
+                       {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "100000"})]
+    raise SystemExit(f"Error: unknown suite {suite!r}; choose overhead, topologies or threads")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def command(a, c: Config, out: Path) -> list[str]:
+    if c.llamacpp:
+        return [sys.executable, str(ROOT / "scripts" / "bench_llamacpp.py"), c.model, "-n", str(a.n_predict),
+                "--limit", str(a.limit), *c.args, "--json", str(out), *a.prompts]
+    return [a.pipeinfer, "bench", c.model, *c.args, "-n", str(a.n_predict), "--limit", str(a.limit),
+            "--warmup", str(a.warmup), "--repeat", "1", "--temp", "0", "--json", str(out), *a.prompts]
+
+
+def run_config(a, c: Config, rnd: int) -> dict:
+    out = a.work_dir / f"{a.suite}_{abs(hash(c.label)) % 10**8}_r{rnd}.json"
+    out.unlink(missing_ok=True)
+    cmd = command(a, c, out)
+    env_shown = " ".join(f"{k}={v}" for k, v in c.env.items())
+    shown = (env_shown + " " if env_shown else "") + shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
+    log(f"[round {rnd}] {c.label}: {shown}")
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env={**os.environ, **c.env}, capture_output=True, text=True, check=False)
+    run = {"label": c.label, "round": rnd, "command": shown, "returncode": proc.returncode,
+           "wall_s": round(time.monotonic() - t0, 2), "loadavg_end": list(os.getloadavg())}
+    if out.exists():
+        run["doc"] = json.loads(out.read_text())
+    else:
+        run["error"] = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        log(f"  failed (exit {proc.returncode}): {run['error']}")
+    return run
+
+
+def records_of(run: dict) -> list[dict]:
+    """The measured records of a run, llama.cpp's labelled as mode `llama.cpp`."""
+    doc = run.get("doc") or {}
+    if "header" not in doc:
+        return [{**r, "mode": "llama.cpp", "warmup": False} for r in doc.get("records", [])]
+    return [r for r in doc.get("records", []) if not r["warmup"]]
+
+
+def per_prompt(records: list[dict], key: str) -> dict[str, float]:
+    groups: dict[str, list[float]] = {}
+    for r in records:
+        if r.get(key):
+            groups.setdefault(r["prompt_id"], []).append(r[key])
+    return {p: statistics.median(v) for p, v in groups.items()}
+
+
+def paired_ratio(a: dict[str, float], b: dict[str, float]) -> float | None:
+    rs = [a[p] / b[p] for p in a if p in b and a[p] > 0 and b[p] > 0]
+    return math.exp(statistics.fmean(math.log(x) for x in rs)) if rs else None
+
+
+def summarize(configs: list[Config], runs: list[dict]) -> list[dict]:
+    """One row per (configuration, mode), with ratios to the first configuration's same mode (or
+    its only mode), to the same configuration's `iterative`, and whether the tokens agree."""
+    pooled = {c.label: [r for run in runs if run["label"] == c.label for r in records_of(run)] for c in configs}
+    ref_tokens: dict[str, list[int]] = {}
+    for recs in pooled.values():
+        for r in recs:
+            if r["mode"] in ("iterative", "llama.cpp"):
+                ref_tokens.setdefault(r["prompt_id"], r["tokens"])
+    base = pooled[configs[0].label]
+    rows = []
+    for c in configs:
+        recs = pooled[c.label]
+        for mode in dict.fromkeys(r["mode"] for r in recs):
+            mine = [r for r in recs if r["mode"] == mode]
+            base_mode = [r for r in base if r["mode"] == mode] or base
+            iterative = [r for r in recs if r["mode"] == "iterative"]
+            toks = [r["tok_per_s"] for r in mine if r.get("tok_per_s")]
+            dec = [r["decode_tok_per_s"] for r in mine if r.get("decode_tok_per_s")]
+            acc = [r["acceptance"]["rate"] for r in mine if (r.get("acceptance") or {}).get("rate") is not None]
+            rows.append({
+                "config": c.label, "mode": mode, "n_records": len(mine),
+                "tok_per_s": statistics.median(toks) if toks else None,
+                "decode_tok_per_s": statistics.median(dec) if dec else None,
+                "ttft_ms": statistics.median(r["ttft_s"] * 1e3 for r in mine) if mine else None,
+                "acceptance": statistics.fmean(acc) if acc else None,
+                "x_first": paired_ratio(per_prompt(mine, "tok_per_s"), per_prompt(base_mode, "tok_per_s")),
+                "x_first_decode": paired_ratio(per_prompt(mine, "decode_tok_per_s"),
+                                               per_prompt(base_mode, "decode_tok_per_s")),
+                "x_iterative": paired_ratio(per_prompt(mine, "tok_per_s"), per_prompt(iterative, "tok_per_s"))
+                if iterative and mode != "iterative" else None,
+                "tokens_same": all(r["tokens"] == ref_tokens.get(r["prompt_id"], r["tokens"]) for r in mine),
+            })
+    return rows
+
+
+def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if x is None else f"{x:{spec}}{suffix}"
+
+
+def table(rows: list[dict], first: str) -> str:
+    lines = [f"| configuration | mode | tok/s | decode tok/s | TTFT ms | acceptance | × {first} (tok/s, decode) "
+             "| × iterative | tokens |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['mode']} | {fmt(r['tok_per_s'])} | {fmt(r['decode_tok_per_s'])} "
+                     f"| {fmt(r['ttft_ms'], '.0f')} | {fmt(r['acceptance'] and 100 * r['acceptance'], '.0f', ' %')} "
+                     f"| {fmt(r['x_first'], '.3f')}, {fmt(r['x_first_decode'], '.3f')} "
+                     f"| {fmt(r['x_iterative'], '.3f')} | {'same' if r['tokens_same'] else 'DIFFERENT'} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", required=True, choices=["overhead", "topologies", "threads"])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("--limit", type=int, default=3, help="prompts of the set (default 3)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--prompts", default=None, help="a prompt set or file, given to every run")
+    ap.add_argument("--only", default=None, help="comma-separated configuration numbers (1-based) to run")
+    ap.add_argument("--pipeinfer", default=str(Path(sys.executable).with_name("pipeinfer")))
+    ap.add_argument("--work-dir", type=Path, default=ROOT / "build" / "bench_topologies")
+    ap.add_argument("--json", type=Path, required=True)
+    a = ap.parse_args(argv)
+    a.prompts = ["--prompts", a.prompts] if a.prompts else []
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    a.work_dir.mkdir(parents=True, exist_ok=True)
+    configs = suite_configs(a.suite, a.cores)
+    if a.only:
+        configs = [configs[int(i) - 1] for i in a.only.split(",")]
+    runs = []
+    for rnd in range(a.rounds):
+        for c in (configs if rnd % 2 == 0 else configs[::-1]):
+            runs.append(run_config(a, c, rnd))
+    rows = summarize(configs, runs)
+    print(table(rows, configs[0].label))
+    doc = {"suite": a.suite, "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+           "argv": sys.argv[1:], "rows": rows, "runs": runs}
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(doc, indent=1) + "\n")
+    log(f"wrote {a.json}")
+    return 0 if all("doc" in r for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
