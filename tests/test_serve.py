@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -207,6 +208,19 @@ def test_client_disconnect_cancels_and_leaves_the_pipeline_clean(server, referen
     assert _metric(server, "pipeinfer_kv_cells_used", '{rank="1"}') == baseline["kv_used_cells"]["1"]
 
 
+def test_client_disconnect_while_waiting_for_a_whole_answer(server, reference):
+    cancelled0 = _metric(server, "pipeinfer_requests_total", '{endpoint="/v1/completions",outcome="cancelled"}')
+    body = json.dumps({"prompt": COUNT, "max_tokens": 600}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        while _metric(server, "pipeinfer_requests_running") != 1:  # generating
+            time.sleep(0.05)
+    status, _, after = _chat(server)
+    assert status == 200 and after["pipeinfer"]["tokens"] == reference["chat"]["tokens"]
+    assert _metric(server, "pipeinfer_requests_total", '{endpoint="/v1/completions",outcome="cancelled"}') == cancelled0 + 1
+
+
 BAD = {  # id: (path, body, status, param, code)
     "malformed-json": ("/v1/chat/completions", b'{"messages": [', 400, None, "invalid_json"),
     "not-an-object": ("/v1/completions", b"[1, 2]", 400, None, "invalid_json"),
@@ -223,6 +237,8 @@ BAD = {  # id: (path, body, status, param, code)
     "no-messages": ("/v1/chat/completions", {"messages": None}, 400, "messages", "missing_required_parameter"),
     "tool-role": ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role",
                   "invalid_value"),
+    "empty-prompt": ("/v1/completions", {"prompt": ""}, 400, "prompt", "invalid_value"),
+    "prompt-beyond-ctx": ("/v1/completions", {"prompt": "hello " * 2000}, 400, "prompt", "context_length_exceeded"),
     "no-prompt": ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "missing_required_parameter"),
     "batch-prompt": ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
     "token-out-of-vocab": ("/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt", "invalid_value"),

@@ -44,14 +44,20 @@ class ServiceUnavailable(PipeinferError):
         self.reason, self.retry_after = reason, retry_after
 
 
-class RequestTooLong(UsageError):
-    """Prompt + tokens to generate (+ the cells of speculative runs in flight) exceed the context.
+class InvalidRequest(UsageError):
+    """A request the service refuses. field: what is wrong ("mode", "prompt" or "n_predict");
+    code: a short machine-readable reason."""
 
-    field: "prompt" when the prompt alone does not fit, else "n_predict"."""
+    def __init__(self, msg: str, field: str, code: str = "invalid_value"):
+        super().__init__(msg)
+        self.field, self.code = field, code
+
+
+class RequestTooLong(InvalidRequest):
+    """Prompt + tokens to generate (+ the cells of speculative runs in flight) exceed the context."""
 
     def __init__(self, msg: str, field: str):
-        super().__init__(msg)
-        self.field = field
+        super().__init__(msg, field, "context_length_exceeded")
 
 
 @dataclass
@@ -166,7 +172,7 @@ class Service:
             return self._current is not None
 
     def submit(self, request: GenerationRequest, on_event: Callable[[Event], None], tag: str = "") -> Ticket:
-        """Queue a request. Raises ServiceUnavailable (not ready, queue full) or UsageError (bad request)."""
+        """Queue a request. Raises ServiceUnavailable (not ready, queue full) or InvalidRequest."""
         self._require_ready()
         self.check(request)
         with self._cond:
@@ -186,24 +192,25 @@ class Service:
         """Refuse a request that cannot run: unknown mode, a mode without a draft, too long for the context."""
         mode = request.mode or self.default_mode()
         if mode not in MODES:
-            raise UsageError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+            raise InvalidRequest(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
         if mode != "iterative" and not self.has_draft:
-            raise UsageError(f"mode {mode} needs a draft, and this server has none (start it with --draft MODEL, "
-                             "--draft lookup or a pair name); use mode iterative")
+            raise InvalidRequest(f"mode {mode} needs a draft, and this server has none (start it with --draft MODEL, "
+                                 "--draft lookup or a pair name); use mode iterative", "mode")
         if not request.prompt:
-            raise RequestTooLong("the prompt is empty", "prompt")
+            raise InvalidRequest("the prompt is empty; send some text", "prompt")
         cfg = self.cfg
         n_prompt = len(request.prompt)
         margin = spec_margin(cfg, _ModeOnly(mode))
+        room = cfg.n_ctx - n_prompt - margin  # tokens the context still holds after the prompt
+        if room < 1:
+            raise RequestTooLong(f"the prompt has {n_prompt} tokens, too many for the context of {cfg.n_ctx} cells "
+                                 f"(--ctx) with room to generate ({margin} cells are kept for speculative runs in "
+                                 f"flight); shorten it to at most {cfg.n_ctx - margin - 1} tokens", "prompt")
         n = cfg.decode.n_predict if request.n_predict is None else request.n_predict
-        if n < 0 and cfg.n_ctx - n_prompt - margin < 1:
-            raise RequestTooLong(f"the prompt has {n_prompt} tokens; with the cells of speculative runs in flight "
-                                 f"({margin}) nothing fits in the context of {cfg.n_ctx} (--ctx); shorten it", "prompt")
-        if n > 0 and n_prompt + n + margin > cfg.n_ctx:
-            field = "prompt" if n_prompt + 1 + margin > cfg.n_ctx else "n_predict"
-            raise RequestTooLong(f"the prompt has {n_prompt} tokens; generating {n} more needs {n_prompt + n + margin} "
-                                 f"KV cells, more than the context of {cfg.n_ctx} (--ctx); ask for at most "
-                                 f"{max(cfg.n_ctx - n_prompt - margin, 0)} tokens or shorten the prompt", field)
+        if n > room:
+            raise RequestTooLong(f"{n} tokens after a prompt of {n_prompt} need {n_prompt + n + margin} KV cells "
+                                 f"(with {margin} for speculative runs in flight), more than the context of "
+                                 f"{cfg.n_ctx} (--ctx); ask for at most {room}", "n_predict")
 
     def stop(self, reason: str = "the server is shutting down") -> None:
         """End the service (from any thread but a signal handler's): every request waiting or running
@@ -272,11 +279,11 @@ class Service:
             t.emit(Event("error", text=message, reason=status))
 
     def _ready(self, _tokenizer) -> None:
+        if self.on_ready is not None:
+            self.on_ready(self)  # first: whoever sees "ok" sees what on_ready printed
         with self._cond:
             if self.status == "loading":
                 self.status, self.message = "ok", "ready"
-        if self.on_ready is not None:
-            self.on_ready(self)
 
     def _token(self, _token: int) -> None:
         t = self._current

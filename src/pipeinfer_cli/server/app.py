@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine.service import Event, GenerationRequest, RequestTooLong, Service, ServiceUnavailable
+from ..engine.service import Event, GenerationRequest, InvalidRequest, Service, ServiceUnavailable
 from ..errors import UsageError
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openai_errors import ApiError, invalid, unavailable
@@ -140,14 +140,12 @@ class _Api:
             gen = GenerationRequest(prompt, mode=p.mode, n_predict=p.max_tokens, stop=p.stop,
                                     sampling=p.sampling(service.cfg.sampling))
             service.check(gen)
-        except RequestTooLong as e:
-            prompt_field = "messages" if p.chat else "prompt"
-            field = prompt_field if e.field == "prompt" else p.max_tokens_field
-            raise invalid(field, f"{field}: {e}", "context_length_exceeded") from None
-        except UsageError as e:
-            field = "mode" if "mode" in str(e) else ("messages" if p.chat else "prompt")
+        except InvalidRequest as e:
+            field = {"prompt": "messages" if p.chat else "prompt", "n_predict": p.max_tokens_field}.get(e.field, e.field)
+            raise invalid(field, str(e) if field in str(e) else f"{field}: {e}", e.code) from None
+        except UsageError as e:  # the tokenizer's: a model without a chat template
             msg = str(e).replace("use -p/--prompt with raw text instead of --chat", "use /v1/completions with a raw prompt")
-            raise invalid(field, msg) from None
+            raise invalid("messages" if p.chat else "prompt", msg) from None
         except ServiceUnavailable:
             raise
         except Exception as e:  # noqa: BLE001 - a chat template that refuses these messages (jinja2)
@@ -157,20 +155,27 @@ class _Api:
         return gen
 
     async def _wait(self, request: Request, endpoint: str, reply: Reply, ticket, events: asyncio.Queue) -> Response:
-        """A non-streaming answer: wait for the result; a client that went away cancels its request."""
+        """A non-streaming answer: wait for the result; a client that went away cancels its request.
+
+        Text events keep arriving while the answer is generated, so the check for a closed
+        connection runs on a clock, not only when nothing arrives."""
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_POLL_S
         while True:
             try:
                 ev = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
             except TimeoutError:
+                ev = None
+            if ev is not None and ev.kind == "done":
+                return JSONResponse(reply.complete(ev.result))
+            if ev is not None and ev.kind == "error":
+                self.metrics.refused(endpoint, "error")
+                return unavailable(ev.text, code=ev.reason).response()
+            if loop.time() >= next_check:
+                next_check = loop.time() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     ticket.cancel()
                     return Response(status_code=499)
-                continue
-            if ev.kind == "done":
-                return JSONResponse(reply.complete(ev.result))
-            if ev.kind == "error":
-                self.metrics.refused(endpoint, "error")
-                return unavailable(ev.text, code=ev.reason).response()
 
     async def _stream(self, endpoint: str, reply: Reply, parsed: ParsedRequest, ticket, events: asyncio.Queue):
         """Server-sent events: OpenAI chunks, then `data: [DONE]`; an error ends the stream with an
