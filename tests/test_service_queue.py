@@ -1,0 +1,69 @@
+"""The service's queue on its own (no MPI, no HTTP): admission, FIFO order, cancellation, stop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeinfer_cli.engine.job import JobConfig
+from pipeinfer_cli.engine.service import (
+    GenerationRequest, InvalidRequest, RequestTooLong, Service, ServiceUnavailable,
+)
+
+
+def ready_service(max_queue: int, n_ctx: int = 64) -> Service:
+    svc = Service(max_queue=max_queue)
+    svc.attach(JobConfig(Path("target.gguf"), "target", None, "lookup", n_ctx=n_ctx), None)
+    svc.callbacks().on_start(None)  # what head.serve_requests calls once the models are loaded
+    return svc
+
+
+def test_not_ready_while_loading():
+    with pytest.raises(ServiceUnavailable) as e:
+        Service().submit(GenerationRequest([1, 2]), print)
+    assert e.value.reason == "loading" and e.value.retry_after
+
+
+def test_admission_fifo_cancel_and_stop():
+    svc = ready_service(max_queue=2)
+    events = {i: [] for i in range(1, 5)}
+    tickets = [svc.submit(GenerationRequest([1, 2, 3], n_predict=4), events[i].append) for i in (1, 2, 3)]
+    # One may generate and two wait, whether or not the pipeline has taken the first one yet.
+    with pytest.raises(ServiceUnavailable) as e:
+        svc.submit(GenerationRequest([1], n_predict=4), events[4].append)
+    assert e.value.reason == "queue_full" and e.value.retry_after == 1
+    gen = svc.requests()
+    req, prompt = next(gen)
+    assert req.label == "1" and prompt == [1, 2, 3] and req.n_predict == 4 and req.mode == "pipeinfer"
+    assert not req.cancelled()
+    assert svc.queue_depth() == 2 and svc.busy()
+    tickets[1].cancel()  # its client went away while it waited: it is skipped
+    svc.callbacks().on_result({"ranks": []})
+    req, _ = next(gen)
+    assert req.label == "3" and [e.kind for e in events[2]] == ["error"] and events[2][0].reason == "cancelled"
+    assert [e.kind for e in events[1]] == ["done"] and events[1][0].result["run_index"] == 0
+    svc.stop("going away")
+    assert req.cancelled()  # the running request ends at its next commit
+    assert [(e.kind, e.text) for e in events[3]] == [("error", "going away")]
+    with pytest.raises(StopIteration):
+        next(gen)
+    with pytest.raises(ServiceUnavailable):
+        svc.submit(GenerationRequest([1], n_predict=4), print)
+
+
+def test_requests_that_cannot_run_are_refused_with_the_field():
+    svc = ready_service(max_queue=1, n_ctx=64)
+    with pytest.raises(InvalidRequest) as e:
+        svc.check(GenerationRequest([1], mode="turbo"))
+    assert e.value.field == "mode"
+    with pytest.raises(InvalidRequest) as e:
+        svc.check(GenerationRequest([]))
+    assert e.value.field == "prompt"
+    with pytest.raises(RequestTooLong) as e:
+        svc.check(GenerationRequest([1] * 10, mode="iterative", n_predict=60))
+    assert e.value.field == "n_predict" and "at most 53" in str(e.value)
+    with pytest.raises(RequestTooLong) as e:
+        svc.check(GenerationRequest([1] * 70, mode="iterative", n_predict=1))
+    assert e.value.field == "prompt"
+    svc.check(GenerationRequest([1] * 10, mode="iterative", n_predict=53))  # exactly fits
