@@ -40,14 +40,22 @@ class JobOptions:
     ctx: o.CtxOption = 4096
 
 
-def job_options(command):
-    """Decorator: the command's `job: JobOptions` parameter becomes the shared options, in its place."""
+def job_options(command=None, **defaults):
+    """Decorator: the command's `job: JobOptions` parameter becomes the shared options, in its place.
+
+    `@job_options(n_predict=-1)` gives the command other defaults for some of them."""
+    if command is None:
+        return functools.partial(job_options, **defaults)
+    unknown = set(defaults) - {f.name for f in dataclasses.fields(JobOptions)}
+    if unknown:
+        raise TypeError(f"no shared job option {', '.join(sorted(unknown))}")
     hints = typing.get_type_hints(command, include_extras=True)
     own = inspect.signature(command).parameters
     if "job" not in own:
         raise TypeError(f"{command.__name__} needs a `job: JobOptions` parameter")
     job_hints = typing.get_type_hints(JobOptions, include_extras=True)
-    shared = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=job_hints[f.name])
+    shared = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(f.name, f.default),
+                                annotation=job_hints[f.name])
               for f in dataclasses.fields(JobOptions)]
     params = []
     for p in own.values():

@@ -11,10 +11,11 @@ from .session import CANONICAL_SEQ, PREFILL_CHUNK, DecodeOptions, Session
 
 
 def prefill(pipe: Pipeline, s: Session, draft_prefill: Callable[[], None] | None = None,
-            draft_in_thread: bool = True) -> None:
+            draft_in_thread: bool = True, start: int = 0) -> None:
     """Process the prompt into the canonical sequence and commit the first token.
 
-    The chunks are launched back to back, so on several ranks the stages work on chunk i while the
+    start: prompt tokens whose cells the canonical sequence already holds (prefix reuse; a multiple
+    of PREFILL_CHUNK, so the chunks are the very ones a prefill from 0 computes). The chunks are launched back to back, so on several ranks the stages work on chunk i while the
     head computes chunk i+1; only the last chunk asks for logits (its last row).
 
     `draft_prefill` (the draft model's own pass over the prompt) must not delay the first token:
@@ -26,7 +27,7 @@ def prefill(pipe: Pipeline, s: Session, draft_prefill: Callable[[], None] | None
     prompt = s.tokens
     pipe.set_sampling(s.sampling)  # every request starts here: the last stage samples its rows
     n_chunks = 0
-    for b in range(0, len(prompt), PREFILL_CHUNK):
+    for b in range(start, len(prompt), PREFILL_CHUNK):
         chunk = prompt[b:b + PREFILL_CHUNK]
         last = b + len(chunk) == len(prompt)
         pipe.launch(chunk, list(range(b, b + len(chunk))), [[CANONICAL_SEQ]] * len(chunk),

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from .prefix_cache import PrefixCache
 from .sampling import softmax_top
 from .session import PREFILL_CHUNK
 
@@ -31,7 +32,10 @@ class Proposal:
 class Drafter(Protocol):
     name: str
 
-    def start(self, prompt: list[int]) -> None: ...
+    def start(self, prompt: list[int], reuse: int = 0) -> None:
+        """Begin a request with this prompt. reuse: leading prompt tokens whose cells the target
+        keeps from the previous request (prefix reuse; 0 = start afresh)."""
+        ...
 
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal: ...
 
@@ -90,6 +94,7 @@ class LlamaDrafter:
         self.n_batch = 512
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.kv_tokens: list[int] = []  # tokens whose KV the draft context holds, positions 0..
+        self.exact = 0  # leading cells computed by full prefill chunks (reusable, see prefix_cache.py)
         self.n_alternatives = n_alternatives
         self.n_evals = 0
 
@@ -134,13 +139,22 @@ class LlamaDrafter:
         self.kv_tokens.extend(new)
         return logits
 
-    def start(self, prompt: list[int]) -> None:
-        """Begin a request: process the prompt in the same chunks as the target's prefill."""
-        self.lib.llama_memory_seq_rm(self.mem, -1, -1, -1)
-        self.kv_tokens = []
-        for b in range(0, len(prompt), PREFILL_CHUNK):
+    def start(self, prompt: list[int], reuse: int = 0) -> None:
+        """Begin a request: process the prompt in the same chunks as the target's prefill.
+
+        reuse: as many leading prompt tokens as the target keeps; this cache keeps those of them
+        that its own full prefill chunks computed, as the target does (`prefix_cache.py`), so that
+        it drafts exactly as it would after a fresh start.
+        """
+        keep = min(reuse, PrefixCache(self.kv_tokens, self.exact).plan(prompt)[0]) if reuse > 0 else 0
+        if keep:
+            self.lib.llama_memory_seq_rm(self.mem, 0, keep, -1)
+        else:
+            self.lib.llama_memory_seq_rm(self.mem, -1, -1, -1)
+        for b in range(keep, len(prompt), PREFILL_CHUNK):
             self._decode(prompt[b:b + PREFILL_CHUNK], b)
         self.kv_tokens = list(prompt)
+        self.exact = len(prompt) - len(prompt) % PREFILL_CHUNK
 
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
         out = Proposal([], [], [])

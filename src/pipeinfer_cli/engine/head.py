@@ -1,8 +1,9 @@
 """The head (rank 0): run each request through the pipeline in its mode, then assemble its result.
 
-For one request: prefill (the draft's own prefill overlapping the stages), decode in the request's
-mode, collect every rank's report (they travel behind the request's runs), clear the KV caches,
-and turn the session and reports into the result dict (the JSON of `generate --json`).
+For one request (`Head.run`): keep the reusable prefix of the previous request's KV cells or clear
+them (`prefix_cache.py`), prefill the rest (the draft's own prefill overlapping the stages), decode
+in the request's mode, collect every rank's report (they travel behind the request's runs), and
+turn the session and reports into the result dict (the JSON of `generate --json`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from dataclasses import dataclass
 from ..transport.mpi_link import Link
 from .decode_sync import decode_iterative, decode_speculative, prefill
 from .handoff import handoff_ms
-from .loading import Loaded, n_predict_for
+from .loading import Loaded, n_predict_for, tokenize_request
 from .metrics import now
 from .pipeline import Pipeline
-from .session import Session
+from .prefix_cache import PrefixCache
+from .session import CANONICAL_SEQ, Session
 from .text_stream import TextStream
 from .trace import TraceRecorder
 from .worker import RankReport, abort_job, fault_injection
@@ -43,51 +45,116 @@ def serve_requests(link: Link | None, cfg, loaded: Loaded, trace: TraceRecorder,
 
     requests: (Request, prompt token ids) pairs; an iterator may block until the next one comes
     (a server's queue) and ends the job by stopping."""
-    from .remote_draft import RemoteDrafter
-
-    topo = loaded.topo
-    drafter = RemoteDrafter(link, topo.draft_rank) if topo.draft_rank is not None else loaded.drafter
-    pipe = Pipeline(link if topo.world_size > 1 else None, loaded.engine, topo.n_stages, trace, topo.draft_rank)
-    me = topo.ranks[0]
-    head_report = RankReport(0, "head", list(me.layers), me.threads, trace, loaded.engine, link)
-    if (fail_at := fault_injection(0)) is not None:
-        cb = Callbacks(cb.on_start, _failing_on_token(fail_at, cb.on_token), cb.on_text, cb.on_result)
-    if cb.on_start:
-        cb.on_start(loaded.tokenizer)
     results = []
-    try:
+    with Head(link, cfg, loaded, trace, offsets, cb) as head:
         for req, prompt in requests:
-            s = run_request(pipe, cfg, loaded, req, prompt, drafter, cb, trace)
-            t_end = now()
-            _trace_commits(trace, s.metrics.token_times)
-            # Reports travel behind every run of this request, so they see its final KV occupancy;
-            # the clear after them readies the caches for the next request.
-            reports = pipe.report()
-            head_report.busy_s, pipe.busy_s = pipe.busy_s, 0.0
-            head_report.runs = s.metrics.runs.launched
-            ranks = [head_report.take(rows_requested=pipe.rows_requested)] + reports
-            pipe.rows_requested = 0
-            pipe.kv_clear()
-            result = assemble_result(cfg, req, topo, loaded.tokenizer, s, ranks, offsets, t_end)
-            if os.environ.get(DEBUG_DIVERGE) == req.mode:
-                _debug_diverge(result)
-            results.append(result)
-            if cb.on_result:
-                cb.on_result(result)
-        pipe.shutdown()
-    except BaseException:
-        if topo.world_size > 1:
-            abort_job(link)
-        raise
-    finally:
-        if drafter is not None:
-            drafter.close()
+            results.append(head.run(req, prompt))
     return results
 
 
+class Head:
+    """The head's side of a job, one request at a time, on models loaded once (rank 0).
+
+    Use it as a context manager: on a normal exit the other ranks are shut down; on an exception
+    they are aborted. With `cfg.reuse_prefix` the KV caches keep the previous request's committed
+    tokens between requests and the next request reuses what it may of them (`prefix_cache.py`);
+    otherwise they are cleared after every request.
+    """
+
+    def __init__(self, link: Link | None, cfg, loaded: Loaded, trace: TraceRecorder, offsets: list[float],
+                 cb: Callbacks | None = None):
+        from .remote_draft import RemoteDrafter
+
+        self.link, self.cfg, self.loaded, self.trace, self.offsets = link, cfg, loaded, trace, offsets
+        topo = self.topo = loaded.topo
+        self.tokenizer = loaded.tokenizer
+        self.drafter = RemoteDrafter(link, topo.draft_rank) if topo.draft_rank is not None else loaded.drafter
+        self.pipe = Pipeline(link if topo.world_size > 1 else None, loaded.engine, topo.n_stages, trace, topo.draft_rank)
+        me = topo.ranks[0]
+        self.report = RankReport(0, "head", list(me.layers), me.threads, trace, loaded.engine, link)
+        self.prefix = PrefixCache()
+        self.draft_used = False  # a request has run the draft (its cache may hold tokens)
+        cb = cb or Callbacks()
+        if (fail_at := fault_injection(0)) is not None:
+            cb = Callbacks(cb.on_start, _failing_on_token(fail_at, cb.on_token), cb.on_text, cb.on_result)
+        self.cb = cb
+        if cb.on_start:
+            cb.on_start(loaded.tokenizer)
+
+    def __enter__(self) -> "Head":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.pipe.shutdown()
+            elif self.topo.world_size > 1:
+                abort_job(self.link)
+        finally:
+            if self.drafter is not None:
+                self.drafter.close()
+
+    def tokenize(self, req) -> list[int]:
+        """The request's prompt tokens; UsageError if it is empty or does not fit --ctx."""
+        return tokenize_request(self.cfg, self.tokenizer, req)
+
+    def run(self, req, prompt: list[int], cb: Callbacks | None = None) -> dict:
+        """One request: its result dict (the JSON of `generate --json`, plus `reused_tokens`).
+
+        cb: this request's callbacks (on_token, on_text, on_result), else the job's."""
+        cb = cb or self.cb
+        keep, common = self.prefix.plan(prompt) if self.cfg.reuse_prefix else (0, 0)
+        self._trim(keep)
+        s = run_request(self.pipe, self.cfg, self.loaded, req, prompt, self.drafter, cb, self.trace, reuse=keep)
+        t_end = now()
+        _trace_commits(self.trace, s.metrics.token_times)
+        # Only the committed tokens stay (a speculative batch may have written past an end of text);
+        # the reports travel behind this, so they see exactly the committed length.
+        self.pipe.seq_rm(CANONICAL_SEQ, len(s.tokens) - 1, -1)
+        reports = self.pipe.report()
+        self.report.busy_s, self.pipe.busy_s = self.pipe.busy_s, 0.0
+        self.report.runs = s.metrics.runs.launched
+        ranks = [self.report.take(rows_requested=self.pipe.rows_requested)] + reports
+        self.pipe.rows_requested = 0
+        if self.cfg.reuse_prefix:
+            self.prefix.after_request(prompt, s.tokens)
+        else:
+            self.pipe.kv_clear()
+        self.draft_used |= req.mode != "iterative"
+        result = assemble_result(self.cfg, req, self.topo, self.tokenizer, s, ranks, self.offsets, t_end)
+        result["reused_tokens"], result["common_prefix_tokens"] = keep, common
+        if os.environ.get(DEBUG_DIVERGE) == req.mode:
+            _debug_diverge(result)
+        if cb.on_result:
+            cb.on_result(result)
+        return result
+
+    def _trim(self, keep: int) -> None:
+        """Keep the first `keep` cells of the canonical sequence on every stage (nothing else is in
+        the caches between requests), or clear them."""
+        if keep:
+            self.pipe.seq_rm(CANONICAL_SEQ, keep, -1)
+        elif self.prefix.tokens:
+            self.pipe.kv_clear()
+            self.prefix.clear()
+
+    def reset(self) -> None:
+        """Clear every KV cache, the draft's too, and forget the previous request's tokens."""
+        self.pipe.kv_clear()
+        self.prefix.clear()
+        if self.draft_used and self.drafter is not None:
+            self.drafter.start([], 0)  # an empty prompt: the draft model's cache ends up empty
+
+    def kv_used_cells(self) -> dict[int, int]:
+        """KV cells in use per rank, after every operation sent so far (see `Pipeline.kv_usage`)."""
+        return self.pipe.kv_usage()
+
+
 def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], drafter, cb: Callbacks,
-                trace: TraceRecorder) -> Session:
-    """Generate one request's tokens in its mode; returns the finished session."""
+                trace: TraceRecorder, reuse: int = 0) -> Session:
+    """Generate one request's tokens in its mode; returns the finished session.
+
+    reuse: leading prompt tokens whose cells the canonical sequence already holds (prefix reuse)."""
     tok = loaded.tokenizer
     s = Session(prompt, req.sampling or cfg.sampling, n_predict_for(cfg, req, len(prompt)), tok.is_eog, cb.on_token,
                 text=TextStream(tok.piece, req.stop), on_text=cb.on_text, cancelled=req.cancelled)
@@ -96,10 +163,10 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
     if drafter is not None and req.mode != "iterative":
         def draft_prefill() -> None:
             t0 = now()
-            drafter.start(prompt)
+            drafter.start(prompt, reuse)
             if local_draft:
-                trace.slice("draft", t0, now(), n_tokens=len(prompt), prefill=True)
-    prefill(pipe, s, draft_prefill, draft_in_thread=local_draft)
+                trace.slice("draft", t0, now(), n_tokens=len(prompt) - reuse, prefill=True)
+    prefill(pipe, s, draft_prefill, draft_in_thread=local_draft, start=reuse)
     if req.mode == "iterative":
         decode_iterative(pipe, s)
     elif req.mode == "speculative":

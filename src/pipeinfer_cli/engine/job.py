@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import PipeinferError, describe
 from ..transport.clock import clock_offsets
 from ..transport.mpi_link import Link
-from .head import Callbacks, serve_requests
+from .head import Callbacks, Head, serve_requests
 from .loading import Loaded, load_rank
 from .sampling import SamplingParams
 from .session import MODES, DecodeOptions  # noqa: F401 - MODES is part of this module's API
@@ -55,6 +55,9 @@ class JobConfig:
     layer_split: str | None = None
     threads: str | None = None
     debug: bool = False
+    # Keep the previous request's KV cells and reuse the longest prefix that is exactly what a fresh
+    # prefill computes (engine/prefix_cache.py). Off for generate and bench (honest TTFT figures).
+    reuse_prefix: bool = False
 
 
 class JobFailed(PipeinferError):
@@ -82,12 +85,7 @@ def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object]
     token is committed; on_text(text) with the text to show as tokens are committed (UTF-8
     completed, stop strings held back and cut); on_result(result) after each request.
     """
-    from mpi4py import MPI
-
-    link = Link(MPI.COMM_WORLD)
-    trace = TraceRecorder(link.rank)
-    loaded = _plan_and_load(link, cfg, requests)
-    offsets = clock_offsets(link)
+    link, trace, loaded, offsets = _load_job(cfg, requests)
     if link.rank != 0:
         serve_worker(link, loaded, cfg.debug, trace)
         return None
@@ -104,13 +102,7 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
     an error it raises ends the job like a failed load. Returns once the job is over; a rank's
     failure is raised on the head after service.fail() told every waiting client.
     """
-    from mpi4py import MPI
-
-    link = Link(MPI.COMM_WORLD)
-    trace = TraceRecorder(link.rank)
-    loaded = _plan_and_load(link, cfg, [], needs_draft=cfg.draft_label is not None,
-                            before_load=before_load if link.rank == 0 else None)
-    offsets = clock_offsets(link)
+    link, trace, loaded, offsets = _load_job(cfg, [], cfg.draft_label is not None, before_load)
     if link.rank != 0:
         serve_worker(link, loaded, cfg.debug, trace)
         return
@@ -120,6 +112,34 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
     except BaseException as exc:
         service.fail(f"the job failed and the server is stopping: {describe(exc)}")
         raise
+
+
+def run_head_loop(cfg: JobConfig, head_main: Callable[[Head], None], needs_draft: bool) -> bool:
+    """Run on every rank of COMM_WORLD: load once, then on the head call head_main(head), which
+    runs requests one at a time (`Head.run`, `Head.reset`, `Head.kv_used_cells`) for as long as it
+    likes, on the calling thread (a terminal chat, a benchmark); the other ranks serve the pipeline
+    meanwhile. When head_main returns the other ranks are shut down; if it raises, they are
+    aborted. True on the head.
+    """
+    link, trace, loaded, offsets = _load_job(cfg, [], needs_draft)
+    if link.rank != 0:
+        serve_worker(link, loaded, cfg.debug, trace)
+        return False
+    with Head(link, cfg, loaded, trace, offsets) as head:
+        head_main(head)
+    return True
+
+
+def _load_job(cfg: JobConfig, requests: list[Request], needs_draft: bool | None = None,
+              before_load: Callable[[], None] | None = None):
+    """This rank's link, trace recorder and loaded models, and every rank's clock offset.
+    before_load runs on the head only (see run_service)."""
+    from mpi4py import MPI
+
+    link = Link(MPI.COMM_WORLD)
+    trace = TraceRecorder(link.rank)
+    loaded = _plan_and_load(link, cfg, requests, needs_draft, before_load if link.rank == 0 else None)
+    return link, trace, loaded, clock_offsets(link)
 
 
 def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_draft: bool | None = None,

@@ -73,7 +73,7 @@ def _load_head(cfg, out: Loaded, requests: list, needs_draft: bool) -> None:
     from .tokenizer import Tokenizer
 
     tok = out.tokenizer = Tokenizer(cfg.model_path)
-    out.prompts = [_tokenize_request(cfg, tok, req) for req in requests]
+    out.prompts = [tokenize_request(cfg, tok, req) for req in requests]
     if not needs_draft:
         return
     if cfg.draft_label is None:
@@ -88,7 +88,16 @@ def _load_head(cfg, out: Loaded, requests: list, needs_draft: bool) -> None:
         check_vocab_compatible(tok, draft_vocab, cfg.model_label, cfg.draft_label)
 
 
-def _tokenize_request(cfg, tok, req) -> list[int]:
+class PromptTooLongError(UsageError):
+    """A prompt that, with the tokens to generate, does not fit the context (--ctx)."""
+
+    def __init__(self, msg: str, n_prompt: int, need: int, n_ctx: int):
+        super().__init__(msg)
+        self.n_prompt, self.need, self.n_ctx = n_prompt, need, n_ctx  # tokens, KV cells needed, --ctx
+
+
+def tokenize_request(cfg, tok, req) -> list[int]:
+    """The request's prompt tokens; UsageError if empty, PromptTooLongError if it does not fit --ctx."""
     ids = tok.chat_messages(req.chat) if req.chat is not None else tok.encode(req.prompt or "")
     label = f"{req.label} " if req.label else ""
     if not ids:
@@ -100,6 +109,6 @@ def _tokenize_request(cfg, tok, req) -> list[int]:
         what = f"with -n {cfg.decode.n_predict}" if cfg.decode.n_predict > 0 else "with -n -1"
         spec = " and the cells of speculative runs in flight" if margin > 1 else ""
         fix = "lower -n, raise --ctx or shorten the prompt" if cfg.decode.n_predict > 0 else "raise --ctx or shorten the prompt"
-        raise UsageError(f"prompt {label}has {len(ids)} tokens; {what}{spec} it needs {need} KV cells, "
-                         f"more than --ctx {cfg.n_ctx}; {fix}")
+        raise PromptTooLongError(f"prompt {label}has {len(ids)} tokens; {what}{spec} it needs {need} KV cells, "
+                                 f"more than --ctx {cfg.n_ctx}; {fix}", len(ids), need, cfg.n_ctx)
     return ids

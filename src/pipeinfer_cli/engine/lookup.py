@@ -110,7 +110,7 @@ class LookupDrafter:
             conf *= hit_rate(m + k + 1)  # the next token, once this one matched: a match one longer
         return out
 
-    def start(self, prompt: list[int]) -> None:
+    def start(self, prompt: list[int], reuse: int = 0) -> None:  # stateless: nothing to keep or clear
         pass
 
     def close(self) -> None:

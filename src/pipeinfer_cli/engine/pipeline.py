@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..transport.messages import REPORT, RUN_FLAG_INVARIANT, SHUTDOWN, KvCommand, KvOp, ResultHeader, RunHeader, Tag
+from ..transport.messages import KV_USAGE, REPORT, RUN_FLAG_INVARIANT, SHUTDOWN, KvCommand, KvOp, ResultHeader, RunHeader, Tag
 from ..transport.mpi_link import Backoff, Link, RankFailedError
 from .metrics import now
 from .sampling import SamplingParams, sample_rows, to_spec
@@ -149,17 +149,26 @@ class Pipeline:
     # -- between requests and at the end ------------------------------------------------------
     def report(self) -> list[dict]:
         """Collect every other rank's counters and trace events (in stream order, after all runs)."""
+        return self._ask_everyone(REPORT)
+
+    def kv_usage(self) -> dict[int, int]:
+        """KV cells in use on every rank (the draft rank: tokens in its model's cache), in stream
+        order: after the KV operations sent so far."""
+        usage = {0: self.engine.kv_used_cells()}
+        for r in self._ask_everyone(KV_USAGE):
+            usage[r["rank"]] = r["kv_used_cells"]
+        return usage
+
+    def _ask_everyone(self, msg) -> list[dict]:
+        """Send a control message down the stream (and to the draft rank); one pickled reply per rank."""
         if self.link is None:
             return []
         if self.n_stages > 1:
-            self.link.send_array(REPORT, 1, Tag.STREAM)
+            self.link.send_array(msg, 1, Tag.STREAM)
         if self.draft_rank is not None:
-            self.link.send_array(REPORT, self.draft_rank, Tag.DRAFT_REQ)
-        reports = []
+            self.link.send_array(msg, self.draft_rank, Tag.DRAFT_REQ)
         others = list(range(1, self.n_stages)) + ([self.draft_rank] if self.draft_rank is not None else [])
-        for r in others:
-            reports.append(self.link.recv_pickled(r, Tag.STATS, on_idle=self.check_errors))
-        return reports
+        return [self.link.recv_pickled(r, Tag.STATS, on_idle=self.check_errors) for r in others]
 
     def shutdown(self) -> None:
         """Stop the other ranks' loops."""

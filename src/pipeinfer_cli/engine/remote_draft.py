@@ -37,9 +37,9 @@ class RemoteDrafter:
         self.link.send_array(DraftRequest(Msg.RUN, list(path), n_max, p_min).encode(), self.rank, Tag.DRAFT_REQ)
         self.requested = list(path)
 
-    def start(self, prompt: list[int]) -> None:
-        """Have the draft rank process the prompt (no reply)."""
-        self.link.send_array(DraftRequest(Msg.DRAFT_START, list(prompt)).encode(), self.rank, Tag.DRAFT_REQ)
+    def start(self, prompt: list[int], reuse: int = 0) -> None:
+        """Have the draft rank process the prompt (no reply); reuse: see `Drafter.start`."""
+        self.link.send_array(DraftRequest(Msg.DRAFT_START, list(prompt), n_max=reuse).encode(), self.rank, Tag.DRAFT_REQ)
 
     def ready(self) -> bool:
         """True if the outstanding request's reply has arrived (not received yet)."""
@@ -89,9 +89,12 @@ def serve_draft(link: Link, drafter, threads: int, trace) -> None:
         if req.kind == Msg.REPORT:
             link.send_pickled(report.take(), 0, Tag.STATS)
             continue
+        if req.kind == Msg.KV_USAGE:  # tokens in the draft model's cache (0 for lookup drafting)
+            link.send_pickled({"rank": link.rank, "kv_used_cells": len(getattr(drafter, "kv_tokens", []))}, 0, Tag.STATS)
+            continue
         t0 = now()
         if req.kind == Msg.DRAFT_START:
-            drafter.start(req.path)
+            drafter.start(req.path, req.n_max)
             trace.slice("draft", t0, now(), n_tokens=0, prefill=True)
             continue
         if fail_at is not None and n_req + 1 >= fail_at:

@@ -83,7 +83,7 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
 
 
 class _StageLoop:
-    """One stage's stream: control messages (KV, SAMPLING, REPORT, SHUTDOWN) and runs, in order."""
+    """One stage's stream: control messages (KV, SAMPLING, REPORT, KV_USAGE, SHUTDOWN) and runs, in order."""
 
     def __init__(self, link: Link, engine, threads: int, trace, listener: CancelListener):
         self.link, self.engine, self.trace, self.listener = link, engine, trace, listener
@@ -129,6 +129,8 @@ class _StageLoop:
             out["engine"]["layer_evals_skipped"] = out["engine"].get("layer_evals_skipped", 0) + self.layers_unstarted
             self.skipped_before_start = self.layers_unstarted = 0
             self.link.send_pickled(out, 0, Tag.STATS)
+        elif kind == Msg.KV_USAGE:
+            self.link.send_pickled({"rank": self.link.rank, "kv_used_cells": self.engine.kv_used_cells()}, 0, Tag.STATS)
 
     def run_one(self, hdr: RunHeader) -> None:
         engine = self.engine

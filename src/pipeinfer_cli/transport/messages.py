@@ -39,6 +39,7 @@ class Msg(IntEnum):
     REPORT = 4  # end of one request: every rank sends its counters and trace events to the head
     DRAFT_START = 5  # DRAFT_REQ: process this prompt (no reply)
     SAMPLING = 6  # STREAM: the sampling parameters of the runs that follow (the last stage samples)
+    KV_USAGE = 7  # STREAM or DRAFT_REQ: every rank sends the head its KV cells in use (STATS), in stream order
 
 
 class KvOp(IntEnum):
@@ -129,6 +130,7 @@ class KvCommand:
 
 SHUTDOWN = np.asarray([Msg.SHUTDOWN], np.int64)
 REPORT = np.asarray([Msg.REPORT], np.int64)
+KV_USAGE = np.asarray([Msg.KV_USAGE], np.int64)
 
 
 @dataclass
@@ -183,9 +185,9 @@ class SamplingSpec:
 class DraftRequest:
     """Head -> draft rank (tag DRAFT_REQ): start a prompt, propose a continuation, report, or stop."""
 
-    kind: Msg  # DRAFT_START, RUN (propose), REPORT or SHUTDOWN
+    kind: Msg  # DRAFT_START, RUN (propose), REPORT, KV_USAGE or SHUTDOWN
     path: list[int] = field(default_factory=list)  # DRAFT_START: the prompt; RUN: the path to continue
-    n_max: int = 0  # RUN: draft at most this many tokens
+    n_max: int = 0  # RUN: draft at most this many tokens; DRAFT_START: prompt tokens the target reused
     p_min: float = 0.0  # RUN: stop when the draft's top probability falls below this
 
     def encode(self) -> np.ndarray:

@@ -1,0 +1,107 @@
+"""`pipeinfer chat`: an interactive terminal chat on one MPI job (models loaded once)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from .generate_cmd import one_model, summary_line, world_rank
+from .job_options import JobOptions, job_options
+from .job_setup import check_n_predict, check_plan, check_world, prepare_job
+from .options import ModelOption, ModeOption, OptionalModelArg, StopOption
+from .prompt_input import check_stop_strings
+
+# Set by the launching process, which sees the user's terminal (under mpiexec the head's standard
+# streams are pipes from the launcher): "in" if standard input is a terminal (print "> " prompts),
+# "in,out" if standard output and error are one too (write everything in order to stdout).
+TERMINAL_ENV = "PIPEINFER_CHAT_TERMINAL"
+
+EPILOG = """Examples:
+
+  pipeinfer chat smollm2-135m-instruct
+
+  pipeinfer chat qwen-coder --ranks 2 --system "You are a terse code reviewer."
+
+  pipeinfer chat qwen-coder --layer-split 1/1 -M speculative      # draft on its own rank
+
+  printf 'Hi\\nWhat did I just say?\\n' | pipeinfer chat smollm2-135m-instruct   # scripted
+
+Type a message and press Enter; the answer streams, and a summary line (tok/s, TTFT, acceptance,
+prompt tokens reused from the previous turn) follows on stderr. /reset starts a new conversation,
+/exit or Ctrl-D ends the chat; Ctrl-C stops the whole job at once.
+
+Every turn sends the whole conversation through the model's chat template. The KV caches keep the
+previous turn, and a turn reuses the part of it that is exactly what a fresh prompt pass would
+compute (whole chunks of 256 prompt tokens), so answers are the very tokens `pipeinfer generate
+--messages` prints for the same conversation, and a long conversation pays mostly for the new turn.
+"""
+
+
+@job_options(n_predict=-1)
+def chat(
+    model: OptionalModelArg = None,
+    model_opt: ModelOption = None,
+    system: Annotated[str | None, typer.Option("--system", help="System prompt of the conversation (kept across /reset).")] = None,
+    mode: ModeOption = None,
+    stop: StopOption = None,
+    job: JobOptions = None,
+) -> None:
+    """Chat with a model in the terminal; the models load once, every turn reuses the previous one's KV cells.
+
+    Answers stream to stdout; a summary line per answer goes to stderr.
+    """
+    from ..transport.launch import relaunch, under_mpi_launcher
+
+    model = one_model(model, model_opt)
+    check_n_predict(job.n_predict)
+    inside = under_mpi_launcher()
+    prep = prepare_job(model, mode, job, inside)
+    stops = check_stop_strings(stop)
+    prep.cfg.reuse_prefix = True
+    if not inside and prep.ranks > 1:
+        check_plan(prep.cfg, prep.ranks, needs_draft=prep.mode != "iterative")
+        os.environ[TERMINAL_ENV] = _terminal()
+        raise typer.Exit(relaunch(prep.ranks, sys.argv[1:]))
+    check_world(prep.ranks, explicit=prep.explicit_ranks)
+    _run(prep.cfg, prep.mode, system, stops)
+
+
+def _run(cfg, mode: str, system: str | None, stops: list[str]) -> None:
+    from ..engine.job import run_head_loop
+    from .chat_session import ChatSession, ChatSettings
+
+    terminal = os.environ.get(TERMINAL_ENV, _terminal()).split(",")
+    interactive = "in" in terminal
+    settings = ChatSettings(mode=mode, system=system, stop=stops, show_prompt=interactive)
+    notes = sys.stdout if "out" in terminal else sys.stderr
+
+    def head_main(head) -> None:
+        if interactive:
+            draft = f" + draft {cfg.draft_label}" if cfg.draft_label and mode != "iterative" else ""
+            notes.write(f"pipeinfer chat: {cfg.model_label}{draft}, mode {mode}, {head.topo.world_size} rank(s). "
+                        "/reset starts over, /exit or Ctrl-D ends.\n")
+            notes.flush()
+        ChatSession(head, settings, chat_summary, stderr=notes).run()
+
+    if world_rank() != 0:
+        sys.stdin.close()  # only the head reads the conversation
+    run_head_loop(cfg, head_main, needs_draft=mode != "iterative")
+
+
+def _terminal() -> str:
+    """Which of this process's standard streams are terminals ("in", "out"; see TERMINAL_ENV)."""
+    flags = ["in"] if sys.stdin.isatty() else []
+    if sys.stdout.isatty() and sys.stderr.isatty():
+        flags.append("out")
+    return ",".join(flags)
+
+
+def chat_summary(result: dict) -> str:
+    """generate's summary line plus the prompt tokens reused from the previous turn."""
+    line = summary_line(result)
+    reused = f"reused {result.get('reused_tokens', 0)}/{result['n_prompt']} prompt tokens"
+    head, sep, tail = line.partition(", mode ")
+    return f"{head}, {reused}{sep}{tail}" if sep else f"{line}, {reused}"
