@@ -9,7 +9,7 @@ BUILD  := build/native
 # llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: install deps native demo test test-slow bench bench-grounded bench-native bench-network clean help
+.PHONY: install deps native demo test test-slow bench bench-grounded bench-native bench-network bench-prefix-reuse clean help
 
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench        run the standard benchmark and update BENCHMARKS.md"
 	@echo "make bench-grounded grounded prompts (answers copied from the prompt): pipeinfer vs llama.cpp and its prompt lookup"
 	@echo "make bench-native native layer engine vs llama.cpp"
+	@echo "make bench-prefix-reuse  TTFT of a second chat turn with and without prefix reuse"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
 
 $(PY):
@@ -59,6 +60,12 @@ clean:
 BENCH_NATIVE_ARGS ?= --model qwen2.5-coder-0.5b-instruct --model qwen2.5-coder-1.5b-instruct --threads 1,2
 bench-native: install
 	$(PY) scripts/bench_native.py $(BENCH_NATIVE_ARGS) --json build/bench_native.json
+
+# Time to first token of a second chat turn, with and without prefix reuse (BENCHMARKS.md, "Prefix reuse").
+bench-prefix-reuse: install
+	@mkdir -p build
+	$(PY) scripts/bench_prefix_reuse.py smollm2-135m-instruct --ranks 2 --repeat 5 --json build/prefix_reuse_smollm2.json
+	$(PY) scripts/bench_prefix_reuse.py qwen2.5-coder-1.5b-instruct --ranks 2 --repeat 3 --json build/prefix_reuse_qwen15.json
 
 # Bandwidth (issue 11): the three modes on 2 and 3 emulated hosts (root: namespaces, tc) with links
 # unshaped and at 1gbit, 100mbit and 10mbit against the same job over shared memory; SmolLM2, 3 rounds
