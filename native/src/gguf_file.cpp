@@ -19,7 +19,7 @@ std::recursive_mutex & log_mutex() {  // recursive: the engine's load is quiet, 
 }
 }  // namespace
 
-quiet_ggml_log::quiet_ggml_log() {
+quiet_ggml_log::quiet_ggml_log(std::string * capture) : capture_(capture) {
     log_mutex().lock();
     ggml_log_get(&prev_cb_, &prev_ud_);
     ggml_log_set(&quiet_ggml_log::filter, this);
@@ -32,9 +32,26 @@ quiet_ggml_log::~quiet_ggml_log() {
 
 void quiet_ggml_log::filter(ggml_log_level level, const char * text, void * ud) {
     auto * self = (quiet_ggml_log *) ud;
-    if ((level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) && self->prev_cb_) {
+    if (level != GGML_LOG_LEVEL_WARN && level != GGML_LOG_LEVEL_ERROR) return;
+    if (self->capture_) {
+        self->capture_->append(text);
+    } else if (self->prev_cb_) {
         self->prev_cb_(level, text, self->prev_ud_);
     }
+}
+
+std::string printable(const std::string & text, size_t max_len) {
+    std::string out;
+    for (unsigned char c : text) {
+        if (out.size() >= max_len) return out + "...";
+        if (c >= 0x20 && c < 0x7f) {
+            out += (char) c;
+        } else {
+            static const char hex[] = "0123456789abcdef";
+            out += std::string("\\x") + hex[c >> 4] + hex[c & 15];
+        }
+    }
+    return out;
 }
 
 gguf_file::gguf_file(const std::string & path, bool with_tensor_meta) : path_(path) {
@@ -54,12 +71,14 @@ gguf_file::gguf_file(const std::string & path, bool with_tensor_meta) : path_(pa
             throw model_file_error(path + ": not a GGUF file (wrong magic; expected 'GGUF' in the first 4 bytes)");
         }
         gguf_init_params gp = { /*no_alloc=*/ true, /*ctx=*/ with_tensor_meta ? &meta_ : nullptr };
+        std::string reason;  // ggml logs why it refuses a header; that goes into the exception
         {
-            quiet_ggml_log quiet;  // ggml logs its reasons for refusing a header; we throw instead
+            quiet_ggml_log quiet(&reason);
             ctx_ = gguf_init_from_file(path.c_str(), gp);
         }
         if (!ctx_ || (with_tensor_meta && !meta_)) {
-            throw model_file_error(path + ": failed to parse the GGUF header (file truncated or corrupted)");
+            throw model_file_error(path + ": failed to parse the GGUF header (file truncated or corrupted" +
+                                   (reason.empty() ? "" : ": " + printable(reason.substr(0, reason.find('\n')))) + ")");
         }
     } catch (...) {
         close();

@@ -17,12 +17,13 @@
 namespace pipeinfer {
 
 // While alive, keeps ggml's debug/info lines out of the log and passes warnings and errors on to
-// whatever logger was installed (llama_cpp's, if loaded). The logger is process-global, so one
+// whatever logger was installed (llama_cpp's, if loaded), or, with `capture`, appends them there
+// instead (the caller puts them in its exception). The logger is process-global, so one
 // quiet_ggml_log exists at a time across threads (a static recursive mutex is held for the
 // object's lifetime; nesting in one thread is fine).
 class quiet_ggml_log {
 public:
-    quiet_ggml_log();
+    explicit quiet_ggml_log(std::string * capture = nullptr);
     ~quiet_ggml_log();
     quiet_ggml_log(const quiet_ggml_log &) = delete;
     quiet_ggml_log & operator=(const quiet_ggml_log &) = delete;
@@ -31,7 +32,12 @@ private:
     static void filter(ggml_log_level level, const char * text, void * ud);
     ggml_log_callback prev_cb_ = nullptr;
     void * prev_ud_ = nullptr;
+    std::string * capture_ = nullptr;
 };
+
+// Text taken from a file, fit for an error message: printable ASCII kept, every other byte as \xNN
+// (the message becomes a Python str, which must be valid UTF-8), cut after max_len characters.
+std::string printable(const std::string & text, size_t max_len = 200);
 
 class gguf_file {
 public:

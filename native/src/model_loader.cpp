@@ -117,7 +117,7 @@ void read_rope(const gguf_file & f, const std::string & a, model_hparams & hp) {
         const float mscale = fac <= 1.0f ? 1.0f : 0.1f * logf(fac) + 1.0f;
         hp.yarn_attn_factor = mscale * (1.0f / (1.0f + 0.1f * logf(fac)));
     } else if (scaling != "linear") {
-        throw model_file_error(path + ": rope scaling type '" + scaling + "' is not supported (none, linear, yarn)");
+        throw model_file_error(path + ": rope scaling type '" + printable(scaling) + "' is not supported (none, linear, yarn)");
     }
     hp.yarn_attn_factor *= f.get_f32(a + "rope.scaling.attn_factor", 1.0f);
 }
@@ -129,7 +129,7 @@ model_hparams read_hparams(const gguf_file & f) {
     if (std::find(archs.begin(), archs.end(), hp.arch) == archs.end()) {
         std::string names;
         for (const auto & n : archs) names += (names.empty() ? "" : ", ") + n;
-        throw model_file_error(f.path() + ": unsupported architecture '" + hp.arch +
+        throw model_file_error(f.path() + ": unsupported architecture '" + printable(hp.arch) +
                                "'; the native engine supports: " + names);
     }
     const std::string a = hp.arch + ".";

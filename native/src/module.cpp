@@ -9,6 +9,7 @@
 #include "engine.h"
 #include "errors.h"
 #include "gguf_file.h"
+#include "vocab_check.h"
 
 #include "ggml.h"
 #include "ggml-cpu.h"
@@ -77,6 +78,11 @@ py::array_t<float> engine_eval(layer_engine & eng, const std::optional<c_array<i
     return result;
 }
 
+// Text from a GGUF file as a Python str: the file may hold any bytes, so invalid UTF-8 becomes U+FFFD.
+py::object lossy_str(const char * v) {
+    return py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(v, (py::ssize_t) std::strlen(v), "replace"));
+}
+
 // A GGUF value as a Python object; an array gives its length (its elements are not read).
 py::object gguf_value(const gguf_context * ctx, int64_t id) {
     switch (gguf_get_kv_type(ctx, id)) {
@@ -92,10 +98,7 @@ py::object gguf_value(const gguf_context * ctx, int64_t id) {
         case GGUF_TYPE_FLOAT64: return py::float_(gguf_get_val_f64(ctx, id));
         case GGUF_TYPE_BOOL:    return py::bool_(gguf_get_val_bool(ctx, id));
         case GGUF_TYPE_ARRAY:   return py::int_(gguf_get_arr_n(ctx, id));
-        case GGUF_TYPE_STRING: {
-            const char * v = gguf_get_val_str(ctx, id);
-            return py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(v, (py::ssize_t) std::strlen(v), "replace"));
-        }
+        case GGUF_TYPE_STRING:  return lossy_str(gguf_get_val_str(ctx, id));
         default: return py::none();
     }
 }
@@ -109,13 +112,13 @@ py::dict gguf_metadata(const std::string & path) {
     }
     const gguf_context * ctx = f->ctx();
     py::dict kv;
-    for (int64_t i = 0; i < gguf_get_n_kv(ctx); ++i) kv[py::str(gguf_get_key(ctx, i))] = gguf_value(ctx, i);
+    for (int64_t i = 0; i < gguf_get_n_kv(ctx); ++i) kv[lossy_str(gguf_get_key(ctx, i))] = gguf_value(ctx, i);
     py::list tensors;
     const size_t base = gguf_get_data_offset(ctx);
     for (int64_t i = 0; i < gguf_get_n_tensors(ctx); ++i) {
         std::string type = ggml_type_name(gguf_get_tensor_type(ctx, i));
         for (char & c : type) c = (char) std::toupper((unsigned char) c);
-        tensors.append(py::make_tuple(gguf_get_tensor_name(ctx, i), type, base + gguf_get_tensor_offset(ctx, i),
+        tensors.append(py::make_tuple(lossy_str(gguf_get_tensor_name(ctx, i)), type, base + gguf_get_tensor_offset(ctx, i),
                                       gguf_get_tensor_size(ctx, i)));
     }
     py::dict d;
@@ -135,6 +138,14 @@ void bind_functions(py::module_ & m) {
     m.def("gguf_metadata", &gguf_metadata, py::arg("path"),
           "{'file_size', 'kv': {key: value (an array: its length)}, 'tensors': [(name, TYPE, offset, bytes)]} "
           "of a GGUF file, read with ggml's reader without the tensor data.");
+
+    m.def("gguf_vocab_problem", [](const std::string & path) {
+        py::gil_scoped_release release;
+        const gguf_file f(path, /*with_tensor_meta=*/ false);
+        return vocab_problem(f);
+    }, py::arg("path"),
+          "What in a GGUF file's vocabulary would make llama.cpp's loader abort ('' when nothing); "
+          "raises ModelFileError when the header itself does not parse.");
 
     m.def("cpu_features", []() {
         std::map<std::string, bool> f;

@@ -8,6 +8,7 @@ what it is not asked for and takes a few milliseconds.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -17,6 +18,8 @@ from .errors import ModelFileError
 from .model_files import check_gguf_file
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS: no model it loads has more
+_UINT32_MAX = (1 << 32) - 1
 
 
 @dataclass
@@ -109,12 +112,15 @@ def read_model_info(path: Path) -> ModelInfo:
     if end > file_size:
         raise ModelFileError(f"{path} is truncated: its tensors need {end} bytes but the file has {file_size}; download it again")
     arch = kv.get("general.architecture", "")
-    if not arch:
+    if not isinstance(arch, str) or not arch:
         raise ModelFileError(f"{path} has no general.architecture; it is not a model file")
 
-    n_layer = int(kv.get(f"{arch}.block_count", 0))
+    n_layer = _count(path, kv, f"{arch}.block_count", 0)
+    if n_layer > MAX_LAYERS:
+        raise ModelFileError(f"{path} declares {n_layer} layers ({arch}.block_count), more than the {MAX_LAYERS} "
+                             "llama.cpp supports; the file is corrupted")
     sizes = _tensor_bytes(tensors, n_layer)
-    return ModelInfo(path=str(path), file_size=file_size, arch=arch, n_layer=n_layer, **_hparams(kv, arch),
+    return ModelInfo(path=str(path), file_size=file_size, arch=arch, n_layer=n_layer, **_hparams(path, kv, arch),
                      file_type=_file_type_name(kv.get("general.file_type", None)), **sizes)
 
 
@@ -157,19 +163,37 @@ def _file_type_name(file_type) -> str:
         return str(file_type)
 
 
-def _hparams(kv: dict, arch: str) -> dict:
-    def hp(key: str, default=0):
-        return kv.get(f"{arch}.{key}", default)
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
+
+def _count(path: Path, kv: dict, key: str, default: int) -> int:
+    """An integer hyperparameter (an array counts as its length, as gguf_metadata gives it), 0..2^32-1."""
+    v = kv.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _UINT32_MAX:
+        raise ModelFileError(f"{path}: metadata key '{key}' is {_short(v)}, not a count (an integer from 0 to {_UINT32_MAX}); "
+                             "the file is corrupted")
+    return v
+
+
+def _hparams(path: Path, kv: dict, arch: str) -> dict:
+    def count(key: str, default: int = 0) -> int:
+        return _count(path, kv, f"{arch}.{key}", default)
+
+    freq_base = kv.get(f"{arch}.rope.freq_base")
+    if freq_base is not None and (isinstance(freq_base, (bool, str)) or not math.isfinite(freq_base)):
+        raise ModelFileError(f"{path}: metadata key '{arch}.rope.freq_base' is {_short(freq_base)}, not a finite number; "
+                             "the file is corrupted")
     return {
         "name": str(kv.get("general.name", "")),
-        "n_embd": int(hp("embedding_length")),
-        "n_head": int(hp("attention.head_count")),
-        "n_head_kv": int(hp("attention.head_count_kv", hp("attention.head_count"))),
-        "n_ff": int(hp("feed_forward_length")),
-        "n_ctx_train": int(hp("context_length")),
-        "rope_freq_base": (float(v) if (v := hp("rope.freq_base", None)) is not None else None),
-        "n_vocab": int(kv.get("tokenizer.ggml.tokens", 0)),
+        "n_embd": count("embedding_length"),
+        "n_head": count("attention.head_count"),
+        "n_head_kv": count("attention.head_count_kv", count("attention.head_count")),
+        "n_ff": count("feed_forward_length"),
+        "n_ctx_train": count("context_length"),
+        "rope_freq_base": None if freq_base is None else float(freq_base),
+        "n_vocab": _count(path, kv, "tokenizer.ggml.tokens", 0),
         "tokenizer_model": str(kv.get("tokenizer.ggml.model", "")),
         "tokenizer_pre": str(kv.get("tokenizer.ggml.pre", "")),
         "chat_template": kv.get("tokenizer.chat_template") is not None,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
+import ctypes
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import ModelFileError, UsageError
 
 
 class Tokenizer:
@@ -16,9 +18,15 @@ class Tokenizer:
         from llama_cpp._utils import suppress_stdout_stderr
 
         self._llama_cpp = llama_cpp
+        _check_vocabulary(model_path)
         # A vocab-only context warns about n_ctx_train = 0 straight to fd 2; it means nothing here.
-        with suppress_stdout_stderr(disable=False):
-            self.llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False, n_ctx=1)
+        with suppress_stdout_stderr(disable=False), _llama_errors() as errors:
+            try:
+                self.llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False, n_ctx=1)
+            except ValueError:  # llama-cpp-python's "Failed to load model"; llama.cpp logged why
+                reason = _load_failure_reason(errors)
+                raise ModelFileError(f"{model_path}: llama.cpp cannot load its vocabulary ({reason}); "
+                                     "the file is corrupted or not a supported model") from None
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self.n_vocab = self.llm.n_vocab()
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
@@ -53,6 +61,49 @@ class Tokenizer:
 
     def decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
+
+
+def _check_vocabulary(model_path: Path) -> None:
+    """Refuse what llama.cpp's vocabulary loader would abort the process on (GGML_ASSERT)."""
+    from .. import _native
+
+    try:
+        problem = _native.gguf_vocab_problem(str(model_path))
+    except _native.ModelFileError as e:
+        raise ModelFileError(f"{e}; the file is corrupted or not a GGUF model") from None
+    if problem:
+        raise ModelFileError(f"{model_path}: its vocabulary cannot be used: {problem}; the file is corrupted")
+
+
+@contextlib.contextmanager
+def _llama_errors():
+    """Collects llama.cpp's error log lines (why a load failed) while the block runs."""
+    import llama_cpp
+    from llama_cpp import _logger
+
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def collect(level, text, _user_data):
+        if level == 4:  # GGML_LOG_LEVEL_ERROR (llama_cpp._logger's table predates ggml's renumbering)
+            line = text.decode("utf-8", "replace").strip()
+            if line:
+                lines.append(line)
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+    try:
+        yield lines
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+def _load_failure_reason(lines: list[str]) -> str:
+    """The line of llama.cpp's error log that says why (its other lines only say that it failed)."""
+    marker = "error loading model: "
+    for line in lines:
+        if marker in line:
+            return line.split(marker, 1)[1]
+    return lines[0] if lines else "no reason given"
 
 
 class StreamDecoder:

@@ -1,0 +1,52 @@
+#include "vocab_check.h"
+
+#include <cstdint>
+#include <string>
+#include <unordered_set>
+
+namespace pipeinfer {
+
+namespace {
+
+std::string array_of_strings_problem(const gguf_context * ctx, int64_t id, const char * key) {
+    if (gguf_get_kv_type(ctx, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(ctx, id) != GGUF_TYPE_STRING) {
+        return std::string(key) + " is not an array of strings";
+    }
+    return "";
+}
+
+std::string duplicate_token_problem(const gguf_context * ctx, int64_t id) {
+    const size_t n = gguf_get_arr_n(ctx, id);
+    if (n == 0) return "tokenizer.ggml.tokens is empty";
+    if (n > (size_t) INT32_MAX) return "tokenizer.ggml.tokens has more than 2^31-1 entries";
+    std::unordered_set<std::string> seen;
+    seen.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+        std::string word = gguf_get_arr_str(ctx, id, i);
+        if (word.empty()) word = "[EMPTY_" + std::to_string(i) + "]";  // as llama.cpp renames it
+        if (!seen.insert(word).second) {
+            return "tokenizer.ggml.tokens has the token '" + printable(word, 60) + "' twice (second at id " +
+                   std::to_string(i) + ")";
+        }
+    }
+    return "";
+}
+
+}  // namespace
+
+std::string vocab_problem(const gguf_file & f) {
+    const gguf_context * ctx = f.ctx();
+    const int64_t model_id = gguf_find_key(ctx, "tokenizer.ggml.model");
+    if (model_id < 0) return "tokenizer.ggml.model is missing";
+    if (gguf_get_kv_type(ctx, model_id) != GGUF_TYPE_STRING) return "tokenizer.ggml.model is not a string";
+    const std::string model = gguf_get_val_str(ctx, model_id);
+    if (model == "none" || model == "no_vocab") return "the file has no vocabulary (tokenizer.ggml.model '" + model + "')";
+
+    const int64_t tokens_id = gguf_find_key(ctx, "tokenizer.ggml.tokens");
+    if (tokens_id < 0) return "tokenizer.ggml.tokens is missing";
+    std::string problem = array_of_strings_problem(ctx, tokens_id, "tokenizer.ggml.tokens");
+    if (problem.empty()) problem = duplicate_token_problem(ctx, tokens_id);
+    return problem;
+}
+
+}  // namespace pipeinfer
