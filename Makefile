@@ -9,13 +9,16 @@ BUILD  := build/native
 # llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: install deps native demo test test-slow bench bench-grounded bench-native bench-network bench-prefix-reuse clean help
+.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-grounded bench-native bench-network bench-prefix-reuse clean help
 
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
 	@echo "make demo         install, pull the default model, run the main job"
 	@echo "make test         run the test suite (pulls smollm2-135m-instruct once)"
 	@echo "make test-slow    run the slow tests on the Qwen pair"
+	@echo "make fuzz         fuzz every GGUF reader, FUZZ_RUNS inputs each (default 100000; hours on 2 busy cores)"
+	@echo "make asan         native extension with ASan+UBSan: native tests, fuzz replay, 2-rank generate"
+	@echo "make test-properties  200 random generate command lines (hypothesis), each success or one Error: line"
 	@echo "make bench        run the standard benchmark and update BENCHMARKS.md"
 	@echo "make bench-grounded grounded prompts (answers copied from the prompt): pipeinfer vs llama.cpp and its prompt lookup"
 	@echo "make bench-native native layer engine vs llama.cpp"
@@ -52,6 +55,23 @@ test: install
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
+
+# Fuzzing the GGUF readers (fuzz/fuzz_gguf.py): metadata (inspect, planning), native (a layer range
+# through the binding), tokenizer (llama.cpp's vocabulary, chat template). A target stops at its
+# first crash, hang (> 5 s) or memory blow-up; figures in build/fuzz/summary.json.
+FUZZ_RUNS    ?= 100000
+FUZZ_TARGETS ?= metadata native tokenizer
+fuzz: install
+	$(PY) fuzz/campaign.py --runs $(FUZZ_RUNS) $(FUZZ_TARGETS)
+
+# AddressSanitizer + UBSan build of native/ in build/native-asan (the normal build is untouched).
+asan: install
+	PY=$(PY) scripts/asan.sh
+
+# The property-based bad-input test with fresh random examples (make test runs 10 fixed ones).
+PROPERTY_EXAMPLES ?= 200
+test-properties: install
+	PIPEINFER_PROPERTY_EXAMPLES=$(PROPERTY_EXAMPLES) PIPEINFER_PROPERTY_FRESH=1 $(PY) -m pytest -q tests/test_generate_properties.py
 
 clean:
 	rm -rf build $(VENV) src/pipeinfer_cli/_native*.so

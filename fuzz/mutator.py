@@ -86,7 +86,9 @@ def _arch(g: Gguf) -> str:
 
 
 def edit_set_key(g: Gguf, rng: random.Random) -> None:
-    key = rng.choice(known_keys(_arch(g)))
+    keys = known_keys(_arch(g))
+    present = [kv.key for kv in g.kvs if kv.key in keys]
+    key = rng.choice(present if present and rng.random() < 0.5 else keys)
     old = g.get(key)
     vtype, value = _random_value(rng, g, old)
     if key == "tokenizer.chat_template" and rng.random() < 0.7:

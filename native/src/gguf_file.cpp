@@ -122,10 +122,15 @@ uint64_t gguf_file::get_uint(const std::string & key, uint64_t def, bool require
     const uint64_t first = int_at(key, at, data, 0);
     for (size_t i = 1; i < n; ++i) {
         if (int_at(key, at, data, i) != first) {
-            throw invalid_input(path_ + ": per-layer values of '" + key + "' differ; only uniform layers are supported");
+            throw model_file_error(path_ + ": per-layer values of '" + key + "' differ; only uniform layers are supported");
         }
     }
     return first;
+}
+
+bool gguf_file::is_array(const std::string & key) const {
+    const int64_t id = gguf_find_key(ctx_, key.c_str());
+    return id >= 0 && gguf_get_kv_type(ctx_, id) == GGUF_TYPE_ARRAY;
 }
 
 float gguf_file::get_f32(const std::string & key, float def) const {

@@ -62,6 +62,7 @@ public:
     std::string get_str(const std::string & key, const std::string & def, bool required) const;
     uint64_t get_uint(const std::string & key, uint64_t def, bool required) const;
     float get_f32(const std::string & key, float def) const;
+    bool is_array(const std::string & key) const;
 
 private:
     void close();

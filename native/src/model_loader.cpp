@@ -36,12 +36,20 @@ constexpr uint32_t max_experts = 512;  // llama.cpp's LLAMA_MAX_EXPERTS
 // Sizes of the decoder; refuses what the engine cannot compute (MoE, odd head sizes).
 void read_sizes(const gguf_file & f, const std::string & a, model_hparams & hp) {
     const std::string & path = f.path();
-    hp.n_layer   = (uint32_t) f.get_uint(a + "block_count", 0, true);
-    hp.n_embd    = (uint32_t) f.get_uint(a + "embedding_length", 0, true);
-    hp.n_ff      = (uint32_t) f.get_uint(a + "feed_forward_length", 0, true);
-    hp.n_head    = (uint32_t) f.get_uint(a + "attention.head_count", 0, true);
-    hp.n_head_kv = (uint32_t) f.get_uint(a + "attention.head_count_kv", hp.n_head, false);
-    hp.n_ctx_train = (uint32_t) f.get_uint(a + "context_length", 0, true);
+    // One number, not a per-layer array: `inspect` and the job plan read it as one (gguf_metadata).
+    if (f.is_array(a + "block_count")) throw model_file_error(path + ": " + a + "block_count is an array, not a number");
+    // Sizes are 32-bit in the engine (as in llama.cpp): a larger value is refused, never truncated.
+    auto u32 = [&](const std::string & key, uint64_t def, bool required) {
+        const uint64_t v = f.get_uint(key, def, required);
+        if (v > UINT32_MAX) throw model_file_error(path + ": " + key + " = " + std::to_string(v) + " is out of range");
+        return (uint32_t) v;
+    };
+    hp.n_layer   = u32(a + "block_count", 0, true);
+    hp.n_embd    = u32(a + "embedding_length", 0, true);
+    hp.n_ff      = u32(a + "feed_forward_length", 0, true);
+    hp.n_head    = u32(a + "attention.head_count", 0, true);
+    hp.n_head_kv = u32(a + "attention.head_count_kv", hp.n_head, false);
+    hp.n_ctx_train = u32(a + "context_length", 0, true);
     hp.f_norm_rms_eps = f.get_f32(a + "attention.layer_norm_rms_epsilon", 1e-5f);
     if (hp.n_layer == 0 || hp.n_embd == 0 || hp.n_head == 0 || hp.n_head_kv == 0 || hp.n_ff == 0 ||
         hp.n_head % hp.n_head_kv != 0) {

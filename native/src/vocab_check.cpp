@@ -32,10 +32,37 @@ std::string duplicate_token_problem(const gguf_context * ctx, int64_t id) {
     return "";
 }
 
+bool valid_utf8(const std::string & s) {
+    size_t i = 0;
+    while (i < s.size()) {
+        const unsigned char c = (unsigned char) s[i];
+        const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+        if (n == 0 || i + n > s.size()) return false;
+        for (size_t k = 1; k < n; ++k) {
+            if ((((unsigned char) s[i + k]) >> 6) != 0x2) return false;
+        }
+        i += n;
+    }
+    return true;
+}
+
+// llama-cpp-python decodes every metadata key and string value as strict UTF-8 when it loads a file.
+std::string utf8_problem(const gguf_context * ctx) {
+    for (int64_t i = 0; i < gguf_get_n_kv(ctx); ++i) {
+        const std::string key = gguf_get_key(ctx, i);
+        if (!valid_utf8(key)) return "metadata key '" + printable(key, 60) + "' is not valid UTF-8";
+        if (gguf_get_kv_type(ctx, i) == GGUF_TYPE_STRING && !valid_utf8(gguf_get_val_str(ctx, i))) {
+            return "metadata value of '" + printable(key, 60) + "' is not valid UTF-8";
+        }
+    }
+    return "";
+}
+
 }  // namespace
 
 std::string vocab_problem(const gguf_file & f) {
     const gguf_context * ctx = f.ctx();
+    if (std::string problem = utf8_problem(ctx); !problem.empty()) return problem;
     const int64_t model_id = gguf_find_key(ctx, "tokenizer.ggml.model");
     if (model_id < 0) return "tokenizer.ggml.model is missing";
     if (gguf_get_kv_type(ctx, model_id) != GGUF_TYPE_STRING) return "tokenizer.ggml.model is not a string";

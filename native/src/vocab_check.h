@@ -14,7 +14,7 @@ namespace pipeinfer {
 // leaves llama.cpp without a tokenizer); tokenizer.ggml.tokens is a non-empty array of strings of
 // at most INT32_MAX entries, without duplicates (llama.cpp maps text -> id and asserts that no
 // two ids share a text; it renames an empty token "[EMPTY_<id>]" first, and so does this check);
-// the special token ids, when present, are integers.
+// every metadata key and string value is valid UTF-8 (llama-cpp-python decodes them strictly).
 std::string vocab_problem(const gguf_file & f);
 
 }  // namespace pipeinfer

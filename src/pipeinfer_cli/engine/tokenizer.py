@@ -31,21 +31,19 @@ class Tokenizer:
         self.n_vocab = self.llm.n_vocab()
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.metadata = self.llm.metadata
+        self.path = model_path
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         bos = self.add_bos if add_bos is None else add_bos
         return self.llm.tokenize(text.encode(), add_bos=bos, special=True)
 
     def chat_messages(self, messages: list[dict]) -> list[int]:
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
         template = self.metadata.get("tokenizer.chat_template")
         if not template:
             raise UsageError("this model has no chat template in its GGUF metadata; use -p/--prompt with raw text instead of --chat")
         eos = self.llm._model.token_get_text(self.llm.token_eos()) if self.llm.token_eos() >= 0 else ""
         bos = self.llm._model.token_get_text(self.llm.token_bos()) if self.llm.token_bos() >= 0 else ""
-        fmt = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos, add_generation_prompt=True)
-        text = fmt(messages=messages).prompt
+        text = _render_chat(self.path, template, messages, eos, bos)
         # The template already writes BOS when the model wants it.
         return self.encode(text, add_bos=self.add_bos and not (bos and text.startswith(bos)))
 
@@ -63,6 +61,29 @@ class Tokenizer:
         return StreamDecoder(self)
 
 
+def _render_chat(model_path: Path, template: str, messages: list[dict], eos: str, bos: str) -> str:
+    """The messages through the model's Jinja chat template (sandboxed by llama-cpp-python).
+
+    The template is code from the model file: a template that refuses the messages on purpose
+    (`raise_exception(...)`, e.g. roles that do not alternate) is a usage error; one that fails
+    in any other way (syntax, undefined names, a division by zero, endless recursion) is the
+    file's fault."""
+    import jinja2
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    try:
+        fmt = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos, add_generation_prompt=True)
+        return fmt(messages=messages).prompt
+    except jinja2.TemplateError as e:
+        if type(e) is jinja2.TemplateError:  # what raise_exception() raises
+            raise UsageError(f"the model's chat template refuses these messages: {e}") from None
+        raise ModelFileError(f"{model_path}: its chat template fails ({type(e).__name__}: {e}); "
+                             "use -p/--prompt with raw text instead") from None
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        raise ModelFileError(f"{model_path}: its chat template fails ({type(e).__name__}: {e}); "
+                             "use -p/--prompt with raw text instead") from None
+
+
 def _check_vocabulary(model_path: Path) -> None:
     """Refuse what llama.cpp's vocabulary loader would abort the process on (GGML_ASSERT)."""
     from .. import _native
@@ -73,6 +94,25 @@ def _check_vocabulary(model_path: Path) -> None:
         raise ModelFileError(f"{e}; the file is corrupted or not a GGUF model") from None
     if problem:
         raise ModelFileError(f"{model_path}: its vocabulary cannot be used: {problem}; the file is corrupted")
+    _check_chat_templates(model_path)
+
+
+def _check_chat_templates(model_path: Path) -> None:
+    """llama-cpp-python compiles every chat template of the file while it loads the vocabulary, and
+    lets a template's syntax error escape: compile them here first, to name the problem."""
+    import jinja2
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from .. import _native
+
+    kv = _native.gguf_metadata(str(model_path))["kv"]
+    for key, template in kv.items():
+        if key == "tokenizer.chat_template" or key.startswith("tokenizer.chat_template."):
+            try:
+                Jinja2ChatFormatter(template=str(template), eos_token="", bos_token="")
+            except (jinja2.TemplateError, RecursionError, ValueError) as e:
+                raise ModelFileError(f"{model_path}: its chat template ({key}) does not compile "
+                                     f"({type(e).__name__}: {e}); the file is corrupted") from None
 
 
 @contextlib.contextmanager
