@@ -51,13 +51,18 @@ def summarize(target: str, log: str, rc: int, seconds: float) -> dict:
         m = re.search(rf"stat::{name}:\s+(\d+)", log)
         return int(m.group(1)) if m else 0
 
-    crashes = re.findall(r"Test unit written to (\S+)", log)
+    written = re.findall(r"Test unit written to (\S+)", log)
+    # libFuzzer also saves its slowest inputs ("slow-unit-": over 10 s of wall-clock time, which a
+    # busy machine produces); only crash-, timeout- and oom- inputs are findings.
+    crashes = [p for p in written if "/slow-unit-" not in Path(p).as_posix() and "slow-unit-" not in Path(p).name]
+    interrupted = "run interrupted" in log
     kind = ("hang" if "ERROR: libFuzzer: timeout" in log else
             "memory blow-up" if "out-of-memory" in log or "MemoryError" in log else
-            "crash" if crashes or rc != 0 else None)
+            "crash" if crashes or (rc != 0 and not interrupted) else None)
     return {"target": target, "inputs": stat("number_of_executed_units"), "exec_per_s": stat("average_exec_per_sec"),
             "new_corpus_entries": stat("new_units_added"), "peak_rss_mb": stat("peak_rss_mb"),
-            "seconds": round(seconds), "finding": kind, "artifacts": crashes, "exit_code": rc}
+            "seconds": round(seconds), "finding": kind, "artifacts": crashes, "interrupted": interrupted,
+            "slow_units": [p for p in written if p not in crashes], "exit_code": rc}
 
 
 def main() -> int:

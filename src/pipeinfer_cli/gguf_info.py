@@ -197,17 +197,18 @@ def _hparams(path: Path, kv: dict, arch: str) -> dict:
         "tokenizer_model": str(kv.get("tokenizer.ggml.model", "")),
         "tokenizer_pre": str(kv.get("tokenizer.ggml.pre", "")),
         "chat_template": kv.get("tokenizer.chat_template") is not None,
-        **_experts(hp, arch),
+        **_experts(count, arch),
     }
 
 
-def _experts(hp, arch: str) -> dict:
+def _experts(count, arch: str) -> dict:
     """Mixture-of-experts sizes, resolved as the native loader resolves them (model_loader.cpp:
-    llama's experts are feed_forward_length wide, qwen3moe's expert_feed_forward_length)."""
-    n_expert = int(hp("expert_count"))
+    llama's experts are feed_forward_length wide, qwen3moe's expert_feed_forward_length).
+    count(key, default) reads the architecture's integer key, refusing a value that is not one."""
+    n_expert = count("expert_count")
     if not n_expert:
         return {}
-    n_used = int(hp("expert_used_count"))
-    n_ff = int(hp("feed_forward_length"))
-    n_ff_exp = n_ff if arch == "llama" else int(hp("expert_feed_forward_length", n_ff // max(n_used, 1)))
+    n_used = count("expert_used_count")
+    n_ff = count("feed_forward_length")
+    n_ff_exp = n_ff if arch == "llama" else count("expert_feed_forward_length", n_ff // max(n_used, 1))
     return {"n_expert": n_expert, "n_expert_used": n_used, "n_ff_exp": n_ff_exp}
