@@ -74,12 +74,9 @@ def _render_chat(model_path: Path, template: str, messages: list[dict], eos: str
     try:
         fmt = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos, add_generation_prompt=True)
         return fmt(messages=messages).prompt
-    except jinja2.TemplateError as e:
-        if type(e) is jinja2.TemplateError:  # what raise_exception() raises
-            raise UsageError(f"the model's chat template refuses these messages: {e}") from None
-        raise ModelFileError(f"{model_path}: its chat template fails ({type(e).__name__}: {e}); "
-                             "use -p/--prompt with raw text instead") from None
-    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+    except ValueError as e:  # what the template's raise_exception() raises (llama-cpp-python)
+        raise UsageError(f"the model's chat template refuses these messages: {e}") from None
+    except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, AttributeError, RecursionError) as e:
         raise ModelFileError(f"{model_path}: its chat template fails ({type(e).__name__}: {e}); "
                              "use -p/--prompt with raw text instead") from None
 
