@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import resource
 import signal
 import sys
@@ -26,7 +27,12 @@ MEMORY_LIMIT = 4 << 30  # address space: a few hundred MB of Python, llama.cpp a
 
 
 def limit_memory(limit: int = MEMORY_LIMIT) -> None:
-    """Cap the address space, so that a blow-up ends in MemoryError (a finding) instead of swapping."""
+    """Cap the address space, so that a blow-up ends in MemoryError (a finding) instead of swapping.
+
+    Not under AddressSanitizer (`make asan` preloads libasan): its shadow memory reserves terabytes
+    of address space, and it reports blow-ups itself."""
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):
+        return
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
 
