@@ -38,6 +38,12 @@ def qwen15_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M Q4_K_M (253 MB): sliding-window attention, 262,144-token vocabulary."""
+    return _registry_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", arch="llama")
 

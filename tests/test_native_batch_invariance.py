@@ -63,7 +63,7 @@ def test_invariant_with_two_threads(smollm2_path):
     assert np.array_equal(rows(smollm2_path, [5, 7], invariant=True, n_threads=1), single)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_tiny_models_f32_weights(tmp_path, arch):
     """F32 weights go through tinyBLAS from 2 rows: sliced to single rows."""
     path = write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, n_layer=3, n_embd=128, n_head=4, n_head_kv=2, n_ff=256)

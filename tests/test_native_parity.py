@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pipeinfer_cli.native import LayerEngine
-from tinygguf import write_tiny_model
+from tinygguf import GemmaParams, write_tiny_model
 
 ATOL = 1e-3
 N_DECODE = 16
@@ -35,8 +35,9 @@ def native_prefill(stages: list[LayerEngine], tokens: list[int], pos0: int = 0, 
     return x
 
 
-def native_greedy(stages: list[LayerEngine], prompt: list[int], n_new: int) -> tuple[np.ndarray, list[int]]:
-    logits = native_prefill(stages, prompt)
+def native_greedy(stages: list[LayerEngine], prompt: list[int], n_new: int,
+                  all_rows: bool = True) -> tuple[np.ndarray, list[int]]:
+    logits = native_prefill(stages, prompt, all_rows=all_rows)
     out, cur, pos = [], int(logits[-1].argmax()), len(prompt)
     for _ in range(n_new):
         out.append(cur)
@@ -45,19 +46,29 @@ def native_greedy(stages: list[LayerEngine], prompt: list[int], n_new: int) -> t
     return logits, out
 
 
-def llama_cpp_greedy(path, prompt: list[int], n_new: int, n_threads: int = 1,
-                     flash_attn: bool = False) -> tuple[np.ndarray, list[int]]:
+def llama_cpp_greedy(path, prompt: list[int], n_new: int, n_threads: int = 1, flash_attn: bool = False,
+                     n_ctx: int = 512, all_rows: bool = True) -> tuple[np.ndarray, list[int]]:
+    """llama.cpp's logits of the prompt (every row, or only the last: no LM head over a long
+    prompt) and its greedy continuation."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=512, n_threads=n_threads, verbose=False,
+    llm = llama_cpp.Llama(str(path), logits_all=all_rows, n_ctx=n_ctx, n_threads=n_threads, verbose=False,
                           flash_attn=flash_attn)
+
+    def last_row() -> np.ndarray:
+        if all_rows:
+            return np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        # Without logits_all llama-cpp-python keeps no scores; read the context's last output row.
+        row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).astype(np.float32)
+
     llm.eval(prompt)
-    logits = np.array(llm.scores[: len(prompt)], dtype=np.float32)
+    logits = np.array(llm.scores[: len(prompt)], dtype=np.float32) if all_rows else last_row()[None, :]
     out, cur = [], int(logits[-1].argmax())
     for _ in range(n_new):
         out.append(cur)
         llm.eval([cur])
-        cur = int(np.asarray(llm.scores[llm.n_tokens - 1]).argmax())
+        cur = int(last_row().argmax())
     return logits, out
 
 
@@ -66,8 +77,9 @@ def split_ranges(n_layer: int, n_parts: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def open_stages(path, n_layer: int, n_parts: int, n_threads: int = 1, flash_attn: bool = False) -> list[LayerEngine]:
-    return [LayerEngine(path, b, e, n_ctx=512, n_threads=n_threads, flash_attn=flash_attn)
+def open_stages(path, n_layer: int, n_parts: int, n_threads: int = 1, flash_attn: bool = False,
+                n_ctx: int = 512) -> list[LayerEngine]:
+    return [LayerEngine(path, b, e, n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn)
             for b, e in split_ranges(n_layer, n_parts)]
 
 
@@ -140,9 +152,44 @@ def test_tiny_flash_attn_matches_llama_cpp_flash_attn(tmp_path, arch):
 
 
 @pytest.mark.parametrize("n_parts", [2, 3])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_tiny_split_equals_single(tmp_path, arch, n_parts):
     assert_split_equals_single(write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, n_layer=6, seed=6), 6, n_parts)
+
+
+# Gemma 3: a window of 4 positions on the local layers, shorter than the 10-token prompt, so the
+# sliding-window mask decides most rows; layouts with every 3rd layer global, a per-layer pattern,
+# and no window at all with a softcapped output and its own local RoPE base.
+GEMMA_VARIANTS = {
+    "period3": GemmaParams(),
+    "pattern": GemmaParams(swa_pattern=[True, False, True, True, False, True]),
+    "softcap": GemmaParams(n_swa=0, swa_pattern=None, rope_freq_base_swa=5000.0, final_logit_softcapping=3.0),
+}
+
+
+@pytest.mark.parametrize("variant", list(GEMMA_VARIANTS))
+def test_tiny_gemma3_parity_and_greedy(tmp_path, variant):
+    path = write_tiny_model(tmp_path / "gemma3.gguf", arch="gemma3", n_layer=6, seed=3, gemma=GEMMA_VARIANTS[variant])
+    ref_logits, ref_tokens = llama_cpp_greedy(path, TINY_PROMPT, N_DECODE)
+    logits, tokens = native_greedy(open_stages(path, 6, 1), TINY_PROMPT, N_DECODE)
+    assert_parity(logits, ref_logits)
+    assert tokens == ref_tokens
+    for n_parts in (2, 3):
+        split_logits, split_tokens = native_greedy(open_stages(path, 6, n_parts), TINY_PROMPT, N_DECODE)
+        np.testing.assert_array_equal(split_logits, logits)
+        assert split_tokens == tokens
+
+
+def test_tiny_gemma3_window_covers_the_last_n_swa_positions(tmp_path):
+    """Rows closer than the window to the start see every position either way; from position n_swa
+    on, the local layers drop the oldest positions, so the logits differ from an unbounded window."""
+    n_swa = GemmaParams().n_swa
+    windowed = write_tiny_model(tmp_path / "w.gguf", arch="gemma3", n_layer=6, seed=3)
+    unbounded = write_tiny_model(tmp_path / "u.gguf", arch="gemma3", n_layer=6, seed=3, gemma=GemmaParams(n_swa=1000))
+    a = native_prefill(open_stages(windowed, 6, 1), TINY_PROMPT)
+    b = native_prefill(open_stages(unbounded, 6, 1), TINY_PROMPT)
+    np.testing.assert_array_equal(a[:n_swa], b[:n_swa])
+    assert (np.abs(a[n_swa:] - b[n_swa:]).max(axis=1) > 1e-3).all()
 
 
 SMOL_TEXT = b"The quick brown fox jumps over the lazy dog. Once upon a time, in a small village,"

@@ -12,7 +12,7 @@ from tinygguf import write_tiny_model
 from pipeinfer_cli.native import LayerEngine
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])  # gemma3: window 4 on 2 of 3 layers
 def model(request, tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tree") / f"{request.param}.gguf", arch=request.param, n_layer=3,
                             n_vocab=300, seed=5)

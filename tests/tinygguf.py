@@ -1,5 +1,5 @@
-"""Write tiny random-weight GGUF models (llama, qwen2, qwen3, and mixture-of-experts qwen3moe and llama
-layouts) that llama.cpp itself can load.
+"""Write tiny random-weight GGUF models (llama, qwen2, qwen3, gemma3, and mixture-of-experts qwen3moe and
+llama layouts) that llama.cpp itself can load.
 
 The vocabulary is GPT-2 byte-level: the 256 byte tokens in byte order, then a few merged tokens
 and the special tokens, so any text tokenizes and the files work end to end without downloads.
@@ -7,6 +7,7 @@ and the special tokens, so any text tokenizes and the files work end to end with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,30 @@ def _expert_tensors(p: str, w, n_embd: int, n_expert: int, n_ff_exp: int) -> dic
     }
 
 
+@dataclass(frozen=True)
+class GemmaParams:
+    """Gemma 3 settings of a tiny model."""
+
+    n_swa: int = 4  # attention.sliding_window (0: no key, every layer global)
+    swa_pattern: int | list[bool] | None = 3  # every n-th layer global, or one bool per layer (True = local); None: no key (llama.cpp: 6)
+    head_dim: int | None = 32  # attention.key_length/value_length, unlike n_embd / n_head; None: n_embd / n_head
+    rope_freq_base_swa: float | None = None  # None: no key (llama.cpp: 10000)
+    final_logit_softcapping: float | None = None
+
+
+def _add_gemma_metadata(writer, g: GemmaParams) -> None:
+    if g.n_swa:
+        writer.add_sliding_window(g.n_swa)
+    if isinstance(g.swa_pattern, int):
+        writer.add_uint32(f"{writer.arch}.attention.sliding_window_pattern", g.swa_pattern)
+    elif g.swa_pattern is not None:
+        writer.add_sliding_window_pattern(g.swa_pattern)
+    if g.rope_freq_base_swa is not None:
+        writer.add_rope_freq_base_swa(g.rope_freq_base_swa)
+    if g.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(g.final_logit_softcapping)
+
+
 def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 64, n_head: int = 4,
                      n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 300, seed: int = 0,
                      n_ctx_train: int = 512, rope_freq_base: float = 10000.0, rms_eps: float = 1e-5,
@@ -62,7 +87,7 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
                      weight_type: str = "f32", arch_name: str | None = None,
                      rope_scaling: tuple[str, float] | None = None, rope_orig_ctx: int | None = None,
                      head_dim: int | None = None, n_expert: int = 0, n_expert_used: int = 2,
-                     n_ff_exp: int | None = None) -> Path:
+                     n_ff_exp: int | None = None, gemma: "GemmaParams | None" = None) -> Path:
     """Write a random-weight model and return its path.
 
     `omit_tensors` drops tensors (for error tests). `weight_type` ("f32", "f16", "q8_0", "q4_0")
@@ -75,6 +100,8 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
     `n_expert` > 0 writes mixture-of-experts layers (qwen3moe, or llama: Mixtral-style): a router
     `ffn_gate_inp` and stacked `ffn_{gate,up,down}_exps` in place of the dense FFN, `n_expert_used`
     experts per token, each `n_ff_exp` wide (qwen3moe's expert_feed_forward_length; llama: n_ff).
+    `arch="gemma3"` writes Gemma 3's layout (Q/K norms, post-norms, tied output) with `gemma`'s
+    sliding-window settings (default `GemmaParams()`).
     """
     import gguf
 
@@ -83,6 +110,10 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
     if arch == "qwen3moe" and not n_expert:
         raise ValueError("qwen3moe needs n_expert > 0")
     n_ff_exp = (n_ff_exp or n_ff) if arch == "qwen3moe" else n_ff
+    if arch == "gemma3":
+        gemma = gemma or GemmaParams()
+        tied_output = True
+        head_dim = head_dim or gemma.head_dim
     explicit_head_dim = head_dim is not None
     head_dim = head_dim or n_embd // n_head
     n_embd_q = head_dim * n_head
@@ -106,7 +137,7 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
             tensors[p + "attn_k.bias"] = w(n_embd_kv)
             tensors[p + "attn_v.bias"] = w(n_embd_kv)
         tensors[p + "attn_output.weight"] = w(n_embd, n_embd_q)
-        if arch in ("qwen3", "qwen3moe"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             tensors[p + "attn_q_norm.weight"] = norm(head_dim)
             tensors[p + "attn_k_norm.weight"] = norm(head_dim)
         tensors[p + "ffn_norm.weight"] = norm(n_embd)
@@ -116,6 +147,9 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
             tensors[p + "ffn_gate.weight"] = w(n_ff, n_embd)
             tensors[p + "ffn_up.weight"] = w(n_ff, n_embd)
             tensors[p + "ffn_down.weight"] = w(n_embd, n_ff)
+        if arch == "gemma3":
+            tensors[p + "post_attention_norm.weight"] = norm(n_embd)
+            tensors[p + "post_ffw_norm.weight"] = norm(n_embd)
     tensors["output_norm.weight"] = norm(n_embd)
     if not tied_output:
         tensors["output.weight"] = w(n_vocab, n_embd)
@@ -154,6 +188,8 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
         writer.add_rope_scaling_factor(factor)
     if rope_orig_ctx is not None:
         writer.add_rope_scaling_orig_ctx_len(rope_orig_ctx)
+    if arch == "gemma3":
+        _add_gemma_metadata(writer, gemma)
     tokens, types = vocab(n_vocab)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")

@@ -48,17 +48,15 @@ void check_per_token(const array_view<T> & a, const char * name, int64_t n_token
     }
 }
 
-// Attention inputs of an ordered graph: mask, scores and V rows indexed by position (see
-// attention_ordered in graph_builder.cpp). order[t*n_kv + p] is the cell at position p, or -1.
+// Attention inputs of an ordered graph: scores and V rows indexed by position (see attention_ordered
+// in graph_builder.cpp). order[t*n_kv + p] is the cell at position p, or -1.
 void fill_ordered(const graph_inputs & in, const model_hparams & hp, int64_t n_tokens, int64_t n_kv,
                   const std::vector<int32_t> & order) {
     const int64_t n_head = hp.n_head, n_embd_gqa = hp.n_embd_gqa();
-    auto * mask = (float *) in.kq_mask->data;
     auto * ko = (int32_t *) in.kq_order->data;
     auto * vo = (int32_t *) in.v_order->data;
     for (int64_t t = 0; t < n_tokens; ++t) {
         const int32_t * row = order.data() + t * n_kv;
-        for (int64_t p = 0; p < n_kv; ++p) mask[t * n_kv + p] = row[p] >= 0 ? 0.0f : -INFINITY;
         for (int64_t h = 0; h < n_head; ++h) {
             int32_t * dst = ko + (t * n_head + h) * n_kv;
             for (int64_t p = 0; p < n_kv; ++p) dst[p] = std::max(row[p], 0);
@@ -66,6 +64,19 @@ void fill_ordered(const graph_inputs & in, const model_hparams & hp, int64_t n_t
         for (int64_t c = 0; c < n_embd_gqa; ++c) {
             int32_t * dst = vo + (t * n_embd_gqa + c) * n_kv;
             for (int64_t p = 0; p < n_kv; ++p) dst[p] = std::max(row[p], 0);
+        }
+    }
+}
+
+// The mask of an ordered graph, indexed by position: position p is visible to token t when a cell
+// holds it and, with a sliding window n_swa > 0, pos_t - p < n_swa.
+void fill_ordered_mask(float * mask, const std::vector<kv_token> & toks, int64_t n_kv,
+                       const std::vector<int32_t> & order, uint32_t n_swa) {
+    for (size_t t = 0; t < toks.size(); ++t) {
+        const int32_t * row = order.data() + t * n_kv;
+        for (int64_t p = 0; p < n_kv; ++p) {
+            const bool in_window = n_swa == 0 || toks[t].pos - p < (int64_t) n_swa;
+            mask[t * n_kv + p] = row[p] >= 0 && in_window ? 0.0f : -INFINITY;
         }
     }
 }
@@ -264,16 +275,12 @@ void layer_engine::set_inputs(const cached_graph & g, const checked_batch & b, c
     if (in.tokens) std::memcpy(in.tokens->data, b.tokens, sizeof(int32_t) * b.n_tokens);
     if (in.embd) std::memcpy(in.embd->data, b.embd, sizeof(float) * b.n_tokens * hp.n_embd);
     std::memcpy(in.pos->data, b.pos, sizeof(int32_t) * b.n_tokens);
-    if (!in.kq_mask->data) {
-        // Nothing reads the mask: a last stage of one layer with no rows to output only stores
-        // K/V, so the graph allocator gave the unused mask no memory.
-    } else if (g.shape.ordered) {
-        fill_ordered(in, hp, b.n_tokens, g.shape.n_kv, order);
-    } else if (kv_->v_trans()) {
-        kv_->fill_mask((float *) in.kq_mask->data, g.shape.n_kv, toks);
-    } else {
-        kv_->fill_mask((ggml_fp16_t *) in.kq_mask->data, g.shape.n_kv, toks);
-    }
+    // An attention input nothing reads has no memory: a last stage of one layer with no rows to
+    // output only stores K/V, and a stage without sliding-window (or without global) layers
+    // leaves that mask unused.
+    fill_kq_mask(in.kq_mask, g.shape, toks, order, 0);
+    if (in.kq_mask_swa) fill_kq_mask(in.kq_mask_swa, g.shape, toks, order, hp.n_swa);
+    if (g.shape.ordered && in.kq_order->data) fill_ordered(in, hp, b.n_tokens, g.shape.n_kv, order);
     auto * k_idxs = (int64_t *) in.k_idxs->data;
     auto * v_idxs = (int64_t *) in.v_idxs->data;
     const int64_t n_embd_gqa = hp.n_embd_gqa(), kv_size = kv_->size();
@@ -287,6 +294,19 @@ void layer_engine::set_inputs(const cached_graph & g, const checked_batch & b, c
         }
     }
     if (in.out_ids) std::memcpy(in.out_ids->data, b.out_rows.data(), sizeof(int32_t) * b.out_rows.size());
+}
+
+// One attention mask of the graph (n_swa > 0: a sliding-window layers' mask).
+void layer_engine::fill_kq_mask(ggml_tensor * mask, const graph_shape & shape, const std::vector<kv_token> & toks,
+                                const std::vector<int32_t> & order, uint32_t n_swa) const {
+    if (!mask->data) return;
+    if (shape.ordered) {
+        fill_ordered_mask((float *) mask->data, toks, shape.n_kv, order, n_swa);
+    } else if (kv_->v_trans()) {
+        kv_->fill_mask((float *) mask->data, shape.n_kv, toks, n_swa);
+    } else {
+        kv_->fill_mask((ggml_fp16_t *) mask->data, shape.n_kv, toks, n_swa);
+    }
 }
 
 // Runs the graph and copies its result to out; throws eval_cancelled / engine_failure.

@@ -153,6 +153,8 @@ private:
     graph_shape shape_for(const checked_batch & b, const std::vector<kv_token> & toks, std::vector<int32_t> & order) const;
     void set_inputs(const cached_graph & g, const checked_batch & b, const std::vector<kv_token> & toks,
                     const std::vector<uint32_t> & cells, const std::vector<int32_t> & order) const;
+    void fill_kq_mask(ggml_tensor * mask, const graph_shape & shape, const std::vector<kv_token> & toks,
+                      const std::vector<int32_t> & order, uint32_t n_swa) const;
     void compute(const cached_graph & g, float * out, int & layers_done);
     void count_cancel(bool computed, int layers_done);
 

@@ -1,7 +1,9 @@
 #include "graph_builder.h"
 
+#include "arch_gemma3.h"
 #include "batch_invariance.h"
 #include "ffn_moe.h"
+#include "graph_base.h"
 #include "ggml-backend.h"
 
 #include <algorithm>
@@ -10,8 +12,6 @@
 #include <cstring>
 
 namespace pipeinfer {
-
-namespace {
 
 // Runs after a layer's last op; lets the engine count the layers that finished when a cancel
 // aborts the graph midway (the abort callback alone cannot tell which node it stopped at).
@@ -82,67 +82,12 @@ ggml_tensor * attention_ordered(ggml_context * ctx, ggml_tensor * q, ggml_tensor
     return out;
 }
 
-// One graph under construction, and the builders of its parts (as llama.cpp's llm_graph_context
-// has build_inp_*, build_attn and build_ffn). Each builder adds its nodes in the order llama.cpp does.
-struct graph_context {
-    ggml_context * ctx;
-    ggml_cgraph * gf;
-    const stage_weights & w;
-    const kv_cache & kv;
-    const graph_shape & shape;
-    graph_inputs & in;
-    const model_hparams & hp;
-    const int64_t n_tokens, n_kv, n_head, n_head_kv, d_head, n_embd_gqa, kv_size;
-    const float kq_scale;
-    const bool inv;         // slice matmuls and attention by rows (shape.invariant, more than one row)
-    const bool flash_attn;  // the cache layout follows the attention path
-    const bool ordered;     // attention over cells gathered in position order
+namespace {
 
-    graph_context(ggml_context * ctx, ggml_cgraph * gf, const stage_weights & w, const kv_cache & kv,
-                  const graph_shape & shape, graph_inputs & in)
-        : ctx(ctx), gf(gf), w(w), kv(kv), shape(shape), in(in), hp(w.hparams), n_tokens(shape.n_tokens),
-          n_kv(shape.n_kv), n_head(hp.n_head), n_head_kv(hp.n_head_kv), d_head(hp.n_embd_head),
-          n_embd_gqa(hp.n_embd_gqa()), kv_size(kv.size()), kq_scale(1.0f / std::sqrt((float) hp.n_embd_head)),
-          inv(shape.invariant && shape.n_tokens > 1), flash_attn(!kv.v_trans()),
-          ordered(shape.ordered && kv.v_trans()) {}
+// The llama/qwen2 decoder layers on the shared parts of graph_base.
+struct graph_context : graph_base {
+    using graph_base::graph_base;
 
-    ggml_tensor * input(ggml_tensor * t) {
-        ggml_set_input(t);
-        return t;
-    }
-
-    // Input tensors; returns the first layer's input (token embeddings, or the previous stage's states).
-    ggml_tensor * build_inputs() {
-        ggml_tensor * inpL;
-        if (w.is_first()) {
-            in.tokens = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens));
-            inpL = ggml_get_rows(ctx, w.tok_embd, in.tokens);
-        } else {
-            in.embd = input(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hp.n_embd, n_tokens));
-            inpL = in.embd;
-        }
-        in.pos = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens));
-        in.kq_mask = input(ggml_new_tensor_2d(ctx, flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, n_kv, n_tokens));
-        in.k_idxs = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens));
-        in.v_idxs = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I64, flash_attn ? n_tokens : n_tokens * n_embd_gqa));
-        if (ordered) {
-            in.kq_order = input(ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_kv, n_head, n_tokens));
-            in.v_order = input(ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_kv, n_embd_gqa, n_tokens));
-        }
-        // Like llama.cpp, drop the rows nobody wants before the last layer's FFN and the LM head.
-        if (w.is_last() && shape.n_outputs > 0 && shape.n_outputs < n_tokens) {
-            in.out_ids = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, shape.n_outputs));
-        }
-        return inpL;
-    }
-
-    ggml_tensor * rope(ggml_tensor * x) {
-        return ggml_rope_ext(ctx, x, in.pos, w.rope_freqs, hp.n_rot, hp.rope_type, hp.n_ctx_orig_yarn,
-                             hp.rope_freq_base, hp.rope_freq_scale, hp.yarn_ext_factor, hp.yarn_attn_factor,
-                             hp.yarn_beta_fast, hp.yarn_beta_slow);
-    }
-
-    // Q, K, V of the batch, roped: [d_head, n_head(_kv), n_tokens].
     void build_qkv(const layer_weights & L, ggml_tensor * x, ggml_tensor *& Q, ggml_tensor *& K, ggml_tensor *& V) {
         ggml_tensor * cur = norm_rms(ctx, x, L.attn_norm, hp.f_norm_rms_eps);
         Q = matmul_bias(ctx, L.wq, L.bq, cur, inv);
@@ -158,54 +103,6 @@ struct graph_context {
         ggml_build_forward_expand(gf, Q);
         ggml_build_forward_expand(gf, V);
         ggml_build_forward_expand(gf, K);
-    }
-
-    // Stores K and V of the batch into their cells before attention reads the cache: the graph
-    // runs in insertion order, and the cache views of build_attn do not depend on these nodes.
-    void build_kv_store(int li, ggml_tensor * K, ggml_tensor * V) {
-        ggml_tensor * kc = kv.k(li);
-        ggml_tensor * vc = kv.v(li);
-        ggml_build_forward_expand(gf, ggml_set_rows(ctx, kc, ggml_reshape_2d(ctx, K, n_embd_gqa, n_tokens), in.k_idxs));
-        if (flash_attn) {
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc, ggml_reshape_2d(ctx, V, n_embd_gqa, n_tokens), in.v_idxs));
-        } else {
-            ggml_tensor * v_flat = ggml_reshape_2d(ctx, V, 1, n_embd_gqa * n_tokens);
-            ggml_tensor * vc_flat = ggml_reshape_2d(ctx, vc, 1, ggml_nelements(vc));
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, vc_flat, v_flat, in.v_idxs));
-        }
-    }
-
-    // Attention of Q over the first n_kv cells of layer li's cache, before the output projection:
-    // [d_head*n_head, n_tokens].
-    ggml_tensor * build_attn(int li, ggml_tensor * Q) {
-        ggml_tensor * kc = kv.k(li);
-        ggml_tensor * vc = kv.v(li);
-        // views of the first n_kv cells: k [d_head, n_head_kv, n_kv]
-        ggml_tensor * k = ggml_view_3d(ctx, kc, d_head, n_head_kv, n_kv,
-                                       ggml_row_size(kc->type, d_head), ggml_row_size(kc->type, n_embd_gqa), 0);
-        ggml_tensor * q = ggml_permute(ctx, Q, 0, 2, 1, 3);  // [d_head, n_tokens, n_head]
-        k = ggml_permute(ctx, k, 0, 2, 1, 3);                 // [d_head, n_kv, n_head_kv]
-        ggml_tensor * cur;
-        if (flash_attn) {
-            ggml_tensor * v = ggml_view_3d(ctx, vc, d_head, n_head_kv, n_kv,
-                                           ggml_row_size(vc->type, d_head), ggml_row_size(vc->type, n_embd_gqa), 0);
-            v = ggml_permute(ctx, v, 0, 2, 1, 3);             // [d_head, n_kv, n_head_kv]
-            cur = ggml_flash_attn_ext(ctx, q, k, v, in.kq_mask, kq_scale, 0.0f, 0.0f);  // [d_head, n_head, n_tokens]
-            ggml_prec_set_acc(cur, GGML_PREC_F32);
-            cur = ggml_reshape_2d(ctx, cur, d_head * n_head, n_tokens);
-        } else {
-            // v [n_kv, n_head_kv, d_head] -> [n_kv, d_head, n_head_kv]
-            ggml_tensor * v = ggml_view_3d(ctx, vc, n_kv, n_head_kv, d_head, ggml_row_size(vc->type, kv_size * d_head),
-                                           ggml_row_size(vc->type, kv_size), 0);
-            v = ggml_permute(ctx, v, 0, 2, 1, 3);
-            ggml_tensor * kqv = ordered ? attention_ordered(ctx, q, k, vc, in.kq_mask, in.kq_order, in.v_order, kq_scale,
-                                                            n_kv, d_head, n_head_kv)
-                                        : attention(ctx, q, k, v, in.kq_mask, kq_scale, inv);  // [d_head, n_tokens, n_head]
-            cur = ggml_permute(ctx, kqv, 0, 2, 1, 3);
-            cur = ggml_cont_2d(ctx, cur, d_head * n_head, n_tokens);
-        }
-        ggml_build_forward_expand(gf, cur);
-        return cur;
     }
 
     // SwiGLU feed-forward with its residual: x + down(silu(gate(norm x)) * up(norm x)); a
@@ -237,11 +134,7 @@ struct graph_context {
             inpSA = ggml_get_rows(ctx, inpSA, in.out_ids);
         }
         cur = build_ffn(L, ggml_add(ctx, cur, inpSA));
-
-        progress.markers[li].value = li + 1;
-        cur = ggml_map_custom1_inplace(ctx, cur, mark_layer_done, 1, &progress.markers[li]);
-        ggml_build_forward_expand(gf, cur);
-        return cur;
+        return mark_layer(li, cur, progress);
     }
 
     // Output norm and LM head on the last stage; the hidden states elsewhere.
@@ -260,15 +153,9 @@ struct graph_context {
 
 ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weights & w, const kv_cache & kv,
                           const graph_shape & shape, graph_inputs & in, layer_progress & progress) {
+    if (w.hparams.arch == "gemma3") return gemma3_graph_build(ctx, gf, w, kv, shape, in, progress);
     graph_context g(ctx, gf, w, kv, shape, in);
-    ggml_tensor * cur = g.build_inputs();
-    const int n_local = (int) w.layers.size();
-    progress.markers.assign(n_local, layer_marker{&progress.layers_done, 0});
-    for (int li = 0; li < n_local; ++li) {
-        cur = g.build_layer(li, cur, progress);
-        if (!cur) return nullptr;
-    }
-    return g.build_output(cur);
+    return build_stage(g, g.build_inputs(), progress);
 }
 
 }  // namespace pipeinfer

@@ -27,6 +27,7 @@ struct graph_inputs {
     ggml_tensor * embd    = nullptr;  // F32 [n_embd, n_tokens]    later stages
     ggml_tensor * pos     = nullptr;  // I32 [n_tokens]
     ggml_tensor * kq_mask = nullptr;  // F32 [n_kv, n_tokens] (F16 with flash attention)
+    ggml_tensor * kq_mask_swa = nullptr;  // the same for sliding-window layers (hparams.n_swa > 0)
     ggml_tensor * k_idxs  = nullptr;  // I64 [n_tokens]            cache row of each token
     ggml_tensor * v_idxs  = nullptr;  // I64 [n_tokens*n_embd_gqa] element index in the transposed V,
                                       //     or I64 [n_tokens] cache row when V is not transposed

@@ -99,7 +99,7 @@ template <> ggml_fp16_t mask_value<ggml_fp16_t>(float v) { return ggml_fp32_to_f
 }  // namespace
 
 template <typename T>
-void kv_cache::fill_mask(T * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const {
+void kv_cache::fill_mask(T * mask, uint32_t n_kv, const std::vector<kv_token> & tokens, uint32_t n_swa) const {
     const T keep = mask_value<T>(0.0f);
     const T drop = mask_value<T>(-INFINITY);
     for (size_t t = 0; t < tokens.size(); ++t) {
@@ -107,12 +107,13 @@ void kv_cache::fill_mask(T * mask, uint32_t n_kv, const std::vector<kv_token> & 
         const kv_token & tok = tokens[t];
         for (uint32_t j = 0; j < n_kv; ++j) {
             const kv_cell & c = cells_[j];
-            row[j] = ((c.seqs & tok.seqs) != 0 && c.pos <= tok.pos) ? keep : drop;
+            const bool in_window = n_swa == 0 || tok.pos - c.pos < (int32_t) n_swa;
+            row[j] = ((c.seqs & tok.seqs) != 0 && c.pos <= tok.pos && in_window) ? keep : drop;
         }
     }
 }
-template void kv_cache::fill_mask<float>(float *, uint32_t, const std::vector<kv_token> &) const;
-template void kv_cache::fill_mask<ggml_fp16_t>(ggml_fp16_t *, uint32_t, const std::vector<kv_token> &) const;
+template void kv_cache::fill_mask<float>(float *, uint32_t, const std::vector<kv_token> &, uint32_t) const;
+template void kv_cache::fill_mask<ggml_fp16_t>(ggml_fp16_t *, uint32_t, const std::vector<kv_token> &, uint32_t) const;
 
 bool kv_cache::position_order(uint32_t n_kv, const std::vector<kv_token> & tokens, std::vector<int32_t> & order) const {
     order.assign(tokens.size() * (size_t) n_kv, -1);

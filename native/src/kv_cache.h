@@ -49,9 +49,11 @@ public:
     uint32_t n_kv() const;
 
     // mask[i*n_kv + j] = 0 if token i may attend cell j (shared sequence and cell.pos <= pos), else -inf.
+    // With a sliding window n_swa > 0 the cell must also be among the last n_swa positions:
+    // pos - cell.pos < n_swa (llama.cpp's LLAMA_SWA_TYPE_STANDARD).
     // T is float (soft_max path) or ggml_fp16_t (flash attention); both are instantiated in kv_cache.cpp.
     template <typename T>
-    void fill_mask(T * mask, uint32_t n_kv, const std::vector<kv_token> & tokens) const;
+    void fill_mask(T * mask, uint32_t n_kv, const std::vector<kv_token> & tokens, uint32_t n_swa = 0) const;
 
     // order[i*n_kv + p] = the cell token i may attend that holds position p, or -1 (none).
     // Returns true when some token's cells are not laid out at cell index == position (the layout of

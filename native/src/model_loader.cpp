@@ -1,5 +1,6 @@
 #include "model_loader.h"
 
+#include "arch_gemma3.h"
 #include "errors.h"
 #include "ggml-cpu.h"
 #include "gguf_file.h"
@@ -106,7 +107,7 @@ void read_rope(const gguf_file & f, const std::string & a, model_hparams & hp) {
         throw model_file_error(path + ": rope.dimension_count (" + std::to_string(hp.n_rot) +
                                ") must equal the head size (" + std::to_string(hp.n_embd_head) + ")");
     }
-    // llama rotates adjacent pairs, the qwen family rotates halves (GPT-NeoX style).
+    // llama rotates adjacent pairs, the qwen family and gemma3 rotate halves (GPT-NeoX style).
     hp.rope_type = hp.arch == "llama" ? 0 : GGML_ROPE_TYPE_NEOX;
     hp.rope_freq_base = f.get_f32(a + "rope.freq_base", 10000.0f);
 
@@ -144,6 +145,7 @@ model_hparams read_hparams(const gguf_file & f) {
     read_sizes(f, a, hp);
     read_experts(f, a, hp);
     read_rope(f, a, hp);
+    if (hp.arch == "gemma3") gemma3_read_hparams(f, hp);
     const int64_t tid = gguf_find_tensor(f.ctx(), "token_embd.weight");
     if (tid < 0) {
         throw model_file_error(f.path() + ": tensor 'token_embd.weight' is missing");
@@ -192,7 +194,7 @@ std::vector<tensor_request> stage_tensors(const gguf_file & f, stage_weights & s
     const int64_t E = hp.n_embd, V = hp.n_vocab, F = hp.n_ff, Q = hp.n_embd_q(), G = hp.n_embd_gqa(),
                   D = hp.n_embd_head;
     const bool qwen2 = hp.arch == "qwen2";
-    const bool qk_norm = hp.arch == "qwen3" || hp.arch == "qwen3moe";  // per-head RMS norms of Q and K before RoPE
+    const bool qk_norm = hp.arch == "qwen3" || hp.arch == "qwen3moe" || hp.arch == "gemma3";  // per-head RMS norms of Q and K before RoPE
     std::vector<tensor_request> req;
     auto add = [&](const std::string & fname, ggml_tensor ** dst, std::vector<int64_t> ne, bool mm, bool required,
                    const std::string & as = "") {
@@ -225,6 +227,10 @@ std::vector<tensor_request> stage_tensors(const gguf_file & f, stage_weights & s
             add(p + "ffn_gate.weight", &L.ffn_gate, {E, F}, true, true);
             add(p + "ffn_up.weight",   &L.ffn_up,   {E, F}, true, true);
             add(p + "ffn_down.weight", &L.ffn_down, {F, E}, true, true);
+        }
+        if (hp.arch == "gemma3") {
+            add(p + "post_attention_norm.weight", &L.attn_post_norm, {E}, false, true);
+            add(p + "post_ffw_norm.weight",       &L.ffn_post_norm,  {E}, false, true);
         }
     }
     if (sw.is_last()) {
@@ -395,7 +401,7 @@ void read_tensors(const gguf_file & f, const std::vector<tensor_request> & req, 
 }  // namespace
 
 const std::vector<std::string> & supported_archs() {
-    static const std::vector<std::string> archs = {"llama", "qwen2", "qwen3", "qwen3moe"};
+    static const std::vector<std::string> archs = {"llama", "qwen2", "qwen3", "qwen3moe", "gemma3"};
     return archs;
 }
 

@@ -1,5 +1,5 @@
 // Loads the hyperparameters and the tensors of one layer range of a GGUF file (the architectures
-// of supported_archs(): llama, also with experts, qwen2, qwen3, qwen3moe).
+// of supported_archs(): llama, also with experts, qwen2, qwen3, qwen3moe, gemma3).
 //
 // Only the tensors the range needs are read: the layers [layer_begin, layer_end), plus
 // token_embd on the first stage and output_norm/output (or the tied token_embd) on the last one.
@@ -46,8 +46,17 @@ struct model_hparams {
     uint32_t n_expert_used = 0;      // expert_used_count: experts each token is routed to (top-k)
     uint32_t n_ff_exp      = 0;      // rows of one expert's gate/up matrices
 
+    // gemma3: sliding-window attention, scales and norms (read in arch_gemma3.cpp).
+    uint32_t n_swa = 0;                     // attention.sliding_window; 0 = every layer attends to all
+    std::vector<uint8_t> swa_layers;        // [n_layer] 1 = sliding-window ("local") layer
+    float rope_freq_base_swa  = 10000.0f;   // rope.freq_base_swa of the local layers
+    float rope_freq_scale_swa = 1.0f;       // local layers are never rope-scaled
+    float f_attention_scale = 0.0f;         // queries are multiplied by it before attention (0 = not)
+    float f_final_logit_softcapping = 0.0f; // logits = c*tanh(logits/c) when > 0
+
     uint32_t n_embd_gqa() const { return n_embd_head * n_head_kv; }  // width of one K or V row
     uint32_t n_embd_q() const { return n_embd_head * n_head; }       // width of Q (may differ from n_embd)
+    bool is_swa(int il) const { return n_swa > 0 && swa_layers[il]; }
 };
 
 // Weights of one transformer layer. Biases are null when the file has none (llama).
@@ -65,7 +74,7 @@ struct layer_weights {
     ggml_tensor * ffn_gate = nullptr;   // [n_embd, n_ff]
     ggml_tensor * ffn_up   = nullptr;   // [n_embd, n_ff]
     ggml_tensor * ffn_down = nullptr;   // [n_ff, n_embd]
-    // qwen3, qwen3moe: RMS norms of each Q and K head before RoPE.
+    // qwen3, qwen3moe, gemma3: RMS norms of each Q and K head before RoPE.
     ggml_tensor * attn_q_norm = nullptr;  // [n_embd_head]
     ggml_tensor * attn_k_norm = nullptr;  // [n_embd_head]
     // Mixture of experts (then ffn_gate/ffn_up/ffn_down are null).
@@ -73,6 +82,9 @@ struct layer_weights {
     ggml_tensor * ffn_gate_exps = nullptr;  // [n_embd, n_ff_exp, n_expert]; optional for llama (then SiLU(up))
     ggml_tensor * ffn_up_exps   = nullptr;  // [n_embd, n_ff_exp, n_expert]
     ggml_tensor * ffn_down_exps = nullptr;  // [n_ff_exp, n_embd, n_expert]
+    // gemma3
+    ggml_tensor * attn_post_norm = nullptr;  // [n_embd] after attention, before the residual
+    ggml_tensor * ffn_post_norm = nullptr;   // [n_embd] after the FFN, before the residual
 };
 
 // Everything one stage computes with. Owns the ggml contexts and backend buffers of its tensors.

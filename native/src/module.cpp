@@ -217,6 +217,10 @@ void bind_engine_methods(py::class_<layer_engine> & c) {
             d["rope_type"] = h.rope_type; d["rope_freq_base"] = h.rope_freq_base;
             d["rope_freq_scale"] = h.rope_freq_scale;
             d["n_expert"] = h.n_expert; d["n_expert_used"] = h.n_expert_used; d["n_ff_exp"] = h.n_ff_exp;
+            d["n_swa"] = h.n_swa;  // sliding window of the local layers (gemma3), 0 = none
+            std::vector<int> swa_layers;
+            for (uint32_t il = 0; il < h.n_layer; ++il) if (h.is_swa((int) il)) swa_layers.push_back((int) il);
+            d["swa_layers"] = swa_layers;
             return d;
         })
         .def("eval", &engine_eval, py::arg("tokens") = py::none(), py::arg("embd") = py::none(),

