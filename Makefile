@@ -9,7 +9,7 @@ BUILD  := build/native
 # llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-grounded bench-native bench-network bench-prefix-reuse clean help
+.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-grounded bench-native bench-native-gemma3 bench-network bench-prefix-reuse clean help
 
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
@@ -23,6 +23,7 @@ help:
 	@echo "make bench-grounded grounded prompts (answers copied from the prompt): pipeinfer vs llama.cpp and its prompt lookup"
 	@echo "make bench-native native layer engine vs llama.cpp"
 	@echo "make bench-prefix-reuse  TTFT of a second chat turn with and without prefix reuse"
+	@echo "make bench-native-gemma3 the same on Gemma 3 270M"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
 
 $(PY):
@@ -80,6 +81,10 @@ clean:
 BENCH_NATIVE_ARGS ?= --model qwen2.5-coder-0.5b-instruct --model qwen2.5-coder-1.5b-instruct --threads 1,2
 bench-native: install
 	$(PY) scripts/bench_native.py $(BENCH_NATIVE_ARGS) --json build/bench_native.json
+
+# The same on Gemma 3 270M (sliding-window attention, tied 262,144-row LM head), 1 and 2 threads.
+bench-native-gemma3: install
+	$(PY) scripts/bench_native.py --model gemma3-270m --threads 1,2 --markdown --json build/bench_native_gemma3.json
 
 # Time to first token of a second chat turn, with and without prefix reuse (BENCHMARKS.md, "Prefix reuse").
 bench-prefix-reuse: install

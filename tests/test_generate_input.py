@@ -56,6 +56,17 @@ def test_empty_prompt_and_empty_chat_are_refused_alike(smollm2_path, args):
     assert "the prompt is empty" in one_error_line(runner.invoke(app, ["generate", MODEL, *args]), 2)
 
 
+@pytest.mark.parametrize("args", [["--chat", "Hi"], ["--system", "Be brief.", "--chat", "Hi"], ["--messages", "MSGS"],
+                                  ["--chat", "Hi", "--ranks", "2"]], ids=["chat", "system", "messages", "ranks"])
+def test_chat_on_a_model_without_a_template_says_to_use_p(gemma3_path, tmp_path, args):
+    """Gemma 3 270M is a base model: its GGUF has no chat template."""
+    msgs = tmp_path / "chat.json"
+    msgs.write_text(json.dumps([{"role": "user", "content": "Hi"}]))
+    args = [str(msgs) if a == "MSGS" else a for a in args]
+    line = one_error_line(runner.invoke(app, ["generate", "gemma3-270m", *args]), 2)
+    assert "gemma3-270m has no chat template" in line and "-p/--prompt" in line
+
+
 def test_invalid_utf8_file_names_file_and_offset(tmp_path):
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"hello \xff\xfe world")

@@ -261,6 +261,18 @@ def test_vocabulary_mismatch_smollm2_with_a_qwen_draft(smollm2_path):
     assert_one_line_error(r, "49152", "151936")
 
 
+def test_vocabulary_mismatch_qwen_with_a_gemma_draft(gemma3_path):
+    """Gemma's 262,144-token vocabulary against Qwen's 151,936: refused with the same clear error."""
+    from pipeinfer_cli.cache import cached_model_path
+    from pipeinfer_cli.registry import load_registry
+
+    qwen = cached_model_path(load_registry().models["qwen2.5-coder-0.5b-instruct"])
+    if not qwen.exists():
+        pytest.skip("qwen2.5-coder-0.5b-instruct is not downloaded (make test-slow pulls it)")
+    r = run(qwen, "-p", PROMPT, "-n", 8, "--threads", 1, "--mode", "speculative", "--draft", gemma3_path, timeout=120)
+    assert_one_line_error(r, "262144", "151936")
+
+
 def test_prompt_longer_than_ctx(tiny_files):
     r = run(tiny_files["target"], "-p", "hello world " * 60, "-n", 8, "--ctx", 64, "--threads", 1, "--ranks", 2, timeout=60)
     assert_one_line_error(r, "--ctx 64")

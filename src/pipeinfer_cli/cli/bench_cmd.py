@@ -12,7 +12,8 @@ from typing import Annotated
 import typer
 
 from ..errors import PipeinferError, UsageError
-from .job_setup import check_n_predict, check_plan, check_world, make_job_config, ranks_wanted, resolve_models
+from .job_setup import (check_chat_template, check_n_predict, check_plan, check_world, make_job_config, ranks_wanted,
+                        resolve_models)
 from .job_options import JobOptions, job_options
 from .options import ModelArg
 
@@ -101,6 +102,9 @@ def bench(
     inside = under_mpi_launcher()
     needs_draft = any(m != "iterative" for m in mode_list)
     target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside)
+    chats = [p.id for p in prompt_set if p.messages is not None]
+    if chats:
+        check_chat_template(target.path, target.label, f"the chat prompts of the prompt set ({', '.join(chats)})")
     if needs_draft and draft_ref is None:
         wants = ", ".join(m for m in mode_list if m != "iterative")
         raise UsageError(f"--modes {wants} need a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")

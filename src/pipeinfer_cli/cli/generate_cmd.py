@@ -13,7 +13,7 @@ import typer
 from ..engine.topology import format_layer_ranges
 from ..errors import UsageError
 from .console import err, out
-from .job_setup import check_n_predict, check_plan, check_world, prepare_job
+from .job_setup import check_chat_template, check_n_predict, check_plan, check_world, prepare_job
 from .job_options import JobOptions, job_options
 from .options import JsonFlag, ModelOption, ModeOption, OptionalModelArg, StopOption
 from .prompt_input import check_stop_strings, read_prompt_input
@@ -69,6 +69,8 @@ def generate(
     given = read_prompt_input(prompt, file, chat, messages, system) if not inside or world_rank() == 0 else None
     prep = prepare_job(model, mode, job, inside)
     cfg = prep.cfg
+    if given is not None and given.messages is not None:
+        check_chat_template(cfg.model_path, cfg.model_label, "--chat/--messages/--system")
     if not inside and prep.ranks > 1:
         check_plan(cfg, prep.ranks, needs_draft=prep.mode != "iterative")
         raise typer.Exit(_relaunch(prep.ranks, given))

@@ -36,6 +36,17 @@ def resolve_models(model: str, draft: str | None, allow_pull: bool):
     return target, ref(draft)
 
 
+def check_chat_template(model_path, model_label: str, what: str) -> None:
+    """A chat prompt (what: the options or prompts that ask for one) needs the target's chat
+    template; refuse it from the GGUF header before any process starts. Base models such as
+    Gemma 3 270M have none."""
+    from ..gguf_info import read_model_info
+
+    if not read_model_info(model_path).chat_template:
+        raise UsageError(f"{model_label} has no chat template in its GGUF metadata, so {what} cannot be formatted "
+                         "as a chat; give the raw text with -p/--prompt (or -f FILE) instead")
+
+
 def ranks_wanted(ranks: int | None, layer_split: str | None) -> tuple[int, int | None]:
     """(ranks to run, ranks described by --layer-split or None); checks the two agree."""
     from ..engine.topology import parse_layer_split
