@@ -250,26 +250,27 @@ def test_vocabulary_mismatch_is_refused(tiny_files, split):
     assert_one_line_error(r, "512", "300")
 
 
-def test_vocabulary_mismatch_smollm2_with_a_qwen_draft(smollm2_path):
+def cached_qwen05() -> Path:
+    """The Qwen2.5-Coder 0.5B file if it is downloaded (make test-slow pulls it), else skip."""
     from pipeinfer_cli.cache import cached_model_path
     from pipeinfer_cli.registry import load_registry
 
     qwen = cached_model_path(load_registry().models["qwen2.5-coder-0.5b-instruct"])
     if not qwen.exists():
         pytest.skip("qwen2.5-coder-0.5b-instruct is not downloaded (make test-slow pulls it)")
-    r = run(smollm2_path, "-p", PROMPT, "-n", 8, "--threads", 1, "--mode", "speculative", "--draft", qwen, timeout=60)
+    return qwen
+
+
+def test_vocabulary_mismatch_smollm2_with_a_qwen_draft(smollm2_path):
+    r = run(smollm2_path, "-p", PROMPT, "-n", 8, "--threads", 1, "--mode", "speculative", "--draft", cached_qwen05(),
+            timeout=60)
     assert_one_line_error(r, "49152", "151936")
 
 
 def test_vocabulary_mismatch_qwen_with_a_gemma_draft(gemma3_path):
     """Gemma's 262,144-token vocabulary against Qwen's 151,936: refused with the same clear error."""
-    from pipeinfer_cli.cache import cached_model_path
-    from pipeinfer_cli.registry import load_registry
-
-    qwen = cached_model_path(load_registry().models["qwen2.5-coder-0.5b-instruct"])
-    if not qwen.exists():
-        pytest.skip("qwen2.5-coder-0.5b-instruct is not downloaded (make test-slow pulls it)")
-    r = run(qwen, "-p", PROMPT, "-n", 8, "--threads", 1, "--mode", "speculative", "--draft", gemma3_path, timeout=120)
+    r = run(cached_qwen05(), "-p", PROMPT, "-n", 8, "--threads", 1, "--mode", "speculative", "--draft", gemma3_path,
+            timeout=120)
     assert_one_line_error(r, "262144", "151936")
 
 
