@@ -23,7 +23,7 @@ help:
 	@echo "make bench-grounded grounded prompts (answers copied from the prompt): pipeinfer vs llama.cpp and its prompt lookup"
 	@echo "make bench-native native layer engine vs llama.cpp"
 	@echo "make bench-prefix-reuse  TTFT of a second chat turn with and without prefix reuse"
-	@echo "make bench-native-gemma3 the same on Gemma 3 270M"
+	@echo "make bench-native-gemma3 native layer engine vs llama.cpp on Gemma 3 270M"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
 
 $(PY):
