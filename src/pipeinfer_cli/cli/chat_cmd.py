@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from ..errors import UsageError
 from .generate_cmd import one_model, summary_line, world_rank
 from .job_options import JobOptions, job_options
 from .job_setup import check_n_predict, check_plan, check_world, prepare_job
@@ -55,6 +56,8 @@ def chat(
     """
     from ..transport.launch import relaunch, under_mpi_launcher
 
+    if model is None and model_opt is None:
+        raise UsageError("no model given; pass one, e.g. `pipeinfer chat smollm2-135m-instruct` (see `pipeinfer models list`)")
     model = one_model(model, model_opt)
     check_n_predict(job.n_predict)
     inside = under_mpi_launcher()
