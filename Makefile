@@ -90,7 +90,7 @@ bench-native-gemma3: install
 bench-prefix-reuse: install
 	@mkdir -p build
 	$(PY) scripts/bench_prefix_reuse.py smollm2-135m-instruct --ranks 2 --repeat 5 --json build/prefix_reuse_smollm2.json
-	$(PY) scripts/bench_prefix_reuse.py qwen2.5-coder-1.5b-instruct --ranks 2 --repeat 3 --json build/prefix_reuse_qwen15.json
+	$(PY) scripts/bench_prefix_reuse.py qwen2.5-coder-1.5b-instruct --ranks 2 --repeat 2 --json build/prefix_reuse_qwen15.json
 
 # Bandwidth (issue 11): the three modes on 2 and 3 emulated hosts (root: namespaces, tc) with links
 # unshaped and at 1gbit, 100mbit and 10mbit against the same job over shared memory; SmolLM2, 3 rounds
