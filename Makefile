@@ -9,7 +9,7 @@ BUILD  := build/native
 # llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-grounded bench-native bench-native-gemma3 bench-network bench-prefix-reuse clean help
+.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-grounded bench-native bench-native-gemma3 bench-network bench-prefix-reuse fault-matrix soak clean help
 
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
@@ -25,6 +25,8 @@ help:
 	@echo "make bench-prefix-reuse  TTFT of a second chat turn with and without prefix reuse"
 	@echo "make bench-native-gemma3 native layer engine vs llama.cpp on Gemma 3 270M"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
+	@echo "make fault-matrix every message tag x drop/delay/dup/kill/stall in real jobs (about 20 minutes)"
+	@echo "make soak         one job serving 1,000 requests: no KV, memory, fd or thread leak (about 20 minutes)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -136,3 +138,17 @@ bench-grounded: install
 	$(VENV)/bin/pipeinfer bench $(BENCH_MODEL) --prompts grounded --ranks $(GROUNDED_RANKS) -n $(GROUNDED_N) --modes iterative,pipeinfer $(GROUNDED_ARGS) --json build/grounded_pair.json
 	$(PY) scripts/grounded_table.py --ref build/grounded_llamacpp.json --ref build/grounded_llamacpp_lookup.json \
 	  --bench build/grounded_lookup.json --bench build/grounded_pair.json | tee build/grounded.md
+
+# Every message tag x every fault (drop, delay, dup, kill, stall) injected with PIPEINFER_DEBUG_FAULT
+# in real SmolLM2 jobs on 3 ranks + a draft rank and with the draft on the head: each cell must end in
+# the fault-free text or one error naming a rank within 10 s, no process left (prints the table).
+fault-matrix: install
+	@mkdir -p build
+	$(PY) scripts/fault_matrix.py --json build/fault_matrix.json
+
+# One 3-rank job serving 1,000 requests in a row (all modes, model and lookup drafts, trees, random
+# lengths, seeded): KV cells, resident memory, fds, threads and a control prompt's tokens checked.
+SOAK_REQUESTS ?= 1000
+soak: install
+	@mkdir -p build
+	$(PY) scripts/soak.py --requests $(SOAK_REQUESTS) --json build/soak.json

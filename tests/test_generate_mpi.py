@@ -352,6 +352,8 @@ def test_a_killed_rank_ends_the_job(tiny_files, victim):
     assert rc != 0
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in stderr, stderr
+    # The killed rank is named (the launcher's own banner names whichever process it saw end first).
+    assert f"rank {victim[-1]} ended first" in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigint-parent", "sigterm-parent"])

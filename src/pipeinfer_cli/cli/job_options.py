@@ -12,6 +12,7 @@ import inspect
 import typing
 from dataclasses import dataclass
 
+from ..transport.deadlines import DEFAULT_RANK_TIMEOUT_S
 from . import options as o
 
 
@@ -38,6 +39,7 @@ class JobOptions:
     layer_split: o.LayerSplitOption = None
     threads: o.ThreadsOption = None
     ctx: o.CtxOption = 4096
+    rank_timeout: o.RankTimeoutOption = DEFAULT_RANK_TIMEOUT_S
 
 
 def job_options(command=None, **defaults):

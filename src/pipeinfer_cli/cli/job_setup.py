@@ -113,6 +113,7 @@ def make_job_config(target, draft_ref, job):
                              p_split=job.p_split, p_recovery=job.p_recovery, p_decay=job.p_decay,
                              max_branches=job.max_branches, max_inflight=job.max_inflight),
         n_ctx=job.ctx, layer_split=job.layer_split, threads=job.threads, debug=debug_enabled(),
+        rank_timeout_s=job.rank_timeout,
     )
 
 

@@ -34,3 +34,8 @@ JobRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help
 LayerSplitOption = Annotated[str | None, typer.Option("--layer-split", help="Fractions of the layers per target stage, '/1' for a draft rank: 0.5,0.5 or 0.5,0.5/1. Default: balanced by bytes.")]
 ThreadsOption = Annotated[str | None, typer.Option("--threads", "-t", help="Threads per rank: one value or one per rank (default: cores / ranks on this host).")]
 CtxOption = Annotated[int, typer.Option("--ctx", "-c", min=16, help="Context size (KV cells) per rank.")]
+RankTimeoutOption = Annotated[float, typer.Option(
+    "--rank-timeout", min=0, metavar="SECONDS",
+    help="End the job with an error naming the rank when a rank sends nothing (heartbeats included), or "
+         "computes without finishing a layer, for this long; or when nothing moves in the job for this long "
+         "while the head waits (a lost message). One layer of one eval must finish within it. 0 disables.")]

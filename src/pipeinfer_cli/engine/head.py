@@ -114,6 +114,7 @@ class Head:
         reports = self.pipe.report()
         self.report.busy_s, self.pipe.busy_s = self.pipe.busy_s, 0.0
         self.report.runs = s.metrics.runs.launched
+        self.report.kv_at_start = self.pipe.kv_at_start
         ranks = [self.report.take(rows_requested=self.pipe.rows_requested)] + reports
         self.pipe.rows_requested = 0
         if self.cfg.reuse_prefix:
@@ -158,7 +159,11 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
     tok = loaded.tokenizer
     s = Session(prompt, req.sampling or cfg.sampling, n_predict_for(cfg, req, len(prompt)), tok.is_eog, cb.on_token,
                 text=TextStream(tok.piece, req.stop), on_text=cb.on_text, cancelled=req.cancelled)
-    local_draft = loaded.topo.draft_rank is None  # a draft rank traces its own work
+    if req.draft == "lookup" and drafter is not None:
+        from .lookup import LookupDrafter
+
+        drafter = LookupDrafter()
+    local_draft = loaded.topo.draft_rank is None or req.draft == "lookup"  # a draft rank traces its own work
     draft_prefill = None
     if drafter is not None and req.mode != "iterative":
         def draft_prefill() -> None:

@@ -12,12 +12,15 @@ modes on the same ranks. Where each part lives:
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import PipeinferError, describe
 from ..transport.clock import clock_offsets
+from ..transport.deadlines import DEFAULT_RANK_TIMEOUT_S
+from ..transport.liveness import Liveness
 from ..transport.mpi_link import Link
 from .head import Callbacks, Head, serve_requests
 from .loading import Loaded, load_rank
@@ -25,7 +28,7 @@ from .sampling import SamplingParams
 from .session import MODES, DecodeOptions  # noqa: F401 - MODES is part of this module's API
 from .topology import Topology, plan_job
 from .trace import TraceRecorder
-from .worker import head_failed, leave_after_head, serve_worker
+from .worker import abort_job, head_failed, leave_after_head, serve_worker
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Request:
     sampling: SamplingParams | None = None
     n_predict: int | None = None  # tokens to generate; -1: until end of text or a full context
     cancelled: Callable[[], bool] | None = None  # polled at each commit: True ends it ("cancelled")
+    draft: str | None = None  # "lookup": draft this request by prompt lookup, not with the job's draft model
 
 
 @dataclass
@@ -58,6 +62,7 @@ class JobConfig:
     # Keep the previous request's KV cells and reuse the longest prefix that is exactly what a fresh
     # prefill computes (engine/prefix_cache.py). Off for generate and bench (honest TTFT figures).
     reuse_prefix: bool = False
+    rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S  # liveness deadline (transport/liveness.py); 0: off
 
 
 class JobFailed(PipeinferError):
@@ -87,7 +92,7 @@ def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object]
     """
     link, trace, loaded, offsets = _load_job(cfg, requests)
     if link.rank != 0:
-        serve_worker(link, loaded, cfg.debug, trace)
+        serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return None
     return serve_requests(link, cfg, loaded, trace, zip(requests, loaded.prompts), offsets,
                           Callbacks(on_start, on_token, on_text, on_result))
@@ -104,7 +109,7 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
     """
     link, trace, loaded, offsets = _load_job(cfg, [], cfg.draft_label is not None, before_load)
     if link.rank != 0:
-        serve_worker(link, loaded, cfg.debug, trace)
+        serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return
     service.attach(cfg, loaded)
     try:
@@ -123,7 +128,7 @@ def run_head_loop(cfg: JobConfig, head_main: Callable[[Head], None], needs_draft
     """
     link, trace, loaded, offsets = _load_job(cfg, [], needs_draft)
     if link.rank != 0:
-        serve_worker(link, loaded, cfg.debug, trace)
+        serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return False
     with Head(link, cfg, loaded, trace, offsets) as head:
         head_main(head)
@@ -139,7 +144,43 @@ def _load_job(cfg: JobConfig, requests: list[Request], needs_draft: bool | None 
     link = Link(MPI.COMM_WORLD)
     trace = TraceRecorder(link.rank)
     loaded = _plan_and_load(link, cfg, requests, needs_draft, before_load if link.rank == 0 else None)
-    return link, trace, loaded, clock_offsets(link)
+    start_liveness(link, cfg, loaded)
+    # Workers probe the clocks inside their fault protocol (serve_worker's `before`).
+    return link, trace, loaded, head_clock_offsets(link) if link.rank == 0 else []
+
+
+def head_clock_offsets(link: Link) -> list[float]:
+    """The head's side of the clock probes, inside the fault protocol: a rank lost or hung there
+    ends the job like one lost later (the other ranks are told to stop)."""
+    try:
+        return clock_offsets(link)
+    except BaseException:
+        if link.size > 1:
+            abort_job(link)
+        raise
+
+
+def start_liveness(link: Link, cfg: JobConfig, loaded: Loaded) -> None:
+    """Once every rank has loaded: name the ranks for errors, and with a --rank-timeout start the
+    heartbeats and deadlines (transport/liveness.py)."""
+    link.names = rank_names(loaded.topo, link.allgather(socket.gethostname()))
+    if cfg.rank_timeout_s > 0 and link.size > 1:
+        engine = loaded.engine
+        Liveness(link, cfg.rank_timeout_s, engine.eval_progress if engine is not None else (lambda: 0)).start()
+
+
+def rank_names(topo: Topology, hosts: list[str]) -> list[str]:
+    """How errors name each rank: 'rank 1 (stage 2 of 3, host node02)'."""
+    names = []
+    for plan_, host in zip(topo.ranks, hosts):
+        if plan_.role == "draft":
+            role = "the draft rank"
+        elif plan_.rank == 0:
+            role = f"the head, stage 1 of {topo.n_stages}"
+        else:
+            role = f"stage {plan_.rank + 1} of {topo.n_stages}"
+        names.append(f"rank {plan_.rank} ({role}, host {host})")
+    return names
 
 
 def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_draft: bool | None = None,
@@ -148,10 +189,13 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
     if needs_draft is None:
         needs_draft = any(r.mode != "iterative" for r in requests)
     loaded, err = None, None
+    # A collective, so every rank calls it whatever fails: a rank that skipped it (its before_load
+    # raised) would wait in the allgather below while the others wait here, for ever.
+    ranks_here = link.ranks_on_this_host()
     try:
         if before_load is not None:
             before_load()
-        topo = plan(cfg, link.size, link.ranks_on_this_host(), needs_draft)
+        topo = plan(cfg, link.size, ranks_here, needs_draft)
         loaded = load_rank(cfg, topo, link.rank, requests, needs_draft)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there
         err = (describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1))

@@ -31,10 +31,16 @@ def spec_margin(cfg, req) -> int:
 
 def n_predict_for(cfg, req, n_prompt: int) -> int:
     """Tokens to generate: -n, or with -n -1 as many as the context holds (until end of text)."""
-    n = cfg.decode.n_predict if getattr(req, "n_predict", None) is None else req.n_predict
+    n = requested_n(cfg, req)
     if n > 0:
         return n
     return cfg.n_ctx - n_prompt - spec_margin(cfg, req)
+
+
+def requested_n(cfg, req) -> int:
+    """The request's own -n if it has one, else the job's (-1: until the end of text)."""
+    n = getattr(req, "n_predict", None)
+    return cfg.decode.n_predict if n is None else n
 
 
 def make_drafter(cfg, threads: int):
@@ -106,9 +112,10 @@ def tokenize_request(cfg, tok, req) -> list[int]:
     margin = spec_margin(cfg, req)
     need = len(ids) + max(n_predict, 1) + margin
     if n_predict < 1 or need > cfg.n_ctx:
-        what = f"with -n {cfg.decode.n_predict}" if cfg.decode.n_predict > 0 else "with -n -1"
+        n_req = requested_n(cfg, req)
+        what = f"with -n {n_req}" if n_req > 0 else "with -n -1"
         spec = " and the cells of speculative runs in flight" if margin > 1 else ""
-        fix = "lower -n, raise --ctx or shorten the prompt" if cfg.decode.n_predict > 0 else "raise --ctx or shorten the prompt"
+        fix = "lower -n, raise --ctx or shorten the prompt" if n_req > 0 else "raise --ctx or shorten the prompt"
         raise PromptTooLongError(f"prompt {label}has {len(ids)} tokens; {what}{spec} it needs {need} KV cells, "
                                  f"more than --ctx {cfg.n_ctx}; {fix}", len(ids), need, cfg.n_ctx)
     return ids

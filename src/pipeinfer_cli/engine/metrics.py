@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import resource
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +17,20 @@ def now() -> float:
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def process_stats() -> dict:
+    """This process now (Linux /proc; None where unknown): resident MiB, open file descriptors,
+    OS threads and Python threads. Reported after every request, so that leaks show (the soak)."""
+    out = {"rss_mib": None, "fds": None, "threads": None, "py_threads": threading.active_count()}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_mib"] = round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+        out["fds"] = len(os.listdir("/proc/self/fd"))
+        out["threads"] = len(os.listdir("/proc/self/task"))
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
 
 
 @dataclass

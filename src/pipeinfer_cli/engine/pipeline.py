@@ -10,6 +10,7 @@ computes and samples everything, through the same function, and a run's result i
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -35,14 +36,17 @@ class Pipeline:
         self.link, self.engine, self.n_stages, self.trace = link, engine, n_stages, trace
         self.draft_rank = draft_rank
         self.next_run_id = 1
+        self.last_result_id = 0  # results arrive in launch order: the next one is for run last_result_id + 1
         self.ready: deque[RunResult] = deque()  # results already received, oldest first
         self.busy_s = 0.0
         self.rows_requested = 0  # rows whose sampled token was asked for (this request)
         self.sampling = SamplingParams()
+        self.kv_at_start: int | None = None  # KV cells in use when this request began
 
     def set_sampling(self, params: SamplingParams) -> None:
         """How the rows of the runs launched from now on are sampled (sent in stream order)."""
         self.sampling = params
+        self.kv_at_start = self.engine.kv_used_cells()  # every request starts here, after the last clear
         if self.n_stages > 1:
             self.link.send_array(to_spec(params).encode(), 1, Tag.STREAM)
 
@@ -61,13 +65,15 @@ class Pipeline:
         hdr = RunHeader(run_id, np.asarray(pos, np.int32), seq_ids, np.asarray(output, bool), speculative=speculative,
                         flags=RUN_FLAG_INVARIANT if invariant else 0)
         t0 = now()
-        out = self.engine.eval(tokens=np.asarray(tokens, np.int32), pos=hdr.pos, seq_ids=seq_ids,
-                               output=hdr.output if self.n_stages == 1 else None, batch_invariant=invariant)
+        with self.link.computing() if self.link is not None else contextlib.nullcontext():
+            out = self.engine.eval(tokens=np.asarray(tokens, np.int32), pos=hdr.pos, seq_ids=seq_ids,
+                                   output=hdr.output if self.n_stages == 1 else None, batch_invariant=invariant)
         t1 = now()
         self.busy_s += t1 - t0
         self.trace.slice("stage", t0, t1, run=run_id, n_tokens=len(tokens), spec=speculative)
         if self.n_stages == 1:
             self.ready.append(RunResult(run_id, sample_rows(out, self.sampling, hdr.pos[hdr.output] + 1)))
+            self.last_result_id = run_id
         else:
             head = hdr.encode()
             self.link.send_array(head, 1, Tag.STREAM)
@@ -113,10 +119,26 @@ class Pipeline:
                 tokens = self.link.recv_array(last, Tag.RESULT_DATA, np.int64)
             elif not hdr.cancelled:  # asked for no rows (a prompt chunk before the last)
                 tokens = np.empty(0, np.int64)
+            self._check_order(hdr.run_id, last)
             self.ready.append(RunResult(hdr.run_id, tokens))
             got = True
         self.link.progress_sends()
         return got
+
+    def _check_order(self, run_id: int, last: int) -> None:
+        """Every run launched gives exactly one result, in launch order: anything else is a stray
+        (a duplicated or late result) or a loss, never a token to print."""
+        want = self.last_result_id + 1
+        if run_id != want or run_id >= self.next_run_id:
+            raise PipelineError(f"{self.link.names[last]} returned the result of run {run_id} where run {want} was "
+                                f"expected: a message was lost or duplicated on the way")
+        self.last_result_id = run_id
+
+    def awaiting(self) -> tuple[int, Tag] | None:
+        """The (rank, tag) the head waits for now: a result while runs are in flight, else a draft reply."""
+        if self.last_result_id + 1 < self.next_run_id:
+            return self.n_stages - 1, Tag.RESULT
+        return (self.draft_rank, Tag.DRAFT_REP) if self.draft_rank is not None else None
 
     def next_result(self) -> RunResult:
         """Wait (without spinning) for the oldest outstanding result. Results arrive in launch order."""
@@ -125,7 +147,7 @@ class Pipeline:
             if self.poll():
                 break
             if self.link is not None:
-                self.link.idle(backoff)
+                self.link.idle(backoff, awaiting=self.awaiting())
             else:
                 backoff.idle()
         return self.ready.popleft()
@@ -140,7 +162,7 @@ class Pipeline:
                 continue
             self.link.raise_reported_error()
             self.link.progress_sends()
-            self.link.idle(backoff)
+            self.link.idle(backoff, awaiting=self.awaiting())
 
     def check_errors(self) -> None:
         if self.link is not None:
@@ -171,11 +193,16 @@ class Pipeline:
         return [self.link.recv_pickled(r, Tag.STATS, on_idle=self.check_errors) for r in others]
 
     def shutdown(self) -> None:
-        """Stop the other ranks' loops."""
+        """Stop the other ranks' loops (heartbeats first: the ranks stop listening)."""
         if self.link is None:
             return
+        liveness = self.link.liveness
+        if liveness is not None:
+            liveness.stop()
         if self.n_stages > 1:
             self.link.send_array(SHUTDOWN, 1, Tag.STREAM)
         if self.draft_rank is not None:
             self.link.send_array(SHUTDOWN, self.draft_rank, Tag.DRAFT_REQ)
         self.link.flush()
+        if liveness is not None:
+            liveness.await_farewells()

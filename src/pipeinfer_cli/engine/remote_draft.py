@@ -85,6 +85,8 @@ def serve_draft(link: Link, drafter, threads: int, trace) -> None:
         st = link.wait_probe(0, Tag.DRAFT_REQ, on_idle=check_abort)
         req = DraftRequest.decode(link.recv_array(0, Tag.DRAFT_REQ, np.int64, st))
         if req.kind == Msg.SHUTDOWN:
+            if link.liveness is not None:
+                link.liveness.stop(farewell=True)
             break
         if req.kind == Msg.REPORT:
             link.send_pickled(report.take(), 0, Tag.STATS)
@@ -94,12 +96,14 @@ def serve_draft(link: Link, drafter, threads: int, trace) -> None:
             continue
         t0 = now()
         if req.kind == Msg.DRAFT_START:
-            drafter.start(req.path, req.n_max)
+            with link.computing(observable=False):  # llama.cpp shows no progress inside an eval
+                drafter.start(req.path, req.n_max)
             trace.slice("draft", t0, now(), n_tokens=0, prefill=True)
             continue
         if fail_at is not None and n_req + 1 >= fail_at:
             raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAIL) on draft request {n_req + 1}")
-        prop = drafter.propose(req.path, req.n_max, req.p_min)
+        with link.computing(observable=False):
+            prop = drafter.propose(req.path, req.n_max, req.p_min)
         t1 = now()
         report.busy_s += t1 - t0
         report.runs += 1

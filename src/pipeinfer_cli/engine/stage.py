@@ -33,8 +33,17 @@ class CancelListener(threading.Thread):
         self.current: int | None = None  # run id being computed right now
         self.aborted = threading.Event()
         self.stopped = threading.Event()
+        self.failure: Exception | None = None  # what ended the listener, if not an ABORT
 
     def run(self) -> None:
+        try:
+            self._listen()
+        except Exception as exc:  # noqa: BLE001 - e.g. a lost CANCEL: the main loop raises it
+            self.failure = exc
+            self.aborted.set()
+            self.engine.cancel()
+
+    def _listen(self) -> None:
         backoff = Backoff(hi=2e-3)
         while not self.stopped.is_set():
             progressed = False
@@ -80,6 +89,9 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
         link.flush()
     finally:
         listener.stopped.set()
+        # The listener probes MPI: it must be gone before the interpreter finalizes MPI at exit (a
+        # probe during MPI_Finalize can crash the rank after a job that succeeded).
+        listener.join(timeout=5)
 
 
 class _StageLoop:
@@ -101,7 +113,7 @@ class _StageLoop:
         link, backoff = self.link, Backoff()
         while True:
             if self.listener.aborted.is_set():
-                raise JobAborted()
+                raise self.listener.failure or JobAborted()
             st = link.probe(self.prev, Tag.STREAM)
             if st is None:
                 link.progress_sends()
@@ -116,14 +128,17 @@ class _StageLoop:
             if self.nxt is not None:  # control messages pass down the stream in order
                 link.send_array(msg, self.nxt, Tag.STREAM)
             if kind == Msg.SHUTDOWN:
+                if link.liveness is not None:
+                    link.liveness.stop(farewell=True)
                 return
             self.control(kind, msg)
 
     def control(self, kind: int, msg: np.ndarray) -> None:
         if kind == Msg.KV:
             KvCommand.decode(msg).apply(self.engine)
-        elif kind == Msg.SAMPLING:
+        elif kind == Msg.SAMPLING:  # the start of a request: the previous one's KV clear came before
             self.sampling = from_spec(SamplingSpec.decode(msg))
+            self.report.kv_at_start = self.engine.kv_used_cells()
         elif kind == Msg.REPORT:
             out = self.report.take(skipped_before_start=self.skipped_before_start)
             out["engine"]["layer_evals_skipped"] = out["engine"].get("layer_evals_skipped", 0) + self.layers_unstarted
@@ -143,7 +158,8 @@ class _StageLoop:
             raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAIL) on run {hdr.run_id}")
         out = None
         if payload is not None and self.listener.begin(hdr.run_id):
-            out = _compute(engine, hdr, payload, self.is_last, self.report, self.trace)
+            with self.link.computing():
+                out = _compute(engine, hdr, payload, self.is_last, self.report, self.trace)
             self.listener.end(hdr.run_id)
         elif payload is not None:
             self.skipped_before_start += 1

@@ -17,9 +17,10 @@ import os
 import sys
 import time
 
-from ..errors import describe
+from ..errors import describe, error_line
+from ..transport.liveness import HeadUnresponsiveError
 from ..transport.mpi_link import Backoff, Link
-from .metrics import peak_rss_mib
+from .metrics import peak_rss_mib, process_stats
 
 ERROR_WAIT_S = 5.0  # a failed rank waits this long for the head's ABORT before leaving anyway
 ABORT_GRACE_S = 3.0  # a rank told to abort waits this long for the head to print the error and leave
@@ -53,8 +54,14 @@ def head_failed() -> None:
 
 
 def fail_after_error(link: Link, exc: BaseException, debug: bool) -> None:
-    """A worker rank that raised: report to the head, wait (briefly) for its ABORT, and leave."""
-    link.report_error(describe(exc, traceback_too=debug))
+    """A worker rank that raised: report to the head, wait (briefly) for its ABORT, and leave.
+
+    If the head never answers (it is dead or stuck, or the report was lost), print the error here,
+    so that it is not lost with the job."""
+    text = describe(exc, traceback_too=debug)
+    if link.liveness is not None:
+        link.liveness.stop()  # the head decides now; a silent head is caught by the deadline below
+    link.report_error(text)
     link.flush(timeout_s=2)
     deadline = time.monotonic() + ERROR_WAIT_S
     backoff = Backoff(hi=10e-3)
@@ -62,7 +69,17 @@ def fail_after_error(link: Link, exc: BaseException, debug: bool) -> None:
         backoff.idle()
     if link.abort_requested():
         leave_after_head(1)
+    print(error_line(f"rank {link.rank}: {text}"), file=sys.stderr)
     hard_exit(1)
+
+
+def end_without_head(link: Link, exc: HeadUnresponsiveError) -> None:
+    """The head stopped answering: rank 1 says so (once for the job) and leaves; the others leave a
+    moment later, so that the launcher does not stop rank 1 before it has printed."""
+    if link.rank == 1:
+        print(error_line(str(exc)), file=sys.stderr)
+        hard_exit(1)
+    leave_after_head(1)
 
 
 def fault_injection(rank: int) -> int | None:
@@ -86,10 +103,11 @@ class RankReport:
         self.trace, self.engine, self.link = trace, engine, link
         self.busy_s = 0.0  # seconds computing (stage evals, draft proposals)
         self.runs = 0  # runs computed or draft requests answered
+        self.kv_at_start: int | None = None  # KV cells in use when this request began (after the last clear)
         self._reset()
 
     def _reset(self) -> None:
-        self.busy_s, self.runs = 0.0, 0
+        self.busy_s, self.runs, self.kv_at_start = 0.0, 0, None
         self._cpu0 = time.process_time()
         self._engine0 = dict(self.engine.stats()) if self.engine is not None else None
         if self.link is not None:
@@ -102,10 +120,12 @@ class RankReport:
         out = {"rank": self.rank, "role": self.role, "layers": self.layers, "threads": self.threads,
                "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(self.busy_s, 4),
                "cpu_s": round(time.process_time() - self._cpu0, 3), "runs": self.runs}
+        out["process"] = process_stats()
         if self.engine is not None:
             stats = dict(self.engine.stats())
             out["engine"] = {k: v - self._engine0.get(k, 0) for k, v in stats.items()}
             out["kv_used_cells"] = self.engine.kv_used_cells()
+            out["kv_used_cells_at_start"] = self.kv_at_start
         if self.link is not None:
             out["wire"] = self.link.traffic.take()
         out.update(extra)
@@ -120,13 +140,15 @@ def abort_job(link: Link) -> None:
     link.abort_all()
 
 
-def serve_worker(link: Link, loaded, debug: bool, trace) -> None:
+def serve_worker(link: Link, loaded, debug: bool, trace, before=None) -> None:
     """A non-head rank: serve the pipeline (a stage) or draft requests (the draft rank) until the
     head shuts the job down; on failure, report to the head and leave (see the module doc)."""
     from .remote_draft import serve_draft
     from .stage import serve_stage
 
     try:
+        if before is not None:  # the clock probes at start, inside the fault protocol
+            before()
         if loaded.me.role == "draft":
             serve_draft(link, loaded.drafter, loaded.me.threads, trace)
         else:
@@ -134,5 +156,7 @@ def serve_worker(link: Link, loaded, debug: bool, trace) -> None:
         link.flush()
     except JobAborted:
         leave_after_head(1)
+    except HeadUnresponsiveError as exc:
+        end_without_head(link, exc)
     except Exception as exc:  # noqa: BLE001 - reported to the head, which prints it once
         fail_after_error(link, exc, debug)

@@ -118,11 +118,14 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
     job = JobProcesses(proc)
     pumps = (OutputPump(proc.stdout, sys.stdout.buffer, debug, stop_job, stopping),
              OutputPump(proc.stderr, sys.stderr.buffer, debug, stop_job, stopping, drop_when_stopping=True))
+    exited = threading.Event()
+    threading.Thread(target=job.watch_ranks, args=(n_ranks, exited), daemon=True, name="find-ranks").start()
     try:
         if stopping.is_set():
             job.stop()
         job.wait_exited()
     finally:
+        exited.set()
         rc = job.finish()
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -139,7 +142,8 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
     if rc != 0:
         # A job that printed nothing of its own never ran: then the launcher's message says why.
         said = [] if any(p.passed for p in pumps) else pumps[1].launcher_messages + pumps[0].launcher_messages
-        _report(abnormal_end(pumps[0].exit_string or pumps[1].exit_string, rc, said))
+        who = f"rank {job.first_ended[0]}" if len(job.first_ended) == 1 else None
+        _report(abnormal_end(pumps[0].exit_string or pumps[1].exit_string, rc, said, who))
     return rc
 
 
@@ -147,13 +151,16 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
 _TEARDOWN = ("assert (!closed)", "terminated badly", "Sending Ctrl-C")
 
 
-def abnormal_end(reason: str | None, rc: int, launcher_said: list[str] | None = None) -> str:
+def abnormal_end(reason: str | None, rc: int, launcher_said: list[str] | None = None, who: str | None = None) -> str:
     """What to say when the job ended without an error of its own: from Hydra's exit string, or
-    the launcher's first message when it failed to run the job at all (e.g. a host it cannot reach)."""
+    the launcher's first message when it failed to run the job at all (e.g. a host it cannot reach).
+    who: the rank whose end brought the job down, when known."""
     said = [m for m in launcher_said or [] if not any(t in m for t in _TEARDOWN)]
     if said and not reason:
         return f"the MPI launcher failed (mpiexec exit status {rc}): {said[0]}"
     how = f"{reason}, " if reason else ""
+    if who:
+        how = f"{who} ended first; {how}"
     if reason and "signal 9" in reason:
         why = "a rank was killed (SIGKILL), for example by the out-of-memory killer"
     elif reason and ("Segmentation" in reason or "signal 11" in reason or "Aborted" in reason):

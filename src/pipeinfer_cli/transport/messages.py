@@ -8,6 +8,7 @@ receiver always takes a header's payload right after the header, so the stream s
 Every array message has a class here with `encode()` and `decode()`: RunHeader, KvCommand,
 ResultHeader (last stage -> head), DraftRequest and DraftReply (head <-> draft rank). Only ERROR,
 STATS and the clock probes at start are pickled (rare control messages, never on the hot path).
+`Link` adds a sequence number to every message (see mpi_link.py); heartbeats are liveness.py's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Tag(IntEnum):
     DRAFT_REQ = 9  # head -> draft rank: DraftRequest
     DRAFT_REP = 10  # draft rank -> head: DraftReply
     CLOCK = 11  # clock-offset probes at start (pickled floats)
+    HEARTBEAT = 12  # head <-> every other rank, every few seconds with --rank-timeout: [busy, progress...]
 
 
 class Msg(IntEnum):

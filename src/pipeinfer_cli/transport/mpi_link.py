@@ -12,18 +12,24 @@ failed rank reports its error to the head (`report_error`), the head raises it
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import PipeinferError
+from .faults import FaultInjector
 from .messages import Tag
 
 
 class RankFailedError(PipeinferError):
     """Another rank of the job failed; the message names the rank and its error."""
+
+
+BUSY_IDLE, BUSY, BUSY_OPAQUE = 0, 1, 2  # what a rank's heartbeats say it is doing (liveness.py)
 
 
 BACKOFF_MIN_S = 20e-6
@@ -81,8 +87,36 @@ class Traffic:
         return out
 
 
+class MessageLostError(RankFailedError):
+    """A message of a link never arrived: the next one of its (source, tag) stream did instead."""
+
+
+class _Received:
+    """One message taken off the wire and checked (its sequence number), waiting to be consumed."""
+
+    __slots__ = ("source", "data")
+
+    def __init__(self, source: int, data):
+        self.source, self.data = source, data
+
+    def Get_source(self) -> int:  # noqa: N802 - the mpi4py Status spelling, which callers use
+        return self.source
+
+
+# Rare control messages sent pickled; every other tag carries one flat array.
+PICKLED_TAGS = frozenset({Tag.ERROR, Tag.STATS, Tag.CLOCK})
+_SEQ = np.dtype(np.int64)
+
+
 class Link:
-    """One rank's view of the communicator: probe, receive arrays, send without blocking."""
+    """One rank's view of the communicator: probe, receive arrays, send without blocking.
+
+    Every message carries a sequence number per (source, tag) stream (an int64 after an array's
+    bytes, or a (seq, obj) pair when pickled). A receiver takes each message off the wire as soon as
+    it probes it and checks the number: a repeated or older one (a duplicate, a stray) is dropped
+    and counted, a gap means a message was lost and raises MessageLostError naming both ranks. MPI
+    keeps the messages of one (source, tag) in order, so nothing else can be out of sequence.
+    """
 
     def __init__(self, comm: MPI.Comm):
         self.comm = comm
@@ -90,6 +124,14 @@ class Link:
         self.size = comm.Get_size()
         self._pending: list[tuple[MPI.Request, object]] = []
         self.traffic = Traffic()
+        self.faults = FaultInjector.from_env(self.rank)
+        self._sent_seq: dict[tuple[int, int], int] = {}  # (dest, tag) -> last sequence number sent
+        self._recv_seq: dict[tuple[int, int], int] = {}  # (source, tag) -> last sequence number taken
+        self._inbox: dict[tuple[int, int], deque[_Received]] = {}
+        self.strays = 0  # duplicated or stale messages recognised and dropped
+        self.n_messages = 0  # sent and received: progress, as heartbeats report it
+        self.liveness = None  # a liveness.Liveness once the job runs with a --rank-timeout
+        self.names = [f"rank {r}" for r in range(self.size)]  # how errors name each rank
 
     def allgather(self, obj) -> list:
         """Every rank's obj, on every rank (collective; pickled, for start-up only)."""
@@ -99,23 +141,64 @@ class Link:
         return self.comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
 
     # -- receiving -------------------------------------------------------------------------
-    def probe(self, source: int, tag: Tag) -> MPI.Status | None:
+    def probe(self, source: int, tag: Tag) -> _Received | None:
+        """The next checked message of (source, tag) if one has arrived, without consuming it."""
+        got = self._queued(source, tag)
+        if got is not None:
+            return got
         status = MPI.Status()
-        if self.comm.Iprobe(source=source, tag=int(tag), status=status):
-            return status
+        while self.comm.Iprobe(source=source, tag=int(tag), status=status):
+            got = self._take(status.Get_source(), Tag(tag), status)
+            if got is not None:
+                return got
         return None
 
-    def recv_array(self, source: int, tag: Tag, dtype, status: MPI.Status | None = None) -> np.ndarray:
-        """Receive a message known to be waiting (after probe) or wait for it without spinning."""
+    def _queued(self, source: int, tag: Tag) -> _Received | None:
+        if source == MPI.ANY_SOURCE:
+            queue = next((q for (s, t), q in list(self._inbox.items()) if t == tag and q), None)
+        else:
+            queue = self._inbox.get((source, int(tag)))
+        return queue[0] if queue else None
+
+    def _take(self, source: int, tag: Tag, status: MPI.Status) -> _Received | None:
+        """Receive a probed message and check its sequence number; None if it was a stray."""
+        if tag in PICKLED_TAGS:
+            seq, data = self.comm.recv(source=source, tag=int(tag))
+            nbytes = 0
+        else:
+            buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+            self.comm.Recv([buf, MPI.BYTE], source=source, tag=int(tag))
+            seq, data, nbytes = int(buf[-_SEQ.itemsize:].view(np.int64)[0]), buf[:-_SEQ.itemsize], buf.nbytes
+        key = (source, int(tag))
+        last = self._recv_seq.get(key, 0)
+        if seq <= last:
+            self.strays += 1
+            return None
+        if seq != last + 1:
+            raise MessageLostError(
+                f"{tag.name} message {last + 1} from rank {source} to rank {self.rank} never arrived "
+                f"(message {seq} did): the link lost it")
+        self._recv_seq[key] = seq
+        self.n_messages += 1
+        if nbytes:
+            Traffic._add(self.traffic.received, source, nbytes)
+        if self.liveness is not None:
+            self.liveness.heard(source)
+        got = _Received(source, data)
+        self._inbox.setdefault(key, deque()).append(got)
+        return got
+
+    def _pop(self, got: _Received, tag: Tag):
+        self._inbox[(got.source, int(tag))].popleft()
+        return got.data
+
+    def recv_array(self, source: int, tag: Tag, dtype, status: _Received | None = None) -> np.ndarray:
+        """Consume a message known to be waiting (after probe) or wait for it without spinning."""
         if status is None:
             status = self.wait_probe(source, tag)
-        n = status.Get_count(MPI.BYTE) // np.dtype(dtype).itemsize
-        buf = np.empty(n, dtype=dtype)
-        self.comm.Recv([buf, MPI.BYTE], source=status.Get_source(), tag=int(tag))
-        Traffic._add(self.traffic.received, status.Get_source(), buf.nbytes)
-        return buf
+        return self._pop(status, tag).view(dtype)
 
-    def wait_probe(self, source: int, tag: Tag, on_idle: Callable[[], None] | None = None) -> MPI.Status:
+    def wait_probe(self, source: int, tag: Tag, on_idle: Callable[[], None] | None = None) -> _Received:
         backoff = Backoff()
         while True:
             st = self.probe(source, tag)
@@ -124,30 +207,66 @@ class Link:
             if on_idle is not None:
                 on_idle()
             self.progress_sends()
-            self.idle(backoff)
+            self.idle(backoff, awaiting=(source, tag))
 
-    def idle(self, backoff: Backoff) -> None:
-        """Sleep one backoff step while waiting for a message (counted as waiting time)."""
+    def idle(self, backoff: Backoff, awaiting: tuple[int, Tag] | None = None) -> None:
+        """Sleep one backoff step while waiting for a message (counted as waiting time).
+
+        With a --rank-timeout, first check that the ranks this one depends on are still alive and
+        making progress (liveness.py); awaiting: the (rank, tag) this wait is for, if known."""
+        if self.liveness is not None:
+            self.liveness.check(awaiting, since=backoff.idle_since)
         t0 = time.perf_counter()
         backoff.idle()
         self.traffic.wait_s += time.perf_counter() - t0
 
+    @contextlib.contextmanager
+    def computing(self, observable: bool = True):
+        """Mark this rank busy computing (heartbeats say so). observable: its progress shows in
+        the heartbeats (layers done), so a compute that stops progressing is noticed."""
+        if self.liveness is None:
+            yield
+            return
+        before = self.liveness.busy
+        self.liveness.busy = BUSY if observable else BUSY_OPAQUE
+        try:
+            yield
+        finally:
+            self.liveness.busy = before
+
     # -- sending ---------------------------------------------------------------------------
+    def _next_seq(self, dest: int, tag: Tag) -> tuple[int, int]:
+        """(sequence number, copies to send): a fault may drop (0) or duplicate (2) the message;
+        a dropped one still uses its number, so that the receiver sees the gap."""
+        copies = 1 if self.faults is None else self.faults.copies(tag, self._stall)
+        key = (dest, int(tag))
+        seq = self._sent_seq[key] = self._sent_seq.get(key, 0) + 1
+        self.n_messages += 1
+        return seq, copies
+
+    def _stall(self) -> None:
+        if self.liveness is not None:
+            self.liveness.busy = BUSY
+
     def send_array(self, arr: np.ndarray, dest: int, tag: Tag) -> None:
-        arr = np.ascontiguousarray(arr)
-        req = self.comm.Isend([arr, MPI.BYTE], dest=dest, tag=int(tag))
-        self._pending.append((req, arr))
-        Traffic._add(self.traffic.sent, dest, arr.nbytes)
+        seq, copies = self._next_seq(dest, tag)
+        raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        buf = np.empty(raw.nbytes + _SEQ.itemsize, np.uint8)
+        buf[:raw.nbytes] = raw
+        buf[raw.nbytes:] = np.asarray([seq], np.int64).view(np.uint8)
+        for _ in range(copies):
+            self._pending.append((self.comm.Isend([buf, MPI.BYTE], dest=dest, tag=int(tag)), buf))
+            Traffic._add(self.traffic.sent, dest, buf.nbytes)
 
     def send_pickled(self, obj, dest: int, tag: Tag) -> None:
         """Pickled send, for rare control messages only (errors, per-request stats, clock probes)."""
-        req = self.comm.isend(obj, dest=dest, tag=int(tag))
-        self._pending.append((req, obj))
+        seq, copies = self._next_seq(dest, tag)
+        for _ in range(copies):
+            self._pending.append((self.comm.isend((seq, obj), dest=dest, tag=int(tag)), obj))
 
     def recv_pickled(self, source: int, tag: Tag, on_idle: Callable[[], None] | None = None):
         """Wait (without spinning) for a pickled message and return it."""
-        st = self.wait_probe(source, tag, on_idle=on_idle)
-        return self.comm.recv(source=st.Get_source(), tag=int(tag))
+        return self._pop(self.wait_probe(source, tag, on_idle=on_idle), tag)
 
     # -- the fault protocol ----------------------------------------------------------------
     def report_error(self, text: str) -> None:
@@ -158,8 +277,7 @@ class Link:
         """Head side: raise RankFailedError if a rank reported a failure."""
         st = self.probe(MPI.ANY_SOURCE, Tag.ERROR)
         if st is not None:
-            msg = self.comm.recv(source=st.Get_source(), tag=int(Tag.ERROR))
-            raise RankFailedError(f"rank {st.Get_source()}: {msg}")
+            raise RankFailedError(f"rank {st.Get_source()}: {self._pop(st, Tag.ERROR)}")
 
     def abort_all(self) -> None:
         """Head side: tell every other rank to stop now (the job failed)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import threading
@@ -43,6 +44,19 @@ def _process_table() -> dict[int, _Proc]:
     return table
 
 
+def _mpi_rank(pid: int) -> int | None:
+    """The MPI rank a process of the job is, from the launcher's variables in its environment."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith((b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=")) and item.split(b"=", 1)[1].isdigit():
+            return int(item.split(b"=", 1)[1])
+    return None
+
+
 def _mpich_shm_files(pid: int) -> set[str]:
     """MPICH's shared-memory files that a process has mapped and that still have a name."""
     try:
@@ -72,6 +86,34 @@ class JobProcesses:
         self._reaped = False
         self._stop_at: float | None = None
         self._timer: threading.Timer | None = None
+        self.ranks: dict[int, int] = {}  # pid -> MPI rank, of the ranks seen so far
+        self.first_ended: list[int] = []  # the rank(s) that ended first, unless the job was stopped
+
+    def watch_ranks(self, n_ranks: int, done: threading.Event, every_s: float = 0.2) -> None:
+        """Note the pid of every rank as they start, then wait for the first to end (pidfds), so that
+        a rank that dies can be named: the launcher's banner names whichever process it saw first."""
+        while len(self.ranks) < n_ranks and not done.wait(every_s):
+            with self._lock:
+                if not self._reaped:
+                    self._refresh()
+        fds = {}
+        for pid, rank in list(self.ranks.items()):
+            with contextlib.suppress(OSError, AttributeError):
+                fds[os.pidfd_open(pid)] = rank
+        if not fds:
+            return
+        try:
+            poller = select.poll()
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            while not done.is_set():
+                ended = [fds[fd] for fd, _ in poller.poll(int(every_s * 1000))]
+                if ended:
+                    self.first_ended = sorted(ended) if self._stop_at is None else []
+                    return
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _refresh(self) -> dict[int, _Proc]:
         """Add the processes now under mpiexec (or under a known process) to the known ones."""
@@ -86,8 +128,14 @@ class JobProcesses:
             for child in children.get(todo.pop(), ()):
                 if child not in self._known and child != os.getpid():
                     self._known[child] = table[child].start
-                    self._shm |= _mpich_shm_files(child)
                     todo.append(child)
+        # Read each time, not only when a process is first seen: it may not have exec'd the rank or
+        # mapped its shared memory yet.
+        for pid in self._alive(table):
+            if pid != self.proc.pid:
+                self._shm |= _mpich_shm_files(pid)
+                if pid not in self.ranks and (rank := _mpi_rank(pid)) is not None:
+                    self.ranks[pid] = rank
         return table
 
     def _alive(self, table: dict[int, _Proc]) -> list[int]:
