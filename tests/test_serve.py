@@ -294,3 +294,27 @@ def test_sigterm_ends_every_rank_and_in_flight_requests_get_an_error(server):
     server.proc.wait(timeout=10)
     assert_no_survivors(server.marker, grace_s=10)
     assert "Traceback" not in server.stderr()
+
+
+NOTES = " ".join(f"Note {i}: the {w} harbour keeps {i % 5 + 2} boats tied at dusk."
+                 for i, w in enumerate(["quiet", "old", "north", "grey", "small", "busy"] * 5))
+
+
+def test_second_chat_turn_reuses_the_first_turns_prefix(server, client, smollm2_path, tmp_path):
+    first = [{"role": "system", "content": NOTES}, {"role": "user", "content": "How many boats does note 3 mention?"}]
+    r1 = client.chat.completions.create(model="smollm2", messages=first, max_tokens=N)
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "And note 4?"}]
+    r2 = client.chat.completions.create(model="smollm2", messages=second, max_tokens=N)
+    t = r2.model_extra["timings"]
+    # The first turn's prompt (over 256 tokens) is reused in whole 256-token prefill chunks.
+    assert r1.usage.prompt_tokens > 256, r1.usage
+    assert t["cache_n"] == t["reused_tokens"] and t["cache_n"] >= 256 and t["cache_n"] % 256 == 0
+    assert t["cache_n"] <= t["common_prefix_tokens"] <= r1.usage.prompt_tokens + r1.usage.completion_tokens
+    # ... and the answer is the one `generate` gives the whole conversation from empty caches.
+    msgs = tmp_path / "second.json"
+    msgs.write_text(json.dumps(second))
+    ref = run_generate(smollm2_path, *JOB, "--messages", msgs, "-n", N, "--mode", "pipeinfer")
+    assert ref.get("reused_tokens", 0) == 0
+    assert r2.model_extra["pipeinfer"]["tokens"] == ref["tokens"]
+    assert r2.choices[0].message.content == ref["text"]

@@ -52,6 +52,10 @@ def serve(
     api_key: Annotated[str | None, typer.Option("--api-key", envvar=API_KEY_ENV, show_default=False,
                                                 help=f"Require `Authorization: Bearer KEY` on /v1/* and /metrics "
                                                      f"(or set {API_KEY_ENV}).")] = None,
+    prefix_reuse: Annotated[bool, typer.Option("--prefix-reuse/--no-prefix-reuse",
+                                               help="Keep the KV cells a request shares with the previous one "
+                                                    "(whole 256-token prompt chunks, so answers are unchanged); "
+                                                    "timings.cache_n says how many were reused.")] = True,
     job: JobOptions = None,
 ) -> None:
     """Serve the OpenAI HTTP API from the models loaded once, with the layers split across MPI ranks.
@@ -67,6 +71,7 @@ def serve(
         raise OptionValueError(f"--api-key (or {API_KEY_ENV}) is empty; give a key or leave it unset")
     inside = under_mpi_launcher()
     prep = prepare_job(model, mode, job, inside)
+    prep.cfg.reuse_prefix = prefix_reuse
     if not inside:
         from ..server.http_thread import bind
 

@@ -306,7 +306,8 @@ class Service:
             for fn in self._observers:
                 fn(t, result)
         with self._cond:
-            self._current = None  # the caches are clear: the pipeline is idle until the next request
+            self._current = None  # the pipeline is idle until the next request (the caches hold at most the
+            # committed tokens, kept for prefix reuse)
 
 
 @dataclass

@@ -78,6 +78,8 @@ def timings(result: dict) -> dict:
     predicted_ms = (total - ttft) * 1e3 if total is not None and ttft is not None else None
     acc, runs = result["acceptance"], result["runs"]
     return {
+        # llama-server's name for the prompt tokens taken from the KV cache instead of recomputed
+        "cache_n": result.get("reused_tokens", 0),
         "prompt_n": n_prompt, "prompt_ms": _r(prompt_ms),
         "prompt_per_token_ms": _r(prompt_ms / n_prompt if prompt_ms is not None and n_prompt else None),
         "prompt_per_second": _r(n_prompt / ttft if ttft else None),
@@ -86,6 +88,8 @@ def timings(result: dict) -> dict:
         "predicted_per_second": _r(result.get("decode_tok_per_s")),
         # pipeinfer's own
         "mode": result["mode"], "ttft_ms": _r(prompt_ms),
+        "reused_tokens": result.get("reused_tokens", 0),
+        "common_prefix_tokens": result.get("common_prefix_tokens", 0),
         "queue_ms": _r(result["queue_s"] * 1e3 if result.get("queue_s") is not None else None),
         "tok_per_s": _r(result.get("tok_per_s")),
         "draft_n": acc["drafted"], "draft_n_accepted": acc["accepted"],
