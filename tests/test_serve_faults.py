@@ -1,13 +1,19 @@
-"""`pipeinfer serve` when things go wrong: a rank fails mid-request, the port is taken."""
+"""`pipeinfer serve` when things go wrong: a rank fails mid-request, a rank stops while the server
+is idle, the port is taken."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from jobprocs import marked_pids
 from serving import start_server
 
 pytestmark = pytest.mark.mpi
@@ -32,6 +38,29 @@ def test_a_failing_rank_gives_503_and_the_server_exits_nonzero(smollm2_path, tmp
     assert rc not in (0, None)
     log = server.stderr()
     assert "Error: rank 1: " in log and "injected fault" in log and "Traceback" not in log, log
+
+
+def test_a_rank_stopped_while_the_server_is_idle_ends_it(smollm2_path, tmp_path):
+    # No request is running: the idle head still reads the heartbeats and notices the silence.
+    server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 512, "--rank-timeout", 3,
+                          log_dir=tmp_path)
+    stopped = None
+    try:
+        status, _ = server.post_json("/v1/completions", {"prompt": "Hi", "max_tokens": 4})
+        assert status == 200
+        stopped = next(p for p in marked_pids(server.marker) if b"PMI_RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes())
+        os.kill(stopped, signal.SIGSTOP)
+        rc = server.proc.wait(timeout=60)
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        server.stop()
+    assert rc not in (0, None)
+    log = server.stderr()
+    assert "Error: rank 1 (stage 2 of 2" in log and "sent nothing for 3 s" in log and "Traceback" not in log, log
 
 
 def test_a_port_in_use_is_a_usage_error(smollm2_path):

@@ -112,6 +112,7 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
         serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return
     service.attach(cfg, loaded)
+    service.idle_check = lambda: link.liveness is not None and link.liveness.check()
     try:
         serve_requests(link, cfg, loaded, trace, service.requests(), offsets, service.callbacks())
     except BaseException as exc:

@@ -140,6 +140,10 @@ class Service:
         self._seq = 0
         self._runs = 0  # requests taken off the queue so far
         self._observers: list[Callable[[Ticket, dict], None]] = []
+        # Called every half second on the pipeline thread while no request runs: it reads the
+        # other ranks' heartbeats (which would pile up unread) and raises if a rank stopped
+        # answering, so an idle server notices a dead rank too (run_service sets it).
+        self.idle_check: Callable[[], None] | None = None
 
     def add_observer(self, fn: Callable[[Ticket, dict], None]) -> None:
         """fn(ticket, result) after every request that ran, cancelled ones included (pipeline thread)."""
@@ -265,6 +269,8 @@ class Service:
                     self._current = ticket
                     return ticket
                 self._cond.wait(timeout=0.5)
+                if self.idle_check is not None:
+                    self.idle_check()
 
     def _end(self, status: str, message: str) -> None:
         with self._cond:
