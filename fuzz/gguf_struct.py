@@ -13,6 +13,7 @@ the edit does not deliberately break them.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -124,6 +125,8 @@ def _fit(fmt: str, value):
     if fmt[-1] in "fd":
         return float(value)
     bits = struct.calcsize(fmt) * 8
+    if isinstance(value, float) and not math.isfinite(value):
+        value = 0  # an array retyped from float to an integer type
     value = int(value) & ((1 << bits) - 1)
     if fmt[-1].islower() and value >= 1 << (bits - 1):
         value -= 1 << bits
