@@ -17,7 +17,9 @@ from .prompt_input import check_stop_strings
 
 # Set by the launching process, which sees the user's terminal (under mpiexec the head's standard
 # streams are pipes from the launcher): "in" if standard input is a terminal (print "> " prompts),
-# "in,out" if standard output and error are one too (write everything in order to stdout).
+# "out" if standard output and error are both terminals or one and the same file (`2>&1`): then
+# everything goes to stdout, in order (the launcher forwards the head's two streams through separate
+# pipes, and a summary line could overtake the end of the answer it follows).
 TERMINAL_ENV = "PIPEINFER_CHAT_TERMINAL"
 
 EPILOG = """Examples:
@@ -97,9 +99,18 @@ def _run(cfg, mode: str, system: str | None, stops: list[str]) -> None:
 def _terminal() -> str:
     """Which of this process's standard streams are terminals ("in", "out"; see TERMINAL_ENV)."""
     flags = ["in"] if sys.stdin.isatty() else []
-    if sys.stdout.isatty() and sys.stderr.isatty():
+    if (sys.stdout.isatty() and sys.stderr.isatty()) or _one_file(sys.stdout, sys.stderr):
         flags.append("out")
     return ",".join(flags)
+
+
+def _one_file(a, b) -> bool:
+    """True if two streams write to the same open file (e.g. `2>&1` into a pipe or a file)."""
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def chat_summary(result: dict) -> str:
