@@ -283,19 +283,6 @@ def test_metrics_in_prometheus_format(server):
     assert _metric(server, "pipeinfer_queue_depth") == 0
 
 
-def test_sigterm_ends_every_rank_and_in_flight_requests_get_an_error(server):
-    """Last: stops the module's server."""
-    conn, resp = server.open_stream("/v1/completions", {"prompt": COUNT, "max_tokens": 600})
-    read_events(resp, 2)
-    server.proc.send_signal(signal.SIGTERM)
-    rest = read_events(resp)
-    conn.close()
-    assert rest and json.loads(rest[-1])["error"]["code"] == "stopping", rest[-3:]
-    server.proc.wait(timeout=10)
-    assert_no_survivors(server.marker, grace_s=10)
-    assert "Traceback" not in server.stderr()
-
-
 NOTES = " ".join(f"Note {i}: the {w} harbour keeps {i % 5 + 2} boats tied at dusk."
                  for i, w in enumerate(["quiet", "old", "north", "grey", "small", "busy"] * 5))
 
@@ -318,3 +305,18 @@ def test_second_chat_turn_reuses_the_first_turns_prefix(server, client, smollm2_
     assert ref.get("reused_tokens", 0) == 0
     assert r2.model_extra["pipeinfer"]["tokens"] == ref["tokens"]
     assert r2.choices[0].message.content == ref["text"]
+
+
+# Last: it stops the module's server.
+def test_sigterm_ends_every_rank_and_in_flight_requests_get_an_error(server):
+    """Last: stops the module's server."""
+    conn, resp = server.open_stream("/v1/completions", {"prompt": COUNT, "max_tokens": 600})
+    read_events(resp, 2)
+    server.proc.send_signal(signal.SIGTERM)
+    rest = read_events(resp)
+    conn.close()
+    assert rest and json.loads(rest[-1])["error"]["code"] == "stopping", rest[-3:]
+    server.proc.wait(timeout=10)
+    assert_no_survivors(server.marker, grace_s=10)
+    assert "Traceback" not in server.stderr()
+
