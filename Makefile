@@ -9,7 +9,7 @@ BUILD  := build/native
 # llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-grounded bench-native bench-native-gemma3 bench-network bench-prefix-reuse fault-matrix soak clean help
+.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-grounded bench-native bench-native-gemma3 bench-network bench-prefix-reuse bench-topologies fault-matrix soak clean help
 
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
@@ -24,6 +24,7 @@ help:
 	@echo "make bench-native native layer engine vs llama.cpp"
 	@echo "make bench-prefix-reuse  TTFT of a second chat turn with and without prefix reuse"
 	@echo "make bench-native-gemma3 native layer engine vs llama.cpp on Gemma 3 270M"
+	@echo "make bench-topologies job shapes side by side: BENCH_SUITE=overhead|topologies|threads (Qwen pair)"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
 	@echo "make fault-matrix every message tag x drop/delay/dup/kill/stall in real jobs (about 20 minutes)"
 	@echo "make soak         one job serving 1,000 requests: no KV, memory, fd or thread leak (about 20 minutes)"
@@ -93,6 +94,13 @@ bench-prefix-reuse: install
 	@mkdir -p build
 	$(PY) scripts/bench_prefix_reuse.py smollm2-135m-instruct --ranks 2 --repeat 5 --json build/prefix_reuse_smollm2.json
 	$(PY) scripts/bench_prefix_reuse.py qwen2.5-coder-1.5b-instruct --ranks 2 --repeat 2 --json build/prefix_reuse_qwen15.json
+
+# Job shapes side by side, in alternated rounds (scripts/bench_topologies.py): `overhead` (iterative on
+# 1 rank against 2), `topologies` (iterative and pipeinfer on each placement of the Qwen pair, with
+# llama.cpp as reference), `threads` (ranks given their share of the cores or all of them).
+BENCH_SUITE ?= topologies
+bench-topologies: install
+	$(PY) scripts/bench_topologies.py --suite $(BENCH_SUITE) --rounds 2 --json build/bench_$(BENCH_SUITE).json
 
 # Bandwidth (issue 11): the three modes on 2 and 3 emulated hosts (root: namespaces, tc) with links
 # unshaped and at 1gbit, 100mbit and 10mbit against the same job over shared memory; SmolLM2, 3 rounds
