@@ -142,7 +142,7 @@ class Pipeline:
 
     def next_result(self) -> RunResult:
         """Wait (without spinning) for the oldest outstanding result. Results arrive in launch order."""
-        backoff = Backoff()
+        backoff = Backoff(site="result")
         while not self.ready:
             if self.poll():
                 break
@@ -150,6 +150,7 @@ class Pipeline:
                 self.link.idle(backoff, awaiting=self.awaiting())
             else:
                 backoff.idle()
+        backoff.reset()  # records how long this wait lasted
         return self.ready.popleft()
 
     def wait_until(self, cond) -> None:

@@ -110,7 +110,7 @@ class _StageLoop:
         self.layers_unstarted = 0  # their layers
 
     def run(self) -> None:
-        link, backoff = self.link, Backoff()
+        link, backoff = self.link, Backoff(site="stream")
         while True:
             if self.listener.aborted.is_set():
                 raise self.listener.failure or JobAborted()
