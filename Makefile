@@ -9,7 +9,7 @@ BUILD  := build/native
 # llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-grounded bench-native bench-native-gemma3 bench-network bench-prefix-reuse bench-topologies fault-matrix soak clean help
+.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-modes bench-grounded bench-native bench-native-gemma3 bench-network bench-prefix-reuse bench-topologies fault-matrix soak clean help
 
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
@@ -19,7 +19,7 @@ help:
 	@echo "make fuzz         fuzz every GGUF reader, FUZZ_RUNS inputs each (default 100000; hours on 2 busy cores)"
 	@echo "make asan         native extension with ASan+UBSan: native tests, fuzz replay, 2-rank generate"
 	@echo "make test-properties  200 random generate command lines (hypothesis), each success or one Error: line"
-	@echo "make bench        run the standard benchmark and update BENCHMARKS.md"
+	@echo "make bench        the modes vs llama.cpp (updates BENCHMARKS.md), then every topology on the default and grounded prompts"
 	@echo "make bench-grounded grounded prompts (answers copied from the prompt): pipeinfer vs llama.cpp and its prompt lookup"
 	@echo "make bench-native native layer engine vs llama.cpp"
 	@echo "make bench-prefix-reuse  TTFT of a second chat turn with and without prefix reuse"
@@ -119,7 +119,15 @@ BENCH_N       ?= 128
 BENCH_THREADS ?= $(shell nproc)
 BENCH_ARGS    ?= --modes iterative,speculative,pipeinfer --temp 0 --repeat 1 --warmup 1
 BENCH_PROMPTS ?=# e.g. "--prompts my.jsonl --limit 2"; given to both runs, so they see the same prompts
-bench: install
+# `make bench` = the modes on the default topology (above), then `iterative` against `pipeinfer` on
+# every topology (scripts/bench_topologies.py --suite topologies) with the default prompt set and the
+# grounded one (answers that copy from the prompt). About 50 minutes on 2 cores.
+TOPO_ARGS ?= --rounds 1 --limit 4
+bench: bench-modes
+	$(PY) scripts/bench_topologies.py --suite topologies $(TOPO_ARGS) -n $(BENCH_N) --json build/bench_topologies_default.json > build/bench_topologies_default.md; status=$$?; cat build/bench_topologies_default.md; exit $$status
+	$(PY) scripts/bench_topologies.py --suite topologies $(TOPO_ARGS) -n $(GROUNDED_N) --prompts grounded --json build/bench_topologies_grounded.json > build/bench_topologies_grounded.md; status=$$?; cat build/bench_topologies_grounded.md; exit $$status
+
+bench-modes: install
 	@mkdir -p build docs
 	$(PY) scripts/bench_llamacpp.py $(BENCH_MODEL) -n $(BENCH_N) --threads $(BENCH_THREADS) $(BENCH_PROMPTS) --json build/bench_llamacpp.json
 	@rm -f build/bench.json

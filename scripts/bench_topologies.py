@@ -9,10 +9,13 @@ per-prompt median tok/s ratio.
 
 Suites:
 - overhead    the cost of the pipeline itself: `iterative` on 1 rank against 2 ranks, the same
-              threads per rank (the same compute, plus two hops per token);
+              threads per rank (the same compute, plus two hops per token), with and without
+              the predictive wait (PIPEINFER_WAIT_PREDICT=0), and the 1-rank job next to a
+              process that wakes every 0.1 ms (what a polling neighbour costs by itself);
 - topologies  `iterative` and `pipeinfer` on each way to place a target and its draft on the
-              machine's cores (2 stages with the draft on the head, a stage plus a draft rank,
-              2 stages with lookup, 3 stages), with llama.cpp at all the cores as a reference;
+              machine's cores (1 rank with the draft or lookup on it, 2 stages with the draft on
+              the head, a stage plus a draft rank, 2 stages with lookup, 3 stages), with
+              llama.cpp at all the cores as a reference;
 - threads     ranks that share the cores given their share of threads or all of them, with
               OpenMP waiting passively or spinning briefly (GOMP_SPINCOUNT), in each mode.
 
@@ -51,16 +54,25 @@ class Config:
     args: list[str]  # bench options (modes, ranks, threads, draft, split)
     env: dict[str, str] = field(default_factory=dict)
     llamacpp: bool = False  # llama.cpp's own decoding (args: its --threads)
+    neighbour: bool = False  # a process that wakes every 0.1 ms on the other cores during the run
 
 
 def suite_configs(suite: str, cores: int) -> list[Config]:
     half = max(cores // 2, 1)
     if suite == "overhead":
-        return [Config(f"1 rank × {half} thread(s)", TARGET, ["--modes", "iterative", "--ranks", "1", "--threads", str(half)]),
-                Config(f"2 ranks × {half} thread(s)", TARGET, ["--modes", "iterative", "--ranks", "2", "--threads", str(half)])]
+        one = ["--modes", "iterative", "--ranks", "1", "--threads", str(half)]
+        two = ["--modes", "iterative", "--ranks", "2", "--threads", str(half)]
+        return [Config(f"1 rank × {half} thread(s)", TARGET, one),
+                Config(f"2 ranks × {half} thread(s)", TARGET, two),
+                Config(f"2 ranks × {half}, no predictive wait", TARGET, two, {"PIPEINFER_WAIT_PREDICT": "0"}),
+                # What a waiting rank's fine polling costs the rank that computes, without a pipeline:
+                # the 1-rank job next to a process that only sleeps 0.1 ms in a loop.
+                Config(f"1 rank × {half} + a 10 kHz sleeper", TARGET, one, neighbour=True)]
     if suite == "topologies":
         both = ["--modes", "iterative,pipeinfer"]
         return [Config(f"llama.cpp, {cores} threads", PAIR, ["--threads", str(cores)], llamacpp=True),
+                Config(f"1 rank × {cores}, draft on the head", PAIR, [*both, "--ranks", "1"]),
+                Config(f"1 rank × {cores}, --draft lookup", TARGET, [*both, "--ranks", "1", "--draft", "lookup"]),
                 Config("2 stages, draft on the head", PAIR, [*both, "--ranks", "2"]),
                 Config("1/1: one stage + a draft rank", PAIR, [*both, "--layer-split", "1/1"]),
                 Config("2 stages, --draft lookup", TARGET, [*both, "--ranks", "2", "--draft", "lookup"]),
@@ -76,6 +88,11 @@ def suite_configs(suite: str, cores: int) -> list[Config]:
                 Config(f"2 ranks × {cores}, spin 100k", PAIR, [*modes, "--threads", str(cores)],
                        {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "100000"})]
     raise SystemExit(f"Error: unknown suite {suite!r}; choose overhead, topologies or threads")
+
+
+# The neighbour: wakes ten thousand times a second and does nothing else, as a pipeline rank
+# polling for a message does in the first 50 ms of a wait.
+SLEEPER = "import time\nwhile True:\n    time.sleep(1e-4)"
 
 
 def log(msg: str) -> None:
@@ -98,7 +115,13 @@ def run_config(a, c: Config, rnd: int) -> dict:
     shown = (env_shown + " " if env_shown else "") + shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
     log(f"[round {rnd}] {c.label}: {shown}")
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env={**os.environ, **c.env}, capture_output=True, text=True, check=False)
+    sleeper = subprocess.Popen([sys.executable, "-c", SLEEPER]) if c.neighbour else None
+    try:
+        proc = subprocess.run(cmd, env={**os.environ, **c.env}, capture_output=True, text=True, check=False)
+    finally:
+        if sleeper is not None:
+            sleeper.kill()
+            sleeper.wait()
     run = {"label": c.label, "round": rnd, "command": shown, "returncode": proc.returncode,
            "wall_s": round(time.monotonic() - t0, 2), "loadavg_end": list(os.getloadavg())}
     if out.exists():
@@ -204,7 +227,10 @@ def main(argv=None) -> int:
     a.work_dir.mkdir(parents=True, exist_ok=True)
     configs = suite_configs(a.suite, a.cores)
     if a.only:
-        configs = [configs[int(i) - 1] for i in a.only.split(",")]
+        picked = [int(i) for i in a.only.split(",") if i.strip().isdigit()]
+        if not picked or any(not 1 <= i <= len(configs) for i in picked):
+            raise SystemExit(f"Error: --only {a.only!r}: give configuration numbers from 1 to {len(configs)}")
+        configs = [configs[i - 1] for i in picked]
     runs = []
     for rnd in range(a.rounds):
         for c in (configs if rnd % 2 == 0 else configs[::-1]):
