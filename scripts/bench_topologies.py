@@ -16,8 +16,9 @@ Suites:
               machine's cores (1 rank with the draft or lookup on it, 2 stages with the draft on
               the head, a stage plus a draft rank, 2 stages with lookup, 3 stages), with
               llama.cpp at all the cores as a reference;
-- threads     ranks that share the cores given their share of threads or all of them, with
-              OpenMP waiting passively or spinning briefly (GOMP_SPINCOUNT), in each mode.
+- threads     one rank on all the cores against llama.cpp; ranks that share the cores given
+              their share of threads or all of them, with OpenMP waiting passively or spinning
+              briefly (GOMP_SPINCOUNT), in each mode.
 
 Prints a table on stdout, progress on stderr, and writes every figure and the raw bench documents
 to --json. Not a test: nothing asserts.
@@ -80,6 +81,8 @@ def suite_configs(suite: str, cores: int) -> list[Config]:
     if suite == "threads":
         modes = ["--modes", "iterative,pipeinfer", "--ranks", "2"]
         return [Config(f"llama.cpp, {cores} threads", PAIR, ["--threads", str(cores)], llamacpp=True),
+                # One rank alone on the cores: the CLI's default wait policy against llama.cpp.
+                Config(f"1 rank × {cores}", TARGET, ["--modes", "iterative", "--ranks", "1", "--threads", str(cores)]),
                 Config(f"2 ranks × {half}, passive", PAIR, [*modes, "--threads", str(half)]),
                 Config(f"2 ranks × {cores}, passive", PAIR, [*modes, "--threads", str(cores)],
                        {"OMP_WAIT_POLICY": "passive"}),
