@@ -46,6 +46,8 @@ def test_regression_inputs_are_refused_with_their_reason():
         ("tokenizer", "tokenizer-duplicate-token.gguf"): "twice",
         ("native", "native-block-count-array.gguf"): "block_count is an array",
         ("native", "native-block-count-differs-per-layer.gguf"): "block_count is an array",
+        ("native", "native-string-rope-dimension-count.gguf"): "'llama.rope.dimension_count' is not an integer",
+        ("native", "native-string-array-rope-dimension-count.gguf"): "is not an integer or an array of integers",
         ("tokenizer", "tokenizer-non-utf8-metadata-value.gguf"): "is not valid UTF-8",
         ("tokenizer", "tokenizer-template-syntax-error.gguf"): "does not compile (TemplateSyntaxError",
         ("tokenizer", "tokenizer-template-undefined-name.gguf"): "chat template fails (UndefinedError",

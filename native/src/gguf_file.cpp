@@ -113,10 +113,16 @@ uint64_t gguf_file::get_uint(const std::string & key, uint64_t def, bool require
         if (required) missing(key);
         return def;
     }
+    // The type is checked before asking for the data: gguf_get_val_data and gguf_get_arr_data
+    // abort the process (GGML_ASSERT) on a string, and a crafted file can put one anywhere.
     const gguf_type t = gguf_get_kv_type(ctx_, id);
-    if (t != GGUF_TYPE_ARRAY) return int_at(key, t, gguf_get_val_data(ctx_, id), 0);
+    if (t != GGUF_TYPE_ARRAY) {
+        if (!is_integer_type(t)) bad_type(key, "an integer");
+        return int_at(key, t, gguf_get_val_data(ctx_, id), 0);
+    }
     const gguf_type at = gguf_get_arr_type(ctx_, id);
     const size_t n = gguf_get_arr_n(ctx_, id);
+    if (!is_integer_type(at)) bad_type(key, "an integer or an array of integers");
     if (n == 0) bad_type(key, "a non-empty array");
     const void * data = gguf_get_arr_data(ctx_, id);
     const uint64_t first = int_at(key, at, data, 0);
@@ -140,6 +146,16 @@ float gguf_file::get_f32(const std::string & key, float def) const {
         case GGUF_TYPE_FLOAT32: return gguf_get_val_f32(ctx_, id);
         case GGUF_TYPE_FLOAT64: return (float) gguf_get_val_f64(ctx_, id);
         default: bad_type(key, "a float");
+    }
+}
+
+bool gguf_file::is_integer_type(gguf_type t) {
+    switch (t) {
+        case GGUF_TYPE_UINT8: case GGUF_TYPE_INT8: case GGUF_TYPE_UINT16: case GGUF_TYPE_INT16:
+        case GGUF_TYPE_UINT32: case GGUF_TYPE_INT32: case GGUF_TYPE_UINT64: case GGUF_TYPE_INT64:
+            return true;
+        default:
+            return false;
     }
 }
 

@@ -66,6 +66,7 @@ public:
 
 private:
     void close();
+    static bool is_integer_type(gguf_type t);
     uint64_t int_at(const std::string & key, gguf_type t, const void * data, size_t i) const;
     [[noreturn]] void missing(const std::string & key) const;
     [[noreturn]] void bad_type(const std::string & key, const char * what) const;
