@@ -48,6 +48,8 @@ def test_regression_inputs_are_refused_with_their_reason():
         ("native", "native-block-count-differs-per-layer.gguf"): "block_count is an array",
         ("native", "native-string-rope-dimension-count.gguf"): "'llama.rope.dimension_count' is not an integer",
         ("native", "native-string-array-rope-dimension-count.gguf"): "is not an integer or an array of integers",
+        ("native", "native-f16-output-norm.gguf"): "'output_norm.weight' has type f16, not f32",
+        ("native", "native-i32-matmul-weight.gguf"): "type i32, a type with no matrix-multiply kernel",
         ("tokenizer", "tokenizer-non-utf8-metadata-value.gguf"): "is not valid UTF-8",
         ("tokenizer", "tokenizer-template-syntax-error.gguf"): "does not compile (TemplateSyntaxError",
         ("tokenizer", "tokenizer-template-undefined-name.gguf"): "chat template fails (UndefinedError",

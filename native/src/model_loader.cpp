@@ -246,7 +246,23 @@ std::vector<tensor_request> stage_tensors(const gguf_file & f, stage_weights & s
     return req;
 }
 
-// Validates every tensor before anything is allocated: presence, shape, bounds in the file.
+// Why ggml's CPU kernels cannot use a weight of this type in the op the stage puts it in, or null.
+// A file can declare any ggml type for any tensor, and ggml does not refuse at graph build: it
+// aborts the process at compute (MUL with an f16 norm) or calls a null vec_dot (MUL_MAT on i32).
+const char * weight_type_problem(const tensor_request & r, ggml_type t) {
+    if (r.is_matmul_weight) {  // MUL_MAT / MUL_MAT_ID src0 (also the tied token_embd copy)
+        return ggml_get_type_traits_cpu(t)->vec_dot ? nullptr : "a type with no matrix-multiply kernel";
+    }
+    if (r.file_name == "token_embd.weight") {  // GET_ROWS: converts rows to f32
+        const bool rows_ok = t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16 ||
+                             (ggml_is_quantized(t) && ggml_get_type_traits(t)->to_float);
+        return rows_ok ? nullptr : "a type whose rows cannot be read as f32";
+    }
+    // Norm weights, biases and RoPE frequency factors: element-wise ops on f32 activations.
+    return t == GGML_TYPE_F32 ? nullptr : "not f32 (norms, biases and rope_freqs must be f32)";
+}
+
+// Validates every tensor before anything is allocated: presence, shape, type, bounds in the file.
 void locate_tensors(const gguf_file & f, std::vector<tensor_request> & req) {
     const std::string & path = f.path();
     const uint64_t data_offset = gguf_get_data_offset(f.ctx());
@@ -267,6 +283,10 @@ void locate_tensors(const gguf_file & f, std::vector<tensor_request> & req) {
                 throw model_file_error(path + ": tensor '" + r.file_name + "' has shape " + fmt_shape(m->ne) +
                                        ", expected " + fmt_shape(want));
             }
+        }
+        if (const char * why = weight_type_problem(r, m->type)) {
+            throw model_file_error(path + ": tensor '" + r.file_name + "' has type " + ggml_type_name(m->type) +
+                                   ", " + why);
         }
         const uint64_t off = data_offset + gguf_get_tensor_offset(f.ctx(), tid);
         if (off + ggml_nbytes(m) > f.file_size()) {
