@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import gguf_struct  # fuzz/ is on sys.path: this file is run as a script
+
 FUZZ = Path(__file__).resolve().parent
 ROOT = FUZZ.parent
 OUT = ROOT / "build" / "fuzz"
@@ -34,7 +36,7 @@ def run_target(target: str, runs: int, max_time: int | None) -> dict:
     artifacts.mkdir(parents=True, exist_ok=True)
     log = OUT / f"{target}.log"
     cmd = [sys.executable, str(FUZZ / "fuzz_gguf.py"), target, f"-runs={runs}", "-timeout=5", "-rss_limit_mb=3072",
-           "-max_len=262144", "-print_final_stats=1", "-print_pcs=0", f"-artifact_prefix={artifacts}/{target}-",
+           f"-max_len={gguf_struct.MAX_INPUT}", "-print_final_stats=1", "-print_pcs=0", f"-artifact_prefix={artifacts}/{target}-",
            str(corpus), *map(str, SEEDS)]
     if max_time:
         cmd.insert(3, f"-max_total_time={max_time}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_INPUT = 1 << 18  # bytes of one fuzz input: the campaign's -max_len (fuzz/campaign.py)
 
 # GGUF value types and their scalar struct formats (little endian).
 T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL, T_STRING, T_ARRAY, T_UINT64, T_INT64, \
@@ -30,7 +31,8 @@ INT_TYPES = (T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_UINT64, T_
 # ggml tensor types: (block size in elements, bytes per block), for the types the seeds use and
 # the mutator picks from. Other type ids are written too, on purpose, as invalid types.
 GGML_TYPE_SIZE = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-                  10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 30: (1, 2)}
+                  10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 30: (1, 2),
+                  24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8)}  # i8 i16 i32 i64 f64: no kernels use them as weights
 
 
 class Truncated(Exception):
@@ -79,6 +81,14 @@ class Gguf:
         if kv is not None and kv.type in INT_TYPES and isinstance(kv.value, int) and 0 < kv.value < 1 << 20:
             return kv.value
         return DEFAULT_ALIGNMENT
+
+    def copy(self) -> Gguf:
+        """A copy whose keys, arrays and tensors can be edited without changing this one (array
+        items are immutable scalars or bytes, the data is immutable bytes)."""
+        def value(v):
+            return (v[0], list(v[1])) if isinstance(v, tuple) else v
+        return Gguf(self.version, [KV(kv.key, kv.type, value(kv.value)) for kv in self.kvs],
+                    [TensorInfo(t.name, list(t.ne), t.type, t.offset) for t in self.tensors], self.data)
 
     def to_bytes(self) -> bytes:
         out = bytearray(MAGIC + struct.pack("<IQQ", self.version, len(self.tensors), len(self.kvs)))
@@ -240,17 +250,22 @@ def tensor_nbytes(t: TensorInfo) -> int | None:
     return n // block * size
 
 
-def relayout(g: Gguf) -> None:
+def relayout(g: Gguf, max_data: int = MAX_INPUT) -> None:
     """Pack the tensors' data one after the other at the file's alignment (after shape edits), zero
-    filled where a tensor grew; tensors of unknown size keep their offset."""
+    filled where a tensor grew; tensors of unknown size keep their offset. Every tensor gets its
+    offset, but only the first max_data bytes of data are kept: the fuzzer cuts its inputs to that
+    size anyway, and building megabytes of zeros to cut them off was most of a mutation's time."""
     align = g.alignment()
     new_data = bytearray()
+    end = 0  # where the data would end if it were all kept
     for t in g.tensors:
         n = tensor_nbytes(t)
         if n is None or n > 1 << 22:
             continue
-        new_data += b"\0" * (-len(new_data) % align)
-        chunk = g.data[t.offset:t.offset + n] if 0 <= t.offset < len(g.data) else b""
-        t.offset = len(new_data)
-        new_data += chunk + b"\0" * (n - len(chunk))
+        start = end + (-end % align)
+        if start < max_data:
+            chunk = g.data[t.offset:t.offset + min(n, max_data - start)] if 0 <= t.offset < len(g.data) else b""
+            new_data += b"\0" * (start - len(new_data)) + chunk + b"\0" * (min(n, max_data - start) - len(chunk))
+        t.offset = start
+        end = start + n
     g.data = bytes(new_data)
