@@ -28,6 +28,7 @@ class Tokenizer:
                 raise ModelFileError(f"{model_path}: llama.cpp cannot load its vocabulary ({reason}); "
                                      "the file is corrupted or not a supported model") from None
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        _check_special_tokens(model_path, self.vocab)
         self.n_vocab = self.llm.n_vocab()
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.metadata = self.llm.metadata
@@ -92,6 +93,24 @@ def _check_vocabulary(model_path: Path) -> None:
     if problem:
         raise ModelFileError(f"{model_path}: its vocabulary cannot be used: {problem}; the file is corrupted")
     _check_chat_templates(model_path)
+
+
+def _check_special_tokens(model_path: Path, vocab) -> None:
+    """llama.cpp aborts the process (GGML_ASSERT) when it tokenizes with special tokens that the
+    vocabulary asks for but does not have (an id out of range becomes no token): refuse such a file
+    once it is loaded, before any prompt is tokenized."""
+    import llama_cpp
+
+    null = llama_cpp.LLAMA_TOKEN_NULL
+    wpm = llama_cpp.llama_vocab_type(vocab) == llama_cpp.LLAMA_VOCAB_TYPE_WPM  # always adds CLS and SEP
+    needs = [("BOS", "tokenizer.ggml.bos_token_id", llama_cpp.llama_vocab_bos,
+              wpm or llama_cpp.llama_vocab_get_add_bos(vocab)),
+             ("EOS", "tokenizer.ggml.eos_token_id", llama_cpp.llama_vocab_eos, llama_cpp.llama_vocab_get_add_eos(vocab)),
+             ("SEP", "tokenizer.ggml.seperator_token_id", llama_cpp.llama_vocab_sep, wpm)]
+    for name, key, get, needed in needs:
+        if needed and get(vocab) == null:
+            raise ModelFileError(f"{model_path}: its vocabulary adds a {name} token to every prompt but has no valid "
+                                 f"{name} token ({key} is missing or out of range); the file is corrupted")
 
 
 def _check_chat_templates(model_path: Path) -> None:
