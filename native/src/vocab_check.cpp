@@ -15,11 +15,11 @@ std::string array_of_strings_problem(const gguf_context * ctx, int64_t id, const
     return "";
 }
 
-std::string duplicate_token_problem(const gguf_context * ctx, int64_t id) {
+// Fills seen with the vocabulary's words (as llama.cpp names them).
+std::string duplicate_token_problem(const gguf_context * ctx, int64_t id, std::unordered_set<std::string> & seen) {
     const size_t n = gguf_get_arr_n(ctx, id);
     if (n == 0) return "tokenizer.ggml.tokens is empty";
     if (n > (size_t) INT32_MAX) return "tokenizer.ggml.tokens has more than 2^31-1 entries";
-    std::unordered_set<std::string> seen;
     seen.reserve(n);
     for (size_t i = 0; i < n; ++i) {
         std::string word = gguf_get_arr_str(ctx, id, i);
@@ -27,6 +27,22 @@ std::string duplicate_token_problem(const gguf_context * ctx, int64_t id) {
         if (!seen.insert(word).second) {
             return "tokenizer.ggml.tokens has the token '" + printable(word, 60) + "' twice (second at id " +
                    std::to_string(i) + ")";
+        }
+    }
+    return "";
+}
+
+// A SentencePiece vocabulary (tokenizer.ggml.model "llama") spells a character it has no token for
+// as byte tokens, "<0xXX>" or the byte itself. llama.cpp looks them up with std::map::at, and the
+// std::out_of_range of a missing one goes through its C API into std::terminate (the process
+// aborts on the first prompt with such a character).
+std::string missing_byte_token_problem(const std::unordered_set<std::string> & words) {
+    static const char * hex = "0123456789ABCDEF";
+    for (int ch = 0; ch < 256; ++ch) {
+        const char spelled[7] = {'<', '0', 'x', hex[ch >> 4], hex[ch & 15], '>', 0};
+        if (!words.count(spelled) && !words.count(std::string(1, (char) ch))) {
+            return std::string("tokenizer.ggml.tokens has no byte token ") + spelled +
+                   " (a SentencePiece vocabulary needs all 256 to spell any text)";
         }
     }
     return "";
@@ -72,7 +88,9 @@ std::string vocab_problem(const gguf_file & f) {
     const int64_t tokens_id = gguf_find_key(ctx, "tokenizer.ggml.tokens");
     if (tokens_id < 0) return "tokenizer.ggml.tokens is missing";
     std::string problem = array_of_strings_problem(ctx, tokens_id, "tokenizer.ggml.tokens");
-    if (problem.empty()) problem = duplicate_token_problem(ctx, tokens_id);
+    std::unordered_set<std::string> words;
+    if (problem.empty()) problem = duplicate_token_problem(ctx, tokens_id, words);
+    if (problem.empty() && model == "llama") problem = missing_byte_token_problem(words);
     return problem;
 }
 
