@@ -36,7 +36,15 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         bos = self.add_bos if add_bos is None else add_bos
-        return self.llm.tokenize(text.encode(), add_bos=bos, special=True)
+        ids = self.llm.tokenize(text.encode(), add_bos=bos, special=True)
+        # A vocabulary without a valid unknown token spells text it has no token for as -1
+        # (RWKV, WPM, UGM); detokenizing that id aborts the process inside llama.cpp.
+        bad = next((t for t in ids if not 0 <= t < self.n_vocab), None)
+        if bad is not None:
+            raise ModelFileError(f"{self.path}: its tokenizer turned the text into token id {bad}, outside its "
+                                 f"vocabulary of {self.n_vocab} (tokenizer.ggml.unknown_token_id is missing or out "
+                                 "of range); the file is corrupted")
+        return ids
 
     def chat_messages(self, messages: list[dict]) -> list[int]:
         template = self.metadata.get("tokenizer.chat_template")
