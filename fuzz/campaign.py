@@ -6,7 +6,8 @@ Each target runs fuzz/fuzz_gguf.py (libFuzzer) with -runs=RUNS, -timeout=5 (an i
 longer is a hang), -rss_limit_mb=3072 (a blow-up; the process also has a 4 GiB address-space
 limit), its working corpus in build/fuzz/corpus/TARGET plus the committed seeds and regressions,
 crash inputs in build/fuzz/artifacts/. The log of each target is build/fuzz/TARGET.log; the
-figures (inputs, exec/s, new corpus entries, crashes) go to stdout and build/fuzz/summary.json.
+figures (inputs, exec/s, coverage edges and features of the Python code, new corpus entries, crashes)
+go to stdout and build/fuzz/summary.json (summary-TARGET.json when one target is named).
 Exits 1 when a target found a crash, a hang or a blow-up.
 """
 
@@ -53,6 +54,9 @@ def summarize(target: str, log: str, rc: int, seconds: float) -> dict:
         m = re.search(rf"stat::{name}:\s+(\d+)", log)
         return int(m.group(1)) if m else 0
 
+    # The last status line: Python edges (atheris instruments bytecode; the C++ is not) and features.
+    status = re.findall(r"^#\d+\s+\w+\s+cov: (\d+) ft: (\d+) corp: (\d+)/", log, re.M)
+    cov, ft, corp = map(int, status[-1]) if status else (0, 0, 0)
     written = re.findall(r"Test unit written to (\S+)", log)
     # libFuzzer also saves its slowest inputs ("slow-unit-": over 10 s of wall-clock time, which a
     # busy machine produces); only crash-, timeout- and oom- inputs are findings.
@@ -62,7 +66,8 @@ def summarize(target: str, log: str, rc: int, seconds: float) -> dict:
             "memory blow-up" if "out-of-memory" in log or "MemoryError" in log else
             "crash" if crashes or (rc != 0 and not interrupted) else None)
     return {"target": target, "inputs": stat("number_of_executed_units"), "exec_per_s": stat("average_exec_per_sec"),
-            "new_corpus_entries": stat("new_units_added"), "peak_rss_mb": stat("peak_rss_mb"),
+            "new_corpus_entries": stat("new_units_added"), "coverage_edges": cov, "features": ft, "corpus_size": corp,
+            "peak_rss_mb": stat("peak_rss_mb"),
             "seconds": round(seconds), "finding": kind, "artifacts": crashes, "interrupted": interrupted,
             "slow_units": [p for p in written if p not in crashes], "exit_code": rc}
 
@@ -77,10 +82,10 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     name = "summary.json" if tuple(args.targets) == TARGETS else f"summary-{'-'.join(args.targets)}.json"
     (OUT / name).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"{'target':10} {'inputs':>8} {'exec/s':>7} {'new corpus':>10} {'peak RSS':>9} {'time':>7}  result")
+    print(f"{'target':10} {'inputs':>8} {'exec/s':>7} {'cov':>5} {'ft':>6} {'new corpus':>10} {'peak RSS':>9} {'time':>7}  result")
     for r in results:
         result = "no crash, hang or blow-up" if r["finding"] is None else f"{r['finding']}: {' '.join(r['artifacts'])}"
-        print(f"{r['target']:10} {r['inputs']:>8} {r['exec_per_s']:>7} {r['new_corpus_entries']:>10} "
+        print(f"{r['target']:10} {r['inputs']:>8} {r['exec_per_s']:>7} {r['coverage_edges']:>5} {r['features']:>6} {r['new_corpus_entries']:>10} "
               f"{r['peak_rss_mb']:>7}MB {r['seconds']:>6}s  {result}")
     return 1 if any(r["finding"] for r in results) else 0
 
