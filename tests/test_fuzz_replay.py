@@ -47,6 +47,7 @@ def test_regression_inputs_are_refused_with_their_reason():
         ("tokenizer", "tokenizer-bos-out-of-range.gguf"): "adds a BOS token to every prompt but has no valid BOS token",
         ("tokenizer", "tokenizer-spm-without-byte-tokens.gguf"): "has no byte token <0x00>",
         ("tokenizer", "tokenizer-rwkv-without-unknown-token.gguf"): "into token id -1, outside its vocabulary",
+        ("tokenizer", "tokenizer-rwkv-endless-tokenize.gguf"): "begin with the byte \\x6c but not that byte alone",
         ("native", "native-block-count-array.gguf"): "block_count is an array",
         ("native", "native-block-count-differs-per-layer.gguf"): "block_count is an array",
         ("native", "native-string-rope-dimension-count.gguf"): "'llama.rope.dimension_count' is not an integer",

@@ -48,6 +48,57 @@ std::string missing_byte_token_problem(const std::unordered_set<std::string> & w
     return "";
 }
 
+// llama.cpp's RWKV vocabulary stores its tokens escaped (\t \n \r \xHH, \ before any other
+// character); the same decoding as its llama_unescape_rwkv_token, quirks included.
+std::string unescape_rwkv(const std::string & escaped) {
+    std::string out;
+    bool escaping = false;
+    uint8_t hex_remaining = 0, hex_acc = 0;
+    for (const char c : escaped) {
+        if (hex_remaining != 0) {
+            const uint8_t value = (c >= 'a') ? (uint8_t) (c - 'a' + 10) : (uint8_t) (c - '0');
+            hex_acc = (uint8_t) ((hex_acc << 4) + value);
+            if (--hex_remaining == 0) {
+                out.push_back((char) hex_acc);
+                hex_acc = 0;
+            }
+        } else if (escaping) {
+            if (c == 'x') hex_remaining = 2;
+            else out.push_back(c == 't' ? '\t' : c == 'n' ? '\n' : c == 'r' ? '\r' : c);
+            escaping = false;
+        } else if (c == '\\') {
+            escaping = true;
+        } else {
+            out.push_back(c);
+        }
+    }
+    return out;
+}
+
+// llama.cpp's RWKV tokenizer takes the longest token matching at the current position, and when
+// the text starts a token there but no token matches, it restarts at the same position: it
+// loops forever, filling memory until the process aborts. A byte that begins some token must
+// therefore be a token by itself (real RWKV vocabularies have all 256).
+std::string rwkv_loop_problem(const gguf_context * ctx, int64_t id) {
+    bool alone[256] = {}, begins[256] = {};
+    for (size_t i = 0, n = gguf_get_arr_n(ctx, id); i < n; ++i) {
+        std::string word = gguf_get_arr_str(ctx, id, i);
+        if (word.empty()) word = "[EMPTY_" + std::to_string(i) + "]";  // as llama.cpp renames it
+        const std::string text = unescape_rwkv(word);
+        if (text.empty()) continue;
+        begins[(uint8_t) text[0]] = true;
+        if (text.size() == 1) alone[(uint8_t) text[0]] = true;
+    }
+    for (int b = 0; b < 256; ++b) {
+        if (begins[b] && !alone[b]) {
+            static const char * hex = "0123456789abcdef";
+            return std::string("tokenizer.ggml.tokens has tokens that begin with the byte \\x") + hex[b >> 4] +
+                   hex[b & 15] + " but not that byte alone (an RWKV vocabulary needs it to tokenize any text)";
+        }
+    }
+    return "";
+}
+
 bool valid_utf8(const std::string & s) {
     size_t i = 0;
     while (i < s.size()) {
@@ -91,6 +142,7 @@ std::string vocab_problem(const gguf_file & f) {
     std::unordered_set<std::string> words;
     if (problem.empty()) problem = duplicate_token_problem(ctx, tokens_id, words);
     if (problem.empty() && model == "llama") problem = missing_byte_token_problem(words);
+    if (problem.empty() && model == "rwkv") problem = rwkv_loop_problem(ctx, tokens_id);
     return problem;
 }
 
