@@ -31,7 +31,8 @@ export PIPEINFER_NATIVE_DIR="$PWD/$BUILD"
 
 $PY -c "import pipeinfer_cli._native as n, sys; assert n.__file__.startswith(sys.argv[1]), n.__file__; print('sanitized module:', n.__file__)" "$PWD/$BUILD"
 $PY -m pytest -q -p no:cacheprovider tests/test_native_engine.py tests/test_native_errors.py tests/test_native_kv.py \
-  tests/test_native_tree.py tests/test_native_cancel.py tests/test_fuzz_replay.py
+  tests/test_native_tree.py tests/test_native_cancel.py tests/test_native_moe.py tests/test_native_parity_qwen3.py \
+  tests/test_native_batch_invariance.py tests/test_fuzz_replay.py
 .venv/bin/pipeinfer generate smollm2-135m-instruct --ranks 2 --draft lookup --mode pipeinfer -n 24 \
   -p "The three primary colours are" > "$REPORTS/generate.out"
 echo "2-rank generate under ASan/UBSan: $(wc -c < "$REPORTS/generate.out") bytes of text"
