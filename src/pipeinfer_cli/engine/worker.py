@@ -154,6 +154,7 @@ def serve_worker(link: Link, loaded, debug: bool, trace, before=None) -> None:
         else:
             serve_stage(link, loaded.engine, loaded.me.threads, trace)
         link.flush()
+        link.drop_unreceived()  # the head sends nothing after SHUTDOWN: what is left can only be stale
     except JobAborted:
         leave_after_head(1)
     except HeadUnresponsiveError as exc:

@@ -336,6 +336,19 @@ class Link:
         if self._pending:
             self._pending = [(r, b) for r, b in self._pending if not r.Test()]
 
+    def drop_unreceived(self) -> int:
+        """Receive and drop every message that arrived for this rank and was never received (the
+        head's last heartbeats, a duplicate nobody asked for); how many. A rank calls it last, once
+        its job is over: MPICH's MPI_Finalize fails on a communicator with an unmatched message, and
+        a rank that leaves without finalizing makes the launcher kill the others ("Killed (signal
+        9)" after a job that printed the right text)."""
+        status, n = MPI.Status(), 0
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+            buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+            self.comm.Recv([buf, MPI.BYTE], source=status.Get_source(), tag=status.Get_tag())
+            n += 1
+        return n
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait (without spinning) until every send completed; False on timeout."""
         backoff = Backoff()
