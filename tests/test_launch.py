@@ -56,6 +56,16 @@ def test_banner_is_removed_and_text_kept(data, want, step):
         assert f.exit_string == "Killed (signal 9)"
 
 
+@pytest.mark.parametrize("step", [1, 3, 7, 1 << 16])
+def test_an_error_line_is_seen_when_it_arrives_in_pieces(step):
+    """A rank's `Error:` line can reach the launcher in several reads on a loaded machine; the
+    launcher must still see that the job reported its error (else it adds a second line)."""
+    _, f = filtered(b"The capital\nError: rank 0 (the head) sent nothing for 3 s\n" + BANNER, step)
+    assert any(line.startswith(b"Error: rank 0") for line in f.lines)
+    _, f = filtered(b"The capital\nno error here\n", step)
+    assert not any(line.startswith(b"Error: ") for line in f.lines)
+
+
 def test_text_is_not_held_back():
     f = BannerFilter()
     assert f.feed(b" Paris") == b" Paris"  # a streamed token is written at once

@@ -92,6 +92,7 @@ class BannerFilter:
     """
 
     _RULE_MIN = 20
+    _LINE_START_KEPT = 64  # bytes of a line kept for error detection
     _TITLE = b"=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"
     _LAST = b"Please see the FAQ page for debugging suggestions"
     _EXIT_STRING = b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING: "
@@ -103,6 +104,9 @@ class BannerFilter:
         self.line_start = True  # nothing of the current line was passed through yet
         self.exit_string: str | None = None  # Hydra's reason, e.g. "Killed (signal 9)"
         self.lines: list[bytes] = []  # complete lines passed through (for error detection)
+        # The start of a line passed through before its end arrived (a line can come in several
+        # reads, under load): it joins `lines` when the line ends.
+        self.open_line = b""
 
     @classmethod
     def _is_rule(cls, line: bytes) -> bool:
@@ -155,7 +159,10 @@ class BannerFilter:
             if not self.line_start:  # inside a line already passed through
                 end = len(data) if nl < 0 else nl + 1
                 out.append(data[i:end])
+                self.open_line = (self.open_line + data[i:end])[:self._LINE_START_KEPT]
                 self.line_start = nl >= 0
+                if self.line_start:
+                    self.lines.append(self.open_line.rstrip(b"\r\n"))
                 i = end
                 continue
             if nl < 0:  # the rest is an incomplete line
@@ -163,6 +170,7 @@ class BannerFilter:
                 if not self._may_hold(self.partial):
                     self._release(out)
                     out.append(self.partial)
+                    self.open_line = self.partial[:self._LINE_START_KEPT]
                     self.partial, self.line_start = b"", False
                 break
             self._line(self.partial + data[i:nl + 1], out)

@@ -76,6 +76,9 @@ def _die_with_parent():
     return child
 
 
+PUMP_DRAIN_S = 10
+
+
 def relaunch(n_ranks: int, argv: list[str]) -> int:
     """Run this same command as an MPI job of n_ranks processes and return its exit code.
 
@@ -129,8 +132,11 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
         rc = job.finish()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        # The job's processes are gone, so the pipes reach EOF: wait for what they still hold (the
+        # rank's `Error:` line decides below whether to add one) longer than a loaded machine takes
+        # to copy it, but not for ever (a stray grandchild could keep a pipe open).
         for pump in pumps:
-            pump.join(timeout=2)
+            pump.join(timeout=PUMP_DRAIN_S)
     if any(pump.broken for pump in pumps):
         return 128 + signal.SIGPIPE  # the reader went away: the job was stopped, nothing to report
     if stopped_by:
