@@ -66,6 +66,33 @@ def test_an_error_line_is_seen_when_it_arrives_in_pieces(step):
     assert not any(line.startswith(b"Error: ") for line in f.lines)
 
 
+@pytest.mark.parametrize("pieces, reported", [
+    # What the output pump concludes, with pieces in separate reads: a rank's print() may reach the
+    # launcher as the text, then its newline (seen in the fault matrix).
+    ([b"pipeinfer: 32 tokens\n", b"Error: rank 0 made no progress", b"\n"], True),
+    ([b"Err", b"or: rank 2 failed\n"], True),
+    ([b"text\nError: rank 1 failed\n"], True),
+    ([b"the words Error: x in a line\n", b"Error", b"\n"], False),
+])
+def test_the_pump_sees_an_error_line_that_arrives_in_pieces(pieces, reported):
+    import io
+    import threading
+
+    from pipeinfer_cli.transport.job_output import OutputPump
+
+    r, w = os.pipe()
+    dst = io.BytesIO()
+    with open(r, "rb", buffering=0) as src:
+        pump = OutputPump(src, dst, False, lambda: None, threading.Event())
+        for piece in pieces:
+            os.write(w, piece)
+            time.sleep(0.05)  # separate reads, as from the launcher (the check holds either way)
+        os.close(w)
+        pump.join(timeout=10)
+    assert dst.getvalue() == b"".join(pieces)
+    assert pump.reported is reported
+
+
 def test_text_is_not_held_back():
     f = BannerFilter()
     assert f.feed(b" Paris") == b" Paris"  # a streamed token is written at once
