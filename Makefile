@@ -16,7 +16,7 @@ help:
 	@echo "make demo         install, pull the default model, run the main job"
 	@echo "make test         run the test suite (pulls smollm2-135m-instruct once)"
 	@echo "make test-slow    run the slow tests on the Qwen pair"
-	@echo "make fuzz         fuzz every GGUF reader, FUZZ_RUNS inputs each (default 100000; hours on 2 busy cores)"
+	@echo "make fuzz         fuzz every GGUF reader, FUZZ_RUNS inputs each (default 100000: about 25 minutes for all three on 2 quiet cores)"
 	@echo "make asan         native extension with ASan+UBSan: native tests, fuzz replay, 2-rank generate"
 	@echo "make test-properties  200 random generate command lines (hypothesis), each success or one Error: line"
 	@echo "make bench        the modes vs llama.cpp (updates BENCHMARKS.md), then every topology on the default and grounded prompts"
