@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from pipeinfer_cli import __version__
@@ -99,3 +100,28 @@ def test_omp_wait_policy_is_passive_only_where_ranks_share_a_host():
     assert omp_wait_policy({"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == "passive"
     assert omp_wait_policy({"SLURM_NTASKS_PER_NODE": "4"}) == "passive"
     assert omp_wait_policy({"MPI_LOCALNRANKS": "3", "OMP_WAIT_POLICY": "active"}) is None  # the user's choice
+
+
+def test_iterative_ranks_on_one_machine_get_every_core(monkeypatch):
+    """`--ranks N` in iterative mode: one stage computes at a time, so each rank gets all the cores
+    (with a bounded spin); the speculative modes, an explicit --threads or OMP_WAIT_POLICY keep theirs."""
+    import os
+
+    from pipeinfer_cli.cli.generate_cmd import whole_host_threads
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert whole_host_threads("iterative", None) == os.cpu_count()
+    assert whole_host_threads("pipeinfer", None) is None
+    assert whole_host_threads("speculative", None) is None
+    assert whole_host_threads("iterative", "1") is None
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert whole_host_threads("iterative", None) is None
+
+
+@pytest.mark.mpi
+def test_an_iterative_job_on_two_ranks_runs_each_rank_on_every_core(smollm2_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    r = subprocess.run([sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "--ranks", "2",
+                        "-n", "4", "-p", "Hello", "--json"], capture_output=True, text=True, timeout=180, env=env, check=False)
+    assert r.returncode == 0, r.stderr
+    assert [rank["threads"] for rank in json.loads(r.stdout)["ranks"]] == [os.cpu_count()] * 2

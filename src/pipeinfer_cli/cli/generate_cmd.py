@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -13,8 +14,14 @@ import typer
 from ..engine.topology import format_layer_ranges
 from ..errors import UsageError
 from .console import err, out
-from .job_setup import check_chat_template, check_n_predict, check_plan, check_world, prepare_job
 from .job_options import JobOptions, job_options
+from .job_setup import (
+    check_chat_template,
+    check_n_predict,
+    check_plan,
+    check_world,
+    prepare_job,
+)
 from .options import JsonFlag, ModelOption, ModeOption, OptionalModelArg, StopOption
 from .prompt_input import check_stop_strings, read_prompt_input
 
@@ -73,7 +80,7 @@ def generate(
         check_chat_template(cfg.model_path, cfg.model_label, "--chat/--messages/--system")
     if not inside and prep.ranks > 1:
         check_plan(cfg, prep.ranks, needs_draft=prep.mode != "iterative")
-        raise typer.Exit(_relaunch(prep.ranks, given))
+        raise typer.Exit(_relaunch(prep.ranks, given, whole_host_threads(prep.mode, job.threads)))
 
     from ..engine.job import Request
 
@@ -92,17 +99,38 @@ def one_model(model: str | None, model_opt: str | None) -> str:
     return model or model_opt
 
 
-def _relaunch(n_ranks: int, given) -> int:
+# In `iterative` mode one stage computes at a time, so the ranks that `--ranks N` starts on this
+# machine may each use all its cores, their OpenMP threads spinning briefly between graphs and then
+# sleeping: measured on 2 cores (Qwen2.5-Coder-1.5B, 2 ranks, BENCHMARKS.md "Threads per rank"),
+# 18.2 tok/s against 11.8 with one thread each and passive waiting. The speculative modes compute on
+# several stages at once: there, oversubscribed spinning threads fell to 0.39x, so they keep their share.
+ITERATIVE_SPIN_COUNT = "10000"
+
+
+def whole_host_threads(mode: str, threads: str | None) -> int | None:
+    """Threads per rank for a job this command starts on this machine, when the default should be
+    all the cores (iterative mode, no --threads, no OMP_WAIT_POLICY of the user's); else None."""
+    if mode != "iterative" or threads is not None or "OMP_WAIT_POLICY" in os.environ:
+        return None
+    return os.cpu_count() or 1
+
+
+def _relaunch(n_ranks: int, given, threads: int | None = None) -> int:
     """This command again as an MPI job of n_ranks; standard input, already read here, reaches
-    the job as a private temporary file."""
+    the job as a private temporary file. threads: every rank's thread count, with a brief spin."""
     from ..transport.launch import relaunch
 
+    argv = sys.argv[1:]
+    if threads is not None:
+        os.environ["OMP_WAIT_POLICY"] = "active"  # inherited by the ranks; GOMP_SPINCOUNT bounds the spin
+        os.environ.setdefault("GOMP_SPINCOUNT", ITERATIVE_SPIN_COUNT)
+        argv = [*argv, f"--threads={threads}"]
     if given.stdin_text is None:
-        return relaunch(n_ranks, sys.argv[1:])
+        return relaunch(n_ranks, argv)
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", prefix="pipeinfer-stdin-", suffix=".txt") as f:
         f.write(given.stdin_text)
         f.flush()
-        return relaunch(n_ranks, _stdin_as_file(sys.argv[1:], f.name))
+        return relaunch(n_ranks, _stdin_as_file(argv, f.name))
 
 
 def _run_and_print(cfg, request, as_json: bool) -> None:
