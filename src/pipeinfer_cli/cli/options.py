@@ -32,7 +32,7 @@ MaxBranchesOption = Annotated[int, typer.Option("--max-branches", min=1, max=8, 
 MaxInflightOption = Annotated[int, typer.Option("--max-inflight", min=1, max=32, help="pipeinfer: runs in flight at once.")]
 JobRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help="Ranks to start with mpiexec on this machine (default: the MPI world size, or 1).")]
 LayerSplitOption = Annotated[str | None, typer.Option("--layer-split", help="Fractions of the layers per target stage, '/1' for a draft rank: 0.5,0.5 or 0.5,0.5/1. Default: balanced by bytes.")]
-ThreadsOption = Annotated[str | None, typer.Option("--threads", "-t", help="Threads per rank: one value or one per rank (default: cores / ranks on this host).")]
+ThreadsOption = Annotated[str | None, typer.Option("--threads", "-t", help="Threads per rank: one value or one per rank (default: cores / ranks on this host; all the cores for each rank of an iterative `generate --ranks N`, where one stage computes at a time).")]
 CtxOption = Annotated[int, typer.Option("--ctx", "-c", min=16, help="Context size (KV cells) per rank.")]
 RankTimeoutOption = Annotated[float, typer.Option(
     "--rank-timeout", min=0, metavar="SECONDS",
