@@ -198,7 +198,10 @@ def smol_prompt(smollm2_path) -> list[int]:
     import llama_cpp
 
     llm = llama_cpp.Llama(str(smollm2_path), vocab_only=True, verbose=False)
-    return llm.tokenize(SMOL_TEXT, add_bos=True)
+    try:
+        return llm.tokenize(SMOL_TEXT, add_bos=True)
+    finally:
+        llm.close()  # not at interpreter exit, when llama_cpp's bindings are gone
 
 
 @pytest.fixture(scope="module")
@@ -237,8 +240,9 @@ def test_qwen_parity_and_split(request, which):
     path = request.getfixturevalue(which)
     import llama_cpp
 
-    prompt = llama_cpp.Llama(str(path), vocab_only=True, verbose=False).tokenize(
-        b"def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", add_bos=False)
+    vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    prompt = vocab.tokenize(b"def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", add_bos=False)
+    vocab.close()
     ref_logits, ref_tokens = llama_cpp_greedy(path, prompt, N_DECODE, n_threads=2)
     n_layer = LayerEngine(path, 0, 1, n_ctx=16).n_layer
     logits, tokens = native_greedy(open_stages(path, n_layer, 1, n_threads=2), prompt, N_DECODE)
