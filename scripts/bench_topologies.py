@@ -66,6 +66,9 @@ def suite_configs(suite: str, cores: int) -> list[Config]:
         return [Config(f"1 rank × {half} thread(s)", TARGET, one),
                 Config(f"2 ranks × {half} thread(s)", TARGET, two),
                 Config(f"2 ranks × {half}, no predictive wait", TARGET, two, {"PIPEINFER_WAIT_PREDICT": "0"}),
+                # Each rank pinned to its own core by the launcher (MPICH's Hydra reads HYDRA_BINDING):
+                # whether the scheduler moving the ranks between cores costs the compute.
+                Config(f"2 ranks × {half}, bound to cores", TARGET, two, {"HYDRA_BINDING": "core"}),
                 # What a waiting rank's fine polling costs the rank that computes, without a pipeline:
                 # the 1-rank job next to a process that only sleeps 0.1 ms in a loop.
                 Config(f"1 rank × {half} + a 10 kHz sleeper", TARGET, one, neighbour=True)]

@@ -412,7 +412,8 @@ def test_an_end_of_text_inside_a_run_counts_only_committed_comparisons():
     pipe = FakePipeline(latency=0)
     s = Session(list(PROMPT), GREEDY, 20, lambda t: t == eog)
     prefill(pipe, s)
-    PipeInfer(pipe, s, DecodeOptions(n_predict=20, n_draft=4), OracleDrafter(), wait_until=lambda c: None).run()
+    PipeInfer(pipe, s, DecodeOptions(n_predict=20, n_draft=4, spec_policy="always"), OracleDrafter(),
+              wait_until=lambda c: None).run()
     assert s.tokens == want[:want.index(eog, len(PROMPT)) + 1] and s.finish_reason == "stop"
     acc = s.metrics.acceptance
     assert acc.drafted == acc.accepted == s.n_gen - 1 - 1  # the frontier run's token and the end are not drafted

@@ -111,7 +111,8 @@ def make_job_config(target, draft_ref, job):
         sampling=SamplingParams(temperature=job.temp, top_k=job.top_k, top_p=job.top_p, min_p=job.min_p, seed=job.seed),
         decode=DecodeOptions(n_predict=job.n_predict, n_draft=job.n_draft, p_min=job.p_min, p_accept=job.p_accept,
                              p_split=job.p_split, p_recovery=job.p_recovery, p_decay=job.p_decay,
-                             max_branches=job.max_branches, max_inflight=job.max_inflight),
+                             max_branches=job.max_branches, max_inflight=job.max_inflight,
+                             spec_policy=str(getattr(job.spec_policy, "value", job.spec_policy))),
         n_ctx=job.ctx, layer_split=job.layer_split, threads=job.threads, debug=debug_enabled(),
         rank_timeout_s=job.rank_timeout,
     )

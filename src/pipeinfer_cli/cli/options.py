@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Annotated
 
 import typer
@@ -29,6 +30,17 @@ PSplitOption = Annotated[float, typer.Option("--p-split", "-ps", min=0.0, max=1.
 PRecoveryOption = Annotated[float, typer.Option("--p-recovery", "-pr", min=0.0, help="pipeinfer: p_adjust grows by this per run launched this round.")]
 PDecayOption = Annotated[float, typer.Option("--p-decay", "-pd", min=0.0, help="pipeinfer: p_adjust shrinks by this per rejected run.")]
 MaxBranchesOption = Annotated[int, typer.Option("--max-branches", min=1, max=8, help="pipeinfer: sequences a token tree may use (1 = no trees).")]
+class SpecPolicy(str, Enum):
+    auto = "auto"
+    always = "always"
+
+
+SpecPolicyOption = Annotated[SpecPolicy, typer.Option(
+    "--spec-policy",
+    help="pipeinfer on one stage with the drafter on the head (nothing idle to fill): auto drafts only while "
+         "drafting pays, measured run by run (the time accepted tokens saved against the drafting and "
+         "verification time), else decodes one token at a time with a probe now and then; always drafts "
+         "whenever the draft is confident. Several stages, or a draft rank: always.")]
 MaxInflightOption = Annotated[int, typer.Option("--max-inflight", min=1, max=32, help="pipeinfer: runs in flight at once.")]
 JobRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help="Ranks to start with mpiexec on this machine (default: the MPI world size, or 1).")]
 LayerSplitOption = Annotated[str | None, typer.Option("--layer-split", help="Fractions of the layers per target stage, '/1' for a draft rank: 0.5,0.5 or 0.5,0.5/1. Default: balanced by bytes.")]

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from .async_draft import AsyncDraft
+from .draft_economy import DraftEconomy
 from .drafters import AsyncDrafter, Drafter, Proposal
 from .kv_slots import KvSlots
 from .metrics import now
@@ -52,6 +53,7 @@ class PipelineLike(Protocol):
     """What the policy uses of a pipeline (`pipeline.Pipeline`, or a simulated one)."""
 
     engine: object  # .n_seq_max, .n_ctx
+    n_stages: int
     trace: object  # .slice(name, t0, t1, **args), .instant(name, t, **args)
     ready: deque  # results received, oldest first (RunResult: run_id, sampled tokens or None)
 
@@ -87,6 +89,9 @@ class PipeInfer:
         self.limit_pos = s.n_prompt + s.n_predict - 1  # last position whose token can still be committed
         # A dedicated draft rank answers asynchronously (request/poll); head-local drafters are synchronous.
         self.draft = AsyncDraft(drafter, opts.n_draft) if isinstance(drafter, AsyncDrafter) else None
+        # One stage, drafter on the head: drafting takes the cores the next token would (draft_economy.py).
+        self.economy = (DraftEconomy() if opts.spec_policy == "auto" and self.draft is None and pipe.n_stages == 1
+                        else None)
 
     # -- bookkeeping -------------------------------------------------------------------------
     def valid(self) -> list[Flight]:
@@ -132,8 +137,14 @@ class PipeInfer:
         # Inherit the committed prefix and the in-flight path, into every branch at once.
         self.slots.inherit(valid[-1].seq if valid else CANONICAL_SEQ, seqs)
         batch = tree_batch(branch_tokens[:len(seqs)], seqs, pos0)
+        t0 = self.clock()
         run_id = self.pipe.launch(batch.tokens, batch.pos, batch.seq_ids, batch.output, speculative=speculative)
         n = len(batch.tokens)
+        if self.economy is not None:  # one stage: the run was computed inside launch
+            if speculative:
+                self.economy.spent(self.clock() - t0, n)  # every row a drafted token (sync drafting)
+            elif n == 1:
+                self.economy.single_run(self.clock() - t0)
         self.flights.append(Flight(run_id, pos0, batch.branches, speculative, parent, n_cells=n))
         m = self.s.metrics.runs
         m.launched += 1
@@ -154,10 +165,16 @@ class PipeInfer:
         n_max = self.draft_window(path)
         if n_max <= 0:
             return False
+        if self.economy is not None:
+            if not self.economy.may_draft():
+                return False
+            self.economy.new_run()
         t0 = self.clock()
         branches = self.draft_tree(path, n_max, self.threshold)
-        self.pipe.trace.slice("draft", t0, self.clock(), n_tokens=sum(len(b) for b in branches),
-                              branches=len(branches))
+        t1 = self.clock()
+        self.pipe.trace.slice("draft", t0, t1, n_tokens=sum(len(b) for b in branches), branches=len(branches))
+        if self.economy is not None:
+            self.economy.drafted(t1 - t0)
         if not branches[0]:
             return False
         self.runs_this_round += 1
@@ -324,7 +341,10 @@ class PipeInfer:
         assert f.run_id == res.run_id, f"results arrive in launch order ({f.run_id} != {res.run_id})"
         if f.cancelled or res.tokens is None or self.s.done:
             return
+        accepted = self.s.metrics.acceptance.accepted
         self.verify(f, res.tokens)
+        if self.economy is not None:
+            self.economy.accepted(self.s.metrics.acceptance.accepted - accepted)
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -333,6 +353,8 @@ class PipeInfer:
         else:
             self.run_sync()
         self.drain()
+        if self.economy is not None:
+            self.s.metrics.runs.drafting_paused = self.economy.pauses
 
     def handle_arrived(self) -> bool:
         """Verify the oldest result if one has arrived, without waiting. True if one was handled."""

@@ -43,6 +43,7 @@ class RunCounters:
     layer_evals_skipped: int = 0  # summed over stages: layers not computed thanks to cancellation
     branches_launched: int = 0  # token trees (pipeinfer): side branches launched (sequences beyond a run's first)
     branches_cancelled: int = 0  # token trees: branches dropped early while their run stayed useful
+    drafting_paused: int = 0  # pipeinfer on one stage: times drafting stopped because it did not pay
 
 
 @dataclass

@@ -1,0 +1,161 @@
+"""`pipeinfer` on one stage drafts only while drafting pays (engine/draft_economy.py).
+
+Against the fake pipeline of test_pipeinfer_policy.py with a virtual clock that charges what a CPU
+does: a one-token run costs 1, a batch of k rows 0.83·k, and the drafter `d` per token it proposes.
+No model, no MPI: the account and the schedule it makes, and the tokens, which never change.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_pipeinfer_policy import GREEDY, PROMPT, FakePipeline, OracleDrafter, reference
+
+from pipeinfer_cli.engine.decode_pipeinfer import PipeInfer
+from pipeinfer_cli.engine.decode_sync import prefill
+from pipeinfer_cli.engine.draft_economy import (
+    FIRST_INTERVAL,
+    MAX_INTERVAL,
+    DraftEconomy,
+)
+from pipeinfer_cli.engine.session import DecodeOptions, Session
+
+ROW_IN_BATCH = 0.83  # a verification row against a one-token run, measured on the 2-core machine
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class CostedPipeline(FakePipeline):
+    def __init__(self, clock: Clock):
+        super().__init__(latency=0)
+        self.clock = clock
+
+    def launch(self, tokens, pos, seq_ids, output, speculative=False, invariant=True):
+        self.clock.t += 1.0 if len(tokens) == 1 else ROW_IN_BATCH * len(tokens)
+        return super().launch(tokens, pos, seq_ids, output, speculative, invariant)
+
+
+class CostedDrafter(OracleDrafter):
+    """Costs `cost_per_token` per token it drafts and, like a draft model whose KV cache follows
+    the path, 0.83 of that per token of the path it has not seen yet (its catch-up batch)."""
+
+    def __init__(self, clock: Clock, cost_per_token: float, **kw):
+        super().__init__(**kw)
+        self.clock, self.cost = clock, cost_per_token
+        self.seen: list[int] = []
+
+    def propose(self, path, n_max, p_min):
+        common = next((i for i, (a, b) in enumerate(zip(self.seen, path)) if a != b), min(len(self.seen), len(path)))
+        self.clock.t += ROW_IN_BATCH * self.cost * (len(path) - common)
+        out = super().propose(path, n_max, p_min)
+        self.clock.t += self.cost * len(out.tokens)
+        self.seen = list(path) + out.tokens
+        return out
+
+
+def run(d: float, policy: str, n: int = 120, **drafter):
+    clock = Clock()
+    pipe = CostedPipeline(clock)
+    s = Session(list(PROMPT), GREEDY, n, lambda t: False, clock=clock)
+    prefill(pipe, s)
+    t0 = clock.t
+    p = PipeInfer(pipe, s, DecodeOptions(n_predict=n, n_draft=4, spec_policy=policy),
+                  CostedDrafter(clock, d, **drafter), wait_until=lambda c: None, clock=clock)
+    p.run()
+    assert s.tokens == reference(n)  # the schedule changes, never the tokens
+    return (clock.t - t0) / n, s.metrics.runs.speculative, p
+
+
+def test_a_costly_draft_is_switched_off_and_probed_less_and_less():
+    # The 0.5B draft of the 1.5B target on one rank: 0.6 of a target token per drafted token.
+    always, spec_always, _ = run(0.6, "always")
+    auto, spec_auto, p = run(0.6, "auto")
+    assert always > 1.2  # drafting loses: more than a one-token run per committed token
+    assert auto < always * 0.85 and auto < 1.1
+    assert 0 < spec_auto < spec_always / 4
+    # Its drafting alone cost more than the run could have saved: ended at the first pause.
+    assert p.economy.off and p.s.metrics.runs.drafting_paused == 1 and spec_auto == 1
+
+
+def test_a_free_and_right_draft_keeps_drafting():
+    # Prompt lookup on text that copies the prompt: no cost, always right, confident.
+    always, spec_always, _ = run(0.0, "always", p=0.99)
+    auto, spec_auto, p = run(0.0, "auto", p=0.99)
+    assert always < 1.0  # drafting pays here: 4 tokens for 1 + 4·0.83
+    assert spec_auto == spec_always and auto == pytest.approx(always)
+    assert p.economy.pauses == 0
+
+
+def test_a_draft_that_is_often_wrong_is_switched_off():
+    # Free to draft but wrong at every third position: each run saves less than it costs.
+    always, _, _ = run(0.0, "always", wrong=lambda pos: pos % 3 == 0)
+    auto, _, p = run(0.0, "auto", wrong=lambda pos: pos % 3 == 0)
+    assert auto < always and p.economy.pauses > 0
+
+
+def test_drafting_comes_back_when_it_pays_again():
+    # Wrong for the first 30 generated positions, then right: a probe finds the change.
+    start = len(PROMPT) + 30
+    _, spec, p = run(0.0, "auto", n=160, wrong=lambda pos: pos < start)
+    assert p.economy.pauses > 0 and p.economy.wait == 0 and spec > 20
+
+
+def test_the_account():
+    e = DraftEconomy()
+    assert e.may_draft()  # nothing known yet: draft
+    e.single_run(1.0)
+    e.new_run()
+    e.drafted(0.1)
+    e.spent(4 * ROW_IN_BATCH, 4)  # 4 drafted tokens verified
+    e.accepted(2)  # only 2 right: 2 saved, 3.42 spent
+    assert not e.may_draft() and e.wait == FIRST_INTERVAL and e.pauses == 1 and not e.off
+    for _ in range(FIRST_INTERVAL):
+        e.single_run(1.0)
+    assert e.may_draft() and e.probing  # the probe is judged by its own result
+    e.new_run()
+    e.drafted(0.1)
+    e.spent(3.0, 4)
+    e.accepted(1)
+    assert not e.may_draft() and e.wait == 2 * FIRST_INTERVAL  # it did not pay: the interval doubles
+    assert not e.off
+    e.interval = MAX_INTERVAL
+    for _ in range(e.wait):
+        e.single_run(1.0)
+    assert e.may_draft() and e.probing
+    e.new_run()
+    e.drafted(0.001)  # a lookup that found nothing costs nothing: no pause
+    assert e.may_draft() and e.interval == FIRST_INTERVAL and not e.probing
+
+
+def test_a_draft_that_costs_more_than_any_saving_ends():
+    e = DraftEconomy()
+    e.single_run(1.0)
+    assert e.may_draft()
+    e.new_run()
+    e.drafted(2.4)  # 4 tokens of a draft at 0.6 of the target
+    e.spent(4 * ROW_IN_BATCH, 4)
+    e.accepted(4)  # all right, and still 1.72 short: 4 saved, 5.72 spent
+    assert not e.may_draft() and e.off
+    for _ in range(MAX_INTERVAL + 1):
+        e.single_run(1.0)
+    assert not e.may_draft()
+
+
+@pytest.mark.parametrize("sampling", [(), ("--temp", "0.8", "--seed", "7")])
+def test_one_rank_on_a_real_model_prints_the_same_tokens_under_either_policy(smollm2_path, sampling):
+    """SmolLM2 drafting for itself on one rank: a draft as costly as the target, which `auto` stops
+    drafting with (when is the clock's business, not asserted) and `always` keeps drafting with."""
+    from test_pipeinfer_mpi import PROMPT, generate
+
+    want = tuple(generate(smollm2_path, "-p", PROMPT, "-n", 48, *sampling)["tokens"])
+    common = ("-p", PROMPT, "-n", 48, *sampling, "--mode", "pipeinfer", "--draft", smollm2_path, "--p-accept", "0")
+    auto = generate(smollm2_path, *common)
+    always = generate(smollm2_path, *common, "--spec-policy", "always")
+    assert tuple(auto["tokens"]) == tuple(always["tokens"]) == want
+    assert always["runs"]["drafting_paused"] == 0 and always["acceptance"]["drafted"] >= 12
+    assert auto["runs"]["speculative"] >= 1  # the first run is always tried: nothing is known before it
