@@ -73,3 +73,18 @@ def wait_first_output(proc: subprocess.Popen, timeout: float = 60) -> bytes:
     first = os.read(proc.stdout.fileno(), 1 << 16)
     assert first, "the job ended before it printed a token"
     return first
+
+
+def finish_job(proc: subprocess.Popen, marker: str, within_s: float,
+               hang: str = "the job did not end within {s} s") -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a marked job; still running after within_s seconds is the
+    failure (`hang`, with {s} for the seconds). Either way nothing of the job may survive."""
+    try:
+        out, err = proc.communicate(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        assert_no_survivors(marker)
+        pytest.fail(hang.format(s=within_s))
+    assert_no_survivors(marker)
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")

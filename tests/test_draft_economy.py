@@ -8,16 +8,12 @@ No model, no MPI: the account and the schedule it makes, and the tokens, which n
 from __future__ import annotations
 
 import pytest
-from test_pipeinfer_policy import GREEDY, PROMPT, FakePipeline, OracleDrafter, reference
 
 from pipeinfer_cli.engine.decode_pipeinfer import PipeInfer
 from pipeinfer_cli.engine.decode_sync import prefill
-from pipeinfer_cli.engine.draft_economy import (
-    FIRST_INTERVAL,
-    MAX_INTERVAL,
-    DraftEconomy,
-)
+from pipeinfer_cli.engine.draft_economy import FIRST_INTERVAL, MAX_INTERVAL, DraftEconomy
 from pipeinfer_cli.engine.session import DecodeOptions, Session
+from test_pipeinfer_policy import GREEDY, PROMPT, FakePipeline, OracleDrafter, reference
 
 ROW_IN_BATCH = 0.83  # a verification row against a one-token run, measured on the 2-core machine
 

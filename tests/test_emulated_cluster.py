@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from jobprocs import assert_no_survivors, job_env, start_job, wait_first_output
+from jobprocs import assert_no_survivors, finish_job, job_env, start_job, wait_first_output
 from tinygguf import write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -264,18 +264,6 @@ def test_a_large_send_takes_the_shaped_links_time(cluster2, tmp_path):
 
 # -- faults ---------------------------------------------------------------------------------------
 
-def _finish(proc: subprocess.Popen, marker: str, within_s: float) -> tuple[int, list[str]]:
-    try:
-        _, stderr = proc.communicate(timeout=within_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        assert_no_survivors(marker)
-        pytest.fail(f"the job did not end within {within_s} s")
-    assert_no_survivors(marker)
-    return proc.returncode, stderr.decode(errors="replace").strip().splitlines()
-
-
 LONG = ["-p", "The quick brown fox", "-n", 3000, "--ctx", 4096, "--threads", 1]
 
 
@@ -288,7 +276,8 @@ def test_a_rank_killed_on_another_host_ends_the_job(cluster2, tiny_long):
              and b"pipeinfer_cli" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(ranks) == 1, ranks  # rank 1 runs in the namespace of host 1
     os.kill(ranks[0], signal.SIGKILL)
-    rc, lines = _finish(proc, marker, within_s=10)
+    rc, _, err = finish_job(proc, marker, within_s=10)
+    lines = err.strip().splitlines()
     assert rc != 0
     errors = [line for line in lines if line.startswith("Error: ")]
     assert len(errors) == 1 and "abnormally" in errors[0], lines
@@ -303,7 +292,8 @@ def test_a_failing_rank_under_mpiexec_ends_the_job(smollm2_path, cluster3):
     proc, marker = start_job(emu.cmd("mpiexec", "--", sys.executable, "-m", "pipeinfer_cli", "generate", smollm2_path,
                                   "-p", PROMPT, "-n", 64, "--threads", 1, "--mode", "pipeinfer", "--draft", "lookup"),
                           PIPEINFER_DEBUG_FAIL="2:3")
-    rc, lines = _finish(proc, marker, within_s=60)
+    rc, _, err = finish_job(proc, marker, within_s=60)
+    lines = err.strip().splitlines()
     assert rc != 0
     errors = [line for line in lines if line.startswith("Error:")]
     assert len(errors) == 1 and errors[0].startswith("Error: rank 2: ") and "injected fault" in errors[0], lines
@@ -340,7 +330,8 @@ def test_an_interrupted_run_removes_everything(tiny_long, sig):
     wait_first_output(proc)
     assert leftovers(prefix) != []  # it is up
     proc.send_signal(sig)
-    rc, lines = _finish(proc, marker, within_s=15)
+    rc, _, err = finish_job(proc, marker, within_s=15)
+    lines = err.strip().splitlines()
     assert rc == 128 + sig
     assert len(lines) == 1 and lines[0].startswith("Error: "), lines
     assert leftovers(prefix) == []

@@ -19,7 +19,11 @@ PROMPTS = {
 def tokenize(path, text: bytes) -> list[int]:
     import llama_cpp
 
-    return llama_cpp.Llama(str(path), vocab_only=True, verbose=False).tokenize(text, add_bos=True)
+    vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    try:
+        return vocab.tokenize(text, add_bos=True)
+    finally:
+        vocab.close()  # not at interpreter exit, when llama_cpp's bindings are gone
 
 
 def long_text() -> bytes:

@@ -44,6 +44,7 @@ def one_error_line(r, code: int) -> str:
     (["--min-p", "1.5"], "--min-p"),
     (["--ctx", "10"], "--ctx"),
     (["-M", "fast"], "unknown --mode 'fast'"),
+    (["--spec-policy", "never"], "unknown --spec-policy 'never'; choose one of auto, always"),
 ])
 def test_bad_option_value_is_one_line_exit_2(smollm2_path, args, words):
     line = one_error_line(runner.invoke(app, ["generate", MODEL, "-p", "hi", *args]), 2)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobprocs import assert_no_survivors, job_env, marked_pids, wait_first_output
+from jobprocs import assert_no_survivors, finish_job, job_env, marked_pids, wait_first_output
 from jobprocs import start_job as start_marked_job
 from tinygguf import write_tiny_model
 
@@ -302,19 +302,6 @@ def start_job(target: Path, *args, **env):
     return start_marked_job(cli(target, *LONG_JOB, *args), **env)
 
 
-def finish(proc: subprocess.Popen, marker: str, within_s: float) -> tuple[int, str]:
-    """The exit code and stderr; a job still running after within_s seconds is the failure."""
-    try:
-        _, stderr = proc.communicate(timeout=within_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        assert_no_survivors(marker)
-        pytest.fail(f"the job did not end within {within_s} s")
-    assert_no_survivors(marker)
-    return proc.returncode, stderr.decode(errors="replace")
-
-
 @pytest.mark.parametrize("fail, args", [
     ("1:3", ["--ranks", 2]),
     ("2:2", ["--ranks", 3]),
@@ -330,7 +317,7 @@ def test_a_failing_rank_ends_the_job(tiny_files, fail, args):
     # token: right after the first token (computed from the prompt) was printed. In pipeinfer mode
     # runs are in flight and being cancelled when it fires.
     wait_first_output(proc)
-    rc, stderr = finish(proc, marker, within_s=10)
+    rc, _, stderr = finish_job(proc, marker, within_s=10)
     assert rc != 0
     rank = fail.split(":")[0]
     assert stderr.count("injected fault") == 1, stderr
@@ -348,7 +335,7 @@ def test_a_killed_rank_ends_the_job(tiny_files, victim):
     pids = [p for p in marked_pids(marker) if want in Path(f"/proc/{p}/environ").read_bytes()]
     assert len(pids) == 1
     os.kill(pids[0], signal.SIGKILL)
-    rc, stderr = finish(proc, marker, within_s=10)
+    rc, _, stderr = finish_job(proc, marker, within_s=10)
     assert rc != 0
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in stderr, stderr
@@ -364,7 +351,7 @@ def test_interrupt_stops_the_whole_job(tiny_files, how):
         os.killpg(proc.pid, signal.SIGINT)
     else:
         proc.send_signal(signal.SIGINT if how == "sigint-parent" else signal.SIGTERM)
-    rc, stderr = finish(proc, marker, within_s=10)
+    rc, _, stderr = finish_job(proc, marker, within_s=10)
     assert rc != 0
     assert "Traceback" not in stderr
     assert stderr.count("Error: ") == 1, stderr

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from jobprocs import assert_no_survivors, marked_pids, start_job, wait_first_output
+from jobprocs import finish_job, marked_pids, start_job, wait_first_output
 
 pytestmark = pytest.mark.mpi
 
@@ -41,15 +41,7 @@ def rank_pid(marker: str, rank: int) -> int:
 
 
 def finish(proc: subprocess.Popen, marker: str, within_s: float = 60) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=within_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        assert_no_survivors(marker)
-        pytest.fail(f"the job still ran {within_s} s after the rank stopped: a hang")
-    assert_no_survivors(marker)
-    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+    return finish_job(proc, marker, within_s, "the job still ran {s} s after the rank stopped: a hang")
 
 
 def one_error_line(stderr: str) -> str:

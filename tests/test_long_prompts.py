@@ -18,7 +18,6 @@ import random
 import subprocess
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +38,15 @@ WORDS = ("the of and to in is was for on that with as by at from his her they wh
          "may its river stone light house music paper garden window city market winter").split()
 
 
-@lru_cache(maxsize=None)
+_OPEN_TOKENIZERS: dict = {}  # path -> Tokenizer, closed when the module's tests end
+
+
 def _tokenizer(path: str):
     from pipeinfer_cli.engine.tokenizer import Tokenizer
 
-    return Tokenizer(Path(path))
+    if path not in _OPEN_TOKENIZERS:
+        _OPEN_TOKENIZERS[path] = Tokenizer(Path(path))
+    return _OPEN_TOKENIZERS[path]
 
 
 def text_of_length(path: Path, n_tokens: int, seed: int) -> str:
@@ -82,6 +85,13 @@ def _write_prompts(path: Path, model: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _close_tokenizers():
+    yield
+    for path in list(_OPEN_TOKENIZERS):
+        _OPEN_TOKENIZERS.pop(path).close()
+
+
 @pytest.fixture(scope="module")
 def cases(smollm2_path, tmp_path_factory) -> dict[str, Case]:
     d = tmp_path_factory.mktemp("long")
@@ -104,7 +114,10 @@ def bench_records(case: Case, ranks: int, draft: str, sampling: str, split: str 
         cmd = [sys.executable, "-m", "pipeinfer_cli", "bench", str(case.target),
                "--draft", str(case.draft) if draft == "model" else draft, "--modes", MODES, "--prompts", str(case.prompts),
                "-n", str(N_GEN), "--ctx", "3200", "--repeat", "1", "--warmup", "0", "--threads", "1",
-               "--ranks", str(ranks), "--json", str(out), *SAMPLING[sampling], *(["--layer-split", split] if split else [])]
+               "--ranks", str(ranks), "--json", str(out), *SAMPLING[sampling], *(["--layer-split", split] if split else []),
+               # On one rank `auto` would stop a draft that does not pay after a run or two; these
+               # tests are about speculation over long contexts, so they keep it drafting.
+               "--spec-policy", "always"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
         doc = json.loads(out.read_text())

@@ -35,7 +35,7 @@ class JobOptions:
     p_decay: o.PDecayOption = 0.0
     max_branches: o.MaxBranchesOption = 1
     max_inflight: o.MaxInflightOption = 4
-    spec_policy: o.SpecPolicyOption = o.SpecPolicy.auto
+    spec_policy: o.SpecPolicyOption = "auto"
     ranks: o.JobRanksOption = None
     layer_split: o.LayerSplitOption = None
     threads: o.ThreadsOption = None

@@ -88,6 +88,14 @@ def default_mode(mode: str | None, draft_ref) -> str:
     return mode
 
 
+def check_spec_policy(policy: str) -> str:
+    from ..engine.session import SPEC_POLICIES
+
+    if policy not in SPEC_POLICIES:
+        raise OptionValueError(f"unknown --spec-policy {policy!r}; choose one of {', '.join(SPEC_POLICIES)}")
+    return policy
+
+
 def check_plan(cfg, world_size: int, needs_draft: bool) -> None:
     """Plan the job from the GGUF header before any process starts, so that a split that cannot
     work (e.g. --ranks 100 for 30 layers) fails in well under a second, not after a launch."""
@@ -112,7 +120,7 @@ def make_job_config(target, draft_ref, job):
         decode=DecodeOptions(n_predict=job.n_predict, n_draft=job.n_draft, p_min=job.p_min, p_accept=job.p_accept,
                              p_split=job.p_split, p_recovery=job.p_recovery, p_decay=job.p_decay,
                              max_branches=job.max_branches, max_inflight=job.max_inflight,
-                             spec_policy=str(getattr(job.spec_policy, "value", job.spec_policy))),
+                             spec_policy=check_spec_policy(job.spec_policy)),
         n_ctx=job.ctx, layer_split=job.layer_split, threads=job.threads, debug=debug_enabled(),
         rank_timeout_s=job.rank_timeout,
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Annotated
 
 import typer
@@ -30,13 +29,8 @@ PSplitOption = Annotated[float, typer.Option("--p-split", "-ps", min=0.0, max=1.
 PRecoveryOption = Annotated[float, typer.Option("--p-recovery", "-pr", min=0.0, help="pipeinfer: p_adjust grows by this per run launched this round.")]
 PDecayOption = Annotated[float, typer.Option("--p-decay", "-pd", min=0.0, help="pipeinfer: p_adjust shrinks by this per rejected run.")]
 MaxBranchesOption = Annotated[int, typer.Option("--max-branches", min=1, max=8, help="pipeinfer: sequences a token tree may use (1 = no trees).")]
-class SpecPolicy(str, Enum):
-    auto = "auto"
-    always = "always"
-
-
-SpecPolicyOption = Annotated[SpecPolicy, typer.Option(
-    "--spec-policy",
+SpecPolicyOption = Annotated[str, typer.Option(
+    "--spec-policy", metavar="auto|always",
     help="pipeinfer on one stage with the drafter on the head (nothing idle to fill): auto drafts only while "
          "drafting pays, measured run by run (the time accepted tokens saved against the drafting and "
          "verification time), else decodes one token at a time with a probe now and then; always drafts "

@@ -34,6 +34,11 @@ class Tokenizer:
         self.metadata = self.llm.metadata
         self.path = model_path
 
+    def close(self) -> None:
+        """Free llama.cpp's vocabulary now: one still open at interpreter exit is freed after the
+        bindings are gone, and Python prints 'Exception ignored' to stderr."""
+        self.llm.close()
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         bos = self.add_bos if add_bos is None else add_bos
         ids = self.llm.tokenize(text.encode(), add_bos=bos, special=True)
