@@ -11,7 +11,7 @@ import pytest
 
 from pipeinfer_cli.engine.decode_pipeinfer import PipeInfer
 from pipeinfer_cli.engine.decode_sync import prefill
-from pipeinfer_cli.engine.draft_economy import FIRST_INTERVAL, MAX_INTERVAL, DraftEconomy
+from pipeinfer_cli.engine.draft_economy import FIRST_INTERVAL, MAX_INTERVAL, PROBE_CONTEXT, DraftEconomy, DraftMemory
 from pipeinfer_cli.engine.session import DecodeOptions, Session
 from test_pipeinfer_policy import GREEDY, PROMPT, FakePipeline, OracleDrafter, reference
 
@@ -53,17 +53,39 @@ class CostedDrafter(OracleDrafter):
         self.seen = list(path) + out.tokens
         return out
 
+    def read_context(self, tokens):
+        self.clock.t += ROW_IN_BATCH * self.cost * len(tokens)
+        self.seen = list(tokens)
 
-def run(d: float, policy: str, n: int = 120, **drafter):
+
+class PromptPass:
+    """The draft model's pass over the prompt, deferred: it costs 0.83·d per prompt token."""
+
+    def __init__(self, clock: Clock, drafter: CostedDrafter, prompt: list[int]):
+        self.clock, self.drafter, self.prompt, self.runs = clock, drafter, prompt, 0
+
+    def __call__(self):
+        self.runs += 1
+        self.clock.t += ROW_IN_BATCH * self.drafter.cost * len(self.prompt)
+        self.drafter.seen = list(self.prompt)
+
+
+def run(d: float, policy: str, n: int = 120, prompt=PROMPT, deferred: bool = False,
+        memory: DraftMemory | None = None, **drafter):
     clock = Clock()
     pipe = CostedPipeline(clock)
-    s = Session(list(PROMPT), GREEDY, n, lambda t: False, clock=clock)
+    s = Session(list(prompt), GREEDY, n, lambda t: False, clock=clock)
     prefill(pipe, s)
     t0 = clock.t
-    p = PipeInfer(pipe, s, DecodeOptions(n_predict=n, n_draft=4, spec_policy=policy),
-                  CostedDrafter(clock, d, **drafter), wait_until=lambda c: None, clock=clock)
+    draft = CostedDrafter(clock, d, **drafter)
+    prompt_pass = PromptPass(clock, draft, list(prompt)) if deferred else None
+    if not deferred:  # read after the first token, as on one stage
+        PromptPass(clock, draft, list(prompt))()
+    p = PipeInfer(pipe, s, DecodeOptions(n_predict=n, n_draft=4, spec_policy=policy), draft,
+                  wait_until=lambda c: None, clock=clock, prompt_pass=prompt_pass, memory=memory)
     p.run()
-    assert s.tokens == reference(n)  # the schedule changes, never the tokens
+    assert s.tokens == reference(n, prompt=list(prompt))  # the schedule changes, never the tokens
+    p.prompt_pass_runs = prompt_pass.runs if deferred else None
     return (clock.t - t0) / n, s.metrics.runs.speculative, p
 
 
@@ -99,6 +121,42 @@ def test_drafting_comes_back_when_it_pays_again():
     start = len(PROMPT) + 30
     _, spec, p = run(0.0, "auto", n=160, wrong=lambda pos: pos < start)
     assert p.economy.pauses > 0 and p.economy.wait == 0 and spec > 20
+
+
+LONG_PROMPT = [(7 * i) % 50 + 1 for i in range(500)]
+
+
+def test_a_costly_draft_never_reads_a_long_prompt():
+    # The 0.5B draft on a 500-token prompt: its prompt pass alone would cost 0.83·0.6·500 = 249
+    # one-token runs, more than the 120 tokens take. The probe (from the last PROBE_CONTEXT tokens)
+    # finds the draft hopeless, and the prompt is never read.
+    deferred, spec, p = run(0.6, "auto", prompt=LONG_PROMPT, deferred=True)
+    assert p.prompt_pass_runs == 0 and spec == 1 and p.economy.off
+    assert p.drafter.calls[0][0] == p.s.tokens[:len(LONG_PROMPT) + 1][-PROBE_CONTEXT:]  # after the first token
+    read_at_once, _, _ = run(0.6, "auto", prompt=LONG_PROMPT)
+    assert deferred < 1.25 and read_at_once > deferred + 1.5
+
+
+def test_a_cheap_draft_reads_the_prompt_after_its_probe_and_drafts_on():
+    # A free, always-right draft: the probe pays, the prompt pass runs once, drafting goes on.
+    _, spec_deferred, p = run(0.0, "auto", prompt=LONG_PROMPT, deferred=True, p=0.99)
+    _, spec_at_once, _ = run(0.0, "auto", prompt=LONG_PROMPT, p=0.99)
+    assert p.prompt_pass_runs == 1 and p.economy.pauses == 0
+    assert spec_deferred >= spec_at_once - 1
+    # Every draft after the probe continues the whole path: the draft read the prompt.
+    assert all(len(path) > PROBE_CONTEXT for path, _ in p.drafter.calls[1:])
+
+
+def test_a_job_remembers_a_hopeless_draft():
+    memory = DraftMemory()
+    _, spec, p = run(0.6, "auto", prompt=LONG_PROMPT, deferred=True, memory=memory)
+    assert spec == 1 and memory.hopeless == {"oracle"}
+    _, spec, p = run(0.6, "auto", prompt=LONG_PROMPT, deferred=True, memory=memory)
+    assert spec == 0 and p.prompt_pass_runs == 0 and p.drafter.calls == []  # not even a probe
+    # `always` ignores it; and the memory is per drafter, so another drafter still drafts.
+    assert run(0.6, "always", memory=memory)[1] > 10
+    memory.hopeless = {"lookup"}
+    assert run(0.0, "auto", memory=memory, p=0.99)[1] > 10
 
 
 def test_the_account():
@@ -155,3 +213,23 @@ def test_one_rank_on_a_real_model_prints_the_same_tokens_under_either_policy(smo
     assert tuple(auto["tokens"]) == tuple(always["tokens"]) == want
     assert always["runs"]["drafting_paused"] == 0 and always["acceptance"]["drafted"] >= 12
     assert auto["runs"]["speculative"] >= 1  # the first run is always tried: nothing is known before it
+
+
+def test_a_job_stops_probing_a_draft_that_cannot_pay(smollm2_path, tmp_path):
+    """One `bench` job, one rank, SmolLM2 drafting for itself (a draft as costly as the target can
+    never pay): the first pipeinfer request probes it from a short context without reading the
+    prompt, and the job's later requests do not draft at all. Tokens stay those of iterative."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "pipeinfer_cli", "bench", str(smollm2_path), "--draft", str(smollm2_path),
+                        "--ranks", "1", "--threads", "1", "--modes", "iterative,pipeinfer", "--limit", "3", "-n", "24",
+                        "--warmup", "0", "--repeat", "1", "--p-accept", "0", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    records = [x for x in json.loads(out.read_text())["records"] if x["mode"] == "pipeinfer"]
+    assert [x["runs"]["speculative"] for x in records] == [1, 0, 0]
+    assert [x["runs"]["drafting_ended"] for x in records] == [True, True, True]
+    assert records[0]["acceptance"]["drafted"] >= 1 and records[0]["runs"]["drafting_paused"] == 1

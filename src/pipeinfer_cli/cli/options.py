@@ -33,8 +33,10 @@ SpecPolicyOption = Annotated[str, typer.Option(
     "--spec-policy", metavar="auto|always",
     help="pipeinfer on one stage with the drafter on the head (nothing idle to fill): auto drafts only while "
          "drafting pays, measured run by run (the time accepted tokens saved against the drafting and "
-         "verification time), else decodes one token at a time with a probe now and then; always drafts "
-         "whenever the draft is confident. Several stages, or a draft rank: always.")]
+         "verification time), else decodes one token at a time with a probe now and then; a draft model "
+         "reads the prompt only after a first probe from the last 32 tokens says it may pay, and a draft "
+         "that cannot pay is not tried again in the same job. always drafts whenever the draft is "
+         "confident. Several stages, or a draft rank: always.")]
 MaxInflightOption = Annotated[int, typer.Option("--max-inflight", min=1, max=32, help="pipeinfer: runs in flight at once.")]
 JobRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help="Ranks to start with mpiexec on this machine (default: the MPI world size, or 1).")]
 LayerSplitOption = Annotated[str | None, typer.Option("--layer-split", help="Fractions of the layers per target stage, '/1' for a draft rank: 0.5,0.5 or 0.5,0.5/1. Default: balanced by bytes.")]

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from .async_draft import AsyncDraft
-from .draft_economy import DraftEconomy
+from .draft_economy import PROBE_CONTEXT, DraftEconomy, DraftMemory
 from .drafters import AsyncDrafter, Drafter, Proposal
 from .kv_slots import KvSlots
 from .metrics import now
@@ -76,10 +76,14 @@ class PipeInfer:
 
     clock: the time for trace events. wait_until(cond): return once cond() is true (cond polls the
     pipeline and the draft rank); how to wait is the pipeline's business (`Pipeline.wait_until`).
+    prompt_pass: the draft model's pass over the prompt, not run yet: on one stage it runs only once
+    a probe says drafting may pay (draft_economy.py); elsewhere at once. memory: the job's
+    `DraftMemory`.
     """
 
     def __init__(self, pipe: PipelineLike, s: Session, opts: DecodeOptions, drafter: Drafter | AsyncDrafter, *,
-                 wait_until: Callable[[Callable[[], bool]], None], clock: Callable[[], float] = now):
+                 wait_until: Callable[[Callable[[], bool]], None], clock: Callable[[], float] = now,
+                 prompt_pass: Callable[[], None] | None = None, memory: DraftMemory | None = None):
         self.pipe, self.s, self.opts, self.drafter = pipe, s, opts, drafter
         self.wait_until, self.clock = wait_until, clock
         self.slots = KvSlots(pipe, pipe.engine.n_seq_max)
@@ -92,6 +96,13 @@ class PipeInfer:
         # One stage, drafter on the head: drafting takes the cores the next token would (draft_economy.py).
         self.economy = (DraftEconomy() if opts.spec_policy == "auto" and self.draft is None and pipe.n_stages == 1
                         else None)
+        self.memory = memory if memory is not None else DraftMemory()
+        if self.economy is not None and drafter.name in self.memory.hopeless:
+            self.economy.off = True  # an earlier request of this job found this draft cannot pay here
+        self.prompt_pass = prompt_pass
+        self.probed = False  # the deferred prompt pass's probe was launched
+        if prompt_pass is not None and self.economy is None:
+            self.run_prompt_pass()
 
     # -- bookkeeping -------------------------------------------------------------------------
     def valid(self) -> list[Flight]:
@@ -166,11 +177,21 @@ class PipeInfer:
         if n_max <= 0:
             return False
         if self.economy is not None:
-            if not self.economy.may_draft():
+            if self.prompt_pass is not None and self.probed and not self.economy.off:
+                if not self.economy.cost_probe_passed():
+                    self.memory.hopeless.add(self.drafter.name)
+                    return False
+                self.run_prompt_pass()  # the probe did not rule the draft out: it reads the prompt now
+            elif not self.economy.may_draft():
+                if self.economy.off:
+                    self.memory.hopeless.add(self.drafter.name)
                 return False
             self.economy.new_run()
-        t0 = self.clock()
-        branches = self.draft_tree(path, n_max, self.threshold)
+        if self.prompt_pass is not None:
+            branches, t0 = self.probe_draft(path, n_max)
+        else:
+            t0 = self.clock()
+            branches = self.draft_tree(path, n_max, self.threshold)
         t1 = self.clock()
         self.pipe.trace.slice("draft", t0, t1, n_tokens=sum(len(b) for b in branches), branches=len(branches))
         if self.economy is not None:
@@ -179,6 +200,21 @@ class PipeInfer:
             return False
         self.runs_this_round += 1
         return self.launch(branches, len(path), speculative=True)
+
+    def probe_draft(self, path: list[int], n_max: int) -> tuple[list[list[int]], float]:
+        """The first draft of a request whose draft model has not read the prompt: n_max tokens from
+        the last PROBE_CONTEXT tokens of the path, whatever their confidence, so that its run
+        measures what drafting and verifying n_max tokens cost. The drafting is timed from after the
+        draft read that context (returned with the branch)."""
+        tail = path[-PROBE_CONTEXT:]
+        self.drafter.read_context(tail[:-1])
+        self.probed = True
+        t0 = self.clock()
+        return [self.drafter.propose(tail, n_max, 0.0).tokens], t0
+
+    def run_prompt_pass(self) -> None:
+        self.prompt_pass()
+        self.prompt_pass = None
 
     def draft_tree(self, path: list[int], n_max: int, threshold: float) -> list[list[int]]:
         """The confident part of the draft continuing `path`, then the side branches a tree may add."""
@@ -355,6 +391,7 @@ class PipeInfer:
         self.drain()
         if self.economy is not None:
             self.s.metrics.runs.drafting_paused = self.economy.pauses
+            self.s.metrics.runs.drafting_ended = self.economy.off
 
     def handle_arrived(self) -> bool:
         """Verify the oldest result if one has arrived, without waiting. True if one was handled."""
@@ -398,5 +435,6 @@ class PipeInfer:
             self.draft.drain()
 
 
-def decode_pipeinfer(pipe: Pipeline, s: Session, opts: DecodeOptions, drafter: Drafter | AsyncDrafter) -> None:
-    PipeInfer(pipe, s, opts, drafter, wait_until=pipe.wait_until).run()
+def decode_pipeinfer(pipe: Pipeline, s: Session, opts: DecodeOptions, drafter: Drafter | AsyncDrafter,
+                     prompt_pass: Callable[[], None] | None = None, memory: DraftMemory | None = None) -> None:
+    PipeInfer(pipe, s, opts, drafter, wait_until=pipe.wait_until, prompt_pass=prompt_pass, memory=memory).run()

@@ -18,6 +18,14 @@ acceptance rate would pay for it, and drafting ends for the request: probing wou
 either, since a draft model must first catch up on every token it skipped. Which runs are launched changes, never what
 is committed: the tokens are those of `iterative`.
 
+A draft model must first read the prompt (its prompt pass: about 0.4 of the target's prefill for
+the 0.5B draft, 2 s on a 500-token prompt here) before it can propose anything, and on one stage
+that pass takes the cores too. So it is deferred: the first draft of a request is a probe from the
+last PROBE_CONTEXT tokens only (what drafting and verification cost does not depend on how much
+context the draft read), and the prompt pass runs only once a probe says the draft is not hopeless.
+What a job has learned stays with the job (`DraftMemory`): a draft found hopeless is not probed
+again by its later requests (a server's, a benchmark's, a chat's turns).
+
 Not used with several stages (speculative runs fill pipeline bubbles there, a different account)
 nor with a draft rank (its own cores).
 """
@@ -28,6 +36,14 @@ DECAY = 0.7  # weight of the balance so far at each speculative run: about the l
 FIRST_INTERVAL = 8  # one-token runs before the first probe after a pause
 MAX_INTERVAL = 256
 SLACK = 0.05  # a deficit under this share of a one-token run (a lookup that found nothing) is no loss
+PROBE_CONTEXT = 32  # tokens a draft model reads before its probe, instead of the whole prompt
+
+
+class DraftMemory:
+    """What the requests of one job learned about its drafters on this stage."""
+
+    def __init__(self) -> None:
+        self.hopeless: set[str] = set()  # drafter names (`Drafter.name`) that cannot pay here
 
 
 class DraftEconomy:
@@ -75,6 +91,15 @@ class DraftEconomy:
         """The last attempt's drafting alone cost more than its run could have saved with every
         token accepted: no acceptance rate makes this draft pay here."""
         return self.n_launched > 0 and self.draft_s > self.n_launched * self.t_single - self.run_s
+
+    def cost_probe_passed(self) -> bool:
+        """Judge a probe drafted from a short context (the prompt not read) by its cost alone, its
+        tokens having been drafted without the prompt: if it is hopeless, drafting ends; otherwise
+        the account starts afresh."""
+        self.off = self.hopeless()
+        self.pauses += self.off
+        self.balance = 0.0
+        return not self.off
 
     def may_draft(self) -> bool:
         """Whether to draft now. Called when every speculative run launched so far is verified

@@ -78,6 +78,7 @@ class LlamaDrafter:
     """A GGUF draft model run by llama.cpp (llama-cpp-python's low-level API) on this rank."""
 
     name = "model"
+    has_prompt_pass = True  # it must read the prompt before it can draft (`start`)
 
     def __init__(self, path: Path, n_ctx: int, n_threads: int, n_alternatives: int = 4):
         import llama_cpp
@@ -155,6 +156,15 @@ class LlamaDrafter:
             self._decode(prompt[b:b + PREFILL_CHUNK], b)
         self.kv_tokens = list(prompt)
         self.exact = len(prompt) - len(prompt) % PREFILL_CHUNK
+
+    def read_context(self, tokens: list[int]) -> None:
+        """Hold only `tokens`, at positions 0.. (in one batch): a short context to draft from
+        without reading the prompt (a cost probe, draft_economy.py). The next `start` reads the
+        prompt afresh."""
+        self.lib.llama_memory_seq_rm(self.mem, -1, -1, -1)
+        if tokens:
+            self._decode(tokens, 0)
+        self.kv_tokens, self.exact = list(tokens), 0
 
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
         out = Proposal([], [], [])

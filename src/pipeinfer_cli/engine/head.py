@@ -1,7 +1,8 @@
 """The head (rank 0): run each request through the pipeline in its mode, then assemble its result.
 
 For one request (`Head.run`): keep the reusable prefix of the previous request's KV cells or clear
-them (`prefix_cache.py`), prefill the rest (the draft's own prefill overlapping the stages), decode
+them (`prefix_cache.py`), prefill the rest (the draft's own prefill overlapping the stages; on one
+stage in pipeinfer mode deferred until drafting shows it may pay, `draft_economy.py`), decode
 in the request's mode, collect every rank's report (they travel behind the request's runs), and
 turn the session and reports into the result dict (the JSON of `generate --json`).
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from ..transport.mpi_link import Link
 from .decode_sync import decode_iterative, decode_speculative, prefill
+from .draft_economy import DraftMemory
 from .handoff import handoff_ms
 from .loading import Loaded, n_predict_for, tokenize_request
 from .metrics import now
@@ -74,6 +76,7 @@ class Head:
         self.report = RankReport(0, "head", list(me.layers), me.threads, trace, loaded.engine, link)
         self.prefix = PrefixCache()
         self.draft_used = False  # a request has run the draft (its cache may hold tokens)
+        self.draft_memory = DraftMemory()  # whether drafting can pay on one stage, learned by earlier requests
         cb = cb or Callbacks()
         if (fail_at := fault_injection(0)) is not None:
             cb = Callbacks(cb.on_start, _failing_on_token(fail_at, cb.on_token), cb.on_text, cb.on_result)
@@ -105,7 +108,8 @@ class Head:
         cb = cb or self.cb
         keep, common = self.prefix.plan(prompt) if self.cfg.reuse_prefix else (0, 0)
         self._trim(keep)
-        s = run_request(self.pipe, self.cfg, self.loaded, req, prompt, self.drafter, cb, self.trace, reuse=keep)
+        s = run_request(self.pipe, self.cfg, self.loaded, req, prompt, self.drafter, cb, self.trace, reuse=keep,
+                        memory=self.draft_memory)
         t_end = now()
         _trace_commits(self.trace, s.metrics.token_times)
         # Only the committed tokens stay (a speculative batch may have written past an end of text);
@@ -152,10 +156,11 @@ class Head:
 
 
 def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], drafter, cb: Callbacks,
-                trace: TraceRecorder, reuse: int = 0) -> Session:
+                trace: TraceRecorder, reuse: int = 0, memory: DraftMemory | None = None) -> Session:
     """Generate one request's tokens in its mode; returns the finished session.
 
-    reuse: leading prompt tokens whose cells the canonical sequence already holds (prefix reuse)."""
+    reuse: leading prompt tokens whose cells the canonical sequence already holds (prefix reuse).
+    memory: what the job's earlier requests learned about drafting on one stage."""
     tok = loaded.tokenizer
     s = Session(prompt, req.sampling or cfg.sampling, n_predict_for(cfg, req, len(prompt)), tok.is_eog, cb.on_token,
                 text=TextStream(tok.piece, req.stop), on_text=cb.on_text, cancelled=req.cancelled)
@@ -171,7 +176,11 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
             drafter.start(prompt, reuse)
             if local_draft:
                 trace.slice("draft", t0, now(), n_tokens=len(prompt) - reuse, prefill=True)
-    prefill(pipe, s, draft_prefill, draft_in_thread=local_draft, start=reuse)
+    # On one stage with the draft model on the head, pipeinfer reads the prompt into the draft only
+    # once drafting has shown it may pay (draft_economy.py): the pass would take the target's cores.
+    deferred = (draft_prefill is not None and req.mode == "pipeinfer" and local_draft and pipe.n_stages == 1
+                and cfg.decode.spec_policy == "auto" and getattr(drafter, "has_prompt_pass", False))
+    prefill(pipe, s, None if deferred else draft_prefill, draft_in_thread=local_draft, start=reuse)
     if req.mode == "iterative":
         decode_iterative(pipe, s)
     elif req.mode == "speculative":
@@ -179,7 +188,8 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
     else:
         from .decode_pipeinfer import decode_pipeinfer
 
-        decode_pipeinfer(pipe, s, cfg.decode, drafter)
+        decode_pipeinfer(pipe, s, cfg.decode, drafter, prompt_pass=draft_prefill if deferred else None,
+                         memory=memory)
     s.finish_text()
     return s
 

@@ -44,6 +44,7 @@ class RunCounters:
     branches_launched: int = 0  # token trees (pipeinfer): side branches launched (sequences beyond a run's first)
     branches_cancelled: int = 0  # token trees: branches dropped early while their run stayed useful
     drafting_paused: int = 0  # pipeinfer on one stage: times drafting stopped because it did not pay
+    drafting_ended: bool = False  # pipeinfer on one stage: this draft cannot pay here (found by this request or an earlier one of the job)
 
 
 @dataclass
