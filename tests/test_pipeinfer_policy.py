@@ -477,3 +477,22 @@ def test_tokens_equal_plain_decoding(latency, params, drafter):
     if drafter == "right" and params is GREEDY:
         assert m.acceptance.accepted == m.acceptance.drafted > 0 and m.runs.cancelled == m.runs.cancelled_at_end
     assert_clean(pipe, s)
+
+
+def test_the_draft_prefill_thread_leaves_the_cpu_to_the_stages():
+    """The draft's prompt pass runs in a thread at a higher nice value (Linux: per thread), so that
+    on a host with no idle core it does not delay the target's prefill; the head's own thread keeps
+    its priority."""
+    import os
+    import threading
+
+    from pipeinfer_cli.engine.decode_sync import DRAFT_PREFILL_NICE, _Background
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    main = nice()
+    seen: list[int] = []
+    _Background(lambda: seen.append(nice())).join()
+    assert seen == [min(19, main + DRAFT_PREFILL_NICE)]
+    assert nice() == main
