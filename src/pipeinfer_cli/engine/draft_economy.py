@@ -90,7 +90,8 @@ class DraftEconomy:
     def hopeless(self) -> bool:
         """The last attempt's drafting alone cost more than its run could have saved with every
         token accepted: no acceptance rate makes this draft pay here."""
-        return self.n_launched > 0 and self.draft_s > self.n_launched * self.t_single - self.run_s
+        return (self.n_launched > 0 and self.t_single is not None
+                and self.draft_s > self.n_launched * self.t_single - self.run_s)
 
     def cost_probe_passed(self) -> bool:
         """Judge a probe drafted from a short context (the prompt not read) by its cost alone, its
