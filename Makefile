@@ -52,7 +52,9 @@ install: native
 demo: install
 	$(VENV)/bin/pipeinfer models pull smollm2-135m-instruct
 	$(VENV)/bin/pipeinfer generate smollm2-135m-instruct --draft lookup --mode pipeinfer --ranks 2 -n 48 \
-	  --chat "Write a Python function that checks whether a number is prime."
+	  --chat "$$(printf '%s\n' 'Add type hints and a docstring to this Python function, and return the whole function:' '' \
+	    'def is_prime(n):' '    if n < 2:' '        return False' '    for i in range(2, int(n ** 0.5) + 1):' \
+	    '        if n % i == 0:' '            return False' '    return True')"
 
 test: install
 	$(PY) -m pytest -q

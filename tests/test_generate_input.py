@@ -174,6 +174,12 @@ def test_summary_line_plurals_and_layer_ranges():
     line = summary_line(r)
     assert "1 token," in line and "1 run cancelled" in line
     assert "3 ranks (layers 0-13, 14, draft)" in line and "split" not in line
+    assert "drafting" not in line
+    r["runs"] = {"cancelled": 0, "drafting_paused": 2}
+    assert "drafting paused 2 times" in summary_line(r)
+    r["runs"] = {"cancelled": 0, "drafting_paused": 1, "drafting_ended": True}
+    line = summary_line(r)
+    assert "drafting off (cannot pay on one stage" in line and "paused" not in line
 
 
 # -- real runs ---------------------------------------------------------------------------------------

@@ -184,6 +184,10 @@ def summary_line(r: dict) -> str:
     acc = r["acceptance"]
     if acc["drafted"]:
         parts.append(f"acceptance {acc['accepted']}/{acc['drafted']} ({acc['rate']:.0%})")
+    if r["runs"].get("drafting_ended"):
+        parts.append("drafting off (cannot pay on one stage; --spec-policy always drafts anyway)")
+    elif r["runs"].get("drafting_paused"):
+        parts.append(f"drafting paused {_plural(r['runs']['drafting_paused'], 'time')}")
     if r["runs"]["cancelled"]:
         parts.append(f"{_plural(r['runs']['cancelled'], 'run')} cancelled")
     parts.append(f"mode {r['mode']}")

@@ -96,6 +96,7 @@ def timings(result: dict) -> dict:
         "acceptance_rate": _r(acc["rate"], 4), "mean_accepted_len": _r(acc["mean_accepted_len"], 3),
         "runs_launched": runs["launched"], "runs_speculative": runs["speculative"],
         "runs_cancelled": runs["cancelled"],
+        "drafting_paused": runs.get("drafting_paused", 0), "drafting_ended": runs.get("drafting_ended", False),
     }
 
 
