@@ -51,6 +51,12 @@ def test_bad_option_value_is_one_line_exit_2(smollm2_path, args, words):
     assert words in line
 
 
+@pytest.mark.parametrize("args", [["--spec-policy"], ["--bogus"], ["--top-k", "x"]])
+def test_a_usage_error_points_at_the_subcommands_help(args):
+    line = one_error_line(runner.invoke(app, ["generate", MODEL, "-p", "hi", *args]), 2)
+    assert line.endswith(" generate --help`)"), line
+
+
 # -- the prompt ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args", [["-p", ""], ["--chat", ""]])
 def test_empty_prompt_and_empty_chat_are_refused_alike(smollm2_path, args):

@@ -23,10 +23,18 @@ def report(exc: BaseException) -> None:
     err.print(error_line(describe(exc, traceback_too=debug_enabled())), markup=False, highlight=False)
 
 
-def usage_message(exc: ClickUsageError) -> str:
-    """Click's message for a bad option or argument, in one line, with where to read more."""
+def usage_message(exc: ClickUsageError, parent=None) -> str:
+    """Click's message for a bad option or argument, in one line, with where to read more.
+
+    parent: the root group's context, for errors raised while a subcommand's options were still
+    being parsed (they carry no context of the subcommand's own)."""
     msg = exc.format_message().replace("\n", " ")
-    cmd = exc.ctx.command_path if exc.ctx is not None else "pipeinfer"
+    if exc.ctx is not None and (parent is None or exc.ctx is not parent):
+        cmd = exc.ctx.command_path
+    elif parent is not None and parent.invoked_subcommand:
+        cmd = f"{parent.command_path} {parent.invoked_subcommand}"
+    else:
+        cmd = "pipeinfer"
     return f"{msg} (see `{cmd} --help`)"
 
 
@@ -43,5 +51,5 @@ class ErrorHandlingGroup(TyperGroup):
             report(exc)
             raise typer.Exit(exc.exit_code) from None
         except ClickUsageError as exc:
-            err.print(error_line(usage_message(exc)), markup=False, highlight=False)
+            err.print(error_line(usage_message(exc, ctx)), markup=False, highlight=False)
             raise typer.Exit(2) from None
