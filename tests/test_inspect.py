@@ -55,6 +55,10 @@ def test_balanced_split():
     assert balanced_split([1] * 8, 2, last_extra=2) == [(0, 5), (5, 8)]
     assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
     assert balanced_split([1, 1, 1, 1, 5, 1], 3) == [(0, 4), (4, 5), (5, 6)]
+    # A draft on the head sets the largest cost alone: the other stages are still split evenly,
+    # not 1 layer and 9 (both have the same largest cost).
+    head, *stages = balanced_split([1] * 10, 3, first_extra=20)
+    assert head == (0, 1) and sorted(e - b for b, e in stages) == [4, 5]
     with pytest.raises(UsageError, match="at most 3 ranks"):
         balanced_split([1, 1, 1], 4)
 

@@ -9,7 +9,8 @@ from .errors import UsageError
 
 def balanced_split(layer_costs: Sequence[int], n_ranks: int, last_extra: int = 0,
                    first_extra: int = 0) -> list[tuple[int, int]]:
-    """Consecutive layer ranges [begin, end) for n_ranks stages that minimise the largest stage cost.
+    """Consecutive layer ranges [begin, end) for n_ranks stages that minimise the largest stage cost,
+    and among those the sum of the squared stage costs (the most even of them).
 
     layer_costs[i] is the cost of layer i (bytes of its weights: decoding is memory-bound, so
     bytes approximate time); last_extra is the cost only the last stage pays (the LM head);
@@ -27,15 +28,19 @@ def balanced_split(layer_costs: Sequence[int], n_ranks: int, last_extra: int = 0
     def cost(b: int, e: int) -> int:
         return prefix[e] - prefix[b] + (last_extra if e == n_layer else 0) + (first_extra if b == 0 else 0)
 
-    # best[r][e]: minimal max-cost of splitting layers [0, e) into r stages (small sizes: O(R·L²)).
-    inf = float("inf")
+    # best[r][e]: the best (max cost, sum of squared costs) of splitting layers [0, e) into r
+    # stages (small sizes: O(R·L²)). Among the splits with the least max cost, the one with the
+    # most even stages: with a draft on the head, the head alone sets the max, and the other
+    # stages would otherwise be split however the search met them first (one stage with 1 layer).
+    inf = (float("inf"), float("inf"))
     best = [[inf] * (n_layer + 1) for _ in range(n_ranks + 1)]
     cut = [[0] * (n_layer + 1) for _ in range(n_ranks + 1)]
-    best[0][0] = 0
+    best[0][0] = (0, 0)
     for r in range(1, n_ranks + 1):
         for e in range(r, n_layer + 1):
             for b in range(r - 1, e):
-                v = max(best[r - 1][b], cost(b, e))
+                c = cost(b, e)
+                v = (max(best[r - 1][b][0], c), best[r - 1][b][1] + c * c)
                 if v < best[r][e]:
                     best[r][e], cut[r][e] = v, b
     ranges: list[tuple[int, int]] = []

@@ -96,10 +96,19 @@ class JobProcesses:
             with self._lock:
                 if not self._reaped:
                     self._refresh()
-        fds = {}
+        fds, gone = {}, []
         for pid, rank in list(self.ranks.items()):
-            with contextlib.suppress(OSError, AttributeError):
+            try:
                 fds[os.pidfd_open(pid)] = rank
+            except ProcessLookupError:  # it ended (and was reaped) between being seen and now
+                gone.append(rank)
+            except (OSError, AttributeError):
+                pass
+        if gone:
+            for fd in fds:
+                os.close(fd)
+            self.first_ended = sorted(gone) if self._stop_at is None else []
+            return
         if not fds:
             return
         try:
