@@ -10,8 +10,9 @@ per-prompt median tok/s ratio.
 Suites:
 - overhead    the cost of the pipeline itself: `iterative` on 1 rank against 2 ranks, the same
               threads per rank (the same compute, plus two hops per token), with and without
-              the predictive wait (PIPEINFER_WAIT_PREDICT=0), and the 1-rank job next to a
-              process that wakes every 0.1 ms (what a polling neighbour costs by itself);
+              the predictive wait (PIPEINFER_WAIT_PREDICT=0) or with spinning waits
+              (PIPEINFER_WAIT_SPIN=1, a diagnostic), and the 1-rank job next to a process that
+              wakes every 0.1 ms or one that never sleeps (what a neighbour costs by itself);
 - topologies  `iterative` and `pipeinfer` on each way to place a target and its draft on the
               machine's cores (1 rank with the draft or lookup on it, 2 stages with the draft on
               the head, a stage plus a draft rank, 2 stages with lookup, 3 stages), with
@@ -55,7 +56,8 @@ class Config:
     args: list[str]  # bench options (modes, ranks, threads, draft, split)
     env: dict[str, str] = field(default_factory=dict)
     llamacpp: bool = False  # llama.cpp's own decoding (args: its --threads)
-    neighbour: bool = False  # a process that wakes every 0.1 ms on the other cores during the run
+    cpus: str = ""  # run the job under `taskset -c cpus` (every rank inherits the affinity)
+    neighbour: str = ""  # a process beside the run: "sleeper" (wakes every 0.1 ms) or "spinner" (never sleeps)
 
 
 def suite_configs(suite: str, cores: int) -> list[Config]:
@@ -69,9 +71,18 @@ def suite_configs(suite: str, cores: int) -> list[Config]:
                 # Each rank pinned to its own core by the launcher (MPICH's Hydra reads HYDRA_BINDING):
                 # whether the scheduler moving the ranks between cores costs the compute.
                 Config(f"2 ranks × {half}, bound to cores", TARGET, two, {"HYDRA_BINDING": "core"}),
+                # A waiting rank that never sleeps keeps its core awake: whether a core resuming
+                # from idle is what makes the 2-rank job's compute slower.
+                Config(f"2 ranks × {half}, spinning wait (diagnostic)", TARGET, two, {"PIPEINFER_WAIT_SPIN": "1"}),
+                # Both ranks on the same core(s): the stages still alternate, but no core goes idle
+                # between them.
+                Config(f"2 ranks × {half}, both on cpu(s) 0-{half - 1}", TARGET, two, cpus=f"0-{half - 1}"),
                 # What a waiting rank's fine polling costs the rank that computes, without a pipeline:
                 # the 1-rank job next to a process that only sleeps 0.1 ms in a loop.
-                Config(f"1 rank × {half} + a 10 kHz sleeper", TARGET, one, neighbour=True)]
+                Config(f"1 rank × {half} + a 10 kHz sleeper", TARGET, one, neighbour="sleeper"),
+                # What a busy other core costs the one that computes: whether the two cores
+                # share what the compute needs (a physical core under the VM, or a CPU quota).
+                Config(f"1 rank × {half} + a busy loop", TARGET, one, neighbour="spinner")]
     if suite == "topologies":
         both = ["--modes", "iterative,pipeinfer"]
         return [Config(f"llama.cpp, {cores} threads", PAIR, ["--threads", str(cores)], llamacpp=True),
@@ -99,6 +110,9 @@ def suite_configs(suite: str, cores: int) -> list[Config]:
 # The neighbour: wakes ten thousand times a second and does nothing else, as a pipeline rank
 # polling for a message does in the first 50 ms of a wait.
 SLEEPER = "import time\nwhile True:\n    time.sleep(1e-4)"
+# The other neighbour never sleeps, as a rank whose waits are busy probe loops.
+SPINNER = "while True:\n    pass"
+NEIGHBOURS = {"sleeper": SLEEPER, "spinner": SPINNER}
 
 
 def log(msg: str) -> None:
@@ -109,7 +123,8 @@ def command(a, c: Config, out: Path) -> list[str]:
     if c.llamacpp:
         return [sys.executable, str(ROOT / "scripts" / "bench_llamacpp.py"), c.model, "-n", str(a.n_predict),
                 "--limit", str(a.limit), *c.args, "--json", str(out), *a.prompts]
-    return [a.pipeinfer, "bench", c.model, *c.args, "-n", str(a.n_predict), "--limit", str(a.limit),
+    pinned = ["taskset", "-c", c.cpus] if c.cpus else []
+    return [*pinned, a.pipeinfer, "bench", c.model, *c.args, "-n", str(a.n_predict), "--limit", str(a.limit),
             "--warmup", str(a.warmup), "--repeat", "1", "--temp", "0", "--json", str(out), *a.prompts]
 
 
@@ -121,7 +136,7 @@ def run_config(a, c: Config, rnd: int) -> dict:
     shown = (env_shown + " " if env_shown else "") + shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
     log(f"[round {rnd}] {c.label}: {shown}")
     t0 = time.monotonic()
-    sleeper = subprocess.Popen([sys.executable, "-c", SLEEPER]) if c.neighbour else None
+    sleeper = subprocess.Popen([sys.executable, "-c", NEIGHBOURS[c.neighbour]]) if c.neighbour else None
     try:
         proc = subprocess.run(cmd, env={**os.environ, **c.env}, capture_output=True, text=True, check=False)
     finally:

@@ -51,6 +51,9 @@ BACKOFF_HOT_S = 0.05
 PREDICT_WAITS = 8
 PREDICT_FRACTION = 0.8
 PREDICT_ENABLED = os.environ.get("PIPEINFER_WAIT_PREDICT", "1") != "0"
+# A diagnostic, not a mode for users: PIPEINFER_WAIT_SPIN=1 makes every wait a busy probe loop (a
+# full core while waiting), to measure what sleeping between probes costs the pipeline.
+SPIN_WAITS = os.environ.get("PIPEINFER_WAIT_SPIN", "0") == "1"
 
 
 class WaitHistory:
@@ -95,6 +98,9 @@ class Backoff:
         self.idle_since = None
 
     def idle(self) -> None:
+        if SPIN_WAITS:
+            time.sleep(0)  # a system call that never halts the core, and lets the rank's other thread run
+            return
         now = time.monotonic()
         if self.idle_since is None:
             self.idle_since = now
