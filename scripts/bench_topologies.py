@@ -19,7 +19,10 @@ Suites:
               llama.cpp at all the cores as a reference;
 - threads     one rank on all the cores against llama.cpp; ranks that share the cores given
               their share of threads or all of them, with OpenMP waiting passively or spinning
-              briefly (GOMP_SPINCOUNT), in each mode.
+              briefly (GOMP_SPINCOUNT), in each mode;
+- pages       `iterative` with the engine's weights and KV cache on transparent huge pages (the
+              default) against 4 KiB pages (PIPEINFER_HUGEPAGES=0): 1 rank and 2 ranks at half
+              the cores per rank, and 1 rank at all of them.
 
 Prints a table on stdout, progress on stderr, and writes every figure and the raw bench documents
 to --json. Not a test: nothing asserts.
@@ -92,6 +95,19 @@ def suite_configs(suite: str, cores: int) -> list[Config]:
                 Config("1/1: one stage + a draft rank", PAIR, [*both, "--layer-split", "1/1"]),
                 Config("2 stages, --draft lookup", TARGET, [*both, "--ranks", "2", "--draft", "lookup"]),
                 Config("3 stages, draft on the head", PAIR, [*both, "--ranks", "3"])]
+    if suite == "pages":
+        # The engine's buffers with transparent huge pages (the default) and without
+        # (PIPEINFER_HUGEPAGES=0), on the shapes of the overhead suite and on all the cores.
+        off = {"PIPEINFER_HUGEPAGES": "0"}
+        one = ["--modes", "iterative", "--ranks", "1", "--threads", str(half)]
+        two = ["--modes", "iterative", "--ranks", "2", "--threads", str(half)]
+        wide = ["--modes", "iterative", "--ranks", "1", "--threads", str(cores)]
+        return [Config(f"1 rank × {half}, 4 KiB pages", TARGET, one, off),
+                Config(f"1 rank × {half}, huge pages", TARGET, one),
+                Config(f"2 ranks × {half}, 4 KiB pages", TARGET, two, off),
+                Config(f"2 ranks × {half}, huge pages", TARGET, two),
+                Config(f"1 rank × {cores}, 4 KiB pages", TARGET, wide, off),
+                Config(f"1 rank × {cores}, huge pages", TARGET, wide)]
     if suite == "threads":
         modes = ["--modes", "iterative,pipeinfer", "--ranks", "2"]
         return [Config(f"llama.cpp, {cores} threads", PAIR, ["--threads", str(cores)], llamacpp=True),
@@ -104,7 +120,7 @@ def suite_configs(suite: str, cores: int) -> list[Config]:
                        {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "10000"}),
                 Config(f"2 ranks × {cores}, spin 100k", PAIR, [*modes, "--threads", str(cores)],
                        {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "100000"})]
-    raise SystemExit(f"Error: unknown suite {suite!r}; choose overhead, topologies or threads")
+    raise SystemExit(f"Error: unknown suite {suite!r}; choose overhead, topologies, threads or pages")
 
 
 # The neighbour: wakes ten thousand times a second and does nothing else, as a pipeline rank
@@ -227,7 +243,7 @@ def table(rows: list[dict], first: str) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", required=True, choices=["overhead", "topologies", "threads"])
+    ap.add_argument("--suite", required=True, choices=["overhead", "topologies", "threads", "pages"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--limit", type=int, default=3, help="prompts of the set (default 3)")

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -92,3 +97,32 @@ def test_batch_without_output_rows_fills_the_cache(tiny_qwen2, split):
         return out
 
     assert np.array_equal(run(False), run(True))
+
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+_LOAD_AND_COUNT = """
+import sys
+from pipeinfer_cli.native import LayerEngine
+engine = LayerEngine(sys.argv[1], 0, int(sys.argv[2]), n_ctx=2048)
+huge = next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:"))
+print(huge * 1024, engine.weight_bytes + engine.kv_bytes)
+"""
+
+
+def _huge_bytes_after_loading(path: Path, n_layer: int, **env: str) -> tuple[int, int]:
+    out = subprocess.run([sys.executable, "-c", _LOAD_AND_COUNT, str(path), str(n_layer)], check=True,
+                         capture_output=True, text=True, env={**os.environ, **env}).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+@pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
+                    reason="this kernel gives no transparent huge pages")
+def test_weights_and_kv_cache_sit_on_huge_pages(smollm2_path):
+    # Under THP "madvise" (the common default) large buffers get 4 KiB pages unless advised; the
+    # engine advises its weight and KV buffers, and PIPEINFER_HUGEPAGES=0 turns that off.
+    huge, engine_bytes = _huge_bytes_after_loading(smollm2_path, 30)
+    assert huge >= engine_bytes // 2, (huge, engine_bytes)
+    if "[madvise]" in THP_MODE.read_text():
+        off, _ = _huge_bytes_after_loading(smollm2_path, 30, PIPEINFER_HUGEPAGES="0")
+        assert off < engine_bytes // 10, (off, engine_bytes)

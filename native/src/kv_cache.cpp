@@ -1,6 +1,7 @@
 #include "kv_cache.h"
 
 #include "errors.h"
+#include "huge_pages.h"
 #include "ggml-cpu.h"
 
 #include <algorithm>
@@ -36,6 +37,7 @@ kv_cache::kv_cache(uint32_t size, uint32_t n_seq_max, int n_layer, int64_t n_emb
         ggml_free(ctx_);
         throw std::bad_alloc();  // the engine reports the size and the fix
     }
+    advise_huge_pages(buf_);  // before the clear below touches its pages
     // Zero it: masked cells still enter the KQ/V products (multiplied by 0), so they must not hold NaNs.
     ggml_backend_buffer_clear(buf_, 0);
 }

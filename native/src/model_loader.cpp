@@ -4,6 +4,7 @@
 #include "errors.h"
 #include "ggml-cpu.h"
 #include "gguf_file.h"
+#include "huge_pages.h"
 
 #include <unistd.h>
 
@@ -392,6 +393,7 @@ void allocate_tensors(std::vector<tensor_request> & req, stage_weights & sw) {
             throw engine_failure(std::string("failed to allocate the weight buffer (") + ggml_backend_buft_name(buft) + ")");
         }
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        advise_huge_pages(buf);  // before read_tensors touches its pages
         sw.buffers.push_back(buf);
     }
 }
