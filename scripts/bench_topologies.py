@@ -85,7 +85,9 @@ def suite_configs(suite: str, cores: int) -> list[Config]:
                 Config(f"1 rank × {half} + a 10 kHz sleeper", TARGET, one, neighbour="sleeper"),
                 # What a busy other core costs the one that computes: whether the two cores
                 # share what the compute needs (a physical core under the VM, or a CPU quota).
-                Config(f"1 rank × {half} + a busy loop", TARGET, one, neighbour="spinner")]
+                Config(f"1 rank × {half} + a busy loop", TARGET, one, neighbour="spinner"),
+                # Awake when the message comes: probes without sleeping after the predicted sleep.
+                Config(f"2 ranks × {half}, spin after the predicted sleep", TARGET, two, {"PIPEINFER_WAIT_SPIN": "tail"})]
     if suite == "topologies":
         both = ["--modes", "iterative,pipeinfer"]
         return [Config(f"llama.cpp, {cores} threads", PAIR, ["--threads", str(cores)], llamacpp=True),

@@ -54,6 +54,10 @@ PREDICT_ENABLED = os.environ.get("PIPEINFER_WAIT_PREDICT", "1") != "0"
 # A diagnostic, not a mode for users: PIPEINFER_WAIT_SPIN=1 makes every wait a busy probe loop (a
 # full core while waiting), to measure what sleeping between probes costs the pipeline.
 SPIN_WAITS = os.environ.get("PIPEINFER_WAIT_SPIN", "0") == "1"
+# Experimental: PIPEINFER_WAIT_SPIN=tail probes without sleeping once a predicted wait's sleep is
+# over, for at most SPIN_TAIL_S, so that the core is awake when the next stage's message arrives.
+SPIN_TAIL = os.environ.get("PIPEINFER_WAIT_SPIN", "0") == "tail"
+SPIN_TAIL_S = 0.01
 
 
 class WaitHistory:
@@ -107,6 +111,8 @@ class Backoff:
             self.wake_at = now + (WAITS.sleep_through(self.site) if self.site is not None else 0.0)
         if now + self.lo < self.wake_at:
             time.sleep(self.wake_at - now)
+            return
+        if SPIN_TAIL and self.wake_at > self.idle_since and now < self.wake_at + SPIN_TAIL_S:
             return
         time.sleep(self.delay)
         cap = self.hot_hi if now - self.idle_since < self.hot_s else self.hi
