@@ -124,4 +124,26 @@ def test_an_iterative_job_on_two_ranks_runs_each_rank_on_every_core(smollm2_path
     r = subprocess.run([sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "--ranks", "2",
                         "-n", "4", "-p", "Hello", "--json"], capture_output=True, text=True, timeout=180, env=env, check=False)
     assert r.returncode == 0, r.stderr
-    assert [rank["threads"] for rank in json.loads(r.stdout)["ranks"]] == [os.cpu_count()] * 2
+    ranks = json.loads(r.stdout)["ranks"]
+    assert [rank["threads"] for rank in ranks] == [os.cpu_count()] * 2
+    # Two ranks with every core each share the cores: neither may stay awake between messages.
+    assert [rank["wait"] for rank in ranks] == ["sleep"] * 2
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for each of the 2 ranks")
+def test_ranks_with_a_core_each_stay_awake_briefly_after_a_predicted_sleep(smollm2_path):
+    r = subprocess.run([sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "--ranks", "2",
+                        "--threads", "1", "-M", "iterative", "-n", "24", "-p", "Hello", "--json"],
+                       capture_output=True, text=True, timeout=180, check=False)
+    assert r.returncode == 0, r.stderr
+    ranks = json.loads(r.stdout)["ranks"]
+    assert [rank["wait"] for rank in ranks] == ["sleep, then awake up to 10 ms"] * 2
+    forced_off = subprocess.run([sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "--ranks", "2",
+                                 "--threads", "1", "-M", "iterative", "-n", "24", "-p", "Hello", "--json"],
+                                capture_output=True, text=True, timeout=180, check=False,
+                                env={**os.environ, "PIPEINFER_WAIT_SPIN": "0"})
+    assert forced_off.returncode == 0, forced_off.stderr
+    off = json.loads(forced_off.stdout)
+    assert [rank["wait"] for rank in off["ranks"]] == ["sleep"] * 2
+    assert off["tokens"] == json.loads(r.stdout)["tokens"]

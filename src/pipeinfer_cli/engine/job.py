@@ -21,12 +21,12 @@ from ..errors import PipeinferError, describe
 from ..transport.clock import clock_offsets
 from ..transport.deadlines import DEFAULT_RANK_TIMEOUT_S
 from ..transport.liveness import Liveness
-from ..transport.mpi_link import Link
+from ..transport.mpi_link import Link, set_spin_tail
 from .head import Callbacks, Head, serve_requests
 from .loading import Loaded, load_rank
 from .sampling import SamplingParams
 from .session import MODES, DecodeOptions  # noqa: F401 - MODES is part of this module's API
-from .topology import Topology, plan_job
+from .topology import Topology, alone_on_cores, plan_job
 from .trace import TraceRecorder
 from .worker import abort_job, head_failed, leave_after_head, serve_worker
 
@@ -162,12 +162,25 @@ def head_clock_offsets(link: Link) -> list[float]:
 
 
 def start_liveness(link: Link, cfg: JobConfig, loaded: Loaded) -> None:
-    """Once every rank has loaded: name the ranks for errors, and with a --rank-timeout start the
-    heartbeats and deadlines (transport/liveness.py)."""
-    link.names = rank_names(loaded.topo, link.allgather(socket.gethostname()))
+    """Once every rank has loaded: name the ranks for errors, let waits spin briefly where a rank
+    has its cores to itself, and with a --rank-timeout start the heartbeats and deadlines
+    (transport/liveness.py)."""
+    census = link.allgather((socket.gethostname(), busy_threads(loaded)))
+    hosts = [host for host, _ in census]
+    link.names = rank_names(loaded.topo, hosts)
+    here = sum(n for host, n in census if host == hosts[link.rank])
+    set_spin_tail(alone_on_cores(here, census[link.rank][1]))
     if cfg.rank_timeout_s > 0 and link.size > 1:
         engine = loaded.engine
         Liveness(link, cfg.rank_timeout_s, engine.eval_progress if engine is not None else (lambda: 0)).start()
+
+
+def busy_threads(loaded: Loaded) -> int:
+    """The threads this rank computes with: its engine's, plus a draft model's beside them on the head."""
+    n = loaded.me.threads
+    if loaded.me.role == "head" and getattr(loaded.drafter, "has_prompt_pass", False):
+        n += loaded.me.threads  # the draft model runs in a thread of its own, at the rank's thread count
+    return n
 
 
 def rank_names(topo: Topology, hosts: list[str]) -> list[str]:

@@ -107,6 +107,17 @@ def parse_threads(text: str | None, world_size: int, ranks_per_host: int) -> lis
     return [max(1, total // max(1, ranks_per_host))] * world_size
 
 
+def alone_on_cores(threads_here: int, threads_mine: int) -> bool:
+    """Whether a rank's threads have cores of their own: those of every process on its host
+    (threads_here, a draft model's included) fit in the host's CPUs, or, for a rank the launcher
+    bound to its own CPUs, its own threads (threads_mine) fit in them."""
+    total = os.cpu_count() or 1
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    if mine < total:
+        return threads_mine <= mine
+    return threads_here <= total
+
+
 def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[int], output_bytes: int,
                   threads: str | None, ranks_per_host: int, head_extra: int = 0) -> Topology:
     """Assign roles and layers to world_size ranks (checked against --layer-split if given).

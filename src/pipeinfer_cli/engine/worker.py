@@ -19,7 +19,7 @@ import time
 
 from ..errors import describe, error_line
 from ..transport.liveness import HeadUnresponsiveError
-from ..transport.mpi_link import Backoff, Link
+from ..transport.mpi_link import Backoff, Link, wait_style
 from .metrics import peak_rss_mib, process_stats
 
 ERROR_WAIT_S = 5.0  # a failed rank waits this long for the head's ABORT before leaving anyway
@@ -119,7 +119,7 @@ class RankReport:
         self.trace.events.clear()
         out = {"rank": self.rank, "role": self.role, "layers": self.layers, "threads": self.threads,
                "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(self.busy_s, 4),
-               "cpu_s": round(time.process_time() - self._cpu0, 3), "runs": self.runs}
+               "cpu_s": round(time.process_time() - self._cpu0, 3), "runs": self.runs, "wait": wait_style()}
         out["process"] = process_stats()
         if self.engine is not None:
             stats = dict(self.engine.stats())
