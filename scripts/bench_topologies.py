@@ -87,7 +87,7 @@ def suite_configs(suite: str, cores: int) -> list[Config]:
                 # share what the compute needs (a physical core under the VM, or a CPU quota).
                 Config(f"1 rank × {half} + a busy loop", TARGET, one, neighbour="spinner"),
                 # Awake when the message comes: a rank alone on its cores probes without sleeping for
-                # up to 10 ms after the predicted sleep (the default since it measured faster).
+                # up to 10 ms after the predicted sleep (opt-in); and explicitly off, the default.
                 Config(f"2 ranks × {half}, spin after the predicted sleep", TARGET, two, {"PIPEINFER_WAIT_SPIN": "tail"}),
                 Config(f"2 ranks × {half}, no spin after the predicted sleep", TARGET, two, {"PIPEINFER_WAIT_SPIN": "0"})]
     if suite == "topologies":

@@ -132,18 +132,15 @@ def test_an_iterative_job_on_two_ranks_runs_each_rank_on_every_core(smollm2_path
 
 @pytest.mark.mpi
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for each of the 2 ranks")
-def test_ranks_with_a_core_each_stay_awake_briefly_after_a_predicted_sleep(smollm2_path):
-    r = subprocess.run([sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "--ranks", "2",
-                        "--threads", "1", "-M", "iterative", "-n", "24", "-p", "Hello", "--json"],
-                       capture_output=True, text=True, timeout=180, check=False)
-    assert r.returncode == 0, r.stderr
-    ranks = json.loads(r.stdout)["ranks"]
-    assert [rank["wait"] for rank in ranks] == ["sleep, then awake up to 10 ms"] * 2
-    forced_off = subprocess.run([sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "--ranks", "2",
-                                 "--threads", "1", "-M", "iterative", "-n", "24", "-p", "Hello", "--json"],
-                                capture_output=True, text=True, timeout=180, check=False,
-                                env={**os.environ, "PIPEINFER_WAIT_SPIN": "0"})
-    assert forced_off.returncode == 0, forced_off.stderr
-    off = json.loads(forced_off.stdout)
-    assert [rank["wait"] for rank in off["ranks"]] == ["sleep"] * 2
-    assert off["tokens"] == json.loads(r.stdout)["tokens"]
+def test_ranks_with_a_core_each_stay_awake_after_a_predicted_sleep_only_when_asked(smollm2_path):
+    def job(**env):
+        r = subprocess.run([sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "--ranks", "2",
+                            "--threads", "1", "-M", "iterative", "-n", "24", "-p", "Hello", "--json"],
+                           capture_output=True, text=True, timeout=180, check=False, env={**os.environ, **env})
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    asleep, awake = job(), job(PIPEINFER_WAIT_SPIN="tail")
+    assert [rank["wait"] for rank in asleep["ranks"]] == ["sleep"] * 2
+    assert [rank["wait"] for rank in awake["ranks"]] == ["sleep, then awake up to 10 ms"] * 2
+    assert awake["tokens"] == asleep["tokens"]

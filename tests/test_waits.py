@@ -49,7 +49,8 @@ def wait_once(clock: FakeClock, b: Backoff, seconds: float) -> int:
     return spins
 
 
-def test_a_rank_alone_spins_only_after_its_predicted_sleep_and_briefly(clock):
+def test_a_rank_alone_spins_only_after_its_predicted_sleep_and_briefly(clock, monkeypatch):
+    monkeypatch.setattr(mpi_link, "_SPIN_ENV", "tail")
     mpi_link.set_spin_tail(True)
     try:
         b = Backoff(site="stream")
@@ -73,15 +74,14 @@ def test_ranks_that_share_cores_never_spin(clock):
     assert sum(wait_once(clock, b, 0.030) for _ in range(PREDICT_WAITS + 4)) == 0
 
 
-def test_the_environment_forces_the_choice(monkeypatch):
+def test_only_a_rank_alone_that_asked_stays_awake(monkeypatch):
     try:
-        monkeypatch.setattr(mpi_link, "_SPIN_ENV", "0")
-        assert mpi_link.set_spin_tail(True) is False
-        monkeypatch.setattr(mpi_link, "_SPIN_ENV", "tail")
-        assert mpi_link.set_spin_tail(False) is True
-        monkeypatch.setattr(mpi_link, "_SPIN_ENV", "")
-        assert mpi_link.set_spin_tail(True) is True and mpi_link.set_spin_tail(False) is False
+        for env, alone, awake in (("", True, False), ("0", True, False), ("tail", True, True), ("tail", False, False)):
+            monkeypatch.setattr(mpi_link, "_SPIN_ENV", env)
+            assert mpi_link.set_spin_tail(alone) is awake, (env, alone)
+            assert mpi_link.wait_style() == ("sleep, then awake up to 10 ms" if awake else "sleep")
     finally:
+        monkeypatch.setattr(mpi_link, "_SPIN_ENV", "")
         mpi_link.set_spin_tail(False)
 
 

@@ -51,16 +51,17 @@ BACKOFF_HOT_S = 0.05
 PREDICT_WAITS = 8
 PREDICT_FRACTION = 0.8
 PREDICT_ENABLED = os.environ.get("PIPEINFER_WAIT_PREDICT", "1") != "0"
-# A rank alone on its cores probes without sleeping once a predicted wait's sleep is over, for at
-# most SPIN_TAIL_S, so that its core is awake when the other stage's message arrives: on the test
-# VM a computation that follows a sleep runs 5-13 % slower than one that follows work
-# (scripts/idle_gap.py), and this made 2-rank `iterative` at 1 thread per rank 1.085x faster.
-# Ranks that share cores never spin (set_spin_tail). PIPEINFER_WAIT_SPIN=tail or =0 forces it on or
-# off; =1 is a diagnostic, not a mode for users: every wait a busy probe loop.
+# With PIPEINFER_WAIT_SPIN=tail, a rank alone on its cores probes without sleeping once a predicted
+# wait's sleep is over, for at most SPIN_TAIL_S, so that its core is awake when the other stage's
+# message arrives: on the test VM a computation that follows a sleep ran 5-13 % slower than one
+# that follows work (scripts/idle_gap.py). Measured through the CLI it gave 2-rank `iterative`
+# 0.97-1.11x and 2-stage pipeinfer with lookup 0.985x, for 15 % more CPU: not the default.
+# Ranks that share cores never spin. PIPEINFER_WAIT_SPIN=1 is a diagnostic, not a mode for users:
+# every wait a busy probe loop.
 SPIN_TAIL_S = 0.01
 _SPIN_ENV = os.environ.get("PIPEINFER_WAIT_SPIN", "")
 SPIN_WAITS = _SPIN_ENV == "1"
-_spin_tail = _SPIN_ENV == "tail"
+_spin_tail = False
 
 
 def wait_style() -> str:
@@ -71,10 +72,10 @@ def wait_style() -> str:
 
 
 def set_spin_tail(alone_on_cores: bool) -> bool:
-    """Whether this process's waits spin after their predicted sleep: for a rank alone on its
-    cores, unless PIPEINFER_WAIT_SPIN forces it. Returns the choice."""
+    """Whether this process's waits stay awake after their predicted sleep: asked for with
+    PIPEINFER_WAIT_SPIN=tail, and only for a rank alone on its cores. Returns the choice."""
     global _spin_tail
-    _spin_tail = _SPIN_ENV == "tail" or (alone_on_cores and _SPIN_ENV != "0")
+    _spin_tail = _SPIN_ENV == "tail" and alone_on_cores
     return _spin_tail
 
 
