@@ -173,12 +173,12 @@ def world_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
-def _plural(n: int, word: str) -> str:
+def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def summary_line(r: dict) -> str:
-    parts = [_plural(r["n_gen"], "token"), f"{r['tok_per_s']:.2f} tok/s" if r.get("tok_per_s") else "",
+    parts = [plural(r["n_gen"], "token"), f"{r['tok_per_s']:.2f} tok/s" if r.get("tok_per_s") else "",
              f"decode {r['decode_tok_per_s']:.2f} tok/s" if r.get("decode_tok_per_s") else "",
              f"TTFT {r['ttft_s'] * 1e3:.0f} ms" if r.get("ttft_s") is not None else ""]
     acc = r["acceptance"]
@@ -187,9 +187,9 @@ def summary_line(r: dict) -> str:
     if r["runs"].get("drafting_ended"):
         parts.append("drafting off (cannot pay on one stage; --spec-policy always drafts anyway)")
     elif r["runs"].get("drafting_paused"):
-        parts.append(f"drafting paused {_plural(r['runs']['drafting_paused'], 'time')}")
+        parts.append(f"drafting paused {plural(r['runs']['drafting_paused'], 'time')}")
     if r["runs"]["cancelled"]:
-        parts.append(f"{_plural(r['runs']['cancelled'], 'run')} cancelled")
+        parts.append(f"{plural(r['runs']['cancelled'], 'run')} cancelled")
     parts.append(f"mode {r['mode']}")
-    parts.append(f"{_plural(len(r['ranks']), 'rank')} (layers {format_layer_ranges([x.get('layers') for x in r['ranks']])})")
+    parts.append(f"{plural(len(r['ranks']), 'rank')} (layers {format_layer_ranges([x.get('layers') for x in r['ranks']])})")
     return "pipeinfer: " + ", ".join(p for p in parts if p)

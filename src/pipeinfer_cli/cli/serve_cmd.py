@@ -12,7 +12,7 @@ import typer
 
 from ..errors import OptionValueError
 from .console import err
-from .generate_cmd import one_model, summary_line
+from .generate_cmd import one_model, plural, summary_line
 from .job_options import JobOptions, job_options
 from .job_setup import check_n_predict, check_plan, check_world, prepare_job
 from .options import ModelOption, ModeOption, OptionalModelArg
@@ -151,7 +151,7 @@ def _banner(service, host: str, port: int) -> None:
     ranks = "; ".join(f"{r.rank} {r.role} ({format_layer_ranges([r.layers])}, {r.threads} threads)" for r in topo.ranks)
     lines = [f"model {cfg.model_label}, draft {cfg.draft_label or 'none'}, default mode {service.default_mode()}, "
              f"context {cfg.n_ctx} cells, queue {service.max_queue}",
-             f"{len(topo.ranks)} rank{'' if len(topo.ranks) == 1 else 's'}: {ranks}",
+             f"{plural(len(topo.ranks), 'rank')}: {ranks}",
              f"ready: http://{host}:{port}/v1 (chat/completions, completions, models), /health, /metrics"]
     for line in lines:
         err.print(f"pipeinfer serve: {line}", markup=False, highlight=False)

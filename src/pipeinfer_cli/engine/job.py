@@ -162,9 +162,9 @@ def head_clock_offsets(link: Link) -> list[float]:
 
 
 def start_liveness(link: Link, cfg: JobConfig, loaded: Loaded) -> None:
-    """Once every rank has loaded: name the ranks for errors, let waits spin briefly where a rank
-    has its cores to itself, and with a --rank-timeout start the heartbeats and deadlines
-    (transport/liveness.py)."""
+    """Once every rank has loaded: name the ranks for errors, say whether this rank has its cores
+    to itself (waits may then stay awake when PIPEINFER_WAIT_SPIN=tail asks), and with a
+    --rank-timeout start the heartbeats and deadlines (transport/liveness.py)."""
     census = link.allgather((socket.gethostname(), busy_threads(loaded)))
     hosts = [host for host, _ in census]
     link.names = rank_names(loaded.topo, hosts)

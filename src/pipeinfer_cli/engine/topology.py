@@ -99,20 +99,24 @@ def parse_threads(text: str | None, world_size: int, ranks_per_host: int) -> lis
         if len(values) != world_size:
             raise UsageError(f"--threads {text!r}: give one value, or one per rank ({world_size} ranks)")
         return values
-    total = os.cpu_count() or 1
-    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    total, mine = host_cpus()
     if mine < total:
         # The launcher bound this rank to its own CPUs (Slurm, mpirun --bind-to): use them all.
         return [mine] * world_size
     return [max(1, total // max(1, ranks_per_host))] * world_size
 
 
+def host_cpus() -> tuple[int, int]:
+    """The host's CPUs, and those this process may run on (fewer when a launcher bound it)."""
+    total = os.cpu_count() or 1
+    return total, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+
+
 def alone_on_cores(threads_here: int, threads_mine: int) -> bool:
     """Whether a rank's threads have cores of their own: those of every process on its host
     (threads_here, a draft model's included) fit in the host's CPUs, or, for a rank the launcher
     bound to its own CPUs, its own threads (threads_mine) fit in them."""
-    total = os.cpu_count() or 1
-    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    total, mine = host_cpus()
     if mine < total:
         return threads_mine <= mine
     return threads_here <= total

@@ -68,7 +68,7 @@ def wait_style() -> str:
     """How this process waits for messages, as the JSON reports it per rank."""
     if SPIN_WAITS:
         return "spin"
-    return "sleep, then awake up to 10 ms" if _spin_tail else "sleep"
+    return f"sleep, then awake up to {SPIN_TAIL_S * 1e3:g} ms" if _spin_tail else "sleep"
 
 
 def set_spin_tail(alone_on_cores: bool) -> bool:
