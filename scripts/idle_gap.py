@@ -46,9 +46,13 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
+    from pipeinfer_cli.errors import PipeinferError
     from pipeinfer_cli.native import LayerEngine
 
-    path = resolve_model(a.model)
+    try:
+        path = resolve_model(a.model)
+    except PipeinferError as exc:
+        raise SystemExit(f"Error: {exc}") from None
     probe = LayerEngine(path, 0, 1, n_ctx=8)
     n_layer = probe.n_layer
     del probe

@@ -48,7 +48,10 @@ def main() -> int:
     rows: dict[str, dict[tuple, dict]] = {}  # label -> (file, round, prompt) -> split
     order: list[str] = []
     for path in a.json:
-        doc = json.loads(path.read_text())
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"Error: cannot read {path}: {exc}; give the JSON of scripts/bench_topologies.py") from None
         for run in doc.get("runs", []):
             label = run["label"]
             if label not in rows:
