@@ -316,7 +316,7 @@ def test_bench_reports_a_forced_divergence(smollm2_path, tmp_path):
     assert r.returncode == 1
     assert "DIFFER" in r.stdout  # in the table
     assert "TOKENS DIFFER: prompt 'csv-parse': pipeinfer" in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("Error: modes generated different tokens on 2 prompt(s)")
+    assert r.stderr.strip().splitlines()[-1].startswith("Error: modes generated different tokens on 2 prompts")
     doc = json.loads((tmp_path / "d.json").read_text())  # written anyway
     assert doc["tokens_identical"] is False
     assert sorted((m["prompt_id"], m["mode"]) for m in doc["token_mismatches"]) == [

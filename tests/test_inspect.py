@@ -35,7 +35,7 @@ def test_inspect_tiny_qwen2(tiny_qwen2):
 def test_inspect_table_output(tiny_llama):
     r = runner.invoke(app, ["inspect", str(tiny_llama), "--ranks", "3"])
     assert r.exit_code == 0
-    for text in ("architecture", "llama", "heads / KV heads", "4 / 2", "bytes per layer", "layer split for 3 rank(s)", "token_embd"):
+    for text in ("architecture", "llama", "heads / KV heads", "4 / 2", "bytes per layer", "layer split for 3 ranks", "token_embd"):
         assert text in r.stdout
 
 

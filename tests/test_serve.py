@@ -62,11 +62,19 @@ def test_startup_health_and_models(server):
     assert status == 200 and roles["draft"] == "lookup" and roles["target"].endswith(".gguf")
 
 
+def target_name(server) -> str:
+    """The loaded target's name, as /v1/models lists it (here the .gguf path the server was given)."""
+    _, _, raw = server.request("GET", "/v1/models")
+    return next(m["id"] for m in json.loads(raw)["data"] if m["meta"]["role"] == "target")
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_chat_matches_generate(client, reference, mode):
+def test_chat_matches_generate(server, client, reference, mode):
     ref = reference["chat"]
-    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": CHAT}], max_tokens=N,
+    r = client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": CHAT}], max_tokens=N,
                                        extra_body={"mode": mode})
+    # The response names the model that wrote it, not the one the client asked for (llama-server does so).
+    assert r.model == target_name(server) != "gpt-4"
     assert r.choices[0].message.content == ref["text"]
     assert r.model_extra["pipeinfer"]["tokens"] == ref["tokens"]
     assert r.usage.prompt_tokens == ref["n_prompt"] and r.usage.completion_tokens == ref["n_gen"]
@@ -79,12 +87,13 @@ def test_chat_matches_generate(client, reference, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_chat_stream_matches_generate(client, reference, mode):
+def test_chat_stream_matches_generate(server, client, reference, mode):
     ref = reference["chat"]
-    stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": CHAT}], max_tokens=N,
+    stream = client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": CHAT}], max_tokens=N,
                                             stream=True, stream_options={"include_usage": True}, extra_body={"mode": mode})
     text, last, usage = "", None, None
     for chunk in stream:
+        assert chunk.model == target_name(server)
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
             if chunk.choices[0].finish_reason:
@@ -99,7 +108,7 @@ def test_chat_stream_matches_generate(client, reference, mode):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("mode", MODES)
-def test_seeded_completion_matches_generate(client, reference, mode, stream):
+def test_seeded_completion_matches_generate(server, client, reference, mode, stream):
     ref = reference["raw"]
     r = client.completions.create(model="smollm2", prompt=RAW, max_tokens=N, stream=stream, extra_body={"mode": mode},
                                   **SEEDED)
@@ -107,9 +116,11 @@ def test_seeded_completion_matches_generate(client, reference, mode, stream):
         chunks = list(r)
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         tokens = chunks[-1].model_extra["pipeinfer"]["tokens"]
+        models = {c.model for c in chunks}
     else:
-        text, tokens = r.choices[0].text, r.model_extra["pipeinfer"]["tokens"]
+        text, tokens, models = r.choices[0].text, r.model_extra["pipeinfer"]["tokens"], {r.model}
     assert text == ref["text"] and tokens == ref["tokens"]
+    assert models == {target_name(server)}
 
 
 def test_curl_style_stream_is_openai_sse(server, reference):
@@ -316,7 +327,10 @@ def test_sigterm_ends_every_rank_and_in_flight_requests_get_an_error(server):
     rest = read_events(resp)
     conn.close()
     assert rest and json.loads(rest[-1])["error"]["code"] == "stopping", rest[-3:]
-    server.proc.wait(timeout=10)
+    # Being told to stop is how a server ends: no error, exit status 0 (as on one rank).
+    assert server.proc.wait(timeout=10) == 0
     assert_no_survivors(server.marker, grace_s=10)
-    assert "Traceback" not in server.stderr()
+    log = server.stderr()
+    assert "Traceback" not in log and "Error" not in log, log
+    assert log.splitlines()[-1] == "pipeinfer serve: stopped by SIGTERM", log
 

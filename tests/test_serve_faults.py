@@ -72,3 +72,20 @@ def test_a_port_in_use_is_a_usage_error(smollm2_path):
                             "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip() == f"Error: port {port} on 127.0.0.1 is in use by another program; pass another --port"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sigterm_is_a_clean_stop_on_one_rank_or_many(smollm2_path, tmp_path, ranks):
+    """One wording and exit status 0, whether rank 0 serves alone or relaunched under mpiexec."""
+    server = start_server(smollm2_path, "--ranks", ranks, "--threads", 1, "--ctx", 512, log_dir=tmp_path)
+    try:
+        status, _ = server.post_json("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert status == 200
+        server.proc.send_signal(signal.SIGTERM)
+        rc = server.proc.wait(timeout=30)
+    finally:
+        server.stop()
+    log = server.stderr()
+    assert rc == 0, log
+    assert log.splitlines()[-1] == "pipeinfer serve: stopped by SIGTERM", log
+    assert "Error" not in log and "Traceback" not in log, log

@@ -12,6 +12,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+from ..cli.wording import plural
+
 DPI = 100
 WIDTH_IN = 11.0
 BAR_HEIGHT_IN = 3.2
@@ -76,7 +78,7 @@ def _timeline(ax, rec: dict, x_max_ms: float) -> None:
     ax.set_ylim(len(ranks) - 0.5, -0.5)
     ax.set_xlim(0, max(x_max_ms, span_ms))
     tps = rec.get("tok_per_s")
-    ax.set_title(f"{rec['mode']}: prompt {rec['prompt_id']!r}, {rec['n_gen']} tokens"
+    ax.set_title(f"{rec['mode']}: prompt {rec['prompt_id']!r}, {plural(rec['n_gen'], 'token')}"
                  + (f", {tps:.1f} tok/s" if tps else ""), fontsize=10, loc="left")
     ax.set_xlabel("time since request start (ms, head clock)", fontsize=8)
     ax.grid(axis="x", alpha=0.3)

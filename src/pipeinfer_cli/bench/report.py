@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
+from ..cli.wording import plural
 from .stats import per_prompt_medians
 
 
@@ -46,7 +47,7 @@ def mode_table(summary: dict[str, dict], modes: list[str], title: str) -> Table:
         ]
         row += [_x(s["speedup"].get(f"vs_{b}")) for b in ("iterative", "speculative") if has[b]]
         bad = s["mismatched_prompts"]
-        row.append(Text(f"DIFFER on {len(bad)} prompt(s)", style="bold red") if bad else Text("same", style="green"))
+        row.append(Text(f"DIFFER on {plural(len(bad), 'prompt')}", style="bold red") if bad else Text("same", style="green"))
         t.add_row(*row)
     return t
 
@@ -87,6 +88,6 @@ def markdown_table(summary: dict[str, dict], modes: list[str]) -> str:
                  _f(s["acceptance"]["rate"], "{:.0%}"), _f(s["acceptance"]["mean_accepted_len"]),
                  f"{_f(s['runs']['launched'], '{:.1f}')} / {_f(s['runs']['cancelled'], '{:.1f}')}"]
         cells += [_x(s["speedup"].get(f"vs_{b}")) for b in bases]
-        cells.append(f"**differ on {len(s['mismatched_prompts'])} prompt(s)**" if s["mismatched_prompts"] else "same")
+        cells.append(f"**differ on {plural(len(s['mismatched_prompts']), 'prompt')}**" if s["mismatched_prompts"] else "same")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

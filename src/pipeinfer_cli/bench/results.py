@@ -6,6 +6,7 @@ import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cli.wording import plural
 from ..engine.topology import format_layer_ranges
 from . import environment
 from .runner import check_tokens
@@ -31,9 +32,9 @@ class BenchResults:
         threads = ",".join(str(r["threads"]) for r in topo["ranks"])
         c = h["config"]
         return (f"{h['models']['target']['name']}" + (f" + draft {draft}" if draft else "")
-                + f" · {topo['world_size']} rank(s), layers {format_layer_ranges([r['layers'] for r in topo['ranks']])},"
+                + f" · {plural(topo['world_size'], 'rank')}, layers {format_layer_ranges([r['layers'] for r in topo['ranks']])},"
                 + f" threads {threads}"
-                + f" · -n {c['n_predict']} · {c['prompts']['count']} prompt(s) × {c['repeat']} repeat(s)")
+                + f" · -n {c['n_predict']} · {plural(c['prompts']['count'], 'prompt')} × {plural(c['repeat'], 'repeat')}")
 
 
 def describe_config(cfg, modes: list[str], prompts: list, prompts_file: Path | None, *, repeat: int, warmup: int,

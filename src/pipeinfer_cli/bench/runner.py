@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..cli.wording import plural
 from ..engine.job import JobConfig, Request, run_job
 from .schedule import BenchItem
 
@@ -68,6 +69,6 @@ def check_tokens(records: list[dict], modes: list[str]) -> list[dict]:
 
 def describe_mismatch(m: dict) -> str:
     what = (f"token {m['first_diff']} is {m['got']} instead of {m['expected']}" if m["got"] is not None and m["expected"] is not None
-            else f"{m['n_gen']} tokens instead of {m['reference_n_gen']}")
+            else f"{plural(m['n_gen'], 'token')} instead of {m['reference_n_gen']}")
     run = "warmup" if m["warmup"] else "repeat"
     return (f"prompt {m['prompt_id']!r}: {m['mode']} ({run} {m['repeat']}) differs from {m['reference_mode']}: {what}")

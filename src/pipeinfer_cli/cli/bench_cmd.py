@@ -16,31 +16,35 @@ from .job_setup import (check_chat_template, check_n_predict, check_plan, check_
                         resolve_models)
 from .job_options import JobOptions, job_options
 from .options import ModelArg
+from .wording import epilog, plural
 
 DEFAULT_MODES = "iterative,speculative,pipeinfer"
 NON_TTY_WIDTH = 200
 # The relaunched MPI job cannot see the user's terminal; the parent passes what it saw.
 _TTY_ENV = {"stdout": "PIPEINFER_STDOUT_TTY", "stderr": "PIPEINFER_STDERR_TTY"}
 
-EPILOG = """Examples:
+EPILOG = epilog("""Examples:
 
-  pipeinfer bench qwen-coder --ranks 2 -n 128 --json bench.json --plot bench.png
+  pipeinfer bench qwen-coder --ranks 2 -n 128 --json bench.json \\
+      --plot bench.png
 
-  pipeinfer bench smollm2-135m-instruct --draft smollm2-135m-instruct --modes iterative,speculative \\
-      --prompts my.jsonl --repeat 3 --warmup 1 --ranks 2 --csv bench.csv --trace bench.trace.json
+  pipeinfer bench smollm2-135m-instruct --draft smollm2-135m-instruct \\
+      --modes iterative,speculative --prompts my.jsonl --repeat 3 --warmup 1 \\
+      --ranks 2 --csv bench.csv --trace bench.trace.json
 
 Prompt files are JSONL, one object per line: {"id": "x", "prompt": "raw text"} or
 {"id": "y", "messages": [{"role": "user", "content": "..."}]}. Without --prompts, a shipped set of
 8 coding and prose prompts is used ('default'); --prompts grounded selects the other shipped set,
 8 tasks whose answer copies from a 400-550-token prompt (where --draft lookup is right most often):
 
-  pipeinfer bench qwen2.5-coder-1.5b-instruct --draft lookup --prompts grounded -n 96 --ranks 2
+  pipeinfer bench qwen2.5-coder-1.5b-instruct --draft lookup \\
+      --prompts grounded -n 96 --ranks 2
 
-Modes run interleaved (A, B, C, A, B, C …) on models loaded once. Every mode must produce the same tokens: a difference is flagged in the table, on stderr
-and in the JSON (tokens_identical, token_mismatches), and the command then exits with status 1
-after writing its outputs (0 with --allow-mismatch). Open --trace files in
-https://ui.perfetto.dev or chrome://tracing.
-"""
+Modes run interleaved (A, B, C, A, B, C …) on models loaded once. Every mode must produce the same
+tokens: a difference is flagged in the table, on stderr and in the JSON (tokens_identical,
+token_mismatches), and the command then exits with status 1 after writing its outputs (0 with
+--allow-mismatch). Open --trace files in https://ui.perfetto.dev or chrome://tracing.
+""")
 
 
 class TokenMismatchError(PipeinferError):
@@ -101,7 +105,7 @@ def bench(
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     inside = under_mpi_launcher()
     needs_draft = any(m != "iterative" for m in mode_list)
-    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside)
+    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull)
     chats = [p.id for p in prompt_set if p.messages is not None]
     if chats:
         check_chat_template(target.path, target.label, f"the chat prompts of the prompt set ({', '.join(chats)})")
@@ -169,11 +173,11 @@ def _report(res, records: list[dict], mode_list: list[str], per_prompt: bool, ou
     for m in res.mismatches:
         err_console.print(f"TOKENS DIFFER: {describe_mismatch(m)}", style="bold red", markup=False, highlight=False)
     if allow_mismatch:
-        err_console.print(f"Warning: modes generated different tokens on {len(res.mismatched_prompts)} prompt(s); "
+        err_console.print(f"Warning: modes generated different tokens on {plural(len(res.mismatched_prompts), 'prompt')}; "
                           "exiting 0 because of --allow-mismatch", style="bold red", markup=False, highlight=False)
         return
     raise TokenMismatchError(
-        f"modes generated different tokens on {len(res.mismatched_prompts)} prompt(s) "
+        f"modes generated different tokens on {plural(len(res.mismatched_prompts), 'prompt')} "
         f"({', '.join(res.mismatched_prompts)}); speculation must be lossless — the results above are flagged"
         + (" and the outputs record it (tokens_identical: false)" if written else ""))
 
@@ -212,7 +216,7 @@ class _Progress:
         self.done += 1
         tps = rec.get("tok_per_s")
         what = (f"{rec['prompt_id']} · {rec['mode']} · {'warmup' if rec['warmup'] else 'repeat'} {rec['repeat']}: "
-                f"{rec['n_gen']} tokens" + (f", {tps:.2f} tok/s" if tps else ""))
+                f"{plural(rec['n_gen'], 'token')}" + (f", {tps:.2f} tok/s" if tps else ""))
         if self.bar is not None:
             self.bar.update(self.task, advance=1, description="bench", last=what)
         else:

@@ -14,6 +14,7 @@ from .job_options import JobOptions, job_options
 from .job_setup import check_n_predict, check_plan, check_world, prepare_job
 from .options import ModelOption, ModeOption, OptionalModelArg, StopOption
 from .prompt_input import check_stop_strings
+from .wording import epilog, plural
 
 # Set by the launching process, which sees the user's terminal (under mpiexec the head's standard
 # streams are pipes from the launcher): "in" if standard input is a terminal (print "> " prompts),
@@ -22,25 +23,28 @@ from .prompt_input import check_stop_strings
 # pipes, and a summary line could overtake the end of the answer it follows).
 TERMINAL_ENV = "PIPEINFER_CHAT_TERMINAL"
 
-EPILOG = """Examples:
+EPILOG = epilog("""Examples:
 
   pipeinfer chat smollm2-135m-instruct
 
-  pipeinfer chat qwen-coder --ranks 2 --system "You are a terse code reviewer."
+  pipeinfer chat qwen-coder --ranks 2 --system "Be a terse code reviewer."
 
-  pipeinfer chat qwen-coder --layer-split 1/1 -M speculative      # draft on its own rank
+  pipeinfer chat qwen-coder --layer-split 1/1 -M speculative   # a draft rank
 
-  printf 'Hi\\nWhat did I just say?\\n' | pipeinfer chat smollm2-135m-instruct   # scripted
+  printf 'Hi\\nWhat did I just say?\\n' | pipeinfer chat smollm2-135m-instruct
 
 Type a message and press Enter; the answer streams, and a summary line (tok/s, TTFT, acceptance,
 prompt tokens reused from the previous turn) follows on stderr. /reset starts a new conversation,
-/exit or Ctrl-D ends the chat; Ctrl-C stops the whole job at once.
+/exit or Ctrl-D ends the chat; Ctrl-C stops the whole job at once. With standard input not a
+terminal (the last example) the chat reads one message a line, without prompts.
 
 Every turn sends the whole conversation through the model's chat template. The KV caches keep the
-previous turn, and a turn reuses the part of it that is exactly what a fresh prompt pass would
-compute (whole chunks of 256 prompt tokens), so answers are the very tokens `pipeinfer generate
+previous turn, and a turn reuses only the part of it that is exactly what a fresh prompt pass would
+compute: the previous prompt's whole chunks of 256 tokens. A short chat reuses nothing (`reused
+0/31`); once the previous prompt holds 256 tokens or more, a turn recomputes at most 255 of them plus
+the previous answer and the new message. So answers are the very tokens `pipeinfer generate
 --messages` prints for the same conversation, and a long conversation pays mostly for the new turn.
-"""
+""")
 
 
 @job_options(n_predict=-1)
@@ -52,9 +56,10 @@ def chat(
     stop: StopOption = None,
     job: JobOptions = None,
 ) -> None:
-    """Chat with a model in the terminal; the models load once, every turn reuses the previous one's KV cells.
+    """Chat with a model in the terminal; the models load once, a turn reuses the previous one's KV cells in whole 256-token chunks.
 
-    Answers stream to stdout; a summary line per answer goes to stderr.
+    Answers stream to stdout; a summary line per answer goes to stderr. Until the previous prompt
+    holds 256 tokens nothing is reused (the summary says `reused 0/31 prompt tokens`); see below.
     """
     from ..transport.launch import relaunch, under_mpi_launcher
 
@@ -86,7 +91,7 @@ def _run(cfg, mode: str, system: str | None, stops: list[str]) -> None:
     def head_main(head) -> None:
         if interactive:
             draft = f" + draft {cfg.draft_label}" if cfg.draft_label and mode != "iterative" else ""
-            notes.write(f"pipeinfer chat: {cfg.model_label}{draft}, mode {mode}, {head.topo.world_size} rank(s). "
+            notes.write(f"pipeinfer chat: {cfg.model_label}{draft}, mode {mode}, {plural(head.topo.world_size, 'rank')}. "
                         "/reset starts over, /exit or Ctrl-D ends.\n")
             notes.flush()
         ChatSession(head, settings, chat_summary, stderr=notes).run()

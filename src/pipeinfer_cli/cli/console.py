@@ -11,8 +11,6 @@ out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 
-
-
 def byte_progress() -> Progress:
     """A progress bar in bytes, drawn on stderr (hidden automatically when stderr is not a terminal)."""
     return Progress(
@@ -24,11 +22,3 @@ def byte_progress() -> Progress:
         console=err,
         transient=False,
     )
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"

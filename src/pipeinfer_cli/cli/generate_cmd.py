@@ -24,27 +24,38 @@ from .job_setup import (
 )
 from .options import JsonFlag, ModelOption, ModeOption, OptionalModelArg, StopOption
 from .prompt_input import check_stop_strings, read_prompt_input
+from .wording import epilog, plural
 
-EPILOG = """Examples:
+EPILOG = epilog("""Examples:
 
   pipeinfer generate smollm2-135m-instruct -p "The capital of France is" -n 32
 
-  pipeinfer generate -m qwen-coder --chat "Write FizzBuzz in Python" -n 64 --ranks 2
+  pipeinfer generate -m qwen-coder --chat "Write FizzBuzz in Python" -n 64 \\
+      --ranks 2
 
-  pipeinfer generate qwen2.5-coder-1.5b-instruct --draft lookup --ranks 2 -f prompt.txt
+  pipeinfer generate qwen2.5-coder-1.5b-instruct --draft lookup --ranks 2 \\
+      -f prompt.txt
 
-  pipeinfer generate qwen-coder --system "Review this patch." --chat "$(git diff)" -n -1
+  pipeinfer generate qwen-coder --system "Review this patch." \\
+      --chat "$(git diff)" -n -1
 
-  cat notes.txt | pipeinfer generate smollm2-135m-instruct -f - -n 64 --stop "###"
+  cat notes.txt | pipeinfer generate smollm2-135m-instruct -f - -n 64 \\
+      --stop "###"
 
-  mpirun -hostfile hosts -n 4 pipeinfer generate qwen-coder --layer-split 0.2,0.4,0.4/1 --chat "Hi"
+  mpirun -hostfile hosts -n 4 pipeinfer generate qwen-coder \\
+      --layer-split 0.2,0.4,0.4/1 --chat "Hi"
 
-With a draft (--draft, or a pair name such as qwen-coder) the mode is pipeinfer unless -M says otherwise.
+A registry model that is not downloaded yet is pulled first (one line on stderr says what, how
+big and where); --no-pull or PIPEINFER_NO_PULL=1 refuses.
 
-Greedy decoding (--temp 0, the default) prints exactly the same tokens in every mode; with --temp > 0 the same --seed also gives the same tokens in every mode.
+With a draft (--draft, or a pair name such as qwen-coder) the mode is pipeinfer unless -M says
+otherwise.
+
+Greedy decoding (--temp 0, the default) prints exactly the same tokens in every mode; with
+--temp > 0 the same --seed also gives the same tokens in every mode.
 
 --messages takes a JSON list of {"role": "system"|"user"|"assistant", "content": "..."} objects.
-"""
+""")
 
 
 @job_options
@@ -171,10 +182,6 @@ def world_rank() -> int:
     from mpi4py import MPI
 
     return MPI.COMM_WORLD.Get_rank()
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def summary_line(r: dict) -> str:

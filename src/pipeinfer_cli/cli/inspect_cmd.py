@@ -13,8 +13,9 @@ from ..errors import UsageError
 from ..gguf_info import read_model_info
 from ..model_files import resolve_model
 from ..registry import load_registry
-from .console import human_bytes, out
+from .console import out
 from .options import JsonFlag, LayerSplitOption
+from .wording import human_bytes, plural
 
 
 InspectRanksOption = Annotated[int | None, typer.Option(
@@ -56,7 +57,7 @@ def inspect(
         fractions, n_draft_ranks = parse_layer_split(layer_split)
         split_ranks = len(fractions) + n_draft_ranks
         if ranks is not None and ranks != split_ranks:
-            raise UsageError(f"--layer-split {layer_split!r} describes {split_ranks} ranks but --ranks is {ranks}")
+            raise UsageError(f"--layer-split {layer_split!r} describes {plural(split_ranks, 'rank')} but --ranks is {ranks}")
         if n_draft_ranks and draft_label in (None, "lookup"):
             raise UsageError(f"--layer-split {layer_split!r} has a draft rank ('/1'), which needs a draft model: pass --draft MODEL")
         ranks = split_ranks
@@ -128,7 +129,7 @@ def _layer_bytes_table(info) -> Table:
 def _print_split(info, layer_split: str | None, draft_label: str | None) -> None:
     how = f"--layer-split {layer_split}" if layer_split else "balanced by bytes read per token"
     draft_note = f", draft {draft_label}" if draft_label else ""
-    st = Table(title=f"layer split for {len(info.split)} rank(s): {info.layer_split} ({how}{draft_note})",
+    st = Table(title=f"layer split for {plural(len(info.split), 'rank')}: {info.layer_split} ({how}{draft_note})",
                title_justify="left", box=None, pad_edge=False, header_style="bold underline")
     # "per token" = layers + LM head + draft: the bytes of weights a rank reads for each token, which
     # the default split balances. token_embd is held, not read (one row per token).

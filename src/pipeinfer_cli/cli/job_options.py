@@ -1,4 +1,4 @@
-"""The options every job command shares (generate, bench), declared once.
+"""The options every job command shares (generate, chat, serve, bench), declared once.
 
 `@job_options` adds them to a Typer command's signature and hands them to the command as one
 `job: JobOptions` object, so the commands neither repeat the option list nor a long keyword call.
@@ -41,6 +41,7 @@ class JobOptions:
     threads: o.ThreadsOption = None
     ctx: o.CtxOption = 4096
     rank_timeout: o.RankTimeoutOption = DEFAULT_RANK_TIMEOUT_S
+    no_pull: o.NoPullOption = False
 
 
 def job_options(command=None, **defaults):

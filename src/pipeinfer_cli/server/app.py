@@ -22,13 +22,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine.service import Event, GenerationRequest, InvalidRequest, Service, ServiceUnavailable
+from ..cli.wording import human_bytes
 from ..errors import UsageError
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openai_errors import ApiError, invalid, unavailable
 from .openai_request import ParsedRequest, check_tokens, parse_chat, parse_completion, parse_json
 from .openai_response import Reply
 
-MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_BODY_BYTES = 4_000_000  # 4 MB
 DISCONNECT_POLL_S = 0.5  # a non-streaming request checks this often whether its client is still there
 
 
@@ -36,7 +37,7 @@ DISCONNECT_POLL_S = 0.5  # a non-streaming request checks this often whether its
 class ServerSettings:
     """What the routes need besides the service."""
 
-    model: str  # the target's name, as /v1/models lists it
+    model: str  # the target's name, as /v1/models lists it and every response's "model" says
     draft: str | None = None  # the draft's name, "lookup", or None
     api_key: str | None = None  # if set, /v1/* and /metrics need `Authorization: Bearer KEY`
     max_body_bytes: int = MAX_BODY_BYTES
@@ -121,7 +122,9 @@ class _Api:
         except ServiceUnavailable as e:
             self.metrics.refused(endpoint, "rejected")
             return unavailable(e.args[0], e.retry_after, code=e.reason).response()
-        reply = Reply(parsed.chat, parsed.model or self.settings.model)
+        # The loaded model's name, whatever the client asked for ("gpt-4", "any"), as llama-server answers:
+        # the response says which model wrote it.
+        reply = Reply(parsed.chat, self.settings.model)
         if parsed.stream:
             return EventSourceResponse(self._stream(endpoint, reply, parsed, ticket, events), sep="\n", ping=15)
         return await self._wait(request, endpoint, reply, ticket, events)
@@ -221,7 +224,7 @@ class _Api:
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 past `limit` bytes (checked while reading, not only from the header)."""
-    too_big = ApiError(413, f"the request body is larger than {limit // 1024} KiB, the server's limit",
+    too_big = ApiError(413, f"the request body is larger than {human_bytes(limit)}, the server's limit",
                        code="request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:

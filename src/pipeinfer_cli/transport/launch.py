@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UsageError, debug_enabled, error_line
@@ -79,7 +80,7 @@ def _die_with_parent():
 PUMP_DRAIN_S = 10
 
 
-def relaunch(n_ranks: int, argv: list[str]) -> int:
+def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | None = None) -> int:
     """Run this same command as an MPI job of n_ranks processes and return its exit code.
 
     The job runs in a session of its own, so a Ctrl-C at the terminal reaches only this process,
@@ -87,7 +88,9 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
     wait for ranks that may be busy in C code, loading a model). On Ctrl-C, SIGTERM or SIGHUP this
     process stops the job itself: SIGTERM to every process of it, SIGKILL STOP_GRACE_S later,
     and it returns only once they are gone. What the launcher prints about its teardown is
-    dropped, and the one line reported is `Error: interrupted`.
+    dropped, and the one line reported is `Error: interrupted` (`Error: stopped by SIGTERM`).
+    clean_stop: for a command that a stop signal is meant to end (a server), the line to print
+    instead, given the signal's name; the exit status is then 0.
 
     The head prints its own errors; an abnormal end it could not report (a rank killed or
     crashed) is reported here, in one line.
@@ -141,6 +144,9 @@ def relaunch(n_ranks: int, argv: list[str]) -> int:
         return 128 + signal.SIGPIPE  # the reader went away: the job was stopped, nothing to report
     if stopped_by:
         signum = stopped_by[0]
+        if clean_stop is not None:
+            _say(clean_stop(signal.Signals(signum).name))
+            return 0
         _report("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}")
         return 128 + signum
     if rc != 0 and pumps[1].reported:
@@ -177,7 +183,11 @@ def abnormal_end(reason: str | None, rc: int, launcher_said: list[str] | None = 
 
 
 def _report(msg: str) -> None:
+    _say(error_line(msg))
+
+
+def _say(line: str) -> None:
     with contextlib.suppress(OSError, ValueError):  # the terminal may be gone (SIGHUP)
         sys.stdout.flush()
-        sys.stderr.write(error_line(msg) + "\n")
+        sys.stderr.write(line + "\n")
         sys.stderr.flush()

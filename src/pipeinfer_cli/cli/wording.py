@@ -1,0 +1,46 @@
+"""How counts, sizes and help examples are written in everything a user reads.
+
+One plural rule (`1 rank`, `2 ranks`; never `rank(s)`) and one unit convention: decimal units,
+kB/MB/GB (1 MB = 1,000,000 bytes), as the README, the download progress bar and pip write them.
+"""
+
+from __future__ import annotations
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """`1 token`, `2 tokens`, `0 tokens`; many: the plural form when it is not word + "s"."""
+    return f"{n} {word if n == 1 else many or word + 's'}"
+
+
+def human_bytes(n: float) -> str:
+    """A byte count in decimal units: `512 B`, `3.1 kB`, `98.4 MB`, `1.1 GB`."""
+    if abs(n) < 1000:
+        return f"{n:.0f} B"
+    for unit in ("kB", "MB"):
+        n /= 1000
+        if abs(round(n, 1)) < 1000:  # 999,960 bytes is 1.0 MB, not 1000.0 kB
+            return f"{n:.1f} {unit}"
+    return f"{n / 1000:.1f} GB"
+
+
+# Typer's help prints an epilog inside a margin of one column on each side, so an example line
+# (two spaces of indent included) must fit in this many columns to show whole on an 80-column
+# terminal; a longer command is written over several lines, ending each but the last with ` \`.
+EXAMPLE_WIDTH = 78
+
+
+def epilog(text: str) -> str:
+    """A command's help epilog from readable source text. A paragraph whose lines are all indented
+    is examples: kept line for line (the help never rewraps it at these widths, so a copied
+    example runs). Any other paragraph is prose: its lines are joined into one, which the help
+    then wraps to the terminal's width (Typer keeps line breaks, so prose broken at 100 columns
+    would come out ragged on a narrower terminal)."""
+    paragraphs = []
+    for para in text.strip("\n").split("\n\n"):
+        lines = para.split("\n")
+        if all(line.startswith("  ") for line in lines):
+            paragraphs.append(para)
+        else:
+            paragraphs.append(" ".join(line.strip() for line in lines))
+    return "\n\n".join(paragraphs)
+
