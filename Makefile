@@ -49,9 +49,11 @@ native: deps
 install: native
 	@$(PY) -c "import pipeinfer_cli._native as n; print('pipeinfer installed; native extension linked against ggml', n.ggml_version(), file=__import__('sys').stderr)"
 
+# The answer ends by itself (137 tokens with SmolLM2: the function, then a short explanation);
+# -n 256 only bounds a runaway.
 demo: install
 	$(VENV)/bin/pipeinfer models pull smollm2-135m-instruct
-	$(VENV)/bin/pipeinfer generate smollm2-135m-instruct --draft lookup --mode pipeinfer --ranks 2 -n 48 \
+	$(VENV)/bin/pipeinfer generate smollm2-135m-instruct --draft lookup --mode pipeinfer --ranks 2 -n 256 \
 	  --chat "$$(printf '%s\n' 'Add type hints and a docstring to this Python function, and return the whole function:' '' \
 	    'def is_prime(n):' '    if n < 2:' '        return False' '    for i in range(2, int(n ** 0.5) + 1):' \
 	    '        if n % i == 0:' '            return False' '    return True')"
