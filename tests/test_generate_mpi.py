@@ -290,6 +290,8 @@ def test_bad_arguments(tiny_files, args, needles):
     args = [tiny_files["target"] if a == "TARGET" else a for a in args]
     r = run(*args, "-p", PROMPT, "-n", 8, timeout=30)
     assert_one_line_error(r, *needles)
+    # Usage errors exit 2, misspelled model names included; a missing file is not one (exit 1).
+    assert r.returncode == (1 if "/nonexistent/model.gguf" in args else 2)
 
 
 # -- faults -----------------------------------------------------------------------------------------

@@ -169,7 +169,7 @@ def test_unknown_model_on_the_command_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # "smollm2" is not a file here
     for args in (["inspect", "smollm2"], ["models", "pull", "smollm2"], ["models", "path", "smollm2"]):
         r = runner.invoke(app, args)
-        assert r.exit_code == 1, (args, r.output)
+        assert r.exit_code == 2, (args, r.output)
         lines = r.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("Error: unknown model 'smollm2'; did you mean 'smollm2-135m-instruct'?"), r.stderr
     r = runner.invoke(app, ["inspect", "qwen"])

@@ -1,5 +1,7 @@
 #include "kv_cache.h"
 
+#include "gguf_file.h"
+
 #include "errors.h"
 #include "huge_pages.h"
 #include "ggml-cpu.h"
@@ -32,7 +34,12 @@ kv_cache::kv_cache(uint32_t size, uint32_t n_seq_max, int n_layer, int64_t n_emb
         ggml_format_name(k_.back(), "cache_k_l%d", il);
         ggml_format_name(v_.back(), "cache_v_l%d", il);
     }
-    buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, ggml_backend_cpu_buffer_type());
+    {
+        // ggml logs a failed allocation on stderr; the engine's exception says it once, with the fix.
+        std::string ggml_said;
+        quiet_ggml_log quiet(&ggml_said);
+        buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, ggml_backend_cpu_buffer_type());
+    }
     if (!buf_) {
         ggml_free(ctx_);
         throw std::bad_alloc();  // the engine reports the size and the fix

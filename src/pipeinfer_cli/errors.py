@@ -40,6 +40,12 @@ class RegistryError(PipeinferError):
     """models.toml is malformed, or a model / pair name is unknown."""
 
 
+class UnknownModelError(RegistryError):
+    """A model name that is neither in the registry nor a path: a usage error (exit status 2)."""
+
+    exit_code = 2
+
+
 class ModelFileError(PipeinferError):
     """A model path is missing, is not a GGUF file, or is truncated."""
 

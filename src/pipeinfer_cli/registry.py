@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import RegistryError
+from .errors import RegistryError, UnknownModelError
 
 _SHA256_HEX = set("0123456789abcdef")
 
@@ -77,7 +77,7 @@ class Registry:
             if close:
                 choices = close[0] if len(close) == 1 else f"{', '.join(close[:-1])} or {close[-1]}"
                 known = f"did you mean {choices}? K{known[1:]}"
-            raise RegistryError(
+            raise UnknownModelError(
                 f"unknown model {name!r}; {known}"
             ) from None
 

@@ -115,10 +115,22 @@ def omp_wait_policy(environ=os.environ) -> str | None:
     return None
 
 
+# The commands that start a job (and check in with every rank at its start, transport/startup.py).
+JOB_COMMANDS = ("generate", "chat", "serve", "bench")
+
+
 def main() -> None:
     # Decided before libgomp loads (it reads the variable once).
     if (policy := omp_wait_policy()) is not None:
         os.environ["OMP_WAIT_POLICY"] = policy
+    from ..transport.launch import under_mpi_launcher
+
+    if under_mpi_launcher():
+        from ..transport.start_waits import arm_start_watchdog, sleep_while_starting
+
+        sleep_while_starting()  # before MPI starts: its start-up waits must not spin
+        if len(sys.argv) > 1 and sys.argv[1] in JOB_COMMANDS:
+            arm_start_watchdog()  # a rank that never starts must not hang the job
     signal.signal(signal.SIGINT, _on_interrupt)
     try:
         app()

@@ -19,8 +19,17 @@ from ..errors import PipeinferError, debug_enabled, describe, error_line
 from .console import err
 
 
-def report(exc: BaseException) -> None:
-    err.print(error_line(describe(exc, traceback_too=debug_enabled())), markup=False, highlight=False)
+def report(exc: BaseException, exit_code: int = 1) -> None:
+    """Print exc as one `Error: …` line: on a rank of an MPI job that has not started, once for the
+    whole job, by its head (transport/startup.py), which also ends every other rank."""
+    say(describe(exc, traceback_too=debug_enabled()), exit_code)
+
+
+def say(message: str, exit_code: int) -> None:
+    from ..transport.startup import fail_before_start
+
+    if not fail_before_start(message, exit_code):
+        err.print(error_line(message), markup=False, highlight=False)
 
 
 def usage_message(exc: ClickUsageError, parent=None) -> str:
@@ -48,8 +57,8 @@ class ErrorHandlingGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except PipeinferError as exc:
-            report(exc)
+            report(exc, exc.exit_code)
             raise typer.Exit(exc.exit_code) from None
         except ClickUsageError as exc:
-            err.print(error_line(usage_message(exc, ctx)), markup=False, highlight=False)
+            say(usage_message(exc, ctx), 2)
             raise typer.Exit(2) from None

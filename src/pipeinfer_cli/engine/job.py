@@ -12,7 +12,6 @@ modes on the same ranks. Where each part lives:
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +21,15 @@ from ..transport.clock import clock_offsets
 from ..transport.deadlines import DEFAULT_RANK_TIMEOUT_S
 from ..transport.liveness import Liveness
 from ..transport.mpi_link import Link, set_spin_tail
+from ..transport.start_waits import start_timeout_s
+from ..transport.startup import StartupFailed, job_startup
 from .head import Callbacks, Head, serve_requests
 from .loading import Loaded, load_rank
 from .sampling import SamplingParams
 from .session import MODES, DecodeOptions  # noqa: F401 - MODES is part of this module's API
 from .topology import Topology, alone_on_cores, plan_job
 from .trace import TraceRecorder
-from .worker import abort_job, head_failed, leave_after_head, serve_worker
+from .worker import abort_job, serve_worker
 
 
 @dataclass
@@ -65,14 +66,9 @@ class JobConfig:
     rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S  # liveness deadline (transport/liveness.py); 0: off
 
 
-class JobFailed(PipeinferError):
-    """The job could not start: a rank failed to plan or load (the message names the rank).
-
-    It exits as the original error would: 2 for a usage error (e.g. a prompt too long for --ctx)."""
-
-    def __init__(self, msg: str, exit_code: int = 1):
-        super().__init__(msg)
-        self.exit_code = exit_code
+# A rank failed to plan or load: the message names the rank and host; it exits as the original
+# error would (2 for a usage error, e.g. a prompt too long for --ctx).
+JobFailed = StartupFailed
 
 
 def plan(cfg: JobConfig, world_size: int, ranks_per_host: int, needs_draft: bool = False) -> Topology:
@@ -140,12 +136,11 @@ def _load_job(cfg: JobConfig, requests: list[Request], needs_draft: bool | None 
               before_load: Callable[[], None] | None = None):
     """This rank's link, trace recorder and loaded models, and every rank's clock offset.
     before_load runs on the head only (see run_service)."""
-    from mpi4py import MPI
-
-    link = Link(MPI.COMM_WORLD)
+    startup = job_startup()
+    link = startup.link
     trace = TraceRecorder(link.rank)
-    loaded = _plan_and_load(link, cfg, requests, needs_draft, before_load if link.rank == 0 else None)
-    start_liveness(link, cfg, loaded)
+    loaded, threads = _plan_and_load(link, cfg, requests, needs_draft, before_load if link.rank == 0 else None)
+    start_liveness(link, cfg, loaded, startup.hosts, threads)
     # Workers probe the clocks inside their fault protocol (serve_worker's `before`).
     return link, trace, loaded, head_clock_offsets(link) if link.rank == 0 else []
 
@@ -161,15 +156,15 @@ def head_clock_offsets(link: Link) -> list[float]:
         raise
 
 
-def start_liveness(link: Link, cfg: JobConfig, loaded: Loaded) -> None:
+def start_liveness(link: Link, cfg: JobConfig, loaded: Loaded, hosts: list[str], threads: list[int]) -> None:
     """Once every rank has loaded: name the ranks for errors, say whether this rank has its cores
     to itself (waits may then stay awake when PIPEINFER_WAIT_SPIN=tail asks), and with a
-    --rank-timeout start the heartbeats and deadlines (transport/liveness.py)."""
-    census = link.allgather((socket.gethostname(), busy_threads(loaded)))
-    hosts = [host for host, _ in census]
+    --rank-timeout start the heartbeats and deadlines (transport/liveness.py).
+
+    hosts, threads: every rank's host name and busy threads (start-up's check-ins)."""
     link.names = rank_names(loaded.topo, hosts)
-    here = sum(n for host, n in census if host == hosts[link.rank])
-    set_spin_tail(alone_on_cores(here, census[link.rank][1]))
+    here = sum(n for host, n in zip(hosts, threads) if host == hosts[link.rank])
+    set_spin_tail(alone_on_cores(here, threads[link.rank]))
     if cfg.rank_timeout_s > 0 and link.size > 1:
         engine = loaded.engine
         Liveness(link, cfg.rank_timeout_s, engine.eval_progress if engine is not None else (lambda: 0)).start()
@@ -198,28 +193,25 @@ def rank_names(topo: Topology, hosts: list[str]) -> list[str]:
 
 
 def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_draft: bool | None = None,
-                   before_load: Callable[[], None] | None = None) -> Loaded:
-    """Plan and load on every rank; a failure on any rank is reported once, by the head."""
+                   before_load: Callable[[], None] | None = None) -> tuple[Loaded, list[int]]:
+    """Plan and load on every rank: (this rank's models, every rank's busy threads). A failure on
+    any rank is reported once, by the head, naming the rank and its host (transport/startup.py)."""
     if needs_draft is None:
         needs_draft = any(r.mode != "iterative" for r in requests)
-    loaded, err = None, None
-    # A collective, so every rank calls it whatever fails: a rank that skipped it (its before_load
-    # raised) would wait in the allgather below while the others wait here, for ever.
-    ranks_here = link.ranks_on_this_host()
+    startup = job_startup()
+    # Every rank checks in before planning, whatever fails later, so that the head learns the
+    # hosts (ranks per host for the thread counts) and a rank that failed earlier is reported.
+    hosts = startup.hosts if startup.started else None
+    if hosts is None:
+        startup.check_in("start", deadline_s=start_timeout_s())
+        hosts = startup.hosts
+    loaded, err, code = None, None, 1
     try:
         if before_load is not None:
             before_load()
-        topo = plan(cfg, link.size, ranks_here, needs_draft)
+        topo = plan(cfg, link.size, hosts.count(hosts[link.rank]), needs_draft)
         loaded = load_rank(cfg, topo, link.rank, requests, needs_draft)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there
-        err = (describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1))
-    errors = link.allgather(err)
-    if any(errors):
-        if link.rank == 0:
-            bad = next(r for r, e in enumerate(errors) if e)
-            if link.size > 1:
-                head_failed()
-            text, code = errors[bad]
-            raise JobFailed(text if bad == 0 else f"rank {bad}: {text}", code)
-        leave_after_head(1)
-    return loaded
+        err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
+    threads = startup.check_in("loaded", busy_threads(loaded) if loaded is not None else 0, err, code)
+    return loaded, threads

@@ -70,20 +70,23 @@ def parse_layer_split(text: str) -> tuple[list[float], int]:
 
 
 def ranges_from_fractions(fractions: list[float], n_layer: int) -> list[tuple[int, int]]:
-    if len(fractions) > n_layer:
-        raise UsageError(f"--layer-split has {len(fractions)} stages but the model has only {n_layer} layers")
+    """Consecutive [begin, end) layer ranges, one per fraction, each holding at least one layer.
+
+    Each boundary is the rounded cumulative fraction, then clamped so that every stage before it
+    and after it still has a layer: 0.99,0.01 on 30 layers gives 29 and 1, never an empty or
+    out-of-range last stage."""
+    n_stages = len(fractions)
+    if n_stages > n_layer:
+        raise UsageError(f"--layer-split has {n_stages} stages but the model has only {n_layer} layers; "
+                         f"use at most {n_layer} stages")
     bounds = [0]
     acc = 0.0
-    for f in fractions[:-1]:
+    for i, f in enumerate(fractions[:-1], start=1):
         acc += f
-        bounds.append(round(acc * n_layer))
+        lowest, highest = bounds[-1] + 1, n_layer - (n_stages - i)
+        bounds.append(min(max(round(acc * n_layer), lowest), highest))
     bounds.append(n_layer)
-    # Every stage needs at least one layer; nudge rounding where a small fraction rounded to zero.
-    for i in range(1, len(bounds)):
-        bounds[i] = max(bounds[i], bounds[i - 1] + 1)
-    for i in range(len(bounds) - 2, 0, -1):
-        bounds[i] = min(bounds[i], bounds[i + 1] - 1)
-    return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
+    return [(bounds[i], bounds[i + 1]) for i in range(n_stages)]
 
 
 def parse_threads(text: str | None, world_size: int, ranks_per_host: int) -> list[int]:

@@ -2,55 +2,28 @@
 
 Fault handling: any rank that fails tells the head (ERROR); the head reports the error once and
 tells every rank to stop (ABORT); every process then exits with status 1 within seconds, so an
-`mpiexec` never hangs on a dead job.
-
-Order matters: MPI launchers (Hydra, Open MPI) kill the whole job as soon as one process exits
-without MPI_Finalize. So the other ranks wait for the head to leave first (at most ABORT_GRACE_S),
-and the head leaves without finalizing only after the error has been printed: the message cannot be
-lost, and the launcher tears the job down at once.
+`mpiexec` never hangs on a dead job. Who leaves first, and how, is transport/exits.py; failures
+before the job starts go through transport/startup.py.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 import time
 
 from ..errors import describe, error_line
+from ..transport.exits import hard_exit, head_failed, leave_after_head
 from ..transport.liveness import HeadUnresponsiveError
 from ..transport.mpi_link import Backoff, Link, wait_style
 from .metrics import peak_rss_mib, process_stats
 
 ERROR_WAIT_S = 5.0  # a failed rank waits this long for the head's ABORT before leaving anyway
-ABORT_GRACE_S = 3.0  # a rank told to abort waits this long for the head to print the error and leave
 FAIL_ENV = "PIPEINFER_DEBUG_FAIL"
 
 
 class JobAborted(Exception):
     """The head told this rank to stop because the job failed elsewhere."""
-
-
-def hard_exit(code: int) -> None:
-    """Leave without MPI_Finalize, which could wait forever on a dead peer."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def leave_after_head(code: int = 1) -> None:
-    """A non-head rank of a failed job: let the head leave first, then exit without MPI_Finalize.
-
-    The head prints the error and exits; the launcher then kills this process. If the head cannot
-    (it is stuck or dead), leave after ABORT_GRACE_S: the launcher then ends the job."""
-    time.sleep(ABORT_GRACE_S)
-    hard_exit(code)
-
-
-def head_failed() -> None:
-    """The head of a failed multi-rank job: once the error is reported (at interpreter exit), leave
-    without MPI_Finalize, so that the launcher stops the ranks waiting in leave_after_head at once."""
-    atexit.register(hard_exit, 1)
 
 
 def fail_after_error(link: Link, exc: BaseException, debug: bool) -> None:

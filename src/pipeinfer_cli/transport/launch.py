@@ -150,7 +150,9 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
         _report("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}")
         return 128 + signum
     if rc != 0 and pumps[1].reported:
-        return 1  # the head printed the error; the launcher may have killed the other ranks since
+        # The head printed the error; the launcher may have killed the other ranks since, so its
+        # status is the head's only when that is a usage error's 2 (the ranks exit with the head's).
+        return 2 if rc == 2 else 1
     if rc != 0:
         # A job that printed nothing of its own never ran: then the launcher's message says why.
         said = [] if any(p.passed for p in pumps) else pumps[1].launcher_messages + pumps[0].launcher_messages

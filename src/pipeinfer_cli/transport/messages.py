@@ -32,6 +32,7 @@ class Tag(IntEnum):
     DRAFT_REP = 10  # draft rank -> head: DraftReply
     CLOCK = 11  # clock-offset probes at start (pickled floats)
     HEARTBEAT = 12  # head <-> every other rank, every few seconds with --rank-timeout: [busy, progress...]
+    STARTUP = 13  # start-up check-ins (rank -> head) and the head's answer (go / abort), pickled
 
 
 class Msg(IntEnum):

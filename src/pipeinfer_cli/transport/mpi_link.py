@@ -178,7 +178,7 @@ class _Received:
 
 
 # Rare control messages sent pickled; every other tag carries one flat array.
-PICKLED_TAGS = frozenset({Tag.ERROR, Tag.STATS, Tag.CLOCK})
+PICKLED_TAGS = frozenset({Tag.ERROR, Tag.STATS, Tag.CLOCK, Tag.STARTUP})
 _SEQ = np.dtype(np.int64)
 
 
@@ -206,13 +206,6 @@ class Link:
         self.n_messages = 0  # sent and received: progress, as heartbeats report it
         self.liveness = None  # a liveness.Liveness once the job runs with a --rank-timeout
         self.names = [f"rank {r}" for r in range(self.size)]  # how errors name each rank
-
-    def allgather(self, obj) -> list:
-        """Every rank's obj, on every rank (collective; pickled, for start-up only)."""
-        return self.comm.allgather(obj)
-
-    def ranks_on_this_host(self) -> int:
-        return self.comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
 
     # -- receiving -------------------------------------------------------------------------
     def probe(self, source: int, tag: Tag) -> _Received | None:

@@ -11,6 +11,8 @@ import subprocess
 import threading
 import time
 
+from .start_waits import WATCHDOG_NAME
+
 STOP_GRACE_S = 0.5  # after SIGTERM to the job's processes, SIGKILL whatever is left
 GONE_TIMEOUT_S = 1.0  # then wait this long at most for the killed processes to disappear
 
@@ -45,10 +47,14 @@ def _process_table() -> dict[int, _Proc]:
 
 
 def _mpi_rank(pid: int) -> int | None:
-    """The MPI rank a process of the job is, from the launcher's variables in its environment."""
+    """The MPI rank a process of the job is, from the launcher's variables in its environment
+    (None for a rank's start watchdog, which inherited them: see start_waits.py)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read().split(b"\0")
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            if f.read().strip() == WATCHDOG_NAME:
+                return None
     except OSError:
         return None
     for item in env:

@@ -1,0 +1,38 @@
+"""How a rank of a failed job leaves, so that the error is printed once and no process hangs.
+
+MPI launchers (Hydra, Open MPI) kill the whole job as soon as one process exits without
+MPI_Finalize. So the other ranks wait for the head to leave first (at most ABORT_GRACE_S), and
+the head leaves without finalizing only after the error has been printed: the message cannot be
+lost, and the launcher tears the job down at once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+
+ABORT_GRACE_S = 3.0  # a rank told to abort waits this long for the head to print the error and leave
+
+
+def hard_exit(code: int) -> None:
+    """Leave without MPI_Finalize, which could wait forever on a dead peer."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def leave_after_head(code: int = 1) -> None:
+    """A non-head rank of a failed job: let the head leave first, then exit without MPI_Finalize.
+
+    The head prints the error and exits; the launcher then kills this process. If the head cannot
+    (it is stuck or dead), leave after ABORT_GRACE_S: the launcher then ends the job."""
+    time.sleep(ABORT_GRACE_S)
+    hard_exit(code)
+
+
+def head_failed(code: int = 1) -> None:
+    """The head of a failed multi-rank job: once the error is reported (at interpreter exit), leave
+    without MPI_Finalize, so that the launcher stops the ranks waiting in leave_after_head at once."""
+    atexit.register(hard_exit, code)
