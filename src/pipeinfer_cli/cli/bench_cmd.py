@@ -52,7 +52,7 @@ class TokenMismatchError(PipeinferError):
 
 
 def parse_modes(text: str) -> list[str]:
-    from ..engine.session import MODES
+    from ..engine.modes import MODE_NAMES as MODES
 
     modes = [m.strip() for m in text.split(",") if m.strip()]
     if not modes:
@@ -104,13 +104,15 @@ def bench(
             raise UsageError("--plot needs matplotlib; install it with `pip install 'matplotlib>=3.8,<4'`")
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     inside = under_mpi_launcher()
-    needs_draft = any(m != "iterative" for m in mode_list)
+    from ..engine.modes import needs_draft as mode_needs_draft
+
+    needs_draft = any(mode_needs_draft(m) for m in mode_list)
     target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull)
     chats = [p.id for p in prompt_set if p.messages is not None]
     if chats:
         check_chat_template(target.path, target.label, f"the chat prompts of the prompt set ({', '.join(chats)})")
     if needs_draft and draft_ref is None:
-        wants = ", ".join(m for m in mode_list if m != "iterative")
+        wants = ", ".join(m for m in mode_list if mode_needs_draft(m))
         raise UsageError(f"--modes {wants} need a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
 
     if not inside and want > 1:

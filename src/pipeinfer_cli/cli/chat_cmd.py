@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from ..engine.modes import needs_draft
 from ..errors import UsageError
 from .generate_cmd import one_model, summary_line, world_rank
 from .job_options import JobOptions, job_options
@@ -72,7 +73,7 @@ def chat(
     stops = check_stop_strings(stop)
     prep.cfg.reuse_prefix = True
     if not inside and prep.ranks > 1:
-        check_plan(prep.cfg, prep.ranks, needs_draft=prep.mode != "iterative")
+        check_plan(prep.cfg, prep.ranks, needs_draft=needs_draft(prep.mode))
         os.environ[TERMINAL_ENV] = _terminal()
         raise typer.Exit(relaunch(prep.ranks, sys.argv[1:]))
     check_world(prep.ranks, explicit=prep.explicit_ranks)
@@ -90,7 +91,7 @@ def _run(cfg, mode: str, system: str | None, stops: list[str]) -> None:
 
     def head_main(head) -> None:
         if interactive:
-            draft = f" + draft {cfg.draft_label}" if cfg.draft_label and mode != "iterative" else ""
+            draft = f" + draft {cfg.draft_label}" if cfg.draft_label and needs_draft(mode) else ""
             notes.write(f"pipeinfer chat: {cfg.model_label}{draft}, mode {mode}, {plural(head.topo.world_size, 'rank')}. "
                         "/reset starts over, /exit or Ctrl-D ends.\n")
             notes.flush()
@@ -98,7 +99,7 @@ def _run(cfg, mode: str, system: str | None, stops: list[str]) -> None:
 
     if world_rank() != 0:
         sys.stdin.close()  # only the head reads the conversation
-    run_head_loop(cfg, head_main, needs_draft=mode != "iterative")
+    run_head_loop(cfg, head_main, needs_draft=needs_draft(mode))
 
 
 def _terminal() -> str:

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from ..engine.modes import needs_draft
 from ..engine.topology import format_layer_ranges
 from ..errors import UsageError
 from .console import err, out
@@ -90,7 +91,7 @@ def generate(
     if given is not None and given.messages is not None:
         check_chat_template(cfg.model_path, cfg.model_label, "--chat/--messages/--system")
     if not inside and prep.ranks > 1:
-        check_plan(cfg, prep.ranks, needs_draft=prep.mode != "iterative")
+        check_plan(cfg, prep.ranks, needs_draft=needs_draft(prep.mode))
         raise typer.Exit(_relaunch(prep.ranks, given, whole_host_threads(prep.mode, job.threads)))
 
     from ..engine.job import Request
@@ -121,7 +122,7 @@ ITERATIVE_SPIN_COUNT = "10000"
 def whole_host_threads(mode: str, threads: str | None) -> int | None:
     """Threads per rank for a job this command starts on this machine, when the default should be
     all the cores (iterative mode, no --threads, no OMP_WAIT_POLICY of the user's); else None."""
-    if mode != "iterative" or threads is not None or "OMP_WAIT_POLICY" in os.environ:
+    if needs_draft(mode) or threads is not None or "OMP_WAIT_POLICY" in os.environ:
         return None
     return os.cpu_count() or 1
 

@@ -87,13 +87,9 @@ def check_n_predict(n_predict: int) -> None:
 
 def default_mode(mode: str | None, draft_ref) -> str:
     """The mode asked for; without one, pipeinfer (the product's mode) when there is a draft."""
-    from ..engine.session import MODES
+    from ..engine.modes import default_mode as default_for, get_mode
 
-    if mode is None:
-        return "pipeinfer" if draft_ref is not None else "iterative"
-    if mode not in MODES:
-        raise OptionValueError(f"unknown --mode {mode!r}; choose one of {', '.join(MODES)}")
-    return mode
+    return default_for(draft_ref is not None) if mode is None else get_mode(mode).name
 
 
 def check_spec_policy(policy: str) -> str:
@@ -149,8 +145,8 @@ def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:
     """Ranks, models (pulled unless inside the MPI job or --no-pull), mode and JobConfig of a job command."""
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull)
-    mode = default_mode(mode, draft_ref)
-    if mode != "iterative" and draft_ref is None:
-        raise UsageError(f"--mode {mode} needs a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
+    from ..engine.modes import check_mode
+
+    mode = check_mode(mode, draft_ref is not None)
     return PreparedJob(make_job_config(target, draft_ref, job), mode, want, bool(job.ranks or split_ranks),
                        draft_ref is not None)

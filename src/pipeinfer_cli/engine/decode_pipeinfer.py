@@ -35,40 +35,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
 
 from .async_draft import AsyncDraft
 from .draft_economy import PROBE_CONTEXT, DraftEconomy, DraftMemory
 from .drafters import AsyncDrafter, Drafter, Proposal
 from .kv_slots import KvSlots
 from .metrics import now
+from .pipeline_protocol import PipelineLike
 from .session import CANONICAL_SEQ, DecodeOptions, Session
 from .tree import Branch, Flight, confident, tree_batch, walk_tree
-
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
-
-
-class PipelineLike(Protocol):
-    """What the policy uses of a pipeline (`pipeline.Pipeline`, or a simulated one)."""
-
-    engine: object  # .n_seq_max, .n_ctx
-    n_stages: int
-    trace: object  # .slice(name, t0, t1, **args), .instant(name, t, **args)
-    ready: deque  # results received, oldest first (RunResult: run_id, sampled tokens or None)
-
-    def launch(self, tokens: list[int], pos: list[int], seq_ids: list[list[int]], output: list[bool],
-               speculative: bool = False) -> int: ...
-
-    def seq_cp(self, src: int, dsts: list[int], p0: int = -1, p1: int = -1) -> None: ...
-
-    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None: ...
-
-    def cancel(self, run_ids: list[int]) -> None: ...
-
-    def poll(self) -> bool: ...
-
-    def next_result(self): ...
 
 
 class PipeInfer:
@@ -435,6 +410,6 @@ class PipeInfer:
             self.draft.drain()
 
 
-def decode_pipeinfer(pipe: Pipeline, s: Session, opts: DecodeOptions, drafter: Drafter | AsyncDrafter,
+def decode_pipeinfer(pipe: PipelineLike, s: Session, opts: DecodeOptions, drafter: Drafter | AsyncDrafter,
                      prompt_pass: Callable[[], None] | None = None, memory: DraftMemory | None = None) -> None:
     PipeInfer(pipe, s, opts, drafter, wait_until=pipe.wait_until, prompt_pass=prompt_pass, memory=memory).run()

@@ -7,11 +7,11 @@ import os
 import threading
 from collections.abc import Callable
 
-from .pipeline import Pipeline
+from .pipeline_protocol import PipelineLike
 from .session import CANONICAL_SEQ, PREFILL_CHUNK, DecodeOptions, Session
 
 
-def prefill(pipe: Pipeline, s: Session, draft_prefill: Callable[[], None] | None = None,
+def prefill(pipe: PipelineLike, s: Session, draft_prefill: Callable[[], None] | None = None,
             draft_in_thread: bool = True, start: int = 0) -> None:
     """Process the prompt into the canonical sequence and commit the first token.
 
@@ -93,7 +93,7 @@ def lower_thread_priority(by: int) -> None:
         pass
 
 
-def decode_iterative(pipe: Pipeline, s: Session) -> None:
+def decode_iterative(pipe: PipelineLike, s: Session) -> None:
     while not s.done:
         pos = len(s.tokens) - 1  # the last committed token is not in the KV yet
         pipe.launch([s.tokens[-1]], [pos], [[CANONICAL_SEQ]], [True])
@@ -115,7 +115,7 @@ def verify(sampled, draft: list[int]) -> list[int]:
     return out
 
 
-def decode_speculative(pipe: Pipeline, s: Session, opts: DecodeOptions, drafter) -> None:
+def decode_speculative(pipe: PipelineLike, s: Session, opts: DecodeOptions, drafter) -> None:
     while not s.done:
         pos = len(s.tokens) - 1
         # Never draft past -n: tokens beyond it would be verified for nothing.

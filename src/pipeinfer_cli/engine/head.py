@@ -14,17 +14,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..transport.mpi_link import Link
-from .decode_sync import decode_iterative, decode_speculative, prefill
+from .decode_sync import prefill
 from .draft_economy import DraftMemory
 from .handoff import handoff_ms
 from .loading import Loaded, n_predict_for, tokenize_request
 from .metrics import now
+from .modes import decode, needs_draft
 from .pipeline import Pipeline
 from .prefix_cache import PrefixCache
 from .session import CANONICAL_SEQ, Session
 from .text_stream import TextStream
 from .trace import TraceRecorder
-from .worker import RankReport, abort_job, fault_injection
+from .rank_report import RankReport, fault_injection
+from .worker import abort_job
 
 # PIPEINFER_DEBUG_DIVERGE=MODE changes the last generated token of every MODE result (the result
 # only, after generation), so tests can check that `bench` reports modes that disagree.
@@ -125,7 +127,7 @@ class Head:
             self.prefix.after_request(prompt, s.tokens)
         else:
             self.pipe.kv_clear()
-        self.draft_used |= req.mode != "iterative"
+        self.draft_used |= needs_draft(req.mode)
         result = assemble_result(self.cfg, req, self.topo, self.tokenizer, s, ranks, self.offsets, t_end)
         result["reused_tokens"], result["common_prefix_tokens"] = keep, common
         if os.environ.get(DEBUG_DIVERGE) == req.mode:
@@ -170,7 +172,7 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
         drafter = LookupDrafter()
     local_draft = loaded.topo.draft_rank is None or req.draft == "lookup"  # a draft rank traces its own work
     draft_prefill = None
-    if drafter is not None and req.mode != "iterative":
+    if drafter is not None and needs_draft(req.mode):
         def draft_prefill() -> None:
             t0 = now()
             drafter.start(prompt, reuse)
@@ -181,15 +183,9 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
     deferred = (draft_prefill is not None and req.mode == "pipeinfer" and local_draft and pipe.n_stages == 1
                 and cfg.decode.spec_policy == "auto" and getattr(drafter, "has_prompt_pass", False))
     prefill(pipe, s, None if deferred else draft_prefill, draft_in_thread=local_draft, start=reuse)
-    if req.mode == "iterative":
-        decode_iterative(pipe, s)
-    elif req.mode == "speculative":
-        decode_speculative(pipe, s, cfg.decode, _TracedDrafter(drafter, trace) if local_draft else drafter)
-    else:
-        from .decode_pipeinfer import decode_pipeinfer
-
-        decode_pipeinfer(pipe, s, cfg.decode, drafter, prompt_pass=draft_prefill if deferred else None,
-                         memory=memory)
+    if req.mode == "speculative" and local_draft:
+        drafter = _TracedDrafter(drafter, trace)  # pipeinfer traces its own draft calls
+    decode(req.mode, pipe, s, cfg.decode, drafter, prompt_pass=draft_prefill if deferred else None, memory=memory)
     s.finish_text()
     return s
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import PipeinferError, describe
+from ..errors import describe
 from ..transport.clock import clock_offsets
 from ..transport.deadlines import DEFAULT_RANK_TIMEOUT_S
 from ..transport.liveness import Liveness
@@ -26,7 +26,8 @@ from ..transport.startup import StartupFailed, job_startup
 from .head import Callbacks, Head, serve_requests
 from .loading import Loaded, load_rank
 from .sampling import SamplingParams
-from .session import MODES, DecodeOptions  # noqa: F401 - MODES is part of this module's API
+from .modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
+from .session import DecodeOptions
 from .topology import Topology, alone_on_cores, plan_job
 from .trace import TraceRecorder
 from .worker import abort_job, serve_worker
@@ -197,7 +198,7 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
     """Plan and load on every rank: (this rank's models, every rank's busy threads). A failure on
     any rank is reported once, by the head, naming the rank and its host (transport/startup.py)."""
     if needs_draft is None:
-        needs_draft = any(r.mode != "iterative" for r in requests)
+        needs_draft = any(needs_draft_for(r.mode) for r in requests)
     startup = job_startup()
     # Every rank checks in before planning, whatever fails later, so that the head learns the
     # hosts (ranks per host for the thread counts) and a rank that failed earlier is reported.

@@ -24,9 +24,9 @@ class Loaded:
 def spec_margin(cfg, req) -> int:
     """KV cells beyond prompt + -n that a mode may fill: speculative runs in flight write past
     the last committed token (rejected cells are removed again)."""
-    if req.mode == "iterative":
-        return 1
-    return cfg.decode.n_draft * (cfg.decode.max_inflight if req.mode == "pipeinfer" else 1) + 2
+    from .modes import get_mode
+
+    return get_mode(req.mode).kv_margin(cfg.decode)
 
 
 def n_predict_for(cfg, req, n_prompt: int) -> int:

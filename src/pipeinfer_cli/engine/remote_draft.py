@@ -11,7 +11,7 @@ from ..transport.messages import DraftReply, DraftRequest, Msg, Tag
 from ..transport.mpi_link import Link
 from .drafters import Proposal
 from .metrics import now
-from .worker import JobAborted, RankReport, fault_injection
+from .rank_report import JobAborted, RankReport, fault_injection
 
 
 class RemoteDrafter:

@@ -31,7 +31,7 @@ from .head import Callbacks
 from .loading import spec_margin
 from .metrics import now
 from .sampling import SamplingParams
-from .session import MODES
+from .modes import MODE_NAMES as MODES, default_mode, needs_draft
 
 
 class ServiceUnavailable(PipeinferError):
@@ -159,7 +159,7 @@ class Service:
         return self.cfg is not None and self.cfg.draft_label is not None
 
     def default_mode(self) -> str:
-        return self.mode or ("pipeinfer" if self.has_draft else "iterative")
+        return self.mode or default_mode(self.has_draft)
 
     def tokenize(self, text: str | None = None, messages: list[dict] | None = None) -> list[int]:
         """Token ids of a raw prompt, or of chat messages formatted with the model's chat template."""
@@ -197,7 +197,7 @@ class Service:
         mode = request.mode or self.default_mode()
         if mode not in MODES:
             raise InvalidRequest(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
-        if mode != "iterative" and not self.has_draft:
+        if needs_draft(mode) and not self.has_draft:
             raise InvalidRequest(f"mode {mode} needs a draft, and this server has none (start it with --draft MODEL, "
                                  "--draft lookup or a pair name); use mode iterative", "mode")
         if not request.prompt:

@@ -9,7 +9,6 @@ from .metrics import GenerationMetrics, now
 from .sampling import SamplingParams
 from .text_stream import TextStream
 
-MODES = ("iterative", "speculative", "pipeinfer")
 SPEC_POLICIES = ("auto", "always")  # DecodeOptions.spec_policy
 CANONICAL_SEQ = 0  # the KV sequence that holds committed tokens on every stage
 PREFILL_CHUNK = 256  # prompt tokens per run (target) and per batch (draft): the same chunks everywhere

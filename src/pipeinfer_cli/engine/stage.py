@@ -19,7 +19,7 @@ from ..transport.messages import (
 from ..transport.mpi_link import Backoff, Link
 from .metrics import now
 from .sampling import SamplingParams, from_spec, sample_rows
-from .worker import JobAborted, RankReport, fault_injection
+from .rank_report import JobAborted, RankReport, fault_injection
 
 
 class CancelListener(threading.Thread):

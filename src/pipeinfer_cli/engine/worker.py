@@ -1,4 +1,4 @@
-"""Every rank's part in the job's fault protocol, and the per-request report a rank sends the head.
+"""Every rank's part in the job's fault protocol, and which role a non-head rank serves.
 
 Fault handling: any rank that fails tells the head (ERROR); the head reports the error once and
 tells every rank to stop (ABORT); every process then exits with status 1 within seconds, so an
@@ -8,22 +8,16 @@ before the job starts go through transport/startup.py.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 from ..errors import describe, error_line
 from ..transport.exits import hard_exit, head_failed, leave_after_head
 from ..transport.liveness import HeadUnresponsiveError
-from ..transport.mpi_link import Backoff, Link, wait_style
-from .metrics import peak_rss_mib, process_stats
+from ..transport.mpi_link import Backoff, Link
+from .rank_report import JobAborted
 
 ERROR_WAIT_S = 5.0  # a failed rank waits this long for the head's ABORT before leaving anyway
-FAIL_ENV = "PIPEINFER_DEBUG_FAIL"
-
-
-class JobAborted(Exception):
-    """The head told this rank to stop because the job failed elsewhere."""
 
 
 def fail_after_error(link: Link, exc: BaseException, debug: bool) -> None:
@@ -53,58 +47,6 @@ def end_without_head(link: Link, exc: HeadUnresponsiveError) -> None:
         print(error_line(str(exc)), file=sys.stderr)
         hard_exit(1)
     leave_after_head(1)
-
-
-def fault_injection(rank: int) -> int | None:
-    """PIPEINFER_DEBUG_FAIL=RANK:N makes rank RANK raise on its N-th run (a stage), draft proposal (the
-    draft rank) or committed token (the head, rank 0), to test fault handling."""
-    spec = os.environ.get(FAIL_ENV, "")
-    if not spec:
-        return None
-    r, _, n = spec.partition(":")
-    return int(n or 1) if int(r) == rank else None
-
-
-class RankReport:
-    """One rank's counters for the current request, sent to (or kept by) the head at each REPORT.
-
-    Every count restarts at each report, so a report is exactly one request's share. cpu_s counts
-    CPU seconds since the previous report, so an idle rank that spins would show it."""
-
-    def __init__(self, rank: int, role: str, layers, threads: int, trace, engine=None, link: Link | None = None):
-        self.rank, self.role, self.layers, self.threads = rank, role, layers, threads
-        self.trace, self.engine, self.link = trace, engine, link
-        self.busy_s = 0.0  # seconds computing (stage evals, draft proposals)
-        self.runs = 0  # runs computed or draft requests answered
-        self.kv_at_start: int | None = None  # KV cells in use when this request began (after the last clear)
-        self._reset()
-
-    def _reset(self) -> None:
-        self.busy_s, self.runs, self.kv_at_start = 0.0, 0, None
-        self._cpu0 = time.process_time()
-        self._engine0 = dict(self.engine.stats()) if self.engine is not None else None
-        if self.link is not None:
-            self.link.traffic.take()
-
-    def take(self, **extra) -> dict:
-        """The report since the previous one (trace events included); counting starts again."""
-        events = list(self.trace.events)
-        self.trace.events.clear()
-        out = {"rank": self.rank, "role": self.role, "layers": self.layers, "threads": self.threads,
-               "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(self.busy_s, 4),
-               "cpu_s": round(time.process_time() - self._cpu0, 3), "runs": self.runs, "wait": wait_style()}
-        out["process"] = process_stats()
-        if self.engine is not None:
-            stats = dict(self.engine.stats())
-            out["engine"] = {k: v - self._engine0.get(k, 0) for k, v in stats.items()}
-            out["kv_used_cells"] = self.engine.kv_used_cells()
-            out["kv_used_cells_at_start"] = self.kv_at_start
-        if self.link is not None:
-            out["wire"] = self.link.traffic.take()
-        out.update(extra)
-        out["trace"] = events
-        self._reset()
-        return out
 
 
 def abort_job(link: Link) -> None:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..engine.sampling import SamplingParams
-from ..engine.session import MODES
+from ..engine.modes import MODE_NAMES as MODES
 from .openai_errors import ApiError, invalid, unsupported
 
 MAX_STOP_STRINGS = 16

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..errors import PipeinferError
 from .messages import Tag
-from .start_waits import start_timeout_s, started_now
+from .start_waits import started_now
 from .mpi_link import Backoff, Link
 
 # How long a rank that failed before the start waits for the head's answer before it reports
