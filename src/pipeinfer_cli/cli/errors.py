@@ -26,10 +26,10 @@ def report(exc: BaseException, exit_code: int = 1) -> None:
 
 
 def say(message: str, exit_code: int) -> None:
-    from ..transport.startup import fail_before_start
+    from ..transport.startup import end_before_start
 
-    if not fail_before_start(message, exit_code):
-        err.print(error_line(message), markup=False, highlight=False)
+    end_before_start(message, exit_code)  # returns on the head and outside a job
+    err.print(error_line(message), markup=False, highlight=False)
 
 
 def usage_message(exc: ClickUsageError, parent=None) -> str:

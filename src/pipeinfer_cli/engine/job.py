@@ -22,7 +22,7 @@ from ..transport.deadlines import DEFAULT_RANK_TIMEOUT_S
 from ..transport.liveness import Liveness
 from ..transport.mpi_link import Link, set_spin_tail
 from ..transport.start_waits import start_timeout_s
-from ..transport.startup import StartupFailed, job_startup
+from ..transport.startup import job_startup
 from .head import Callbacks, Head, serve_requests
 from .loading import Loaded, load_rank
 from .sampling import SamplingParams
@@ -65,11 +65,6 @@ class JobConfig:
     # prefill computes (engine/prefix_cache.py). Off for generate and bench (honest TTFT figures).
     reuse_prefix: bool = False
     rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S  # liveness deadline (transport/liveness.py); 0: off
-
-
-# A rank failed to plan or load: the message names the rank and host; it exits as the original
-# error would (2 for a usage error, e.g. a prompt too long for --ctx).
-JobFailed = StartupFailed
 
 
 def plan(cfg: JobConfig, world_size: int, ranks_per_host: int, needs_draft: bool = False) -> Topology:
@@ -202,10 +197,9 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
     startup = job_startup()
     # Every rank checks in before planning, whatever fails later, so that the head learns the
     # hosts (ranks per host for the thread counts) and a rank that failed earlier is reported.
-    hosts = startup.hosts if startup.started else None
-    if hosts is None:
+    if not startup.started:
         startup.check_in("start", deadline_s=start_timeout_s())
-        hosts = startup.hosts
+    hosts = startup.hosts
     loaded, err, code = None, None, 1
     try:
         if before_load is not None:

@@ -9,12 +9,12 @@ before the job starts go through transport/startup.py.
 from __future__ import annotations
 
 import sys
-import time
 
 from ..errors import describe, error_line
 from ..transport.exits import hard_exit, head_failed, leave_after_head
 from ..transport.liveness import HeadUnresponsiveError
-from ..transport.mpi_link import Backoff, Link
+from ..transport.messages import Tag
+from ..transport.mpi_link import Link
 from .rank_report import JobAborted
 
 ERROR_WAIT_S = 5.0  # a failed rank waits this long for the head's ABORT before leaving anyway
@@ -30,11 +30,7 @@ def fail_after_error(link: Link, exc: BaseException, debug: bool) -> None:
         link.liveness.stop()  # the head decides now; a silent head is caught by the deadline below
     link.report_error(text)
     link.flush(timeout_s=2)
-    deadline = time.monotonic() + ERROR_WAIT_S
-    backoff = Backoff(hi=10e-3)
-    while time.monotonic() < deadline and not link.abort_requested():
-        backoff.idle()
-    if link.abort_requested():
+    if link.arrives_within(0, Tag.ABORT, ERROR_WAIT_S):
         leave_after_head(1)
     print(error_line(f"rank {link.rank}: {text}"), file=sys.stderr)
     hard_exit(1)

@@ -331,6 +331,18 @@ class Link:
         for _ in range(copies):
             self._pending.append((self.comm.isend((seq, obj), dest=dest, tag=int(tag)), obj))
 
+    def arrives_within(self, source: int, tag: Tag, timeout_s: float) -> bool:
+        """Wait (sleeping, coarsely: for rare control messages) up to timeout_s for a message of
+        (source, tag), without consuming it; whether one arrived."""
+        deadline = time.monotonic() + timeout_s
+        backoff = Backoff(hi=10e-3)
+        while self.probe(source, tag) is None:
+            if time.monotonic() >= deadline:
+                return False
+            self.progress_sends()
+            backoff.idle()
+        return True
+
     def recv_pickled(self, source: int, tag: Tag, on_idle: Callable[[], None] | None = None):
         """Wait (without spinning) for a pickled message and return it."""
         return self._pop(self.wait_probe(source, tag, on_idle=on_idle), tag)

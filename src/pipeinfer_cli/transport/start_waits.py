@@ -51,7 +51,7 @@ def _libc():
 # A rank that dies before MPI starts (pipeinfer missing on its host, a crash at import) never joins
 # MPI_Init, and MPICH's launcher then waits for ever with every other rank inside MPI_Init, which
 # holds the GIL: no Python thread can time it out. A forked watchdog process can: it ends this
-# rank if the job has not started (started_now) within START_WATCHDOG_S. Rank 0 says why; the
+# rank if the job has not started (started_now) within PIPEINFER_START_TIMEOUT + WATCHDOG_EXTRA_S. Rank 0 says why; the
 # others wait a little longer, in case rank 0 itself is the one that never started.
 START_TIMEOUT_ENV = "PIPEINFER_START_TIMEOUT"
 DEFAULT_START_TIMEOUT_S = 120.0
@@ -103,10 +103,9 @@ def arm_start_watchdog() -> None:
                 import signal
                 import socket
 
-                msg = (f"Error: the MPI job did not start within {wait_s:g} s: a rank failed before MPI started "
-                       f"(see its output above) or never started; check that pipeinfer runs on every host")
-                if rank:
-                    msg = f"Error: rank {rank} (host {socket.gethostname()}): " + msg[len("Error: "):]
+                who = f"rank {rank} (host {socket.gethostname()}): " if rank else ""
+                msg = (f"Error: {who}the MPI job did not start within {wait_s:g} s: a rank failed before MPI "
+                       "started (see its output above) or never started; check that pipeinfer runs on every host")
                 os.write(2, (msg + "\n").encode())
                 os.kill(parent, signal.SIGKILL)
         finally:

@@ -7,7 +7,7 @@ or an error, and the head answers each rank with everyone's values (go) or abort
 Iprobe + sleep (`Link`), so a waiting rank costs no CPU.
 
 A rank that fails before it reaches the job (a model missing on its node, an option only it
-rejects) checks in with its error from the command's error handler (`fail_before_start`): the
+rejects) checks in with its error from the command's error handler (`end_before_start`): the
 head reports it once, naming the rank and host, and every rank ends. A rank that never checks in
 (it died before MPI started) is reported by the head after PIPEINFER_START_TIMEOUT seconds (ranks
 start together and only parse their command line and read GGUF headers before they check in).
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from ..errors import PipeinferError
 from .messages import Tag
-from .start_waits import started_now
 from .mpi_link import Backoff, Link
+from .start_waits import started_now
 
 # How long a rank that failed before the start waits for the head's answer before it reports
 # the error itself (the head may be slow to reach the start, or gone).
@@ -50,7 +50,7 @@ class CheckIn:
 
 
 class Startup:
-    """This process's start-up exchanges over its Link (one per process: see world_link)."""
+    """This process's start-up exchanges over its Link (one per process: see job_startup)."""
 
     def __init__(self, link: Link, host: str | None = None):
         self.link = link
@@ -98,7 +98,7 @@ class Startup:
                     continue
                 st = self.link.probe(r, Tag.STARTUP)
                 if st is not None:
-                    got[r] = self.link._pop(st, Tag.STARTUP)
+                    got[r] = self.link.recv_pickled(r, Tag.STARTUP)  # arrived: no wait
                     progressed = True
             if any(c.error is not None for c in got.values()):
                 break  # one failure ends the job: no need to wait for the rest
@@ -142,27 +142,22 @@ class Startup:
         self.link.flush(timeout_s=2)
         head_failed(exit_code)
 
-    def fail(self, message: str, exit_code: int) -> bool:
+    def fail(self, message: str, exit_code: int) -> None:
         """This rank failed before the job started. The head tells every rank to stop and returns
-        False (its caller prints the error, once for the job). Another rank checks in with the
-        error and leaves once the head answered; only if the head never does, it prints the error
-        itself (naming its rank and host) and returns True."""
+        (its caller prints the error, once for the job). Another rank checks in with the error and
+        leaves once the head answered; if the head never does, it prints the error itself (naming
+        its rank and host). Only the head returns."""
         if self.link.rank == 0:
             self._abort(exit_code)
-            return False
+            return
         from .exits import hard_exit, leave_after_head
 
         self.link.send_pickled(CheckIn("start", self.host, None, message, exit_code), 0, Tag.STARTUP)
         self.link.flush(timeout_s=2)
-        deadline = time.monotonic() + FAILED_RANK_WAIT_S
-        backoff = Backoff(hi=10e-3)
-        while time.monotonic() < deadline:
-            if self.link.probe(0, Tag.STARTUP) is not None:
-                leave_after_head(exit_code)  # the head prints the job's error
-            backoff.idle()
+        if self.link.arrives_within(0, Tag.STARTUP, FAILED_RANK_WAIT_S):
+            leave_after_head(exit_code)  # the head prints the job's error
         print(f"Error: rank {self.link.rank} (host {self.host}): {message}", file=sys.stderr)
         hard_exit(exit_code)
-        return True
 
 
 _startup: Startup | None = None
@@ -178,18 +173,16 @@ def job_startup() -> Startup:
     return _startup
 
 
-def fail_before_start(message: str, exit_code: int) -> bool:
+def end_before_start(message: str, exit_code: int) -> None:
     """The command's error handler, on any process: if this is a rank of a multi-rank MPI job
-    that has not started yet, let the job end as one (see Startup.fail). True when the error has
-    been reported already; False when the caller should print it as usual."""
+    that has not started yet, let the job end as one (see Startup.fail). Returns where the caller
+    should print the error: on the head, and outside such a job."""
     from .launch import under_mpi_launcher
 
-    if not under_mpi_launcher():
-        return False
-    startup = job_startup()
-    if startup.link.size == 1 or startup.started:
-        return False
-    return startup.fail(message, exit_code)
+    if under_mpi_launcher():
+        startup = job_startup()
+        if startup.link.size > 1 and not startup.started:
+            startup.fail(message, exit_code)
 
 
 def _ranks(ranks: list[int]) -> str:
