@@ -27,7 +27,7 @@ import replay  # noqa: E402
 with atheris.instrument_imports(include=["pipeinfer_cli", "llama_cpp", "jinja2", "targets"]):
     import targets
     from pipeinfer_cli.cli import inspect_cmd  # noqa: F401  (instrumented before the targets import it)
-    from pipeinfer_cli.engine import tokenizer, vocab  # noqa: F401
+    from pipeinfer_cli.runtime import tokenizer, vocab  # noqa: F401
     from pipeinfer_cli import gguf_info, native  # noqa: F401
     import llama_cpp.llama_chat_format  # noqa: F401
 

@@ -45,13 +45,14 @@ def run_metadata(path: Path) -> None:
 
     from pipeinfer_cli.cli.inspect_cmd import _layer_bytes_table, _summary_table
     from pipeinfer_cli.gguf_info import read_model_info
+    from pipeinfer_cli.runtime.topology import plan_split
 
     info = read_model_info(path)
-    json.dumps(info.with_split(2).to_dict())
+    json.dumps({**info.to_dict(), "split": plan_split(info, 2).ranks})
     console = Console(file=io.StringIO(), width=120)
     console.print(_summary_table("fuzz", info))
     console.print(_layer_bytes_table(info))
-    info.with_split(3, "1,1/1", draft_bytes=1000)
+    plan_split(info, 3, "1,1/1", draft_bytes=1000)
 
 
 def _layer_range(n_layer: int, data: bytes) -> tuple[int, int]:
@@ -78,8 +79,8 @@ def run_native(path: Path, data: bytes) -> None:
 
 
 def run_tokenizer(path: Path) -> None:
-    from pipeinfer_cli.engine.tokenizer import Tokenizer
-    from pipeinfer_cli.engine.vocab import check_vocab_compatible
+    from pipeinfer_cli.runtime.tokenizer import Tokenizer
+    from pipeinfer_cli.runtime.vocab import check_vocab_compatible
 
     tok = Tokenizer(path)
     ids = tok.encode("Hello, world! <|im_end|> é 日本 \n\t x")

@@ -101,7 +101,7 @@ def main() -> int:
 
     from pipeinfer_cli.bench.environment import host_facts, versions
     from pipeinfer_cli.bench.prompts import load_prompts
-    from pipeinfer_cli.engine.tokenizer import Tokenizer
+    from pipeinfer_cli.runtime.tokenizer import Tokenizer
 
     label, path = resolve_target(args.model)
     prompts = load_prompts(args.prompts, args.limit)

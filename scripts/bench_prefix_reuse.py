@@ -58,8 +58,8 @@ def main() -> int:
 
 
 def run(args) -> int:
-    from pipeinfer_cli.engine.job import JobConfig, Request, run_head_loop
-    from pipeinfer_cli.engine.session import DecodeOptions
+    from pipeinfer_cli.runtime.job import JobConfig, Request, run_head_loop
+    from pipeinfer_cli.decode.session import DecodeOptions
     from bench_llamacpp import resolve_target
 
     label, path = resolve_target(args.model)

@@ -9,7 +9,7 @@ doing at that instant:
 - graph     the native engine around it: building and allocating the graph, copying rows in and out;
 - waiting   sleeping between probes for a message (the transport's backoff);
 - mpi       inside MPI (probe, receive, send, progress);
-- sampling  choosing tokens from logits (engine/sampling.py);
+- sampling  choosing tokens from logits (decode/sampling.py);
 - python    everything else in the interpreter (bookkeeping, messages, drafting glue).
 
 Only each rank's main thread counts (helper threads such as the stage's cancel listener are

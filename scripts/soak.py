@@ -62,7 +62,7 @@ def build_requests(n: int, seed: int) -> list:
     """n requests (seeded): the warm-up first (every mode and draft at the longest prompt and length:
     the KV cache and compute buffers reach their largest size), then every CONTROL_EVERY-th is the
     control prompt and the rest are random."""
-    from pipeinfer_cli.engine.job import Request
+    from pipeinfer_cli.runtime.job import Request
 
     rng = random.Random(seed)
     longest = max(PROMPTS, key=lambda p: len(p[1]))[1]
@@ -88,9 +88,9 @@ def build_requests(n: int, seed: int) -> list:
 
 
 def job_config(model: Path, seed: int):
-    from pipeinfer_cli.engine.job import JobConfig
-    from pipeinfer_cli.engine.sampling import SamplingParams
-    from pipeinfer_cli.engine.session import DecodeOptions
+    from pipeinfer_cli.runtime.job import JobConfig
+    from pipeinfer_cli.decode.sampling import SamplingParams
+    from pipeinfer_cli.decode.session import DecodeOptions
 
     return JobConfig(model_path=model, model_label="smollm2-135m-instruct", draft_path=model,
                      draft_label="smollm2-135m-instruct",
@@ -114,7 +114,7 @@ def record_of(i: int, res: dict) -> dict:
 
 def serve(args) -> None:
     """Inside the MPI job (every rank): run the requests; the head writes the records."""
-    from pipeinfer_cli.engine.job import run_job
+    from pipeinfer_cli.runtime.job import run_job
 
     requests = build_requests(args.requests, args.seed)
     records: list[dict] = []

@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from pipeinfer_cli.engine.job import JobConfig, Request, run_head_loop
-from pipeinfer_cli.engine.session import DecodeOptions
+from pipeinfer_cli.runtime.job import JobConfig, Request, run_head_loop
+from pipeinfer_cli.decode.session import DecodeOptions
 
 
 def main() -> None:

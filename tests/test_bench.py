@@ -395,7 +395,7 @@ def test_trace_moves_every_rank_onto_the_head_clock():
 
 @pytest.mark.slow
 def test_grounded_prompts_are_400_to_550_qwen_tokens(qwen15_path):
-    from pipeinfer_cli.engine.tokenizer import Tokenizer
+    from pipeinfer_cli.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(qwen15_path)
     lengths = {p.id: len(tok.chat_messages(list(p.messages))) for p in load_prompts("grounded")}

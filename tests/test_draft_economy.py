@@ -1,4 +1,4 @@
-"""`pipeinfer` on one stage drafts only while drafting pays (engine/draft_economy.py).
+"""`pipeinfer` on one stage drafts only while drafting pays (decode/draft_economy.py).
 
 Against the fake pipeline of test_pipeinfer_policy.py with a virtual clock that charges what a CPU
 does: a one-token run costs 1, a batch of k rows 0.83·k, and the drafter `d` per token it proposes.
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeinfer_cli.engine.decode_pipeinfer import PipeInfer
-from pipeinfer_cli.engine.decode_sync import prefill
-from pipeinfer_cli.engine.draft_economy import FIRST_INTERVAL, MAX_INTERVAL, PROBE_CONTEXT, DraftEconomy, DraftMemory
-from pipeinfer_cli.engine.session import DecodeOptions, Session
+from pipeinfer_cli.decode.pipeinfer import PipeInfer
+from pipeinfer_cli.decode.sync import prefill
+from pipeinfer_cli.decode.draft_economy import FIRST_INTERVAL, MAX_INTERVAL, PROBE_CONTEXT, DraftEconomy, DraftMemory
+from pipeinfer_cli.decode.session import DecodeOptions, Session
 from test_pipeinfer_policy import GREEDY, PROMPT, FakePipeline, OracleDrafter, reference
 
 ROW_IN_BATCH = 0.83  # a verification row against a one-token run, measured on the 2-core machine

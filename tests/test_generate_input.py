@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 from pipeinfer_cli.cli.app import app
 from pipeinfer_cli.cli.generate_cmd import summary_line
-from pipeinfer_cli.engine.metrics import GenerationMetrics
-from pipeinfer_cli.engine.sampling import SamplingParams, sample
-from pipeinfer_cli.engine.text_stream import TextStream
+from pipeinfer_cli.decode.metrics import GenerationMetrics
+from pipeinfer_cli.decode.sampling import SamplingParams, sample
+from pipeinfer_cli.decode.text_stream import TextStream
 
 runner = CliRunner()
 MODEL = "smollm2-135m-instruct"

@@ -146,7 +146,7 @@ def llama_cpp_greedy(path: Path, prompt: list[int], n_new: int) -> list[int]:
 
 @pytest.mark.parametrize("model", ["smollm2", "tiny-qwen2"])
 def test_greedy_output_equals_llama_cpp(models, model):
-    from pipeinfer_cli.engine.tokenizer import Tokenizer
+    from pipeinfer_cli.runtime.tokenizer import Tokenizer
 
     case = models[model]
     got = generate_json(case, 2, "greedy")

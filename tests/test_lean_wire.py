@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from pipeinfer_cli.engine.sampling import SamplingParams, from_spec, sample, sample_rows, to_spec
+from pipeinfer_cli.decode.sampling import SamplingParams, from_spec, sample, sample_rows, to_spec
 from pipeinfer_cli.transport.messages import SamplingSpec
 
 
@@ -49,7 +49,7 @@ def test_head_receives_a_few_bytes_per_row(smollm2_path, mode, ranks):
 
 
 def test_handoff_gaps_come_from_the_trace_on_the_heads_clock():
-    from pipeinfer_cli.engine.handoff import handoff_ms
+    from pipeinfer_cli.runtime.handoff import handoff_ms
 
     ranks = [
         {"rank": 0, "clock_offset_s": 0.0, "trace": [("X", "stage", 1.000, 1.010, {"run": 1}),

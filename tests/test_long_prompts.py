@@ -42,7 +42,7 @@ _OPEN_TOKENIZERS: dict = {}  # path -> Tokenizer, closed when the module's tests
 
 
 def _tokenizer(path: str):
-    from pipeinfer_cli.engine.tokenizer import Tokenizer
+    from pipeinfer_cli.runtime.tokenizer import Tokenizer
 
     if path not in _OPEN_TOKENIZERS:
         _OPEN_TOKENIZERS[path] = Tokenizer(Path(path))

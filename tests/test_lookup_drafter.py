@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from pipeinfer_cli.engine.lookup import HIT_RATE, LookupDrafter, hit_rate, suffix_matches, vote
-from pipeinfer_cli.engine.tree import confident
+from pipeinfer_cli.decode.lookup import HIT_RATE, LookupDrafter, hit_rate, suffix_matches, vote
+from pipeinfer_cli.decode.tree import confident
 
 
 def propose(path, n_max=8, p_min=0.0):
@@ -143,7 +143,7 @@ def test_on_a_grounded_prompt_confident_drafts_are_mostly_right(smollm2_path):
     """SmolLM2 rewriting a shipped grounded prompt's code: at the default threshold most drafted
     tokens are accepted, and far more than when every match is drafted."""
     from pipeinfer_cli.bench.prompts import load_prompts
-    from pipeinfer_cli.engine.tokenizer import Tokenizer
+    from pipeinfer_cli.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(smollm2_path)
     p = next(p for p in load_prompts("grounded") if p.id == "docstrings")

@@ -33,7 +33,7 @@ class ScriptedDraftRank:
         return self.countdown <= 0
 
     def poll(self):
-        from pipeinfer_cli.engine.drafters import Proposal
+        from pipeinfer_cli.decode.drafters import Proposal
 
         if self.requested is None or not self.ready():
             return None
@@ -54,12 +54,12 @@ class ScriptedDraftRank:
 def test_async_replies_are_launched_only_when_consistent(tiny_pair, delay, sampling):
     """Head-only pipeline and a scripted draft rank: stale, wrong and late replies never change the tokens,
     and consistent ones are launched (also as a run that starts with the last committed token)."""
-    from pipeinfer_cli.engine.decode_pipeinfer import decode_pipeinfer
-    from pipeinfer_cli.engine.decode_sync import decode_iterative, prefill
-    from pipeinfer_cli.engine.pipeline import Pipeline
-    from pipeinfer_cli.engine.sampling import SamplingParams
-    from pipeinfer_cli.engine.session import DecodeOptions, Session
-    from pipeinfer_cli.engine.trace import TraceRecorder
+    from pipeinfer_cli.decode.pipeinfer import decode_pipeinfer
+    from pipeinfer_cli.decode.sync import decode_iterative, prefill
+    from pipeinfer_cli.runtime.pipeline import Pipeline
+    from pipeinfer_cli.decode.sampling import SamplingParams
+    from pipeinfer_cli.decode.session import DecodeOptions, Session
+    from pipeinfer_cli.runtime.trace import TraceRecorder
     from pipeinfer_cli.native import LayerEngine
 
     target, _ = tiny_pair

@@ -15,16 +15,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pipeinfer_cli.engine.async_draft import AsyncDraft
-from pipeinfer_cli.engine.decode_pipeinfer import PipeInfer
-from pipeinfer_cli.engine.decode_sync import prefill
-from pipeinfer_cli.engine.drafters import AsyncDrafter, Drafter, Proposal
-from pipeinfer_cli.engine.kv_slots import KvSlots
-from pipeinfer_cli.engine.pipeline import RunResult
-from pipeinfer_cli.engine.sampling import SamplingParams, sample
-from pipeinfer_cli.engine.session import DecodeOptions, Session
-from pipeinfer_cli.engine.trace import TraceRecorder
-from pipeinfer_cli.engine.tree import (
+from pipeinfer_cli.decode.async_draft import AsyncDraft
+from pipeinfer_cli.decode.pipeinfer import PipeInfer
+from pipeinfer_cli.decode.sync import prefill
+from pipeinfer_cli.decode.drafters import AsyncDrafter, Drafter, Proposal
+from pipeinfer_cli.decode.kv_slots import KvSlots
+from pipeinfer_cli.runtime.pipeline import RunResult
+from pipeinfer_cli.decode.sampling import SamplingParams, sample
+from pipeinfer_cli.decode.session import DecodeOptions, Session
+from pipeinfer_cli.runtime.trace import TraceRecorder
+from pipeinfer_cli.decode.tree import (
     Branch,
     Walk,
     confident,
@@ -300,8 +300,8 @@ def test_kv_slots_hand_out_lowest_ids_and_issue_kv_ops():
 
 
 def test_drafter_protocols():
-    from pipeinfer_cli.engine.lookup import LookupDrafter
-    from pipeinfer_cli.engine.remote_draft import RemoteDrafter
+    from pipeinfer_cli.decode.lookup import LookupDrafter
+    from pipeinfer_cli.runtime.remote_draft import RemoteDrafter
 
     assert isinstance(AsyncOracle(OracleDrafter(), 1), AsyncDrafter)
     assert isinstance(RemoteDrafter(None, 1), AsyncDrafter)
@@ -486,7 +486,7 @@ def test_the_draft_prefill_thread_leaves_the_cpu_to_the_stages():
     import os
     import threading
 
-    from pipeinfer_cli.engine.decode_sync import DRAFT_PREFILL_NICE, _Background
+    from pipeinfer_cli.decode.sync import DRAFT_PREFILL_NICE, _Background
 
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeinfer_cli.engine.prefix_cache import PrefixCache, whole_chunks
-from pipeinfer_cli.engine.session import PREFILL_CHUNK
+from pipeinfer_cli.decode.prefix_cache import PrefixCache, whole_chunks
+from pipeinfer_cli.decode.session import PREFILL_CHUNK
 from pipeinfer_cli.native import LayerEngine
 from pipeinfer_cli.transport.launch import find_mpiexec
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeinfer_cli.engine.job import JobConfig
-from pipeinfer_cli.engine.service import (
+from pipeinfer_cli.runtime.job import JobConfig
+from pipeinfer_cli.runtime.service import (
     GenerationRequest, InvalidRequest, RequestTooLong, Service, ServiceUnavailable,
 )
 

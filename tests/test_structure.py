@@ -10,49 +10,78 @@ from pathlib import Path
 
 import pytest
 
-from pipeinfer_cli.engine.loading import spec_margin
-from pipeinfer_cli.engine.modes import (
+from pipeinfer_cli.runtime.loading import spec_margin
+from pipeinfer_cli.decode.modes import (
     MODE_NAMES, DraftNeededError, UnknownModeError, check_mode, default_mode, get_mode, needs_draft,
 )
-from pipeinfer_cli.engine.session import DecodeOptions
+from pipeinfer_cli.decode.session import DecodeOptions
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pipeinfer_cli"
-POLICIES = ["modes", "decode_sync", "decode_pipeinfer", "draft_economy", "drafters", "lookup", "tree", "kv_slots",
-            "session", "sampling", "async_draft", "pipeline_protocol"]
+POLICIES = sorted(p.stem for p in (SRC / "decode").glob("*.py") if p.stem != "__init__")
 
 
 @pytest.mark.parametrize("module", POLICIES)
 def test_policy_modules_import_no_mpi(module):
     """A simulator runs the same policies in virtual time: importing them must not start MPI."""
-    code = (f"import sys, pipeinfer_cli.engine.{module}; "
+    code = (f"import sys, pipeinfer_cli.decode.{module}; "
             "bad = [m for m in ('mpi4py', 'mpi4py.MPI') if m in sys.modules]; assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
-def _engine_imports() -> dict[str, set[str]]:
-    """engine module -> the engine modules it imports (at any level of the file)."""
+# Layers, top to bottom: a module may import its own layer's modules and any layer below it.
+LAYERS = [
+    {"cli", "server", "bench"},  # front ends
+    {"runtime"},  # the processes of a job
+    {"decode", "transport"},  # pure policies; the wire and its waits
+    {"native", "gguf_info", "layer_split", "registry", "model_files", "cache", "fetch", "errors", "_native"},
+]
+
+
+def _layer(package: str) -> int:
+    return next(i for i, names in enumerate(LAYERS) if package in names)
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """'decode.session' -> the package modules it imports (at any level of the file)."""
     out = {}
-    for path in (SRC / "engine").glob("*.py"):
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).with_suffix("").parts
+        if "__pycache__" in rel or rel[-1] in ("__init__", "__main__"):
+            continue
+        name = ".".join(rel)
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-                deps.add(node.module.split(".")[0])
-        out[path.stem] = deps
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = list(rel[:-1])[: len(rel) - node.level]
+                target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+                if target:
+                    deps.add(target)
+        out[name] = deps
     return out
 
 
-def test_engine_has_no_import_cycles():
-    graph = _engine_imports()
+def test_imports_go_one_way():
+    """No import points up the layers (cli -> runtime -> decode/transport -> native)."""
+    bad = []
+    for name, deps in _module_imports().items():
+        for dep in deps:
+            top, dep_top = name.split(".")[0], dep.split(".")[0]
+            if _layer(dep_top) < _layer(top):
+                bad.append(f"{name} imports {dep}")
+    assert not bad, bad
+
+
+def test_no_import_cycles():
+    graph = {k: {d for d in v if d in _module_imports()} for k, v in _module_imports().items()}
     state: dict[str, int] = {}
 
     def visit(node: str, stack: list[str]) -> None:
         state[node] = 1
         for dep in graph.get(node, ()):
             if state.get(dep) == 1:
-                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]) if dep in stack
-                            else f"import cycle through {dep}")
-            if dep in graph and state.get(dep) is None:
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+            if state.get(dep) is None:
                 visit(dep, stack + [dep])
         state[node] = 2
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeinfer_cli.engine import topology
+from pipeinfer_cli.runtime import topology
 from pipeinfer_cli.transport import mpi_link
 from pipeinfer_cli.transport.mpi_link import PREDICT_WAITS, SPIN_TAIL_S, Backoff
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import ModelFileError
@@ -53,44 +53,6 @@ class ModelInfo:
     n_expert: int = 0  # experts per layer (0: dense)
     n_expert_used: int = 0  # experts each token is routed to
     n_ff_exp: int = 0  # width of one expert's FFN
-    split: list[dict] = field(default_factory=list)  # layer split per rank, filled by with_split()
-    layer_split: str = ""  # the split in --layer-split notation, filled by with_split()
-
-    def with_split(self, n_ranks: int, layer_split: str | None = None, draft_bytes: int = 0) -> "ModelInfo":
-        """Plan the ranks as `generate` does (engine.topology.plan_topology): --layer-split if
-        given, else balanced by the bytes each stage reads per token.
-
-        draft_bytes: size of a GGUF draft model; it runs on the head unless the split has a draft
-        rank ("/1"). Per rank, `per_token_bytes` is what the split balances: the layers' weights,
-        plus the LM head on the last stage and the draft on the rank that runs it. The head's
-        token_embd is listed apart (`token_embd_bytes`): it is a lookup table, one row read per
-        token, so it costs memory but next to no time. `weight_bytes` is all the target's weights
-        the rank holds.
-        """
-        from .engine.topology import plan_topology
-
-        draft_rank = bool(layer_split and "/" in layer_split)
-        head_extra = draft_bytes if not draft_rank else 0
-        topo = plan_topology(n_ranks, layer_split, self.layer_bytes, self.output_bytes, None, n_ranks,
-                             head_extra=head_extra)
-        self.layer_split = topo.describe()
-        self.split = []
-        last = topo.n_stages - 1
-        for plan, fraction in zip(topo.ranks, [*topo.split_fractions, None]):
-            b, e = plan.layers
-            layers = sum(self.layer_bytes[b:e])
-            lm_head = self.output_bytes if plan.role != "draft" and plan.rank == last else 0
-            draft = draft_bytes if (plan.role == "draft" or (plan.rank == 0 and not draft_rank)) else 0
-            token_embd = self.token_embd_bytes if plan.rank == 0 else 0
-            weights = layers + token_embd
-            if plan.rank == last:
-                weights += self.other_bytes + (0 if self.output_tied and plan.rank == 0 else self.output_bytes)
-            self.split.append({
-                "rank": plan.rank, "role": plan.role, "layers": [b, e], "n_layers": e - b, "fraction": fraction,
-                "layer_bytes": layers, "lm_head_bytes": lm_head, "draft_bytes": draft,
-                "per_token_bytes": layers + lm_head + draft, "token_embd_bytes": token_embd, "weight_bytes": weights,
-            })
-        return self
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cli.wording import plural
-from ..engine.topology import format_layer_ranges
+from ..runtime.topology import format_layer_ranges
 from . import environment
 from .runner import check_tokens
 from .stats import summarize

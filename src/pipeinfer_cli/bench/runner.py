@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..cli.wording import plural
-from ..engine.job import JobConfig, Request, run_job
+from ..runtime.job import JobConfig, Request, run_job
 from .schedule import BenchItem
 
 

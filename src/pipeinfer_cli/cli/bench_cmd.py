@@ -52,7 +52,7 @@ class TokenMismatchError(PipeinferError):
 
 
 def parse_modes(text: str) -> list[str]:
-    from ..engine.modes import MODE_NAMES as MODES
+    from ..decode.modes import MODE_NAMES as MODES
 
     modes = [m.strip() for m in text.split(",") if m.strip()]
     if not modes:
@@ -104,7 +104,7 @@ def bench(
             raise UsageError("--plot needs matplotlib; install it with `pip install 'matplotlib>=3.8,<4'`")
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     inside = under_mpi_launcher()
-    from ..engine.modes import needs_draft as mode_needs_draft
+    from ..decode.modes import needs_draft as mode_needs_draft
 
     needs_draft = any(mode_needs_draft(m) for m in mode_list)
     target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull)

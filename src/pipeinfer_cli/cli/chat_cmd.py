@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ..engine.modes import needs_draft
+from ..decode.modes import needs_draft
 from ..errors import UsageError
 from .generate_cmd import one_model, summary_line, world_rank
 from .job_options import JobOptions, job_options
@@ -81,7 +81,7 @@ def chat(
 
 
 def _run(cfg, mode: str, system: str | None, stops: list[str]) -> None:
-    from ..engine.job import run_head_loop
+    from ..runtime.job import run_head_loop
     from .chat_session import ChatSession, ChatSettings
 
     terminal = os.environ.get(TERMINAL_ENV, _terminal()).split(",")

@@ -1,7 +1,7 @@
 """The interactive loop of `pipeinfer chat`, on the head: read a line, answer it, keep the history.
 
 Each turn sends the whole conversation through the model's chat template; the engine keeps the
-previous turn's KV cells and reuses the prefix it may (`engine/prefix_cache.py`), so a turn pays
+previous turn's KV cells and reuses the prefix it may (`decode/prefix_cache.py`), so a turn pays
 mostly for what is new. Lines starting with '/' are commands.
 """
 
@@ -28,7 +28,7 @@ class ChatSettings:
 
 
 class ChatSession:
-    """One chat on a loaded job (`engine.head.Head`): history, commands, streaming, summaries."""
+    """One chat on a loaded job (`runtime.head.Head`): history, commands, streaming, summaries."""
 
     def __init__(self, head, settings: ChatSettings, summary: Callable[[dict], str],
                  stdin: BinaryIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None):
@@ -91,9 +91,9 @@ class ChatSession:
 
     def turn(self, user_text: str) -> dict | None:
         """Answer one user message, streaming the text; the result dict, or None if it was refused."""
-        from ..engine.head import Callbacks
-        from ..engine.job import Request
-        from ..engine.loading import PromptTooLongError
+        from ..runtime.head import Callbacks
+        from ..runtime.job import Request
+        from ..runtime.loading import PromptTooLongError
 
         messages = self.history + [{"role": "user", "content": user_text}]
         req = Request(mode=self.settings.mode, chat=messages, stop=list(self.settings.stop))

@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from ..engine.modes import needs_draft
-from ..engine.topology import format_layer_ranges
+from ..decode.modes import needs_draft
+from ..runtime.topology import format_layer_ranges
 from ..errors import UsageError
 from .console import err, out
 from .job_options import JobOptions, job_options
@@ -94,7 +94,7 @@ def generate(
         check_plan(cfg, prep.ranks, needs_draft=needs_draft(prep.mode))
         raise typer.Exit(_relaunch(prep.ranks, given, whole_host_threads(prep.mode, job.threads)))
 
-    from ..engine.job import Request
+    from ..runtime.job import Request
 
     check_world(prep.ranks, explicit=prep.explicit_ranks)
     request = Request(mode=prep.mode, prompt=given.text if given else None, chat=given.messages if given else None,
@@ -147,7 +147,7 @@ def _relaunch(n_ranks: int, given, threads: int | None = None) -> int:
 
 def _run_and_print(cfg, request, as_json: bool) -> None:
     """Run the job on this rank; the head streams the text (or prints the JSON) and the summary."""
-    from ..engine.job import run_job
+    from ..runtime.job import run_job
 
     def on_text(text: str) -> None:
         if not as_json:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..engine.topology import parse_layer_split
+from ..runtime.topology import parse_layer_split, plan_split
 from ..errors import UsageError
 from ..gguf_info import read_model_info
 from ..model_files import resolve_model
@@ -61,13 +61,15 @@ def inspect(
         if n_draft_ranks and draft_label in (None, "lookup"):
             raise UsageError(f"--layer-split {layer_split!r} has a draft rank ('/1'), which needs a draft model: pass --draft MODEL")
         ranks = split_ranks
-    info = read_model_info(ref.path).with_split(ranks or 2, layer_split, draft_bytes)
+    info = read_model_info(ref.path)
+    split = plan_split(info, ranks or 2, layer_split, draft_bytes)
     if as_json:
-        out.print_json(json.dumps({"model": ref.label, "draft": draft_label, **info.to_dict()}))
+        out.print_json(json.dumps({"model": ref.label, "draft": draft_label, **info.to_dict(),
+                                   "split": split.ranks, "layer_split": split.layer_split}))
         return
     out.print(_summary_table(ref.label, info))
     out.print(_layer_bytes_table(info))
-    _print_split(info, layer_split, draft_label)
+    _print_split(info, split, layer_split, draft_label)
 
 
 def _summary_table(label: str, info) -> Table:
@@ -126,10 +128,10 @@ def _layer_bytes_table(info) -> Table:
     return lt
 
 
-def _print_split(info, layer_split: str | None, draft_label: str | None) -> None:
+def _print_split(info, split, layer_split: str | None, draft_label: str | None) -> None:
     how = f"--layer-split {layer_split}" if layer_split else "balanced by bytes read per token"
     draft_note = f", draft {draft_label}" if draft_label else ""
-    st = Table(title=f"layer split for {plural(len(info.split), 'rank')}: {info.layer_split} ({how}{draft_note})",
+    st = Table(title=f"layer split for {plural(len(split.ranks), 'rank')}: {split.layer_split} ({how}{draft_note})",
                title_justify="left", box=None, pad_edge=False, header_style="bold underline")
     # "per token" = layers + LM head + draft: the bytes of weights a rank reads for each token, which
     # the default split balances. token_embd is held, not read (one row per token).
@@ -139,7 +141,7 @@ def _print_split(info, layer_split: str | None, draft_label: str | None) -> None
     def size(n: int) -> str:
         return human_bytes(n) if n else "-"
 
-    for r in info.split:
+    for r in split.ranks:
         b, e = r["layers"]
         layers = "-" if r["role"] == "draft" else (f"{b}–{e - 1} ({e - b})" if e - b > 1 else f"{b} (1)")
         st.add_row(str(r["rank"]), r["role"], layers, size(r["layer_bytes"]), size(r["lm_head_bytes"]),

@@ -57,7 +57,7 @@ def check_chat_template(model_path, model_label: str, what: str) -> None:
 
 def ranks_wanted(ranks: int | None, layer_split: str | None) -> tuple[int, int | None]:
     """(ranks to run, ranks described by --layer-split or None); checks the two agree."""
-    from ..engine.topology import parse_layer_split
+    from ..runtime.topology import parse_layer_split
 
     split_ranks = None
     if layer_split:
@@ -87,13 +87,13 @@ def check_n_predict(n_predict: int) -> None:
 
 def default_mode(mode: str | None, draft_ref) -> str:
     """The mode asked for; without one, pipeinfer (the product's mode) when there is a draft."""
-    from ..engine.modes import default_mode as default_for, get_mode
+    from ..decode.modes import default_mode as default_for, get_mode
 
     return default_for(draft_ref is not None) if mode is None else get_mode(mode).name
 
 
 def check_spec_policy(policy: str) -> str:
-    from ..engine.session import SPEC_POLICIES
+    from ..decode.session import SPEC_POLICIES
 
     if policy not in SPEC_POLICIES:
         raise OptionValueError(f"unknown --spec-policy {policy!r}; choose one of {', '.join(SPEC_POLICIES)}")
@@ -103,7 +103,7 @@ def check_spec_policy(policy: str) -> str:
 def check_plan(cfg, world_size: int, needs_draft: bool) -> None:
     """Plan the job from the GGUF header before any process starts, so that a split that cannot
     work (e.g. --ranks 100 for 30 layers) fails in well under a second, not after a launch."""
-    from ..engine.topology import plan_job
+    from ..runtime.topology import plan_job
 
     plan_job(cfg.model_path, cfg.model_label, world_size, world_size, cfg.layer_split, cfg.threads,
              cfg.draft_path, needs_draft, has_draft=cfg.draft_label is not None)
@@ -111,9 +111,9 @@ def check_plan(cfg, world_size: int, needs_draft: bool) -> None:
 
 def make_job_config(target, draft_ref, job):
     """The engine's JobConfig from resolved models and the shared job options (a JobOptions)."""
-    from ..engine.job import JobConfig
-    from ..engine.sampling import SamplingParams
-    from ..engine.session import DecodeOptions
+    from ..runtime.job import JobConfig
+    from ..decode.sampling import SamplingParams
+    from ..decode.session import DecodeOptions
     from .console import debug_enabled
 
     return JobConfig(
@@ -134,7 +134,7 @@ def make_job_config(target, draft_ref, job):
 class PreparedJob:
     """What a job command knows once its options are checked and its models resolved."""
 
-    cfg: object  # engine.job.JobConfig
+    cfg: object  # runtime.job.JobConfig
     mode: str  # the mode asked for, or the default one
     ranks: int  # ranks to run
     explicit_ranks: bool  # --ranks or --layer-split said how many
@@ -145,7 +145,7 @@ def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:
     """Ranks, models (pulled unless inside the MPI job or --no-pull), mode and JobConfig of a job command."""
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull)
-    from ..engine.modes import check_mode
+    from ..decode.modes import check_mode
 
     mode = check_mode(mode, draft_ref is not None)
     return PreparedJob(make_job_config(target, draft_ref, job), mode, want, bool(job.ranks or split_ranks),

@@ -94,8 +94,8 @@ def _serve_on_this_rank(cfg, mode: str, host: str, port: int, queue: int, api_ke
     """Rank 0: the HTTP server (its own thread) and the pipeline (this thread). Other ranks: the pipeline."""
     from mpi4py import MPI
 
-    from ..engine.job import run_service
-    from ..engine.service import Service
+    from ..runtime.job import run_service
+    from ..runtime.service import Service
 
     if MPI.COMM_WORLD.Get_rank() != 0:
         run_service(cfg, None)
@@ -163,7 +163,7 @@ def _stop_on_signals(service) -> list[str]:
 
 def _banner(service, host: str, port: int) -> None:
     """Printed once the models are loaded, in the manner of llama-server."""
-    from ..engine.topology import format_layer_ranges
+    from ..runtime.topology import format_layer_ranges
 
     cfg, topo = service.cfg, service.loaded.topo
     ranks = "; ".join(f"{r.rank} {r.role} ({format_layer_ranges([r.layers])}, {plural(r.threads, 'thread')})" for r in topo.ranks)

@@ -1,4 +1,4 @@
-"""`pipeinfer serve`'s HTTP side: an OpenAI-compatible API over `engine.service.Service`.
+"""`pipeinfer serve`'s HTTP side: an OpenAI-compatible API over `runtime.service.Service`.
 
 - `openai_errors.py`: the error JSON and status of every refusal;
 - `openai_request.py`: request bodies → `GenerationRequest` (every field checked, named on error);

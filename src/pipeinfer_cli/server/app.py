@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine.service import Event, GenerationRequest, InvalidRequest, Service, ServiceUnavailable
+from ..runtime.service import Event, GenerationRequest, InvalidRequest, Service, ServiceUnavailable
 from ..cli.wording import human_bytes
 from ..errors import UsageError
 from .metrics import CONTENT_TYPE, ServerMetrics

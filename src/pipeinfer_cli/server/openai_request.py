@@ -12,8 +12,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from ..engine.sampling import SamplingParams
-from ..engine.modes import MODE_NAMES as MODES
+from ..decode.sampling import SamplingParams
+from ..decode.modes import MODE_NAMES as MODES
 from .openai_errors import ApiError, invalid, unsupported
 
 MAX_STOP_STRINGS = 16

@@ -17,7 +17,7 @@ rank, its role and host) when, for T seconds:
   lost; the rank whose message the head waits for is named.
 
 Every other rank, whenever it waits for the head, ends when the head sent nothing for T seconds or
-is stuck in a compute (HeadUnresponsiveError; engine/worker.py prints it from rank 1 only).
+is stuck in a compute (HeadUnresponsiveError; runtime/worker.py prints it from rank 1 only).
 
 Cost: a 32-byte message every 5 s per rank (at the default), nothing per token; the checks run in
 the ranks' wait loops at most every CHECK_EVERY_S, and the heartbeat thread sleeps in between.

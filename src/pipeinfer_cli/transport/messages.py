@@ -166,7 +166,7 @@ def _f64_bits(values) -> np.ndarray:
 @dataclass
 class SamplingSpec:
     """Head -> every stage in stream order (Msg.SAMPLING): how the last stage samples the rows of
-    the runs that follow. The fields are engine.sampling.SamplingParams' own; floats bit-exact."""
+    the runs that follow. The fields are decode.sampling.SamplingParams' own; floats bit-exact."""
 
     temperature: float
     top_k: int

@@ -25,9 +25,9 @@ from ..transport.start_waits import start_timeout_s
 from ..transport.startup import job_startup
 from .head import Callbacks, Head, serve_requests
 from .loading import Loaded, load_rank
-from .sampling import SamplingParams
-from .modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
-from .session import DecodeOptions
+from ..decode.sampling import SamplingParams
+from ..decode.modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
+from ..decode.session import DecodeOptions
 from .topology import Topology, alone_on_cores, plan_job
 from .trace import TraceRecorder
 from .worker import abort_job, serve_worker
@@ -62,7 +62,7 @@ class JobConfig:
     threads: str | None = None
     debug: bool = False
     # Keep the previous request's KV cells and reuse the longest prefix that is exactly what a fresh
-    # prefill computes (engine/prefix_cache.py). Off for generate and bench (honest TTFT figures).
+    # prefill computes (decode/prefix_cache.py). Off for generate and bench (honest TTFT figures).
     reuse_prefix: bool = False
     rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S  # liveness deadline (transport/liveness.py); 0: off
 

@@ -17,8 +17,8 @@ from ..transport.messages import (
     RUN_FLAG_INVARIANT, RUN_FLAG_SKIP, KvCommand, Msg, ResultHeader, RunHeader, SamplingSpec, Tag,
 )
 from ..transport.mpi_link import Backoff, Link
-from .metrics import now
-from .sampling import SamplingParams, from_spec, sample_rows
+from ..decode.metrics import now
+from ..decode.sampling import SamplingParams, from_spec, sample_rows
 from .rank_report import JobAborted, RankReport, fault_injection
 
 

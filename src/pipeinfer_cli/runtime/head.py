@@ -14,16 +14,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..transport.mpi_link import Link
-from .decode_sync import prefill
-from .draft_economy import DraftMemory
+from ..decode.sync import prefill
+from ..decode.draft_economy import DraftMemory
 from .handoff import handoff_ms
 from .loading import Loaded, n_predict_for, tokenize_request
-from .metrics import now
-from .modes import decode, needs_draft
+from ..decode.metrics import now
+from ..decode.modes import decode, needs_draft
 from .pipeline import Pipeline
-from .prefix_cache import PrefixCache
-from .session import CANONICAL_SEQ, Session
-from .text_stream import TextStream
+from ..decode.prefix_cache import PrefixCache
+from ..decode.session import CANONICAL_SEQ, Session
+from ..decode.text_stream import TextStream
 from .trace import TraceRecorder
 from .rank_report import RankReport, fault_injection
 from .worker import abort_job
@@ -167,7 +167,7 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
     s = Session(prompt, req.sampling or cfg.sampling, n_predict_for(cfg, req, len(prompt)), tok.is_eog, cb.on_token,
                 text=TextStream(tok.piece, req.stop), on_text=cb.on_text, cancelled=req.cancelled)
     if req.draft == "lookup" and drafter is not None:
-        from .lookup import LookupDrafter
+        from ..decode.lookup import LookupDrafter
 
         drafter = LookupDrafter()
     local_draft = loaded.topo.draft_rank is None or req.draft == "lookup"  # a draft rank traces its own work

@@ -154,6 +154,48 @@ def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[in
     return Topology(plans, n_stages, n_stages if n_draft else None, fractions_of(ranges, n_layer))
 
 
+@dataclass(frozen=True)
+class SplitPlan:
+    """How a model's layers split over ranks, as `inspect` shows it (from its GGUF header alone)."""
+
+    layer_split: str  # the split in --layer-split notation
+    ranks: list[dict]  # per rank: role, layers, and the bytes it holds and reads per token
+
+
+def plan_split(info, n_ranks: int, layer_split: str | None = None, draft_bytes: int = 0) -> SplitPlan:
+    """Plan the ranks of a model (a gguf_info.ModelInfo) as `generate` does (plan_topology):
+    --layer-split if given, else balanced by the bytes each stage reads per token.
+
+    draft_bytes: size of a GGUF draft model; it runs on the head unless the split has a draft
+    rank ("/1"). Per rank, `per_token_bytes` is what the split balances: the layers' weights,
+    plus the LM head on the last stage and the draft on the rank that runs it. The head's
+    token_embd is listed apart (`token_embd_bytes`): it is a lookup table, one row read per
+    token, so it costs memory but next to no time. `weight_bytes` is all the target's weights
+    the rank holds.
+    """
+    draft_rank = bool(layer_split and "/" in layer_split)
+    head_extra = draft_bytes if not draft_rank else 0
+    topo = plan_topology(n_ranks, layer_split, info.layer_bytes, info.output_bytes, None, n_ranks,
+                         head_extra=head_extra)
+    ranks = []
+    last = topo.n_stages - 1
+    for plan, fraction in zip(topo.ranks, [*topo.split_fractions, None]):
+        b, e = plan.layers
+        layers = sum(info.layer_bytes[b:e])
+        lm_head = info.output_bytes if plan.role != "draft" and plan.rank == last else 0
+        draft = draft_bytes if (plan.role == "draft" or (plan.rank == 0 and not draft_rank)) else 0
+        token_embd = info.token_embd_bytes if plan.rank == 0 else 0
+        weights = layers + token_embd
+        if plan.rank == last:
+            weights += info.other_bytes + (0 if info.output_tied and plan.rank == 0 else info.output_bytes)
+        ranks.append({
+            "rank": plan.rank, "role": plan.role, "layers": [b, e], "n_layers": e - b, "fraction": fraction,
+            "layer_bytes": layers, "lm_head_bytes": lm_head, "draft_bytes": draft,
+            "per_token_bytes": layers + lm_head + draft, "token_embd_bytes": token_embd, "weight_bytes": weights,
+        })
+    return SplitPlan(topo.describe(), ranks)
+
+
 def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host: int, layer_split: str | None,
              threads: str | None, draft_path: Path | None = None, needs_draft: bool = False,
              has_draft: bool = True) -> Topology:

@@ -78,13 +78,13 @@ def check_mode(name: str | None, has_draft: bool, field: str = "--mode") -> str:
 
 def decode(name: str, pipe, s, opts: DecodeOptions, drafter=None, *, prompt_pass=None, memory=None) -> None:
     """Generate a prefilled session's tokens in mode `name` (pipe: a PipelineLike)."""
-    from .decode_sync import decode_iterative, decode_speculative
+    from .sync import decode_iterative, decode_speculative
 
     if name == ITERATIVE.name:
         decode_iterative(pipe, s)
     elif name == SPECULATIVE.name:
         decode_speculative(pipe, s, opts, drafter)
     else:
-        from .decode_pipeinfer import decode_pipeinfer
+        from .pipeinfer import decode_pipeinfer
 
         decode_pipeinfer(pipe, s, opts, drafter, prompt_pass=prompt_pass, memory=memory)

@@ -9,8 +9,8 @@ import numpy as np
 
 from ..transport.messages import DraftReply, DraftRequest, Msg, Tag
 from ..transport.mpi_link import Link
-from .drafters import Proposal
-from .metrics import now
+from ..decode.drafters import Proposal
+from ..decode.metrics import now
 from .rank_report import JobAborted, RankReport, fault_injection
 
 

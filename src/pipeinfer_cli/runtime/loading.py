@@ -24,7 +24,7 @@ class Loaded:
 def spec_margin(cfg, req) -> int:
     """KV cells beyond prompt + -n that a mode may fill: speculative runs in flight write past
     the last committed token (rejected cells are removed again)."""
-    from .modes import get_mode
+    from ..decode.modes import get_mode
 
     return get_mode(req.mode).kv_margin(cfg.decode)
 
@@ -44,8 +44,8 @@ def requested_n(cfg, req) -> int:
 
 
 def make_drafter(cfg, threads: int):
-    from .drafters import LlamaDrafter
-    from .lookup import LookupDrafter
+    from ..decode.drafters import LlamaDrafter
+    from ..decode.lookup import LookupDrafter
 
     if cfg.draft_label == "lookup":
         return LookupDrafter()

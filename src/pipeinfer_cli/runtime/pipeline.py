@@ -18,8 +18,8 @@ import numpy as np
 
 from ..transport.messages import KV_USAGE, REPORT, RUN_FLAG_INVARIANT, SHUTDOWN, KvCommand, KvOp, ResultHeader, RunHeader, Tag
 from ..transport.mpi_link import Backoff, Link, RankFailedError
-from .metrics import now
-from .sampling import SamplingParams, sample_rows, to_spec
+from ..decode.metrics import now
+from ..decode.sampling import SamplingParams, sample_rows, to_spec
 
 PipelineError = RankFailedError  # a rank of the job failed; the message names the rank
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from ..errors import PipeinferError, UsageError
 from .head import Callbacks
 from .loading import spec_margin
-from .metrics import now
-from .sampling import SamplingParams
-from .modes import MODE_NAMES as MODES, default_mode, needs_draft
+from ..decode.metrics import now
+from ..decode.sampling import SamplingParams
+from ..decode.modes import MODE_NAMES as MODES, default_mode, needs_draft
 
 
 class ServiceUnavailable(PipeinferError):

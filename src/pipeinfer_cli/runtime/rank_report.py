@@ -7,7 +7,7 @@ import os
 import time
 
 from ..transport.mpi_link import Link, wait_style
-from .metrics import peak_rss_mib, process_stats
+from ..decode.metrics import peak_rss_mib, process_stats
 
 FAIL_ENV = "PIPEINFER_DEBUG_FAIL"
 
