@@ -12,8 +12,8 @@ from typing import Annotated
 import typer
 
 from ..errors import PipeinferError, UsageError
-from .job_setup import (check_chat_template, check_n_predict, check_plan, check_world, make_job_config, ranks_wanted,
-                        resolve_models)
+from .job_setup import (PreparedJob, check_chat_template, check_n_predict, make_job_config, ranks_wanted,
+                        resolve_models, run_here_or_relaunch)
 from .job_options import JobOptions, job_options
 from .options import ModelArg
 from .wording import epilog, plural
@@ -115,16 +115,17 @@ def bench(
         wants = ", ".join(m for m in mode_list if mode_needs_draft(m))
         raise UsageError(f"--modes {wants} need a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
 
-    if not inside and want > 1:
-        check_plan(make_job_config(target, draft_ref, job), want, needs_draft)
-        for stream, var in _TTY_ENV.items():
+    cfg = make_job_config(target, draft_ref, job)
+
+    def relaunch_job() -> int:
+        for stream, var in _TTY_ENV.items():  # the relaunched head cannot see this terminal
             os.environ.setdefault(var, "1" if getattr(sys, stream).isatty() else "0")
         if sys.stdout.isatty():
             os.environ.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
-        raise typer.Exit(relaunch(want, sys.argv[1:]))
+        return relaunch(want, sys.argv[1:])
 
-    check_world(want, explicit=bool(job.ranks or split_ranks))
-    cfg = make_job_config(target, draft_ref, job)
+    prep = PreparedJob(cfg, mode_list[0], want, bool(job.ranks or split_ranks), draft_ref is not None)
+    run_here_or_relaunch(prep, inside, needs_draft, relaunch_job)
     if not needs_draft:
         cfg.draft_path, cfg.draft_label = None, None  # iterative only: do not load a draft model
     records = _run(cfg, build_schedule(prompt_set, mode_list, repeat, warmup))

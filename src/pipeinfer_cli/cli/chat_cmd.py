@@ -10,9 +10,9 @@ import typer
 
 from ..decode.modes import needs_draft
 from ..errors import UsageError
-from .generate_cmd import one_model, summary_line, world_rank
+from .generate_cmd import summary_line, world_rank
 from .job_options import JobOptions, job_options
-from .job_setup import check_n_predict, check_plan, check_world, prepare_job
+from .job_setup import begin_job, run_here_or_relaunch
 from .options import ModelOption, ModeOption, OptionalModelArg, StopOption
 from .prompt_input import check_stop_strings
 from .wording import epilog, plural
@@ -62,21 +62,20 @@ def chat(
     Answers stream to stdout; a summary line per answer goes to stderr. Until the previous prompt
     holds 256 tokens nothing is reused (the summary says `reused 0/31 prompt tokens`); see below.
     """
-    from ..transport.launch import relaunch, under_mpi_launcher
+    from ..transport.launch import relaunch
 
     if model is None and model_opt is None:
         raise UsageError("no model given; pass one, e.g. `pipeinfer chat smollm2-135m-instruct` (see `pipeinfer models list`)")
-    model = one_model(model, model_opt)
-    check_n_predict(job.n_predict)
-    inside = under_mpi_launcher()
-    prep = prepare_job(model, mode, job, inside)
+    start = begin_job(model, model_opt, mode, job)
+    prep = start.prep
     stops = check_stop_strings(stop)
     prep.cfg.reuse_prefix = True
-    if not inside and prep.ranks > 1:
-        check_plan(prep.cfg, prep.ranks, needs_draft=needs_draft(prep.mode))
-        os.environ[TERMINAL_ENV] = _terminal()
-        raise typer.Exit(relaunch(prep.ranks, sys.argv[1:]))
-    check_world(prep.ranks, explicit=prep.explicit_ranks)
+
+    def relaunch_job() -> int:
+        os.environ[TERMINAL_ENV] = _terminal()  # the relaunched head cannot see this terminal
+        return relaunch(prep.ranks, sys.argv[1:])
+
+    run_here_or_relaunch(prep, start.inside, needs_draft(prep.mode), relaunch_job)
     _run(prep.cfg, prep.mode, system, stops)
 
 

@@ -13,16 +13,9 @@ import typer
 
 from ..decode.modes import needs_draft
 from ..runtime.topology import format_layer_ranges
-from ..errors import UsageError
 from .console import err, out
 from .job_options import JobOptions, job_options
-from .job_setup import (
-    check_chat_template,
-    check_n_predict,
-    check_plan,
-    check_world,
-    prepare_job,
-)
+from .job_setup import begin_job, check_chat_template, run_here_or_relaunch
 from .options import JsonFlag, ModelOption, ModeOption, OptionalModelArg, StopOption
 from .prompt_input import check_stop_strings, read_prompt_input
 from .wording import epilog, plural
@@ -79,36 +72,23 @@ def generate(
 
     With --json: one JSON object with the text, the token ids and every metric.
     """
-    from ..transport.launch import under_mpi_launcher
+    def read_input(inside: bool):
+        # Only the head reads the prompt: under a launcher, standard input reaches rank 0 alone.
+        return read_prompt_input(prompt, file, chat, messages, system) if not inside or world_rank() == 0 else None
 
-    model = one_model(model, model_opt)
-    check_n_predict(job.n_predict)
-    inside = under_mpi_launcher()
-    # Only the head reads the prompt: under a launcher, standard input reaches rank 0 alone.
-    given = read_prompt_input(prompt, file, chat, messages, system) if not inside or world_rank() == 0 else None
-    prep = prepare_job(model, mode, job, inside)
+    start = begin_job(model, model_opt, mode, job, read_input)
+    prep, given = start.prep, start.given
     cfg = prep.cfg
     if given is not None and given.messages is not None:
         check_chat_template(cfg.model_path, cfg.model_label, "--chat/--messages/--system")
-    if not inside and prep.ranks > 1:
-        check_plan(cfg, prep.ranks, needs_draft=needs_draft(prep.mode))
-        raise typer.Exit(_relaunch(prep.ranks, given, whole_host_threads(prep.mode, job.threads)))
+    run_here_or_relaunch(prep, start.inside, needs_draft(prep.mode),
+                         lambda: _relaunch(prep.ranks, given, whole_host_threads(prep.mode, job.threads)))
 
     from ..runtime.job import Request
 
-    check_world(prep.ranks, explicit=prep.explicit_ranks)
     request = Request(mode=prep.mode, prompt=given.text if given else None, chat=given.messages if given else None,
                       stop=check_stop_strings(stop))
     _run_and_print(cfg, request, as_json)
-
-
-def one_model(model: str | None, model_opt: str | None) -> str:
-    if model is not None and model_opt is not None and model != model_opt:
-        raise UsageError(f"two models given: {model!r} and -m {model_opt!r}; give one")
-    if (model or model_opt) is None:
-        raise UsageError("no model given; pass one, e.g. `pipeinfer generate smollm2-135m-instruct -p Hello` "
-                         "(see `pipeinfer models list`)")
-    return model or model_opt
 
 
 # In `iterative` mode one stage computes at a time, so the ranks that `--ranks N` starts on this

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import typer
 
 from ..errors import OptionValueError, UsageError
 from ..registry import load_registry
@@ -103,10 +106,9 @@ def check_spec_policy(policy: str) -> str:
 def check_plan(cfg, world_size: int, needs_draft: bool) -> None:
     """Plan the job from the GGUF header before any process starts, so that a split that cannot
     work (e.g. --ranks 100 for 30 layers) fails in well under a second, not after a launch."""
-    from ..runtime.topology import plan_job
+    from ..runtime.topology import plan_config
 
-    plan_job(cfg.model_path, cfg.model_label, world_size, world_size, cfg.layer_split, cfg.threads,
-             cfg.draft_path, needs_draft, has_draft=cfg.draft_label is not None)
+    plan_config(cfg, world_size, world_size, needs_draft)
 
 
 def make_job_config(target, draft_ref, job):
@@ -139,6 +141,49 @@ class PreparedJob:
     ranks: int  # ranks to run
     explicit_ranks: bool  # --ranks or --layer-split said how many
     has_draft: bool
+
+
+@dataclass
+class JobStart:
+    """A job command after its first steps (begin_job)."""
+
+    prep: PreparedJob
+    inside: bool  # this process is a rank of the MPI job, not the command that launches it
+    given: object = None  # what begin_job's read_input returned (None where it did not run)
+
+
+def begin_job(model: str | None, model_opt: str | None, mode: str | None, job,
+              read_input: Callable[[bool], object] | None = None) -> JobStart:
+    """The steps every job command starts with, in this order: one model, -n checked,
+    read_input(inside) (the prompt, say: what a user typed is checked before any model is
+    resolved), then the ranks, models and mode (prepare_job)."""
+    from ..transport.launch import under_mpi_launcher
+
+    model = one_model(model, model_opt)
+    check_n_predict(job.n_predict)
+    inside = under_mpi_launcher()
+    given = read_input(inside) if read_input is not None else None
+    return JobStart(prepare_job(model, mode, job, inside), inside, given)
+
+
+def run_here_or_relaunch(prep: PreparedJob, inside: bool, needs_draft: bool, relaunch_job: Callable[[], int]) -> None:
+    """The step every job command ends its set-up with. Outside an MPI launcher with several ranks:
+    check the plan from the GGUF header, then run the command again under mpiexec
+    (relaunch_job(); this raises typer.Exit with its status). Otherwise this process is a rank of
+    the job (or the whole of a 1-rank job): check the world size, and return."""
+    if not inside and prep.ranks > 1:
+        check_plan(prep.cfg, prep.ranks, needs_draft)
+        raise typer.Exit(relaunch_job())
+    check_world(prep.ranks, explicit=prep.explicit_ranks)
+
+
+def one_model(model: str | None, model_opt: str | None) -> str:
+    if model is not None and model_opt is not None and model != model_opt:
+        raise UsageError(f"two models given: {model!r} and -m {model_opt!r}; give one")
+    if (model or model_opt) is None:
+        raise UsageError("no model given; pass one, e.g. `pipeinfer generate smollm2-135m-instruct -p Hello` "
+                         "(see `pipeinfer models list`)")
+    return model or model_opt
 
 
 def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:

@@ -12,9 +12,9 @@ import typer
 
 from ..errors import OptionValueError
 from .console import err
-from .generate_cmd import one_model, summary_line
+from .generate_cmd import summary_line
 from .job_options import JobOptions, job_options
-from .job_setup import check_n_predict, check_plan, check_world, prepare_job
+from .job_setup import begin_job, run_here_or_relaunch
 from .options import ModelOption, ModeOption, OptionalModelArg
 from .wording import epilog, plural
 
@@ -70,23 +70,22 @@ def serve(
     Rank 0 answers HTTP; every answer is generated in the request's mode (lossless speculation),
     and the response's `timings` say how the speculation went.
     """
-    from ..transport.launch import relaunch, under_mpi_launcher
+    from ..transport.launch import relaunch
 
-    model = one_model(model, model_opt)
-    check_n_predict(job.n_predict)
-    if api_key is not None and not api_key.strip():
-        raise OptionValueError(f"--api-key (or {API_KEY_ENV}) is empty; give a key or leave it unset")
-    inside = under_mpi_launcher()
-    prep = prepare_job(model, mode, job, inside)
+    def check_api_key(_inside: bool) -> None:
+        if api_key is not None and not api_key.strip():
+            raise OptionValueError(f"--api-key (or {API_KEY_ENV}) is empty; give a key or leave it unset")
+
+    start = begin_job(model, model_opt, mode, job, check_api_key)
+    prep = start.prep
     prep.cfg.reuse_prefix = prefix_reuse
-    if not inside:
+    if not start.inside:
         from ..server.http_thread import bind
 
         bind(host, port).close()  # a port in use is reported now, not after the launch
-    if not inside and prep.ranks > 1:
-        check_plan(prep.cfg, prep.ranks, needs_draft=prep.has_draft)
-        raise typer.Exit(relaunch(prep.ranks, sys.argv[1:], clean_stop=stopped_line))
-    check_world(prep.ranks, explicit=prep.explicit_ranks)
+    # The server loads the draft whenever it has one: each request may choose its mode.
+    run_here_or_relaunch(prep, start.inside, prep.has_draft,
+                         lambda: relaunch(prep.ranks, sys.argv[1:], clean_stop=stopped_line))
     _serve_on_this_rank(prep.cfg, prep.mode, host, port, queue, api_key)
 
 

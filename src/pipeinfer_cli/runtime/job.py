@@ -28,7 +28,7 @@ from .loading import Loaded, load_rank
 from ..decode.sampling import SamplingParams
 from ..decode.modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
 from ..decode.session import DecodeOptions
-from .topology import Topology, alone_on_cores, plan_job
+from .topology import Topology, alone_on_cores, plan_config
 from .trace import TraceRecorder
 from .worker import abort_job, serve_worker
 
@@ -65,11 +65,6 @@ class JobConfig:
     # prefill computes (decode/prefix_cache.py). Off for generate and bench (honest TTFT figures).
     reuse_prefix: bool = False
     rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S  # liveness deadline (transport/liveness.py); 0: off
-
-
-def plan(cfg: JobConfig, world_size: int, ranks_per_host: int, needs_draft: bool = False) -> Topology:
-    return plan_job(cfg.model_path, cfg.model_label, world_size, ranks_per_host, cfg.layer_split, cfg.threads,
-                    cfg.draft_path, needs_draft, has_draft=cfg.draft_label is not None)
 
 
 def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,
@@ -204,7 +199,7 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
     try:
         if before_load is not None:
             before_load()
-        topo = plan(cfg, link.size, hosts.count(hosts[link.rank]), needs_draft)
+        topo = plan_config(cfg, link.size, hosts.count(hosts[link.rank]), needs_draft)
         loaded = load_rank(cfg, topo, link.rank, requests, needs_draft)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)

@@ -196,6 +196,13 @@ def plan_split(info, n_ranks: int, layer_split: str | None = None, draft_bytes: 
     return SplitPlan(topo.describe(), ranks)
 
 
+def plan_config(cfg, world_size: int, ranks_per_host: int, needs_draft: bool) -> Topology:
+    """plan_job for a job's configuration (a runtime.job.JobConfig): the one call that plans a job,
+    in the launching command (from the header, before any process starts) and on every rank."""
+    return plan_job(cfg.model_path, cfg.model_label, world_size, ranks_per_host, cfg.layer_split, cfg.threads,
+                    cfg.draft_path, needs_draft, has_draft=cfg.draft_label is not None)
+
+
 def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host: int, layer_split: str | None,
              threads: str | None, draft_path: Path | None = None, needs_draft: bool = False,
              has_draft: bool = True) -> Topology:
