@@ -67,7 +67,7 @@ def run(args) -> int:
                     decode=DecodeOptions(n_predict=args.n_predict), n_ctx=args.ctx, reuse_prefix=True)
     records: list[dict] = []
 
-    def answer(head, messages: list[dict]) -> dict:
+    def answer(head, messages: list[dict]):
         req = Request(mode="iterative", chat=messages)
         return head.run(req, head.tokenize(req))
 
@@ -77,13 +77,13 @@ def run(args) -> int:
         first = answer(head, turn1)
         if arm == "fresh":
             head.reset()
-        second = answer(head, turn1 + [{"role": "assistant", "content": first["text"]},
+        second = answer(head, turn1 + [{"role": "assistant", "content": first.text},
                                        {"role": "user", "content": QUESTION}])
-        records.append({"arm": arm, "repeat": rep, "ttft_s": second["ttft_s"], "n_prompt": second["n_prompt"],
-                        "reused_tokens": second["reused_tokens"], "first_n_prompt": first["n_prompt"],
-                        "tokens": second["tokens"]})
-        print(f"repeat {rep} {arm}: TTFT {second['ttft_s'] * 1e3:.0f} ms, reused {second['reused_tokens']}"
-              f"/{second['n_prompt']}", file=sys.stderr, flush=True)
+        records.append({"arm": arm, "repeat": rep, "ttft_s": second.ttft_s, "n_prompt": second.n_prompt,
+                        "reused_tokens": second.reused_tokens, "first_n_prompt": first.n_prompt,
+                        "tokens": second.tokens})
+        print(f"repeat {rep} {arm}: TTFT {second.ttft_s * 1e3:.0f} ms, reused {second.reused_tokens}"
+              f"/{second.n_prompt}", file=sys.stderr, flush=True)
 
     def head_main(head) -> None:
         for rep in range(args.repeat):

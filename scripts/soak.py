@@ -100,16 +100,16 @@ def job_config(model: Path, seed: int):
                      n_ctx=1024, threads="1")
 
 
-def record_of(i: int, res: dict) -> dict:
-    """What the checks need of one request's result (its trace events are dropped: memory)."""
+def record_of(i: int, res) -> dict:
+    """What the checks need of one request's result (a GenerationResult; its trace events are dropped: memory)."""
     ranks = []
-    for r in res["ranks"]:
+    for r in res.ranks:
         r.pop("trace", None)
         ranks.append({"rank": r["rank"], "kv_used_cells": r.get("kv_used_cells"),
                       "kv_used_cells_at_start": r.get("kv_used_cells_at_start"), **r.get("process", {})})
-    return {"i": i, "label": res["prompt_id"], "mode": res["mode"], "n_prompt": res["n_prompt"],
-            "n_gen": res["n_gen"], "tokens": res["tokens"], "ranks": ranks,
-            "cancelled": res["runs"]["cancelled"], "branches": res["runs"]["branches_launched"]}
+    return {"i": i, "label": res.prompt_id, "mode": res.mode, "n_prompt": res.n_prompt,
+            "n_gen": res.n_gen, "tokens": res.tokens, "ranks": ranks,
+            "cancelled": res.runs.cancelled, "branches": res.runs.branches_launched}
 
 
 def serve(args) -> None:
@@ -120,9 +120,9 @@ def serve(args) -> None:
     records: list[dict] = []
     t0 = time.monotonic()
 
-    def on_result(res: dict) -> None:
+    def on_result(res) -> None:
         records.append(record_of(len(records), res))
-        res.clear()  # run_job keeps every result until the end: keep it from counting as the head's growth
+        res.ranks, res.tokens, res.text = [], [], ""  # run_job keeps every result until the end: keep it from counting as the head's growth
         n = len(records)
         if n % 50 == 0 or n == len(requests):
             print(f"soak: {n}/{len(requests)} requests, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)

@@ -25,9 +25,10 @@ def main() -> None:
                     n_ctx=spec.get("ctx", 2048), layer_split=spec.get("layer_split"), reuse_prefix=spec["reuse"])
     mode = spec["mode"]
 
-    def emit(kind: str, head, r: dict | None = None) -> None:
+    def emit(kind: str, head, result=None) -> None:
         line = {"kind": kind, "kv": {str(k): v for k, v in head.kv_used_cells().items()}}
-        if r is not None:
+        if result is not None:
+            r = result.to_json()
             line.update({k: r[k] for k in ("tokens", "text", "n_prompt", "n_gen", "reused_tokens",
                                            "common_prefix_tokens", "acceptance")})
         print(json.dumps(line), flush=True)
@@ -48,7 +49,7 @@ def main() -> None:
                 last = Request(mode=mode, prompt=step["prompt"])
             r = head.run(last, head.tokenize(last))
             if "user" in step:
-                history = history + [{"role": "assistant", "content": r["text"]}]
+                history = history + [{"role": "assistant", "content": r.text}]
             emit("request", head, r)
         head.reset()
         emit("fresh", head, head.run(last, head.tokenize(last)))

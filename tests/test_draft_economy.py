@@ -97,7 +97,7 @@ def test_a_costly_draft_is_switched_off_and_probed_less_and_less():
     assert auto < always * 0.85 and auto < 1.1
     assert 0 < spec_auto < spec_always / 4
     # Its drafting alone cost more than the run could have saved: ended at the first pause.
-    assert p.economy.off and p.s.metrics.runs.drafting_paused == 1 and spec_auto == 1
+    assert p.gate.economy.off and p.s.metrics.runs.drafting_paused == 1 and spec_auto == 1
 
 
 def test_a_free_and_right_draft_keeps_drafting():
@@ -106,21 +106,21 @@ def test_a_free_and_right_draft_keeps_drafting():
     auto, spec_auto, p = run(0.0, "auto", p=0.99)
     assert always < 1.0  # drafting pays here: 4 tokens for 1 + 4·0.83
     assert spec_auto == spec_always and auto == pytest.approx(always)
-    assert p.economy.pauses == 0
+    assert p.gate.economy.pauses == 0
 
 
 def test_a_draft_that_is_often_wrong_is_switched_off():
     # Free to draft but wrong at every third position: each run saves less than it costs.
     always, _, _ = run(0.0, "always", wrong=lambda pos: pos % 3 == 0)
     auto, _, p = run(0.0, "auto", wrong=lambda pos: pos % 3 == 0)
-    assert auto < always and p.economy.pauses > 0
+    assert auto < always and p.gate.economy.pauses > 0
 
 
 def test_drafting_comes_back_when_it_pays_again():
     # Wrong for the first 30 generated positions, then right: a probe finds the change.
     start = len(PROMPT) + 30
     _, spec, p = run(0.0, "auto", n=160, wrong=lambda pos: pos < start)
-    assert p.economy.pauses > 0 and p.economy.wait == 0 and spec > 20
+    assert p.gate.economy.pauses > 0 and p.gate.economy.wait == 0 and spec > 20
 
 
 LONG_PROMPT = [(7 * i) % 50 + 1 for i in range(500)]
@@ -131,7 +131,7 @@ def test_a_costly_draft_never_reads_a_long_prompt():
     # one-token runs, more than the 120 tokens take. The probe (from the last PROBE_CONTEXT tokens)
     # finds the draft hopeless, and the prompt is never read.
     deferred, spec, p = run(0.6, "auto", prompt=LONG_PROMPT, deferred=True)
-    assert p.prompt_pass_runs == 0 and spec == 1 and p.economy.off
+    assert p.prompt_pass_runs == 0 and spec == 1 and p.gate.economy.off
     assert p.drafter.calls[0][0] == p.s.tokens[:len(LONG_PROMPT) + 1][-PROBE_CONTEXT:]  # after the first token
     read_at_once, _, _ = run(0.6, "auto", prompt=LONG_PROMPT)
     assert deferred < 1.25 and read_at_once > deferred + 1.5
@@ -141,7 +141,7 @@ def test_a_cheap_draft_reads_the_prompt_after_its_probe_and_drafts_on():
     # A free, always-right draft: the probe pays, the prompt pass runs once, drafting goes on.
     _, spec_deferred, p = run(0.0, "auto", prompt=LONG_PROMPT, deferred=True, p=0.99)
     _, spec_at_once, _ = run(0.0, "auto", prompt=LONG_PROMPT, p=0.99)
-    assert p.prompt_pass_runs == 1 and p.economy.pauses == 0
+    assert p.prompt_pass_runs == 1 and p.gate.economy.pauses == 0
     assert spec_deferred >= spec_at_once - 1
     # Every draft after the probe continues the whole path: the draft read the prompt.
     assert all(len(path) > PROBE_CONTEXT for path, _ in p.drafter.calls[1:])

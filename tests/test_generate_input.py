@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from pipeinfer_cli.cli.app import app
 from pipeinfer_cli.cli.generate_cmd import summary_line
-from pipeinfer_cli.decode.metrics import GenerationMetrics
+from pipeinfer_cli.decode.metrics import Acceptance, GenerationMetrics, RunCounters
+from pipeinfer_cli.decode.result import GenerationResult
 from pipeinfer_cli.decode.sampling import SamplingParams, sample
 from pipeinfer_cli.decode.text_stream import TextStream
 
@@ -174,16 +175,18 @@ def test_itl_counts_gaps_between_arrivals():
 
 
 def test_summary_line_plurals_and_layer_ranges():
-    r = {"n_gen": 1, "tok_per_s": 2.0, "decode_tok_per_s": None, "ttft_s": 0.1, "mode": "pipeinfer",
-         "acceptance": {"drafted": 0}, "runs": {"cancelled": 1},
-         "ranks": [{"layers": [0, 14]}, {"layers": [14, 15]}, {"layers": None}]}
+    r = GenerationResult(
+        prompt_id="", mode="pipeinfer", model="m", draft="d", layer_split="14,1", n_ctx=64, text="x", tokens=[1],
+        finish_reason="length", n_prompt=3, n_gen=1, ttft_s=0.1, tok_per_s=2.0, decode_tok_per_s=None, itl_ms=None,
+        acceptance=Acceptance(), runs=RunCounters(cancelled=1), wire={}, t_start=0.0, t_end=1.0,
+        ranks=[{"layers": [0, 14]}, {"layers": [14, 15]}, {"layers": None}])
     line = summary_line(r)
     assert "1 token," in line and "1 run cancelled" in line
     assert "3 ranks (layers 0-13, 14, draft)" in line and "split" not in line
     assert "drafting" not in line
-    r["runs"] = {"cancelled": 0, "drafting_paused": 2}
+    r.runs = RunCounters(cancelled=0, drafting_paused=2)
     assert "drafting paused 2 times" in summary_line(r)
-    r["runs"] = {"cancelled": 0, "drafting_paused": 1, "drafting_ended": True}
+    r.runs = RunCounters(cancelled=0, drafting_paused=1, drafting_ended=True)
     line = summary_line(r)
     assert "drafting off (cannot pay on one stage" in line and "paused" not in line
 

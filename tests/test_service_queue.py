@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeinfer_cli.decode.metrics import Acceptance, RunCounters
+from pipeinfer_cli.decode.result import GenerationResult
 from pipeinfer_cli.runtime.job import JobConfig
 from pipeinfer_cli.runtime.service import (
     GenerationRequest, InvalidRequest, RequestTooLong, Service, ServiceUnavailable,
@@ -39,10 +41,13 @@ def test_admission_fifo_cancel_and_stop():
     assert not req.cancelled()
     assert svc.queue_depth() == 2 and svc.busy()
     tickets[1].cancel()  # its client went away while it waited: it is skipped
-    svc.callbacks().on_result({"ranks": []})
+    svc.callbacks().on_result(GenerationResult(
+        prompt_id="1", mode="pipeinfer", model="m", draft=None, layer_split="1", n_ctx=64, text="", tokens=[],
+        finish_reason="cancelled", n_prompt=3, n_gen=0, ttft_s=None, tok_per_s=None, decode_tok_per_s=None,
+        itl_ms=None, acceptance=Acceptance(), runs=RunCounters(), wire={}, t_start=0.0, t_end=0.0, ranks=[]))
     req, _ = next(gen)
     assert req.label == "3" and [e.kind for e in events[2]] == ["error"] and events[2][0].reason == "cancelled"
-    assert [e.kind for e in events[1]] == ["done"] and events[1][0].result["run_index"] == 0
+    assert [e.kind for e in events[1]] == ["done"] and events[1][0].result.run_index == 0
     svc.stop("going away")
     assert req.cancelled()  # the running request ends at its next commit
     assert [(e.kind, e.text) for e in events[3]] == [("error", "going away")]

@@ -1,8 +1,8 @@
 """Run a benchmark schedule as one job (models loaded once) and turn results into records.
 
 `run_bench` runs on every MPI rank, like `run_job`; it returns the records on the head only.
-A record is the job's result dict (metric names of the README's "JSON fields") plus where it sits in the
-schedule: `index`, `repeat`, `warmup`.
+A record is the JSON of the job's result (`GenerationResult.to_json`, with every rank's trace events
+for the Chrome trace) plus where it sits in the schedule: `index`, `repeat`, `warmup`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..cli.wording import plural
+from ..decode.result import GenerationResult
 from ..runtime.job import JobConfig, Request, run_job
 from .schedule import BenchItem
 
@@ -25,10 +26,11 @@ def run_bench(cfg: JobConfig, items: list[BenchItem],
     """Run every item in order; on_record(record) on the head as each one finishes."""
     records: list[dict] = []
 
-    def on_result(result: dict) -> None:
+    def on_result(result: GenerationResult) -> None:
         item = items[len(records)]
         rec = {"index": item.index, "prompt_id": item.prompt.id, "mode": item.mode, "repeat": item.repeat,
-               "warmup": item.warmup, **{k: v for k, v in result.items() if k not in ("prompt_id", "mode")}}
+               "warmup": item.warmup,
+               **{k: v for k, v in result.to_json(trace=True).items() if k not in ("prompt_id", "mode")}}
         records.append(rec)
         if on_record:
             on_record(rec)

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ..decode.modes import needs_draft
+from ..decode.result import GenerationResult
 from ..errors import UsageError
 from .generate_cmd import summary_line, world_rank
 from .job_options import JobOptions, job_options
@@ -118,9 +119,9 @@ def _one_file(a, b) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
-def chat_summary(result: dict) -> str:
+def chat_summary(result: GenerationResult) -> str:
     """generate's summary line plus the prompt tokens reused from the previous turn."""
     line = summary_line(result)
-    reused = f"reused {result.get('reused_tokens', 0)}/{result['n_prompt']} prompt tokens"
+    reused = f"reused {result.reused_tokens}/{result.n_prompt} prompt tokens"
     head, sep, tail = line.partition(", mode ")
     return f"{head}, {reused}{sep}{tail}" if sep else f"{line}, {reused}"

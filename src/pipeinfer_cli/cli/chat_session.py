@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO, TextIO
 
+from ..decode.result import GenerationResult
 from ..errors import UsageError, error_line
 
 HELP = "commands: /reset (new conversation), /exit (or Ctrl-D), /help"
@@ -30,7 +31,7 @@ class ChatSettings:
 class ChatSession:
     """One chat on a loaded job (`runtime.head.Head`): history, commands, streaming, summaries."""
 
-    def __init__(self, head, settings: ChatSettings, summary: Callable[[dict], str],
+    def __init__(self, head, settings: ChatSettings, summary: Callable[[GenerationResult], str],
                  stdin: BinaryIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None):
         """stdout: the answers; stderr: prompts, summaries, notes and errors. When both are the same
         terminal, pass the same stream twice: under mpiexec stdout and stderr reach the terminal
@@ -89,8 +90,8 @@ class ChatSession:
             self._error(f"unknown command {word}; {HELP}")
         return True
 
-    def turn(self, user_text: str) -> dict | None:
-        """Answer one user message, streaming the text; the result dict, or None if it was refused."""
+    def turn(self, user_text: str) -> GenerationResult | None:
+        """Answer one user message, streaming the text; its result, or None if it was refused."""
         from ..runtime.head import Callbacks
         from ..runtime.job import Request
         from ..runtime.loading import PromptTooLongError
@@ -110,7 +111,7 @@ class ChatSession:
         result = self.head.run(req, prompt, Callbacks(on_text=self._write))
         self.stdout.write("\n")
         self.stdout.flush()
-        self.history = messages + [{"role": "assistant", "content": result["text"]}]
+        self.history = messages + [{"role": "assistant", "content": result.text}]
         self._note(self.summary(result))
         return result
 

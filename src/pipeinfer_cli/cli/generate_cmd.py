@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from ..decode.modes import needs_draft
+from ..decode.result import GenerationResult
 from ..runtime.topology import format_layer_ranges
 from .console import err, out
 from .job_options import JobOptions, job_options
@@ -139,9 +140,7 @@ def _run_and_print(cfg, request, as_json: bool) -> None:
         return
     result = results[0]
     if as_json:
-        for r in result["ranks"]:
-            r.pop("trace", None)
-        out.print_json(json.dumps(result))
+        out.print_json(json.dumps(result.to_json()))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -165,19 +164,19 @@ def world_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
-def summary_line(r: dict) -> str:
-    parts = [plural(r["n_gen"], "token"), f"{r['tok_per_s']:.2f} tok/s" if r.get("tok_per_s") else "",
-             f"decode {r['decode_tok_per_s']:.2f} tok/s" if r.get("decode_tok_per_s") else "",
-             f"TTFT {r['ttft_s'] * 1e3:.0f} ms" if r.get("ttft_s") is not None else ""]
-    acc = r["acceptance"]
-    if acc["drafted"]:
-        parts.append(f"acceptance {acc['accepted']}/{acc['drafted']} ({acc['rate']:.0%})")
-    if r["runs"].get("drafting_ended"):
+def summary_line(r: GenerationResult) -> str:
+    parts = [plural(r.n_gen, "token"), f"{r.tok_per_s:.2f} tok/s" if r.tok_per_s else "",
+             f"decode {r.decode_tok_per_s:.2f} tok/s" if r.decode_tok_per_s else "",
+             f"TTFT {r.ttft_s * 1e3:.0f} ms" if r.ttft_s is not None else ""]
+    acc, runs = r.acceptance, r.runs
+    if acc.drafted:
+        parts.append(f"acceptance {acc.accepted}/{acc.drafted} ({acc.rate:.0%})")
+    if runs.drafting_ended:
         parts.append("drafting off (cannot pay on one stage; --spec-policy always drafts anyway)")
-    elif r["runs"].get("drafting_paused"):
-        parts.append(f"drafting paused {plural(r['runs']['drafting_paused'], 'time')}")
-    if r["runs"]["cancelled"]:
-        parts.append(f"{plural(r['runs']['cancelled'], 'run')} cancelled")
-    parts.append(f"mode {r['mode']}")
-    parts.append(f"{plural(len(r['ranks']), 'rank')} (layers {format_layer_ranges([x.get('layers') for x in r['ranks']])})")
+    elif runs.drafting_paused:
+        parts.append(f"drafting paused {plural(runs.drafting_paused, 'time')}")
+    if runs.cancelled:
+        parts.append(f"{plural(runs.cancelled, 'run')} cancelled")
+    parts.append(f"mode {r.mode}")
+    parts.append(f"{plural(len(r.ranks), 'rank')} (layers {format_layer_ranges([x.get('layers') for x in r.ranks])})")
     return "pipeinfer: " + ", ".join(p for p in parts if p)

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from ..decode.result import GenerationResult
 from ..errors import OptionValueError
 from .console import err
 from .generate_cmd import summary_line
@@ -174,7 +175,7 @@ def _banner(service, host: str, port: int) -> None:
         err.print(f"pipeinfer serve: {line}", markup=False, highlight=False)
 
 
-def _log_request(endpoint: str, result: dict) -> None:
+def _log_request(endpoint: str, result: GenerationResult) -> None:
     line = summary_line(result).removeprefix("pipeinfer: ")
-    err.print(f"pipeinfer serve: {endpoint} #{result.get('prompt_id')}: {result['finish_reason']}, {line}",
+    err.print(f"pipeinfer serve: {endpoint} #{result.prompt_id}: {result.finish_reason}, {line}",
               markup=False, highlight=False)

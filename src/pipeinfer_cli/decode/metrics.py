@@ -53,13 +53,19 @@ class Acceptance:
     accepted: int = 0
     verified_runs: int = 0
 
+    @property
+    def rate(self) -> float | None:
+        """accepted / drafted; None when nothing was drafted."""
+        return (self.accepted / self.drafted) if self.drafted else None
+
+    @property
+    def mean_accepted_len(self) -> float | None:
+        """Draft tokens accepted per verified run; None before any run was verified."""
+        return (self.accepted / self.verified_runs) if self.verified_runs else None
+
     def to_dict(self) -> dict:
-        return {
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "rate": (self.accepted / self.drafted) if self.drafted else None,
-            "mean_accepted_len": (self.accepted / self.verified_runs) if self.verified_runs else None,
-        }
+        return {"drafted": self.drafted, "accepted": self.accepted, "rate": self.rate,
+                "mean_accepted_len": self.mean_accepted_len}
 
 
 @dataclass
@@ -73,22 +79,34 @@ class GenerationMetrics:
     def committed(self, n: int, t: float) -> None:
         self.token_times.extend([t] * n)
 
-    def to_dict(self) -> dict:
+    def rates(self) -> "Rates":
+        """Counts and speeds from the commit times (docs/json-output.md defines each)."""
         n_gen = len(self.token_times)
-        d: dict = {"n_prompt": self.n_prompt, "n_gen": n_gen}
-        if n_gen:
-            t_first, t_last = self.token_times[0], self.token_times[-1]
-            d["ttft_s"] = t_first - self.t_start
-            d["tok_per_s"] = n_gen / (t_last - self.t_start) if t_last > self.t_start else None
-            d["decode_tok_per_s"] = (n_gen - 1) / (t_last - t_first) if n_gen > 1 and t_last > t_first else None
-            # Inter-token latency as the user sees tokens arrive: tokens committed together (an
-            # accepted speculative run) arrive at once, so the gaps are between arrivals, not the
-            # zero gaps inside one burst, which would make the median meaningless.
-            gaps = np.diff(np.unique(np.asarray(self.token_times))) * 1e3
-            d["itl_ms"] = ({"mean": float(gaps.mean()), "p50": float(np.percentile(gaps, 50)),
-                            "p90": float(np.percentile(gaps, 90))} if len(gaps) else None)
-        else:
-            d.update(ttft_s=None, tok_per_s=None, decode_tok_per_s=None, itl_ms=None)
-        d["acceptance"] = self.acceptance.to_dict()
-        d["runs"] = vars(self.runs).copy()
-        return d
+        if not n_gen:
+            return Rates(self.n_prompt, 0, None, None, None, None)
+        t_first, t_last = self.token_times[0], self.token_times[-1]
+        # Inter-token latency as the user sees tokens arrive: tokens committed together (an
+        # accepted speculative run) arrive at once, so the gaps are between arrivals, not the
+        # zero gaps inside one burst, which would make the median meaningless.
+        gaps = np.diff(np.unique(np.asarray(self.token_times))) * 1e3
+        return Rates(
+            self.n_prompt, n_gen, ttft_s=t_first - self.t_start,
+            tok_per_s=n_gen / (t_last - self.t_start) if t_last > self.t_start else None,
+            decode_tok_per_s=(n_gen - 1) / (t_last - t_first) if n_gen > 1 and t_last > t_first else None,
+            itl_ms=({"mean": float(gaps.mean()), "p50": float(np.percentile(gaps, 50)),
+                     "p90": float(np.percentile(gaps, 90))} if len(gaps) else None))
+
+    def to_dict(self) -> dict:
+        return {**vars(self.rates()), "acceptance": self.acceptance.to_dict(), "runs": vars(self.runs).copy()}
+
+
+@dataclass
+class Rates:
+    """A request's counts and speeds, as `GenerationMetrics.rates` computes them."""
+
+    n_prompt: int  # prompt tokens
+    n_gen: int  # generated tokens
+    ttft_s: float | None  # start of prompt processing -> first token known at the head; None without tokens
+    tok_per_s: float | None  # n_gen / (t_last_token - t_start)
+    decode_tok_per_s: float | None  # (n_gen - 1) / (t_last_token - t_first_token); None under two tokens
+    itl_ms: dict | None  # {"mean", "p50", "p90"} of the gaps between token arrivals; None under two arrivals

@@ -37,7 +37,8 @@ from collections import deque
 from collections.abc import Callable
 
 from .async_draft import AsyncDraft
-from .draft_economy import PROBE_CONTEXT, DraftEconomy, DraftMemory
+from .draft_economy import PROBE_CONTEXT, DraftMemory
+from .draft_gate import draft_gate
 from .drafters import AsyncDrafter, Drafter, Proposal
 from .kv_slots import KvSlots
 from .metrics import now
@@ -68,16 +69,9 @@ class PipeInfer:
         self.limit_pos = s.n_prompt + s.n_predict - 1  # last position whose token can still be committed
         # A dedicated draft rank answers asynchronously (request/poll); head-local drafters are synchronous.
         self.draft = AsyncDraft(drafter, opts.n_draft) if isinstance(drafter, AsyncDrafter) else None
-        # One stage, drafter on the head: drafting takes the cores the next token would (draft_economy.py).
-        self.economy = (DraftEconomy() if opts.spec_policy == "auto" and self.draft is None and pipe.n_stages == 1
-                        else None)
-        self.memory = memory if memory is not None else DraftMemory()
-        if self.economy is not None and drafter.name in self.memory.hopeless:
-            self.economy.off = True  # an earlier request of this job found this draft cannot pay here
-        self.prompt_pass = prompt_pass
-        self.probed = False  # the deferred prompt pass's probe was launched
-        if prompt_pass is not None and self.economy is None:
-            self.run_prompt_pass()
+        # One stage, drafter on the head: drafting takes the cores the next token would (draft_gate.py).
+        self.gate = draft_gate(opts.spec_policy, self.draft is None and pipe.n_stages == 1, drafter,
+                               memory if memory is not None else DraftMemory(), prompt_pass)
 
     # -- bookkeeping -------------------------------------------------------------------------
     def valid(self) -> list[Flight]:
@@ -126,11 +120,7 @@ class PipeInfer:
         t0 = self.clock()
         run_id = self.pipe.launch(batch.tokens, batch.pos, batch.seq_ids, batch.output, speculative=speculative)
         n = len(batch.tokens)
-        if self.economy is not None:  # one stage: the run was computed inside launch
-            if speculative:
-                self.economy.spent(self.clock() - t0, n)  # every row a drafted token (sync drafting)
-            elif n == 1:
-                self.economy.single_run(self.clock() - t0)
+        self.gate.launched(speculative, n, self.clock() - t0)
         self.flights.append(Flight(run_id, pos0, batch.branches, speculative, parent, n_cells=n))
         m = self.s.metrics.runs
         m.launched += 1
@@ -151,26 +141,16 @@ class PipeInfer:
         n_max = self.draft_window(path)
         if n_max <= 0:
             return False
-        if self.economy is not None:
-            if self.prompt_pass is not None and self.probed and not self.economy.off:
-                if not self.economy.cost_probe_passed():
-                    self.memory.hopeless.add(self.drafter.name)
-                    return False
-                self.run_prompt_pass()  # the probe did not rule the draft out: it reads the prompt now
-            elif not self.economy.may_draft():
-                if self.economy.off:
-                    self.memory.hopeless.add(self.drafter.name)
-                return False
-            self.economy.new_run()
-        if self.prompt_pass is not None:
+        if not self.gate.may_draft():
+            return False
+        if self.gate.probe:
             branches, t0 = self.probe_draft(path, n_max)
         else:
             t0 = self.clock()
             branches = self.draft_tree(path, n_max, self.threshold)
         t1 = self.clock()
         self.pipe.trace.slice("draft", t0, t1, n_tokens=sum(len(b) for b in branches), branches=len(branches))
-        if self.economy is not None:
-            self.economy.drafted(t1 - t0)
+        self.gate.drafted(t1 - t0)
         if not branches[0]:
             return False
         self.runs_this_round += 1
@@ -183,13 +163,9 @@ class PipeInfer:
         draft read that context (returned with the branch)."""
         tail = path[-PROBE_CONTEXT:]
         self.drafter.read_context(tail[:-1])
-        self.probed = True
+        self.gate.probed()
         t0 = self.clock()
         return [self.drafter.propose(tail, n_max, 0.0).tokens], t0
-
-    def run_prompt_pass(self) -> None:
-        self.prompt_pass()
-        self.prompt_pass = None
 
     def draft_tree(self, path: list[int], n_max: int, threshold: float) -> list[list[int]]:
         """The confident part of the draft continuing `path`, then the side branches a tree may add."""
@@ -354,8 +330,7 @@ class PipeInfer:
             return
         accepted = self.s.metrics.acceptance.accepted
         self.verify(f, res.tokens)
-        if self.economy is not None:
-            self.economy.accepted(self.s.metrics.acceptance.accepted - accepted)
+        self.gate.accepted(self.s.metrics.acceptance.accepted - accepted)
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -364,9 +339,7 @@ class PipeInfer:
         else:
             self.run_sync()
         self.drain()
-        if self.economy is not None:
-            self.s.metrics.runs.drafting_paused = self.economy.pauses
-            self.s.metrics.runs.drafting_ended = self.economy.off
+        self.gate.report(self.s.metrics.runs)
 
     def handle_arrived(self) -> bool:
         """Verify the oldest result if one has arrived, without waiting. True if one was handled."""

@@ -4,14 +4,14 @@ For one request (`Head.run`): keep the reusable prefix of the previous request's
 them (`prefix_cache.py`), prefill the rest (the draft's own prefill overlapping the stages; on one
 stage in pipeinfer mode deferred until drafting shows it may pay, `draft_economy.py`), decode
 in the request's mode, collect every rank's report (they travel behind the request's runs), and
-turn the session and reports into the result dict (the JSON of `generate --json`).
+turn the session and reports into a `GenerationResult` (its `to_json()` is `generate --json`).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..transport.mpi_link import Link
 from ..decode.sync import prefill
@@ -22,6 +22,7 @@ from ..decode.metrics import now
 from ..decode.modes import decode, needs_draft
 from .pipeline import Pipeline
 from ..decode.prefix_cache import PrefixCache
+from ..decode.result import GenerationResult
 from ..decode.session import CANONICAL_SEQ, Session
 from ..decode.text_stream import TextStream
 from .trace import TraceRecorder
@@ -40,11 +41,11 @@ class Callbacks:
     on_start: Callable[[object], None] | None = None  # tokenizer, once the models are loaded
     on_token: Callable[[int], None] | None = None  # each committed token
     on_text: Callable[[str], None] | None = None  # text to show (UTF-8 completed, stop strings cut)
-    on_result: Callable[[dict], None] | None = None  # each request's result
+    on_result: Callable[[GenerationResult], None] | None = None  # each request's result
 
 
 def serve_requests(link: Link | None, cfg, loaded: Loaded, trace: TraceRecorder, requests: Iterable,
-                   offsets: list[float], cb: Callbacks) -> list[dict]:
+                   offsets: list[float], cb: Callbacks) -> list[GenerationResult]:
     """Run every request on the head; stop the other ranks at the end, or abort them on failure.
 
     requests: (Request, prompt token ids) pairs; an iterator may block until the next one comes
@@ -103,8 +104,8 @@ class Head:
         """The request's prompt tokens; UsageError if it is empty or does not fit --ctx."""
         return tokenize_request(self.cfg, self.tokenizer, req)
 
-    def run(self, req, prompt: list[int], cb: Callbacks | None = None) -> dict:
-        """One request: its result dict (the JSON of `generate --json`, plus `reused_tokens`).
+    def run(self, req, prompt: list[int], cb: Callbacks | None = None) -> GenerationResult:
+        """One request: its result (with the prompt tokens it reused).
 
         cb: this request's callbacks (on_token, on_text, on_result), else the job's."""
         cb = cb or self.cb
@@ -118,18 +119,17 @@ class Head:
         # the reports travel behind this, so they see exactly the committed length.
         self.pipe.seq_rm(CANONICAL_SEQ, len(s.tokens) - 1, -1)
         reports = self.pipe.report()
-        self.report.busy_s, self.pipe.busy_s = self.pipe.busy_s, 0.0
+        counters = self.pipe.take_counters()
+        self.report.busy_s, self.report.kv_at_start = counters.busy_s, counters.kv_at_start
         self.report.runs = s.metrics.runs.launched
-        self.report.kv_at_start = self.pipe.kv_at_start
-        ranks = [self.report.take(rows_requested=self.pipe.rows_requested)] + reports
-        self.pipe.rows_requested = 0
+        ranks = [self.report.take(rows_requested=counters.rows_requested)] + reports
         if self.cfg.reuse_prefix:
             self.prefix.after_request(prompt, s.tokens)
         else:
             self.pipe.kv_clear()
         self.draft_used |= needs_draft(req.mode)
         result = assemble_result(self.cfg, req, self.topo, self.tokenizer, s, ranks, self.offsets, t_end)
-        result["reused_tokens"], result["common_prefix_tokens"] = keep, common
+        result.reused_tokens, result.common_prefix_tokens = keep, common
         if os.environ.get(DEBUG_DIVERGE) == req.mode:
             _debug_diverge(result)
         if cb.on_result:
@@ -190,23 +190,24 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
     return s
 
 
-def assemble_result(cfg, req, topo, tok, s: Session, ranks: list[dict], offsets: list[float], t_end: float) -> dict:
-    """One request's result: text, tokens, metrics (README, "JSON fields") and every rank's report."""
-    m = s.metrics.to_dict()
+def assemble_result(cfg, req, topo, tok, s: Session, ranks: list[dict], offsets: list[float],
+                    t_end: float) -> GenerationResult:
+    """One request's result: text, tokens, metrics (docs/json-output.md) and every rank's report."""
+    runs = replace(s.metrics.runs)  # the session's counters, plus what the stages' engines counted
     for r in ranks:
         r["clock_offset_s"] = offsets[r["rank"]] if r["rank"] < len(offsets) else 0.0
         engine = r.get("engine") or {}
-        m["runs"]["cancelled_mid_compute"] += engine.get("cancelled_mid_compute", 0)
-        m["runs"]["layer_evals_skipped"] += engine.get("layer_evals_skipped", 0)
-    return {
-        "prompt_id": req.label, "mode": req.mode, "model": cfg.model_label, "draft": cfg.draft_label,
-        "layer_split": topo.describe(), "n_ctx": cfg.n_ctx,
-        "text": s.text.text if s.text is not None else tok.llm.detokenize(s.generated).decode("utf-8", errors="replace"),
-        "tokens": s.generated, "finish_reason": s.finish_reason,
-        **m, "wire": {**wire_summary(ranks, len(s.generated)), "handoff_ms": handoff_ms(ranks, topo.n_stages)},
-        "t_start": s.metrics.t_start, "t_end": t_end,
-        "ranks": ranks,
-    }
+        runs.cancelled_mid_compute += engine.get("cancelled_mid_compute", 0)
+        runs.layer_evals_skipped += engine.get("layer_evals_skipped", 0)
+    return GenerationResult(
+        prompt_id=req.label, mode=req.mode, model=cfg.model_label, draft=cfg.draft_label,
+        layer_split=topo.describe(), n_ctx=cfg.n_ctx,
+        text=s.text.text if s.text is not None else tok.llm.detokenize(s.generated).decode("utf-8", errors="replace"),
+        tokens=s.generated, finish_reason=s.finish_reason,
+        **vars(s.metrics.rates()), acceptance=replace(s.metrics.acceptance), runs=runs,
+        wire={**wire_summary(ranks, len(s.generated)), "handoff_ms": handoff_ms(ranks, topo.n_stages)},
+        t_start=s.metrics.t_start, t_end=t_end, ranks=ranks,
+    )
 
 
 def wire_summary(ranks: list[dict], n_gen: int) -> dict:
@@ -270,7 +271,7 @@ def _trace_commits(trace: TraceRecorder, token_times: list[float]) -> None:
         i = j + 1
 
 
-def _debug_diverge(result: dict) -> None:
-    if result["tokens"]:
-        result["tokens"] = result["tokens"][:-1] + [result["tokens"][-1] ^ 1]
-        result["debug_diverged"] = True
+def _debug_diverge(result: GenerationResult) -> None:
+    if result.tokens:
+        result.tokens = result.tokens[:-1] + [result.tokens[-1] ^ 1]
+        result.debug_diverged = True

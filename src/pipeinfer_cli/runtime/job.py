@@ -23,6 +23,7 @@ from ..transport.liveness import Liveness
 from ..transport.mpi_link import Link, set_spin_tail
 from ..transport.start_waits import start_timeout_s
 from ..transport.startup import job_startup
+from ..decode.result import GenerationResult
 from .head import Callbacks, Head, serve_requests
 from .loading import Loaded, load_rank
 from ..decode.sampling import SamplingParams
@@ -69,9 +70,9 @@ class JobConfig:
 
 def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,
             on_token: Callable[[int], None] | None = None,
-            on_result: Callable[[dict], None] | None = None,
-            on_text: Callable[[str], None] | None = None) -> list[dict] | None:
-    """Run on every rank of COMM_WORLD. Returns one result dict per request on the head, None elsewhere.
+            on_result: Callable[[GenerationResult], None] | None = None,
+            on_text: Callable[[str], None] | None = None) -> list[GenerationResult] | None:
+    """Run on every rank of COMM_WORLD. Returns one result per request on the head, None elsewhere.
 
     on_start(tokenizer) is called on the head once the models are loaded; on_token(token) as each
     token is committed; on_text(text) with the text to show as tokens are committed (UTF-8

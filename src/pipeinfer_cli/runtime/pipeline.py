@@ -31,6 +31,15 @@ class RunResult:
     #                            None when the run was cancelled on some stage
 
 
+@dataclass
+class PipelineCounters:
+    """The head's share of one request, as the pipeline counted it (`Pipeline.take_counters`)."""
+
+    busy_s: float  # seconds the head computed its layers
+    rows_requested: int  # rows whose sampled token was asked for
+    kv_at_start: int | None  # the head's KV cells in use when the request began (None: it did not begin)
+
+
 class Pipeline:
     def __init__(self, link: Link | None, engine, n_stages: int, trace, draft_rank: int | None = None):
         self.link, self.engine, self.n_stages, self.trace = link, engine, n_stages, trace
@@ -42,6 +51,12 @@ class Pipeline:
         self.rows_requested = 0  # rows whose sampled token was asked for (this request)
         self.sampling = SamplingParams()
         self.kv_at_start: int | None = None  # KV cells in use when this request began
+
+    def take_counters(self) -> PipelineCounters:
+        """This request's counters; the next request counts from zero."""
+        c = PipelineCounters(self.busy_s, self.rows_requested, self.kv_at_start)
+        self.busy_s, self.rows_requested, self.kv_at_start = 0.0, 0, None
+        return c
 
     def set_sampling(self, params: SamplingParams) -> None:
         """How the rows of the runs launched from now on are sampled (sent in stream order)."""

@@ -16,7 +16,7 @@ Python API (what `pipeinfer serve` uses; a terminal chat can use the same):
     prompt = service.tokenize(messages=[{"role": "user", "content": "Hi"}])
     ticket = service.submit(GenerationRequest(prompt, mode="pipeinfer", n_predict=64), on_event)
     # on_event(Event("text", text=…)) as text is committed, then one Event("done", result=…)
-    # (the dict of `generate --json`) or one Event("error", text=…); ticket.cancel() ends it early.
+    # (a GenerationResult) or one Event("error", text=…); ticket.cancel() ends it early.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from ..decode.result import GenerationResult
 from ..errors import PipeinferError, UsageError
 from .head import Callbacks
 from .loading import spec_margin
@@ -77,7 +78,7 @@ class Event:
 
     kind: str
     text: str = ""  # "text": the text; "error": the message
-    result: dict | None = None  # "done": the result dict (README, "JSON fields")
+    result: GenerationResult | None = None  # "done": the request's result
     reason: str = ""  # "error": "failed" (a rank failed), "stopping" (shutdown), "cancelled"
 
 
@@ -139,13 +140,13 @@ class Service:
         self._current: Ticket | None = None
         self._seq = 0
         self._runs = 0  # requests taken off the queue so far
-        self._observers: list[Callable[[Ticket, dict], None]] = []
+        self._observers: list[Callable[[Ticket, GenerationResult], None]] = []
         # Called every half second on the pipeline thread while no request runs: it reads the
         # other ranks' heartbeats (which would pile up unread) and raises if a rank stopped
         # answering, so an idle server notices a dead rank too (run_service sets it).
         self.idle_check: Callable[[], None] | None = None
 
-    def add_observer(self, fn: Callable[[Ticket, dict], None]) -> None:
+    def add_observer(self, fn: Callable[[Ticket, GenerationResult], None]) -> None:
         """fn(ticket, result) after every request that ran, cancelled ones included (pipeline thread)."""
         self._observers.append(fn)
 
@@ -302,12 +303,12 @@ class Service:
         if self._current is not None:
             self._current.emit(Event("text", text=text))
 
-    def _result(self, result: dict) -> None:
-        for r in result.get("ranks", []):
+    def _result(self, result: GenerationResult) -> None:
+        for r in result.ranks:
             r.pop("trace", None)  # a long-running server keeps no trace events
         t = self._current
         if t is not None:
-            result.update(queue_s=t.queue_s, request_seq=t.seq, run_index=t.run_index)
+            result.queue_s, result.request_seq, result.run_index = t.queue_s, t.seq, t.run_index
             t.emit(Event("done", result=result))
             for fn in self._observers:
                 fn(t, result)

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..decode.result import GenerationResult
 from ..runtime.service import Event, GenerationRequest, InvalidRequest, Service, ServiceUnavailable
 from ..cli.wording import human_bytes
 from ..errors import UsageError
@@ -41,7 +42,7 @@ class ServerSettings:
     draft: str | None = None  # the draft's name, "lookup", or None
     api_key: str | None = None  # if set, /v1/* and /metrics need `Authorization: Bearer KEY`
     max_body_bytes: int = MAX_BODY_BYTES
-    on_finished: Callable[[str, dict], None] | None = None  # (endpoint, result) after each request
+    on_finished: Callable[[str, GenerationResult], None] | None = None  # (endpoint, result) after each request
 
 
 def build_app(service: Service, settings: ServerSettings) -> Starlette:
@@ -204,7 +205,7 @@ class _Api:
             if not ticket.finished:
                 ticket.cancel()  # the client went away mid-stream
 
-    def finished(self, endpoint: str, result: dict) -> None:
+    def finished(self, endpoint: str, result: GenerationResult) -> None:
         """After every request that ran (the pipeline thread): metrics and the log line."""
         self.metrics.finished(endpoint, result)
         if self.settings.on_finished is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..decode.result import GenerationResult
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -36,21 +38,20 @@ class ServerMetrics:
         Gauge("pipeinfer_ready", "1 once the models are loaded and the service answers",
               registry=r).set_function(lambda: int(service.status == "ok"))
 
-    def finished(self, endpoint: str, result: dict) -> None:
-        self.requests.labels(endpoint, result.get("finish_reason") or "stop").inc()
-        self.prompt_tokens.inc(result["n_prompt"])
-        self.generated_tokens.inc(result["n_gen"])
-        self.draft_tokens.inc(result["acceptance"]["drafted"])
-        self.accepted_tokens.inc(result["acceptance"]["accepted"])
-        self.runs_launched.inc(result["runs"]["launched"])
-        self.runs_cancelled.inc(result["runs"]["cancelled"])
-        if result.get("ttft_s") is not None:
-            self.ttft.observe(result["ttft_s"])
-        if result.get("queue_s") is not None:
-            self.queue_wait.observe(result["queue_s"])
-        for rank in result.get("ranks", []):
-            if "kv_used_cells" in rank:
-                self.kv_cells.labels(str(rank["rank"])).set(rank["kv_used_cells"])
+    def finished(self, endpoint: str, result: GenerationResult) -> None:
+        self.requests.labels(endpoint, result.finish_reason or "stop").inc()
+        self.prompt_tokens.inc(result.n_prompt)
+        self.generated_tokens.inc(result.n_gen)
+        self.draft_tokens.inc(result.acceptance.drafted)
+        self.accepted_tokens.inc(result.acceptance.accepted)
+        self.runs_launched.inc(result.runs.launched)
+        self.runs_cancelled.inc(result.runs.cancelled)
+        if result.ttft_s is not None:
+            self.ttft.observe(result.ttft_s)
+        if result.queue_s is not None:
+            self.queue_wait.observe(result.queue_s)
+        for rank, cells in result.kv_used_cells().items():
+            self.kv_cells.labels(rank).set(cells)
 
     def refused(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint, outcome).inc()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 import uuid
 
+from ..decode.result import GenerationResult
+
 
 class Reply:
     """The identity shared by a response and all its chunks."""
@@ -38,16 +40,16 @@ class Reply:
         return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                 "finish_reason": finish_reason}
 
-    def complete(self, result: dict) -> dict:
+    def complete(self, result: GenerationResult) -> dict:
         """The non-streaming response."""
-        return {**self._base(self.object), "choices": [self._choice(result["text"], finish_reason(result), False)],
+        return {**self._base(self.object), "choices": [self._choice(result.text, finish_reason(result), False)],
                 "usage": usage(result), "timings": timings(result), "pipeinfer": extension(result)}
 
     def chunk(self, text: str, first: bool = False) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [self._choice(text, None, True, first)]}
 
-    def last_chunk(self, result: dict, with_usage: bool) -> dict:
+    def last_chunk(self, result: GenerationResult, with_usage: bool) -> dict:
         """The chunk that carries finish_reason (and timings, as llama-server sends them)."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         out = {**self._base(obj), "choices": [self._choice("", finish_reason(result), True)],
@@ -56,54 +58,54 @@ class Reply:
             out["usage"] = None  # OpenAI: usage comes in a chunk of its own, after this one
         return out
 
-    def usage_chunk(self, result: dict) -> dict:
+    def usage_chunk(self, result: GenerationResult) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [], "usage": usage(result)}
 
 
-def finish_reason(result: dict) -> str:
-    return "length" if result.get("finish_reason") == "length" else "stop"
+def finish_reason(result: GenerationResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
 
 
-def usage(result: dict) -> dict:
-    return {"prompt_tokens": result["n_prompt"], "completion_tokens": result["n_gen"],
-            "total_tokens": result["n_prompt"] + result["n_gen"]}
+def usage(result: GenerationResult) -> dict:
+    return {"prompt_tokens": result.n_prompt, "completion_tokens": result.n_gen,
+            "total_tokens": result.n_prompt + result.n_gen}
 
 
-def timings(result: dict) -> dict:
-    n_prompt, n_gen = result["n_prompt"], result["n_gen"]
-    ttft = result.get("ttft_s")
-    total = n_gen / result["tok_per_s"] if result.get("tok_per_s") else None
+def timings(result: GenerationResult) -> dict:
+    n_prompt, n_gen = result.n_prompt, result.n_gen
+    ttft = result.ttft_s
+    total = n_gen / result.tok_per_s if result.tok_per_s else None
     prompt_ms = ttft * 1e3 if ttft is not None else None
     predicted_ms = (total - ttft) * 1e3 if total is not None and ttft is not None else None
-    acc, runs = result["acceptance"], result["runs"]
+    acc, runs = result.acceptance, result.runs
     return {
         # llama-server's name for the prompt tokens taken from the KV cache instead of recomputed
-        "cache_n": result.get("reused_tokens", 0),
+        "cache_n": result.reused_tokens,
         "prompt_n": n_prompt, "prompt_ms": _r(prompt_ms),
         "prompt_per_token_ms": _r(prompt_ms / n_prompt if prompt_ms is not None and n_prompt else None),
         "prompt_per_second": _r(n_prompt / ttft if ttft else None),
         "predicted_n": n_gen, "predicted_ms": _r(predicted_ms),
         "predicted_per_token_ms": _r(predicted_ms / (n_gen - 1) if predicted_ms and n_gen > 1 else None),
-        "predicted_per_second": _r(result.get("decode_tok_per_s")),
+        "predicted_per_second": _r(result.decode_tok_per_s),
         # pipeinfer's own
-        "mode": result["mode"], "ttft_ms": _r(prompt_ms),
-        "reused_tokens": result.get("reused_tokens", 0),
-        "common_prefix_tokens": result.get("common_prefix_tokens", 0),
-        "queue_ms": _r(result["queue_s"] * 1e3 if result.get("queue_s") is not None else None),
-        "tok_per_s": _r(result.get("tok_per_s")),
-        "draft_n": acc["drafted"], "draft_n_accepted": acc["accepted"],
-        "acceptance_rate": _r(acc["rate"], 4), "mean_accepted_len": _r(acc["mean_accepted_len"], 3),
-        "runs_launched": runs["launched"], "runs_speculative": runs["speculative"],
-        "runs_cancelled": runs["cancelled"],
-        "drafting_paused": runs.get("drafting_paused", 0), "drafting_ended": runs.get("drafting_ended", False),
+        "mode": result.mode, "ttft_ms": _r(prompt_ms),
+        "reused_tokens": result.reused_tokens,
+        "common_prefix_tokens": result.common_prefix_tokens,
+        "queue_ms": _r(result.queue_s * 1e3 if result.queue_s is not None else None),
+        "tok_per_s": _r(result.tok_per_s),
+        "draft_n": acc.drafted, "draft_n_accepted": acc.accepted,
+        "acceptance_rate": _r(acc.rate, 4), "mean_accepted_len": _r(acc.mean_accepted_len, 3),
+        "runs_launched": runs.launched, "runs_speculative": runs.speculative,
+        "runs_cancelled": runs.cancelled,
+        "drafting_paused": runs.drafting_paused, "drafting_ended": runs.drafting_ended,
     }
 
 
-def extension(result: dict) -> dict:
-    return {"mode": result["mode"], "draft": result.get("draft"), "tokens": result["tokens"],
-            "request": result.get("request_seq"), "run_index": result.get("run_index"),
-            "kv_used_cells": {str(r["rank"]): r["kv_used_cells"] for r in result["ranks"] if "kv_used_cells" in r}}
+def extension(result: GenerationResult) -> dict:
+    return {"mode": result.mode, "draft": result.draft, "tokens": result.tokens,
+            "request": result.request_seq, "run_index": result.run_index,
+            "kv_used_cells": result.kv_used_cells()}
 
 
 def _r(x: float | None, digits: int = 3) -> float | None:

@@ -1,0 +1,71 @@
+"""One request's result: what the head hands its callers, and `to_json()`, the object that
+`generate --json` prints (docs/json-output.md defines every field; the bench's records and the
+server's `timings` are built from the same values).
+
+The JSON is a public interface: `to_json()` keeps its keys, their order and their values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .metrics import Acceptance, RunCounters
+
+# Set by the service (`pipeinfer serve`) only; in the JSON once it set them.
+SERVICE_FIELDS = ("queue_s", "request_seq", "run_index")
+
+
+@dataclass
+class GenerationResult:
+    prompt_id: str  # the request's label: the prompt's id in a benchmark, the request number in a server
+    mode: str  # decoding mode: iterative, speculative or pipeinfer
+    model: str  # the target model's label
+    draft: str | None  # the draft's label (a model, or "lookup"); None without one
+    layer_split: str  # layers per stage of the target pipeline (the topology's description)
+    n_ctx: int  # KV cells of every cache (--ctx)
+    text: str  # the generated text as shown (UTF-8 completed, cut before a stop string)
+    tokens: list[int]  # the generated token ids
+    finish_reason: str | None  # "stop" (end-of-generation token or a stop string), "length" (-n reached), "cancelled"
+    n_prompt: int  # prompt tokens
+    n_gen: int  # generated tokens
+    ttft_s: float | None  # start of prompt processing (models loaded) -> first token known at the head
+    tok_per_s: float | None  # n_gen / (t_last_token - t_start)
+    decode_tok_per_s: float | None  # (n_gen - 1) / (t_last_token - t_first_token)
+    itl_ms: dict | None  # {"mean", "p50", "p90"} of the gaps between token arrivals (a burst is one arrival)
+    acceptance: Acceptance  # drafted, accepted, rate, mean_accepted_len (the last two are properties)
+    runs: RunCounters  # launched, speculative, cancelled, ... (summed over the stages where the engine counts)
+    wire: dict  # per link bytes and messages, head bytes per token and per row, wait_s per rank, handoff_ms
+    t_start: float  # head clock (perf_counter) at the start of prompt processing
+    t_end: float  # head clock once every rank's report was in
+    ranks: list[dict]  # per rank report: role, layers, threads, RSS, busy and CPU seconds, KV cells, engine
+    #                    counters, wire traffic; in process also its "trace" events, never in the JSON
+    reused_tokens: int = 0  # prompt tokens whose KV cells were kept from the previous request (prefix reuse)
+    common_prefix_tokens: int = 0  # prompt tokens in common with the previous request, reused or not
+    debug_diverged: bool = False  # PIPEINFER_DEBUG_DIVERGE changed the last token (tests); in the JSON only if set
+    queue_s: float | None = None  # serve: seconds the request waited in the queue
+    request_seq: int | None = None  # serve: the request's number, in submission order
+    run_index: int | None = None  # serve: the order in which the pipeline took the requests
+
+    def to_json(self, trace: bool = False) -> dict:
+        """The JSON object of `generate --json`: keys in this order, values as JSON types.
+
+        trace: keep each rank's trace events (the bench's in-memory records, for its Chrome trace)."""
+        d = {
+            "prompt_id": self.prompt_id, "mode": self.mode, "model": self.model, "draft": self.draft,
+            "layer_split": self.layer_split, "n_ctx": self.n_ctx, "text": self.text, "tokens": self.tokens,
+            "finish_reason": self.finish_reason, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
+            "ttft_s": self.ttft_s, "tok_per_s": self.tok_per_s, "decode_tok_per_s": self.decode_tok_per_s,
+            "itl_ms": self.itl_ms, "acceptance": self.acceptance.to_dict(), "runs": vars(self.runs).copy(),
+            "wire": self.wire, "t_start": self.t_start, "t_end": self.t_end,
+            "ranks": [r if trace else {k: v for k, v in r.items() if k != "trace"} for r in self.ranks],
+            "reused_tokens": self.reused_tokens, "common_prefix_tokens": self.common_prefix_tokens,
+        }
+        if self.debug_diverged:
+            d["debug_diverged"] = True
+        if self.request_seq is not None:
+            d.update({k: getattr(self, k) for k in SERVICE_FIELDS})
+        return d
+
+    def kv_used_cells(self) -> dict[str, int]:
+        """KV cells in use per rank (by rank number as a string) at the end of the request."""
+        return {str(r["rank"]): r["kv_used_cells"] for r in self.ranks if "kv_used_cells" in r}

@@ -1,0 +1,43 @@
+"""GenerationResult.to_json is the public JSON of `generate --json`: its keys, their order, and the
+optional fields that appear only when set."""
+
+from __future__ import annotations
+
+import json
+
+from pipeinfer_cli.decode.metrics import Acceptance, GenerationMetrics, RunCounters
+from pipeinfer_cli.decode.result import GenerationResult
+
+KEYS = ["prompt_id", "mode", "model", "draft", "layer_split", "n_ctx", "text", "tokens", "finish_reason",
+        "n_prompt", "n_gen", "ttft_s", "tok_per_s", "decode_tok_per_s", "itl_ms", "acceptance", "runs", "wire",
+        "t_start", "t_end", "ranks", "reused_tokens", "common_prefix_tokens"]
+
+
+def _result(**kw) -> GenerationResult:
+    m = GenerationMetrics(n_prompt=2, t_start=1.0, token_times=[1.5, 2.0, 2.0, 2.5],
+                          acceptance=Acceptance(drafted=4, accepted=3, verified_runs=2), runs=RunCounters(launched=3))
+    base = dict(prompt_id="p", mode="speculative", model="t", draft="d", layer_split="10,10", n_ctx=64, text="abcd",
+                tokens=[1, 2, 3, 4], finish_reason="length", **vars(m.rates()), acceptance=m.acceptance, runs=m.runs,
+                wire={"links": []}, t_start=1.0, t_end=3.0,
+                ranks=[{"rank": 0, "layers": [0, 10], "trace": [("i", "commit", 1.5, 1.5, {})], "clock_offset_s": 0.0}])
+    return GenerationResult(**{**base, **kw})
+
+
+def test_to_json_keeps_the_metrics_dict_and_the_key_order():
+    r = _result()
+    d = r.to_json()
+    assert list(d) == KEYS
+    m = GenerationMetrics(n_prompt=2, t_start=1.0, token_times=[1.5, 2.0, 2.0, 2.5],
+                          acceptance=Acceptance(drafted=4, accepted=3, verified_runs=2), runs=RunCounters(launched=3))
+    assert {k: d[k] for k in m.to_dict()} == m.to_dict()
+    assert d["acceptance"] == {"drafted": 4, "accepted": 3, "rate": 0.75, "mean_accepted_len": 1.5}
+    assert d["ranks"] == [{"rank": 0, "layers": [0, 10], "clock_offset_s": 0.0}]  # no trace events
+    assert "trace" in r.to_json(trace=True)["ranks"][0] and "trace" in r.ranks[0]  # to_json does not mutate
+    json.dumps(d)
+
+
+def test_optional_fields_appear_only_when_set():
+    d = _result(debug_diverged=True, queue_s=None, request_seq=4, run_index=2).to_json()
+    assert list(d)[len(KEYS):] == ["debug_diverged", "queue_s", "request_seq", "run_index"]
+    assert d["queue_s"] is None and d["request_seq"] == 4
+    assert _result().kv_used_cells() == {} and _result(ranks=[{"rank": 1, "kv_used_cells": 7}]).kv_used_cells() == {"1": 7}
