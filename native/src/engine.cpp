@@ -104,10 +104,11 @@ layer_engine::layer_engine(const engine_params & params) : params_(params) {
         kv_ = std::make_unique<kv_cache>((uint32_t) params.n_ctx, (uint32_t) params.n_seq_max, (int) w_->layers.size(),
                                          (int64_t) w_->hparams.n_embd_gqa(), /*v_trans=*/ !params.flash_attn);
     } catch (const std::bad_alloc &) {
-        const double gib = 2.0 * 2.0 * params.n_ctx * w_->hparams.n_embd_gqa() * w_->layers.size() / (1u << 30);
+        // K and V, f16, per cell and layer; decimal GB, as the rest of the tool reports sizes.
+        const double gb = 2.0 * 2.0 * params.n_ctx * w_->hparams.n_embd_gqa() * w_->layers.size() / 1e9;
         char msg[256];
-        std::snprintf(msg, sizeof(msg), "cannot allocate a KV cache of n_ctx=%lld cells (%.1f GiB for K and V); "
-                      "open the engine with a smaller n_ctx", (long long) params.n_ctx, gib);
+        std::snprintf(msg, sizeof(msg), "cannot allocate a KV cache of %lld cells: it needs %.1f GB for K and V",
+                      (long long) params.n_ctx, gb);
         throw engine_failure(msg);
     }
 

@@ -69,7 +69,9 @@ def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool)
     except RuntimeError as e:
         if "cannot allocate a KV cache" not in str(e):
             raise
-        raise UsageError(f"--ctx {cfg.n_ctx} is too large for this machine's memory ({e}); lower --ctx") from None
+        need = str(e).partition(": it needs ")[2] or "more than there is"
+        raise UsageError(f"--ctx {cfg.n_ctx} is too large for this machine's memory: this rank's KV cache needs "
+                         f"{need}; lower --ctx") from None
     if me.role == "head":
         _load_head(cfg, out, requests, needs_draft)
     return out
