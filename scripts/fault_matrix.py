@@ -42,8 +42,9 @@ PROMPT = "Write a short story about a lighthouse keeper."
 COMMON = ["--chat", PROMPT, "-n", "32", "--ctx", "512", "--threads", "1", "--temp", "0.8", "--seed", "3",
           "--p-accept", "0"]
 MODES = ("drop", "delay=1.5", "dup", "kill", "stall")
-# Where a job fails on purpose, for the tags sent only after a failure (ERROR, ABORT).
-FAIL_FIRST = "2:3"
+# Where a job fails on purpose, for the tags sent only after a failure (ERROR, ABORT): rank 2 raises
+# at its 3rd run (a fault of the same PIPEINFER_DEBUG_FAULT).
+FAIL_FIRST = "2:raise:3"
 
 # topology -> extra arguments, and its rows: (tag, sending rank, which of its messages)
 TOPOLOGIES = {
@@ -161,10 +162,10 @@ def run_cell(model: str, cell: Cell, reference: str, rank_timeout: float = RANK_
              within_s: float | None = WITHIN_S) -> Cell:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "fired"
-        env = {"PIPEINFER_DEBUG_FAULT": f"{cell.rank}:{cell.tag}:{cell.nth}:{cell.mode}",
-               "PIPEINFER_DEBUG_FAULT_LOG": str(log)}
+        faults = [f"{cell.rank}:{cell.tag}:{cell.nth}:{cell.mode}"]
         if cell.tag in ("error", "abort"):
-            env["PIPEINFER_DEBUG_FAIL"] = FAIL_FIRST
+            faults.append(FAIL_FIRST)
+        env = {"PIPEINFER_DEBUG_FAULT": ",".join(faults), "PIPEINFER_DEBUG_FAULT_LOG": str(log)}
         result, t_end, left = run_job(command(model, cell.topology, rank_timeout), **env)
         fired = log.read_text().splitlines() if log.exists() else []
     judge(cell, result, t_end, left, fired, reference, within_s)

@@ -1,6 +1,7 @@
-"""Lost, late and duplicated messages (the fault injector in the transport, PIPEINFER_DEBUG_FAULT).
+"""Lost, late and duplicated messages, and ranks that fail (the fault injector, PIPEINFER_DEBUG_FAULT).
 
-- The injector's specification is parsed strictly: a bad one is one clear error.
+- The injector's specification is parsed strictly: a bad one is one clear error. The older
+  PIPEINFER_DEBUG_FAIL=RANK:N means RANK:raise:N.
 - In-process, on a link to itself: a duplicated message is recognised by its sequence number and
   dropped; a lost one is reported by the next message of its stream, naming both ranks.
 - The representative subset of the fault matrix (scripts/fault_matrix.py): real jobs on 3 ranks plus
@@ -18,26 +19,57 @@ import numpy as np
 import pytest
 
 from pipeinfer_cli.errors import UsageError
-from pipeinfer_cli.transport.faults import Fault, parse_faults
+from pipeinfer_cli.transport.faults import Fault, FaultInjector, fail_alias, parse_faults
 from pipeinfer_cli.transport.messages import Tag
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_fault_spec_is_parsed():
-    assert parse_faults("2:result:4:dup, 0:STREAM:1:delay=0.5") == [
-        Fault(2, Tag.RESULT, 4, "dup"), Fault(0, Tag.STREAM, 1, "delay", 0.5)]
+    assert parse_faults("2:result:4:dup, 0:STREAM:1:delay=0.5, 1:raise:3") == [
+        Fault(2, Tag.RESULT, 4, "dup"), Fault(0, Tag.STREAM, 1, "delay", 0.5), Fault(1, None, 3, "raise")]
 
 
 @pytest.mark.parametrize("spec", ["2:result:4", "x:result:1:drop", "1:nosuchtag:1:drop", "1:stream:0:drop",
-                                  "1:stream:1:explode", "1:stream:1:delay=soon"])
+                                  "1:stream:1:explode", "1:stream:1:delay=soon", "1:raise", "1:raise:0",
+                                  "1:raise:x", "1:stream:1:raise", "2:3"])
 def test_bad_fault_spec_is_one_clear_error(spec):
-    with pytest.raises(UsageError, match="PIPEINFER_DEBUG_FAULT.*RANK:TAG:N:MODE"):
+    with pytest.raises(UsageError, match="PIPEINFER_DEBUG_FAULT.*RANK:TAG:N:MODE.*RANK:raise:N"):
         parse_faults(spec)
 
 
+def test_the_old_fail_variable_means_raise():
+    assert fail_alias("2:3") == "2:raise:3"
+    assert fail_alias("1") == "1:raise:1"  # N defaults to 1, as it always did
+    assert fail_alias("") == ""
+    old = FaultInjector.from_env(2, {"PIPEINFER_DEBUG_FAIL": "2:3"})
+    new = FaultInjector.from_env(2, {"PIPEINFER_DEBUG_FAULT": "2:raise:3"})
+    assert old.raise_at == new.raise_at == 3 and old.faults == new.faults == []
+
+
+def test_the_injector_holds_only_its_ranks_faults():
+    env = {"PIPEINFER_DEBUG_FAULT": "1:stream:6:drop,2:raise:4", "PIPEINFER_DEBUG_FAIL": "1:5"}
+    one, two = FaultInjector.from_env(1, env), FaultInjector.from_env(2, env)
+    assert (one.faults, one.raise_at) == ([Fault(1, Tag.STREAM, 6, "drop")], 5)
+    assert (two.faults, two.raise_at) == ([], 4)
+    assert FaultInjector.from_env(0, env) is None  # nothing planned for rank 0
+    assert FaultInjector.from_env(0, {}) is None
+    assert two.copies(Tag.STREAM, lambda: None) == 1  # a rank that only raises sends every message
+
+
+def test_a_rank_asks_its_links_injector_where_to_raise():
+    from mpi4py import MPI
+
+    from pipeinfer_cli.runtime.rank_report import fault_injection
+    from pipeinfer_cli.transport.mpi_link import Link
+
+    assert fault_injection(Link(MPI.COMM_SELF, faults=FaultInjector(0, parse_faults("0:raise:7")))) == 7
+    assert fault_injection(Link(MPI.COMM_SELF)) is None
+    assert fault_injection(None) is None
+
+
 @pytest.fixture
-def self_link(monkeypatch):
+def self_link():
     """make(fault): a Link on COMM_SELF (sends to rank 0 reach itself) with that fault planned."""
     from mpi4py import MPI
 
@@ -46,8 +78,7 @@ def self_link(monkeypatch):
     made = []
 
     def make(fault: str):
-        monkeypatch.setenv("PIPEINFER_DEBUG_FAULT", fault)
-        made.append(Link(MPI.COMM_SELF))
+        made.append(Link(MPI.COMM_SELF, faults=FaultInjector(0, parse_faults(fault))))
         return made[-1]
 
     yield make

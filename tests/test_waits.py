@@ -6,7 +6,7 @@ import pytest
 
 from pipeinfer_cli.runtime import topology
 from pipeinfer_cli.transport import mpi_link
-from pipeinfer_cli.transport.mpi_link import PREDICT_WAITS, SPIN_TAIL_S, Backoff
+from pipeinfer_cli.transport.mpi_link import PREDICT_WAITS, SPIN_TAIL_S, Backoff, WaitHistory, WaitPolicy
 
 
 class FakeClock:
@@ -29,8 +29,6 @@ def clock(monkeypatch):
     c = FakeClock()
     monkeypatch.setattr(mpi_link.time, "monotonic", c.monotonic)
     monkeypatch.setattr(mpi_link.time, "sleep", c.sleep)
-    monkeypatch.setattr(mpi_link, "WAITS", mpi_link.WaitHistory())
-    monkeypatch.setattr(mpi_link, "PREDICT_ENABLED", True)
     return c
 
 
@@ -49,40 +47,56 @@ def wait_once(clock: FakeClock, b: Backoff, seconds: float) -> int:
     return spins
 
 
-def test_a_rank_alone_spins_only_after_its_predicted_sleep_and_briefly(clock, monkeypatch):
-    monkeypatch.setattr(mpi_link, "_SPIN_ENV", "tail")
-    mpi_link.set_spin_tail(True)
-    try:
-        b = Backoff(site="stream")
-        # Until PREDICT_WAITS waits are known there is no prediction, so no spinning either.
-        assert [wait_once(clock, b, 0.030) for _ in range(PREDICT_WAITS)] == [0] * PREDICT_WAITS
-        first = len(clock.sleeps)
-        spins = wait_once(clock, b, 0.030)
-        # The prediction sleeps through 0.8 x 30 ms in one go, then the rank stays awake for the rest.
-        assert clock.sleeps[first:] == [pytest.approx(0.8 * 0.030, rel=0.01)]  # the waits ran a hair over 30 ms
-        assert spins * 1e-5 == pytest.approx(0.030 - 0.8 * 0.030, abs=1e-4)
-        # A much longer wait (the pipeline went idle): at most SPIN_TAIL_S of spinning, then sleeps.
-        long_spins = wait_once(clock, b, 2.0)
-        assert 0 < long_spins * 1e-5 <= SPIN_TAIL_S + 1e-4
-    finally:
-        mpi_link.set_spin_tail(False)
+def test_a_rank_alone_spins_only_after_its_predicted_sleep_and_briefly(clock):
+    policy = WaitPolicy(spin="tail").for_cores(alone_on_cores=True)
+    b = Backoff(policy, WaitHistory(), site="stream")
+    # Until PREDICT_WAITS waits are known there is no prediction, so no spinning either.
+    assert [wait_once(clock, b, 0.030) for _ in range(PREDICT_WAITS)] == [0] * PREDICT_WAITS
+    first = len(clock.sleeps)
+    spins = wait_once(clock, b, 0.030)
+    # The prediction sleeps through 0.8 x 30 ms in one go, then the rank stays awake for the rest.
+    assert clock.sleeps[first:] == [pytest.approx(0.8 * 0.030, rel=0.01)]  # the waits ran a hair over 30 ms
+    assert spins * 1e-5 == pytest.approx(0.030 - 0.8 * 0.030, abs=1e-4)
+    # A much longer wait (the pipeline went idle): at most SPIN_TAIL_S of spinning, then sleeps.
+    long_spins = wait_once(clock, b, 2.0)
+    assert 0 < long_spins * 1e-5 <= SPIN_TAIL_S + 1e-4
 
 
 def test_ranks_that_share_cores_never_spin(clock):
-    mpi_link.set_spin_tail(False)
-    b = Backoff(site="stream")
+    b = Backoff(WaitPolicy(spin="tail").for_cores(alone_on_cores=False), WaitHistory(), site="stream")
     assert sum(wait_once(clock, b, 0.030) for _ in range(PREDICT_WAITS + 4)) == 0
 
 
-def test_only_a_rank_alone_that_asked_stays_awake(monkeypatch):
-    try:
-        for env, alone, awake in (("", True, False), ("0", True, False), ("tail", True, True), ("tail", False, False)):
-            monkeypatch.setattr(mpi_link, "_SPIN_ENV", env)
-            assert mpi_link.set_spin_tail(alone) is awake, (env, alone)
-            assert mpi_link.wait_style() == ("sleep, then awake up to 10 ms" if awake else "sleep")
-    finally:
-        monkeypatch.setattr(mpi_link, "_SPIN_ENV", "")
-        mpi_link.set_spin_tail(False)
+def test_without_prediction_a_wait_is_polled_from_the_start(clock):
+    """PIPEINFER_WAIT_PREDICT=0: no sleep through a wait, however regular the waits."""
+    policy = WaitPolicy.from_env({"PIPEINFER_WAIT_PREDICT": "0"})
+    b = Backoff(policy, WaitHistory(predict=policy.predict), site="stream")
+    for _ in range(PREDICT_WAITS + 1):
+        first = len(clock.sleeps)
+        wait_once(clock, b, 0.030)
+    assert clock.sleeps[first] == b.lo
+
+
+def test_only_a_rank_alone_that_asked_stays_awake():
+    for env, alone, awake in (("", True, False), ("0", True, False), ("tail", True, True), ("tail", False, False)):
+        policy = WaitPolicy.from_env({"PIPEINFER_WAIT_SPIN": env}).for_cores(alone)
+        assert policy.spin_tail is awake, (env, alone)
+        assert policy.style() == ("sleep, then awake up to 10 ms" if awake else "sleep")
+    assert WaitPolicy.from_env({"PIPEINFER_WAIT_SPIN": "1"}).for_cores(True).style() == "spin"
+    assert WaitPolicy.from_env({}) == WaitPolicy(predict=True, spin="", spin_tail=False)
+
+
+def test_the_link_owns_its_wait_policy_and_history():
+    """A Link's backoffs share its history and take its policy as it is when they are made."""
+    from mpi4py import MPI
+
+    link = mpi_link.Link(MPI.COMM_SELF, WaitPolicy(spin="tail"))
+    before = link.backoff(site="stream")
+    assert link.set_alone_on_cores(True) is True
+    after = link.backoff(site="stream", hi=2e-3)
+    assert (before.spin_tail, after.spin_tail, after.hi) == (False, True, 2e-3)
+    assert before.history is after.history is link.wait_history
+    assert link.wait_policy.style() == "sleep, then awake up to 10 ms"
 
 
 @pytest.mark.parametrize("cpus, affinity, here, mine, alone", [

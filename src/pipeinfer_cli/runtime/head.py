@@ -74,14 +74,15 @@ class Head:
         topo = self.topo = loaded.topo
         self.tokenizer = loaded.tokenizer
         self.drafter = RemoteDrafter(link, topo.draft_rank) if topo.draft_rank is not None else loaded.drafter
-        self.pipe = Pipeline(link if topo.world_size > 1 else None, loaded.engine, topo.n_stages, trace, topo.draft_rank)
+        self.pipe = Pipeline(link if topo.world_size > 1 else None, loaded.engine, topo.n_stages, trace, topo.draft_rank,
+                             wait_policy=link.wait_policy if link is not None else None)
         me = topo.ranks[0]
         self.report = RankReport(0, "head", list(me.layers), me.threads, trace, loaded.engine, link)
         self.prefix = PrefixCache()
         self.draft_used = False  # a request has run the draft (its cache may hold tokens)
         self.draft_memory = DraftMemory()  # whether drafting can pay on one stage, learned by earlier requests
         cb = cb or Callbacks()
-        if (fail_at := fault_injection(0)) is not None:
+        if (fail_at := fault_injection(link)) is not None:
             cb = Callbacks(cb.on_start, _failing_on_token(fail_at, cb.on_token), cb.on_text, cb.on_result)
         self.cb = cb
         if cb.on_start:
@@ -228,7 +229,7 @@ def wire_summary(ranks: list[dict], n_gen: int) -> dict:
 
 
 def _failing_on_token(fail_at: int, on_token):
-    """PIPEINFER_DEBUG_FAIL=0:N: the head raises when it commits its N-th token (fault tests)."""
+    """PIPEINFER_DEBUG_FAULT=0:raise:N: the head raises when it commits its N-th token (fault tests)."""
     n = 0
 
     def wrapped(token: int) -> None:
@@ -237,7 +238,7 @@ def _failing_on_token(fail_at: int, on_token):
             on_token(token)
         n += 1
         if n >= fail_at:
-            raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAIL) on the head at token {n}")
+            raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAULT) on the head at token {n}")
 
     return wrapped
 

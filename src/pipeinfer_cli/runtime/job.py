@@ -20,7 +20,7 @@ from ..errors import describe
 from ..transport.clock import clock_offsets
 from ..transport.deadlines import DEFAULT_RANK_TIMEOUT_S
 from ..transport.liveness import Liveness
-from ..transport.mpi_link import Link, set_spin_tail
+from ..transport.mpi_link import Link
 from ..transport.start_waits import start_timeout_s
 from ..transport.startup import job_startup
 from ..decode.result import GenerationResult
@@ -154,9 +154,9 @@ def start_liveness(link: Link, cfg: JobConfig, loaded: Loaded, hosts: list[str],
     --rank-timeout start the heartbeats and deadlines (transport/liveness.py).
 
     hosts, threads: every rank's host name and busy threads (start-up's check-ins)."""
-    link.names = rank_names(loaded.topo, hosts)
+    link.name_ranks(rank_names(loaded.topo, hosts))
     here = sum(n for host, n in zip(hosts, threads) if host == hosts[link.rank])
-    set_spin_tail(alone_on_cores(here, threads[link.rank]))
+    link.set_alone_on_cores(alone_on_cores(here, threads[link.rank]))
     if cfg.rank_timeout_s > 0 and link.size > 1:
         engine = loaded.engine
         Liveness(link, cfg.rank_timeout_s, engine.eval_progress if engine is not None else (lambda: 0)).start()

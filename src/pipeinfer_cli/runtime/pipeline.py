@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..transport.messages import KV_USAGE, REPORT, RUN_FLAG_INVARIANT, SHUTDOWN, KvCommand, KvOp, ResultHeader, RunHeader, Tag
-from ..transport.mpi_link import Backoff, Link, RankFailedError
+from ..transport.mpi_link import Backoff, Link, RankFailedError, WaitPolicy
 from ..decode.metrics import now
 from ..decode.sampling import SamplingParams, sample_rows, to_spec
 
@@ -41,8 +41,12 @@ class PipelineCounters:
 
 
 class Pipeline:
-    def __init__(self, link: Link | None, engine, n_stages: int, trace, draft_rank: int | None = None):
+    def __init__(self, link: Link | None, engine, n_stages: int, trace, draft_rank: int | None = None,
+                 wait_policy: WaitPolicy | None = None):
+        """link: to the other ranks (None on one rank: the head waits only for its own draft thread);
+        wait_policy: how to wait without a link (the head passes its link's; default: plain sleeps)."""
         self.link, self.engine, self.n_stages, self.trace = link, engine, n_stages, trace
+        self.wait_policy = wait_policy if wait_policy is not None else WaitPolicy()
         self.draft_rank = draft_rank
         self.next_run_id = 1
         self.last_result_id = 0  # results arrive in launch order: the next one is for run last_result_id + 1
@@ -157,7 +161,7 @@ class Pipeline:
 
     def next_result(self) -> RunResult:
         """Wait (without spinning) for the oldest outstanding result. Results arrive in launch order."""
-        backoff = Backoff(site="result")
+        backoff = self._backoff(site="result")
         while not self.ready:
             if self.poll():
                 break
@@ -171,7 +175,7 @@ class Pipeline:
     def wait_until(self, cond) -> None:
         """Sleep (with backoff, never spinning) until cond() is true; cond polls what it waits for.
         A failure another rank reported is raised, and sends keep moving while waiting."""
-        backoff = Backoff()
+        backoff = self._backoff()
         while not cond():
             if self.link is None:
                 backoff.idle()
@@ -179,6 +183,10 @@ class Pipeline:
             self.link.raise_reported_error()
             self.link.progress_sends()
             self.link.idle(backoff, awaiting=self.awaiting())
+
+    def _backoff(self, **kwargs) -> Backoff:
+        """A Backoff with the link's wait policy and history, or (one rank) this pipeline's policy."""
+        return self.link.backoff(**kwargs) if self.link is not None else Backoff(self.wait_policy, **kwargs)
 
     def check_errors(self) -> None:
         if self.link is not None:

@@ -3,27 +3,22 @@ abort signal, and the debug fault injection (stages, draft rank and head alike).
 
 from __future__ import annotations
 
-import os
 import time
 
-from ..transport.mpi_link import Link, wait_style
+from ..transport.mpi_link import Link, WaitPolicy
 from ..decode.metrics import peak_rss_mib, process_stats
-
-FAIL_ENV = "PIPEINFER_DEBUG_FAIL"
 
 
 class JobAborted(Exception):
     """The head told this rank to stop because the job failed elsewhere."""
 
 
-def fault_injection(rank: int) -> int | None:
-    """PIPEINFER_DEBUG_FAIL=RANK:N makes rank RANK raise on its N-th run (a stage), draft proposal (the
-    draft rank) or committed token (the head, rank 0), to test fault handling."""
-    spec = os.environ.get(FAIL_ENV, "")
-    if not spec:
-        return None
-    r, _, n = spec.partition(":")
-    return int(n or 1) if int(r) == rank else None
+def fault_injection(link: Link | None) -> int | None:
+    """Where this rank raises on purpose, as its link's fault injector plans it
+    (PIPEINFER_DEBUG_FAULT=RANK:raise:N, transport/faults.py): on its N-th run (a stage), draft proposal
+    (the draft rank) or committed token (the head, rank 0), to test fault handling. None: never."""
+    faults = link.faults if link is not None else None
+    return faults.raise_at if faults is not None else None
 
 
 class RankReport:
@@ -53,7 +48,7 @@ class RankReport:
         self.trace.events.clear()
         out = {"rank": self.rank, "role": self.role, "layers": self.layers, "threads": self.threads,
                "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(self.busy_s, 4),
-               "cpu_s": round(time.process_time() - self._cpu0, 3), "runs": self.runs, "wait": wait_style()}
+               "cpu_s": round(time.process_time() - self._cpu0, 3), "runs": self.runs, "wait": self._wait_style()}
         out["process"] = process_stats()
         if self.engine is not None:
             stats = dict(self.engine.stats())
@@ -66,3 +61,7 @@ class RankReport:
         out["trace"] = events
         self._reset()
         return out
+
+    def _wait_style(self) -> str:
+        """How this rank waits for messages (its link's wait policy; the environment's without a link)."""
+        return (self.link.wait_policy if self.link is not None else WaitPolicy.from_env()).style()

@@ -78,7 +78,7 @@ def serve_draft(link: Link, drafter, threads: int, trace) -> None:
         if link.abort_requested():
             raise JobAborted()
 
-    fail_at = fault_injection(link.rank)
+    fail_at = fault_injection(link)
     n_req = 0  # over the whole job, for fault injection
     report = RankReport(link.rank, "draft", None, threads, trace, link=link)
     while True:
@@ -101,7 +101,7 @@ def serve_draft(link: Link, drafter, threads: int, trace) -> None:
             trace.slice("draft", t0, now(), n_tokens=0, prefill=True)
             continue
         if fail_at is not None and n_req + 1 >= fail_at:
-            raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAIL) on draft request {n_req + 1}")
+            raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAULT) on draft request {n_req + 1}")
         with link.computing(observable=False):
             prop = drafter.propose(req.path, req.n_max, req.p_min)
         t1 = now()

@@ -16,7 +16,7 @@ from ..native import EvalCancelled
 from ..transport.messages import (
     RUN_FLAG_INVARIANT, RUN_FLAG_SKIP, KvCommand, Msg, ResultHeader, RunHeader, SamplingSpec, Tag,
 )
-from ..transport.mpi_link import Backoff, Link
+from ..transport.mpi_link import Link
 from ..decode.metrics import now
 from ..decode.sampling import SamplingParams, from_spec, sample_rows
 from .rank_report import JobAborted, RankReport, fault_injection
@@ -44,7 +44,7 @@ class CancelListener(threading.Thread):
             self.engine.cancel()
 
     def _listen(self) -> None:
-        backoff = Backoff(hi=2e-3)
+        backoff = self.link.backoff(hi=2e-3)
         while not self.stopped.is_set():
             progressed = False
             st = self.link.probe(0, Tag.CANCEL)
@@ -102,7 +102,7 @@ class _StageLoop:
         self.prev = link.rank - 1
         self.is_last = engine.is_last
         self.nxt = None if self.is_last else link.rank + 1
-        self.fail_at = fault_injection(link.rank)
+        self.fail_at = fault_injection(link)
         self.n_runs = 0  # over the whole job, for fault injection
         self.report = RankReport(link.rank, "stage", [engine.layer_begin, engine.layer_end], threads, trace, engine, link)
         self.sampling = SamplingParams()  # set by the head at the start of every request (Msg.SAMPLING)
@@ -110,7 +110,7 @@ class _StageLoop:
         self.layers_unstarted = 0  # their layers
 
     def run(self) -> None:
-        link, backoff = self.link, Backoff(site="stream")
+        link, backoff = self.link, self.link.backoff(site="stream")
         while True:
             if self.listener.aborted.is_set():
                 raise self.listener.failure or JobAborted()
@@ -155,7 +155,7 @@ class _StageLoop:
         self.n_runs += 1
         self.report.runs += 1
         if self.fail_at is not None and self.n_runs >= self.fail_at:
-            raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAIL) on run {hdr.run_id}")
+            raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAULT) on run {hdr.run_id}")
         out = None
         if payload is not None and self.listener.begin(hdr.run_id):
             with self.link.computing():

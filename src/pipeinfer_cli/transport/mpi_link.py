@@ -16,7 +16,8 @@ import contextlib
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
 import numpy as np
 from mpi4py import MPI
@@ -50,7 +51,7 @@ BACKOFF_HOT_S = 0.05
 # caches) those wake-ups slow the rank that computes. PIPEINFER_WAIT_PREDICT=0 turns it off.
 PREDICT_WAITS = 8
 PREDICT_FRACTION = 0.8
-PREDICT_ENABLED = os.environ.get("PIPEINFER_WAIT_PREDICT", "1") != "0"
+PREDICT_ENV = "PIPEINFER_WAIT_PREDICT"
 # With PIPEINFER_WAIT_SPIN=tail, a rank alone on its cores probes without sleeping once a predicted
 # wait's sleep is over, for at most SPIN_TAIL_S, so that its core is awake when the other stage's
 # message arrives: on the test VM a computation that follows a sleep ran 5-13 % slower than one
@@ -59,31 +60,51 @@ PREDICT_ENABLED = os.environ.get("PIPEINFER_WAIT_PREDICT", "1") != "0"
 # Ranks that share cores never spin. PIPEINFER_WAIT_SPIN=1 is a diagnostic, not a mode for users:
 # every wait a busy probe loop.
 SPIN_TAIL_S = 0.01
-_SPIN_ENV = os.environ.get("PIPEINFER_WAIT_SPIN", "")
-SPIN_WAITS = _SPIN_ENV == "1"
-_spin_tail = False
+SPIN_ENV = "PIPEINFER_WAIT_SPIN"
 
 
-def wait_style() -> str:
-    """How this process waits for messages, as the JSON reports it per rank."""
-    if SPIN_WAITS:
-        return "spin"
-    return f"sleep, then awake up to {SPIN_TAIL_S * 1e3:g} ms" if _spin_tail else "sleep"
+@dataclass(frozen=True)
+class WaitPolicy:
+    """How this process waits for messages: read once from the environment (`from_env`), owned by
+    its `Link`, and handed to every `Backoff` the link makes.
 
+    predict: sleep through a wait as long as the recent ones (PIPEINFER_WAIT_PREDICT, default on);
+    spin: PIPEINFER_WAIT_SPIN as given ("1": every wait a busy probe loop; "tail": a rank alone on
+    its cores may stay awake after a predicted sleep); spin_tail: this rank does stay awake, decided
+    once the job knows who shares cores (`for_cores`)."""
 
-def set_spin_tail(alone_on_cores: bool) -> bool:
-    """Whether this process's waits stay awake after their predicted sleep: asked for with
-    PIPEINFER_WAIT_SPIN=tail, and only for a rank alone on its cores. Returns the choice."""
-    global _spin_tail
-    _spin_tail = _SPIN_ENV == "tail" and alone_on_cores
-    return _spin_tail
+    predict: bool = True
+    spin: str = ""
+    spin_tail: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "WaitPolicy":
+        env = os.environ if environ is None else environ
+        return cls(predict=env.get(PREDICT_ENV, "1") != "0", spin=env.get(SPIN_ENV, ""))
+
+    @property
+    def spin_always(self) -> bool:
+        return self.spin == "1"
+
+    def for_cores(self, alone_on_cores: bool) -> "WaitPolicy":
+        """This policy for a rank that has (or has not) its cores to itself: it stays awake after a
+        predicted sleep only when PIPEINFER_WAIT_SPIN=tail asked and it is alone."""
+        return replace(self, spin_tail=self.spin == "tail" and alone_on_cores)
+
+    def style(self) -> str:
+        """How this process waits for messages, as the JSON reports it per rank."""
+        if self.spin_always:
+            return "spin"
+        return f"sleep, then awake up to {SPIN_TAIL_S * 1e3:g} ms" if self.spin_tail else "sleep"
 
 
 class WaitHistory:
-    """The durations of this process's recent waits, per wait site."""
+    """The durations of one process's recent waits, per wait site (kept by its `Link`).
 
-    def __init__(self, n: int = PREDICT_WAITS):
-        self.n = n
+    predict: False makes every prediction 0 (PIPEINFER_WAIT_PREDICT=0)."""
+
+    def __init__(self, n: int = PREDICT_WAITS, predict: bool = True):
+        self.n, self.predict = n, predict
         self.recent: dict[str, deque[float]] = {}
 
     def record(self, site: str, seconds: float) -> None:
@@ -92,46 +113,51 @@ class WaitHistory:
     def sleep_through(self, site: str) -> float:
         """How long a new wait at site may sleep before its first probe (0 until n waits are known)."""
         waits = self.recent.get(site)
-        if not PREDICT_ENABLED or waits is None or len(waits) < self.n:
+        if not self.predict or waits is None or len(waits) < self.n:
             return 0.0
         return PREDICT_FRACTION * min(waits)
-
-
-WAITS = WaitHistory()
 
 
 class Backoff:
     """Sleep a little longer each idle round, finely while the wait is young; reset() after progress.
 
-    site: names the wait (e.g. "result", "stream") so that a predictable one is slept through
-    (WaitHistory); a wait ends, and is recorded, at reset()."""
+    policy: how this process waits (`WaitPolicy`, as it is when the Backoff is made; `Link.backoff`
+    makes one with the link's). site: names the wait (e.g. "result", "stream") so that a predictable
+    one is slept through, from the waits recorded in history (`WaitHistory`); a wait ends, and is
+    recorded, at reset(). Without a site or a history there is no prediction."""
 
-    def __init__(self, lo: float = BACKOFF_MIN_S, hi: float = BACKOFF_MAX_S,
-                 hot_hi: float = BACKOFF_HOT_MAX_S, hot_s: float = BACKOFF_HOT_S, site: str | None = None):
+    __slots__ = ("lo", "hi", "hot_hi", "hot_s", "site", "history", "spin", "spin_tail", "delay", "idle_since",
+                 "wake_at")
+
+    def __init__(self, policy: WaitPolicy, history: WaitHistory | None = None, lo: float = BACKOFF_MIN_S,
+                 hi: float = BACKOFF_MAX_S, hot_hi: float = BACKOFF_HOT_MAX_S, hot_s: float = BACKOFF_HOT_S,
+                 site: str | None = None):
         self.lo, self.hi, self.hot_hi, self.hot_s = lo, hi, min(hot_hi, hi), hot_s
         self.site = site
+        self.history = history if site is not None else None
+        self.spin, self.spin_tail = policy.spin_always, policy.spin_tail  # copied: idle() is the hot path
         self.delay = lo
         self.idle_since: float | None = None
         self.wake_at = 0.0
 
     def reset(self) -> None:
-        if self.site is not None and self.idle_since is not None:
-            WAITS.record(self.site, time.monotonic() - self.idle_since)
+        if self.history is not None and self.idle_since is not None:
+            self.history.record(self.site, time.monotonic() - self.idle_since)
         self.delay = self.lo
         self.idle_since = None
 
     def idle(self) -> None:
-        if SPIN_WAITS:
+        if self.spin:
             time.sleep(0)  # a system call that never halts the core, and lets the rank's other thread run
             return
         now = time.monotonic()
         if self.idle_since is None:
             self.idle_since = now
-            self.wake_at = now + (WAITS.sleep_through(self.site) if self.site is not None else 0.0)
+            self.wake_at = now + (self.history.sleep_through(self.site) if self.history is not None else 0.0)
         if now + self.lo < self.wake_at:
             time.sleep(self.wake_at - now)
             return
-        if _spin_tail and self.wake_at > self.idle_since and now < self.wake_at + SPIN_TAIL_S:
+        if self.spin_tail and self.wake_at > self.idle_since and now < self.wake_at + SPIN_TAIL_S:
             return  # awake for the message that the last waits say is due
         time.sleep(self.delay)
         cap = self.hot_hi if now - self.idle_since < self.hot_s else self.hi
@@ -190,22 +216,42 @@ class Link:
     it probes it and checks the number: a repeated or older one (a duplicate, a stray) is dropped
     and counted, a gap means a message was lost and raises MessageLostError naming both ranks. MPI
     keeps the messages of one (source, tag) in order, so nothing else can be out of sequence.
+
+    The caller hands it how to wait (wait_policy: a `WaitPolicy`; default: read from the environment) and
+    the faults to inject (faults: a `FaultInjector`, e.g. `FaultInjector.from_env(rank)`; None: none).
     """
 
-    def __init__(self, comm: MPI.Comm):
+    def __init__(self, comm: MPI.Comm, wait_policy: WaitPolicy | None = None, faults: FaultInjector | None = None):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._pending: list[tuple[MPI.Request, object]] = []
         self.traffic = Traffic()
-        self.faults = FaultInjector.from_env(self.rank)
+        self.wait_policy = wait_policy if wait_policy is not None else WaitPolicy.from_env()
+        self.wait_history = WaitHistory(predict=self.wait_policy.predict)
+        self.faults = faults
         self._sent_seq: dict[tuple[int, int], int] = {}  # (dest, tag) -> last sequence number sent
         self._recv_seq: dict[tuple[int, int], int] = {}  # (source, tag) -> last sequence number taken
         self._inbox: dict[tuple[int, int], deque[_Received]] = {}
         self.strays = 0  # duplicated or stale messages recognised and dropped
         self.n_messages = 0  # sent and received: progress, as heartbeats report it
         self.liveness = None  # a liveness.Liveness once the job runs with a --rank-timeout
-        self.names = [f"rank {r}" for r in range(self.size)]  # how errors name each rank
+        self.names = [f"rank {r}" for r in range(self.size)]  # how errors name each rank (name_ranks)
+
+    def name_ranks(self, names: list[str]) -> None:
+        """How errors name each rank from now on (e.g. 'rank 1 (stage 2 of 3, host node02)')."""
+        self.names = list(names)
+
+    # -- waiting ---------------------------------------------------------------------------
+    def backoff(self, **kwargs) -> Backoff:
+        """A Backoff with this link's wait policy and history (kwargs: Backoff's lo, hi, site...)."""
+        return Backoff(self.wait_policy, self.wait_history, **kwargs)
+
+    def set_alone_on_cores(self, alone: bool) -> bool:
+        """Whether this rank has its cores to itself: its waits made from now on stay awake after
+        their predicted sleep if PIPEINFER_WAIT_SPIN=tail asked and it is alone. Returns the choice."""
+        self.wait_policy = self.wait_policy.for_cores(alone)
+        return self.wait_policy.spin_tail
 
     # -- receiving -------------------------------------------------------------------------
     def probe(self, source: int, tag: Tag) -> _Received | None:
@@ -266,7 +312,7 @@ class Link:
         return self._pop(status, tag).view(dtype)
 
     def wait_probe(self, source: int, tag: Tag, on_idle: Callable[[], None] | None = None) -> _Received:
-        backoff = Backoff()
+        backoff = self.backoff()
         while True:
             st = self.probe(source, tag)
             if st is not None:
@@ -335,7 +381,7 @@ class Link:
         """Wait (sleeping, coarsely: for rare control messages) up to timeout_s for a message of
         (source, tag), without consuming it; whether one arrived."""
         deadline = time.monotonic() + timeout_s
-        backoff = Backoff(hi=10e-3)
+        backoff = self.backoff(hi=10e-3)
         while self.probe(source, tag) is None:
             if time.monotonic() >= deadline:
                 return False
@@ -387,7 +433,7 @@ class Link:
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait (without spinning) until every send completed; False on timeout."""
-        backoff = Backoff()
+        backoff = self.backoff()
         deadline = time.monotonic() + timeout_s
         while self._pending:
             self.progress_sends()

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from ..errors import PipeinferError
 from .messages import Tag
-from .mpi_link import Backoff, Link
+from .faults import FaultInjector
+from .mpi_link import Link, WaitPolicy
 from .start_waits import started_now
 
 # How long a rank that failed before the start waits for the head's answer before it reports
@@ -89,7 +90,7 @@ class Startup:
     # -- the head ----------------------------------------------------------------------------
     def _gather(self, mine: CheckIn, deadline_s: float | None) -> list:
         got: dict[int, CheckIn] = {0: mine}
-        backoff = Backoff(hi=10e-3)
+        backoff = self.link.backoff(hi=10e-3)
         t_end = None if deadline_s is None else time.monotonic() + deadline_s
         while len(got) < self.link.size:
             progressed = False
@@ -164,12 +165,14 @@ _startup: Startup | None = None
 
 
 def job_startup() -> Startup:
-    """This process's start-up, over the one Link it has to COMM_WORLD (created on first use)."""
+    """This process's start-up, over the one Link it has to COMM_WORLD (created on first use, with
+    the wait policy and the faults the environment asks for: the one place that reads them)."""
     global _startup
     if _startup is None:
         from mpi4py import MPI
 
-        _startup = Startup(Link(MPI.COMM_WORLD))
+        comm = MPI.COMM_WORLD
+        _startup = Startup(Link(comm, WaitPolicy.from_env(), FaultInjector.from_env(comm.Get_rank())))
     return _startup
 
 
