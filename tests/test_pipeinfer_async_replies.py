@@ -59,7 +59,7 @@ def test_async_replies_are_launched_only_when_consistent(tiny_pair, delay, sampl
     from pipeinfer_cli.runtime.pipeline import Pipeline
     from pipeinfer_cli.decode.sampling import SamplingParams
     from pipeinfer_cli.decode.session import DecodeOptions, Session
-    from pipeinfer_cli.runtime.trace import TraceRecorder
+    from pipeinfer_cli.decode.trace import TraceRecorder
     from pipeinfer_cli.native import LayerEngine
 
     target, _ = tiny_pair

@@ -9,8 +9,6 @@ token is a function of the prefix; results come back at launch (one stage) or so
 
 from __future__ import annotations
 
-from collections import deque
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,10 +18,9 @@ from pipeinfer_cli.decode.pipeinfer import PipeInfer
 from pipeinfer_cli.decode.sync import prefill
 from pipeinfer_cli.decode.drafters import AsyncDrafter, Drafter, Proposal
 from pipeinfer_cli.decode.kv_slots import KvSlots
-from pipeinfer_cli.runtime.pipeline import RunResult
+from pipeinfer_cli.decode.virtual_pipeline import VirtualPipeline
 from pipeinfer_cli.decode.sampling import SamplingParams, sample
 from pipeinfer_cli.decode.session import DecodeOptions, Session
-from pipeinfer_cli.runtime.trace import TraceRecorder
 from pipeinfer_cli.decode.tree import (
     Branch,
     Walk,
@@ -56,92 +53,11 @@ def reference(n: int, params: SamplingParams = GREEDY, prompt=PROMPT) -> list[in
     return toks
 
 
-class FakePipeline:
-    """The interface `PipeInfer` uses, with a cell-level KV cache and a latency in polls."""
+class FakePipeline(VirtualPipeline):
+    """The package's virtual pipeline with the fake target above."""
 
     def __init__(self, latency: int = 0, n_seq_max: int = 10, n_ctx: int = 512):
-        self.n_stages = 1 if latency == 0 else 2
-        self.latency = latency
-        self.engine = SimpleNamespace(n_seq_max=n_seq_max, n_ctx=n_ctx)
-        self.trace = TraceRecorder(0)
-        self.ready: deque[RunResult] = deque()
-        self.cells: list[list] = []  # [pos, token, set of seqs]
-        self.pending: deque = deque()  # (due tick, run_id, sampled tokens)
-        self.cancelled: set[int] = set()
-        self.tick = 0
-        self.next_run_id = 1
-        self.log: list[tuple] = []
-        self.sampling = SamplingParams()
-
-    def set_sampling(self, params: SamplingParams) -> None:
-        self.sampling = params
-
-    # -- KV ----------------------------------------------------------------------------------
-    def context(self, seq: int, pos: int) -> tuple[int, ...]:
-        """Tokens the row at `pos` of `seq` attends to: exactly one cell per position 0..pos."""
-        by_pos: dict[int, list[int]] = {}
-        for p, t, seqs in self.cells:
-            if seq in seqs and p <= pos:
-                by_pos.setdefault(p, []).append(t)
-        assert sorted(by_pos) == list(range(pos + 1)), f"seq {seq} lacks positions before {pos}"
-        assert all(len(v) == 1 for v in by_pos.values()), f"seq {seq} has two cells for one position"
-        return tuple(by_pos[p][0] for p in range(pos + 1))
-
-    def seq_cp(self, src, dsts, p0=-1, p1=-1):
-        self.log.append(("seq_cp", src, list(dsts), p0, p1))
-        for c in self.cells:
-            if src in c[2] and (p0 < 0 or c[0] >= p0) and (p1 < 0 or c[0] < p1):
-                c[2] |= set(dsts)
-
-    def seq_rm(self, seq, p0=-1, p1=-1):
-        self.log.append(("seq_rm", seq, p0, p1))
-        for c in self.cells:
-            if (p0 < 0 or c[0] >= p0) and (p1 < 0 or c[0] < p1):
-                c[2].discard(seq)
-        self.cells = [c for c in self.cells if c[2]]
-
-    def kv_used_cells(self) -> int:
-        return len(self.cells)
-
-    # -- runs ----------------------------------------------------------------------------------
-    def launch(self, tokens, pos, seq_ids, output, speculative=False, invariant=True):
-        run_id = self.next_run_id
-        self.next_run_id += 1
-        self.log.append(("launch", run_id, list(tokens), list(pos), [list(s) for s in seq_ids], speculative))
-        rows = []
-        for t, p, sids, out in zip(tokens, pos, seq_ids, output):
-            self.cells.append([p, t, set(sids)])
-            if out:  # the last stage samples: only the token ids come back
-                rows.append(sample(target_logits(self.context(sids[0], p)), self.sampling, p + 1))
-        sampled = np.asarray(rows, np.int64)
-        if self.latency == 0:
-            self.ready.append(RunResult(run_id, sampled))
-        else:
-            self.pending.append((self.tick + self.latency, run_id, sampled))
-        return run_id
-
-    def cancel(self, run_ids):
-        self.log.append(("cancel", list(run_ids)))
-        self.cancelled |= set(run_ids)
-
-    def poll(self) -> bool:
-        if self.latency == 0:
-            return bool(self.ready)
-        self.tick += 1
-        got = False
-        while self.pending and self.pending[0][0] <= self.tick:
-            _, run_id, sampled = self.pending.popleft()
-            self.ready.append(RunResult(run_id, None if run_id in self.cancelled else sampled))
-            got = True
-        return got
-
-    def next_result(self) -> RunResult:
-        while not self.ready:
-            self.poll()
-        return self.ready.popleft()
-
-    def ops(self, kind: str) -> list[tuple]:
-        return [op[1:] for op in self.log if op[0] == kind]
+        super().__init__(target_logits, latency, n_seq_max, n_ctx)
 
 
 class OracleDrafter:

@@ -334,3 +334,20 @@ def test_sigterm_ends_every_rank_and_in_flight_requests_get_an_error(server):
     assert "Traceback" not in log and "Error" not in log, log
     assert log.splitlines()[-1] == "pipeinfer serve: stopped by SIGTERM", log
 
+
+
+def test_chat_with_a_model_without_a_template_is_worded_for_the_api(gemma3_path, tmp_path):
+    """The tokenizer's typed error is rendered by the server in its own terms (no CLI flags)."""
+    from serving import start_server
+
+    server = start_server(gemma3_path, "--threads", 1, "--ctx", 256, log_dir=tmp_path)
+    try:
+        status, body = server.post_json("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                                 "max_tokens": 4})
+        assert status == 400 and body["error"]["param"] == "messages", body
+        msg = body["error"]["message"]
+        assert "no chat template" in msg and "/v1/completions" in msg and "--" not in msg, msg
+        status, body = server.post_json("/v1/completions", {"prompt": "The sky is", "max_tokens": 4})
+        assert status == 200, body
+    finally:
+        server.stop()

@@ -6,9 +6,21 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from .sampling import SamplingParams
+
+
+@dataclass
+class RunResult:
+    """What comes back to the head for one run, in launch order."""
+
+    run_id: int
+    tokens: np.ndarray | None  # int64 (n_out,): the target's sampled token after each requested row;
+    #                            None when the run was cancelled on some stage
 
 
 class PipelineLike(Protocol):

@@ -25,7 +25,7 @@ from ..decode.prefix_cache import PrefixCache
 from ..decode.result import GenerationResult
 from ..decode.session import CANONICAL_SEQ, Session
 from ..decode.text_stream import TextStream
-from .trace import TraceRecorder
+from ..decode.trace import TraceRecorder
 from .rank_report import RankReport, fault_injection
 from .worker import abort_job
 

@@ -30,7 +30,7 @@ from ..decode.sampling import SamplingParams
 from ..decode.modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
 from ..decode.session import DecodeOptions
 from .topology import Topology, alone_on_cores, plan_config
-from .trace import TraceRecorder
+from ..decode.trace import TraceRecorder
 from .worker import abort_job, serve_worker
 
 

@@ -20,15 +20,9 @@ from ..transport.messages import KV_USAGE, REPORT, RUN_FLAG_INVARIANT, SHUTDOWN,
 from ..transport.mpi_link import Backoff, Link, RankFailedError, WaitPolicy
 from ..decode.metrics import now
 from ..decode.sampling import SamplingParams, sample_rows, to_spec
+from ..decode.pipeline_protocol import RunResult  # noqa: F401 - part of this module's API
 
 PipelineError = RankFailedError  # a rank of the job failed; the message names the rank
-
-
-@dataclass
-class RunResult:
-    run_id: int
-    tokens: np.ndarray | None  # int64 (n_out,): the target's sampled token after each requested row;
-    #                            None when the run was cancelled on some stage
 
 
 @dataclass

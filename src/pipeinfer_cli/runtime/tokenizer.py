@@ -10,6 +10,15 @@ from pathlib import Path
 from ..errors import ModelFileError, UsageError
 
 
+
+class NoChatTemplateError(UsageError):
+    """Chat messages for a model whose GGUF has no chat template. The message speaks the CLI's
+    options; another front end (the server) words its own from the type."""
+
+    def __init__(self):
+        super().__init__("this model has no chat template in its GGUF metadata; use -p/--prompt with raw text instead "
+                         "of --chat")
+
 class Tokenizer:
     """Tokenize prompts, apply the model's chat template, and detokenize a stream of tokens."""
 
@@ -54,7 +63,7 @@ class Tokenizer:
     def chat_messages(self, messages: list[dict]) -> list[int]:
         template = self.metadata.get("tokenizer.chat_template")
         if not template:
-            raise UsageError("this model has no chat template in its GGUF metadata; use -p/--prompt with raw text instead of --chat")
+            raise NoChatTemplateError()
         eos = self.llm._model.token_get_text(self.llm.token_eos()) if self.llm.token_eos() >= 0 else ""
         bos = self.llm._model.token_get_text(self.llm.token_bos()) if self.llm.token_bos() >= 0 else ""
         text = _render_chat(self.path, template, messages, eos, bos)

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..decode.result import GenerationResult
+from ..runtime.tokenizer import NoChatTemplateError
 from ..runtime.service import Event, GenerationRequest, InvalidRequest, Service, ServiceUnavailable
 from ..cli.wording import human_bytes
 from ..errors import UsageError
@@ -147,9 +148,11 @@ class _Api:
         except InvalidRequest as e:
             field = {"prompt": "messages" if p.chat else "prompt", "n_predict": p.max_tokens_field}.get(e.field, e.field)
             raise invalid(field, str(e) if field in str(e) else f"{field}: {e}", e.code) from None
-        except UsageError as e:  # the tokenizer's: a model without a chat template
-            msg = str(e).replace("use -p/--prompt with raw text instead of --chat", "use /v1/completions with a raw prompt")
-            raise invalid("messages" if p.chat else "prompt", msg) from None
+        except NoChatTemplateError:
+            raise invalid("messages", "this model has no chat template in its GGUF metadata; use /v1/completions "
+                                      "with a raw prompt") from None
+        except UsageError as e:  # any other refusal of the prompt by the tokenizer
+            raise invalid("messages" if p.chat else "prompt", str(e)) from None
         except ServiceUnavailable:
             raise
         except Exception as e:  # noqa: BLE001 - a chat template that refuses these messages (jinja2)
