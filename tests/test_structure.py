@@ -109,3 +109,18 @@ def test_the_mode_registry():
         decode = opts
 
     assert spec_margin(Cfg, Req) == 14
+
+
+def test_modules_and_functions_stay_small():
+    """One concern per file: no module over 400 lines, no function over 60."""
+    big_modules, big_functions = [], []
+    for path in SRC.rglob("*.py"):
+        if "__pycache__" in path.parts:
+            continue
+        text = path.read_text()
+        if text.count("\n") > 400:
+            big_modules.append(f"{path.relative_to(SRC)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60:
+                big_functions.append(f"{path.relative_to(SRC)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not big_modules and not big_functions, (big_modules, big_functions)

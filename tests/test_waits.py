@@ -6,7 +6,7 @@ import pytest
 
 from pipeinfer_cli.runtime import topology
 from pipeinfer_cli.transport import mpi_link
-from pipeinfer_cli.transport.mpi_link import PREDICT_WAITS, SPIN_TAIL_S, Backoff, WaitHistory, WaitPolicy
+from pipeinfer_cli.transport.waits import PREDICT_WAITS, SPIN_TAIL_S, Backoff, WaitHistory, WaitPolicy
 
 
 class FakeClock:

@@ -51,6 +51,30 @@ class TokenMismatchError(PipeinferError):
     """Two modes (or two repeats) generated different tokens for the same prompt."""
 
 
+def _check_plot_support(plot_out: Path | None) -> None:
+    if plot_out is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UsageError("--plot needs matplotlib; install it with `pip install 'matplotlib>=3.8,<4'`")
+
+
+def _bench_models(model: str, job, mode_list: list[str], prompt_set, inside: bool):
+    """(target, draft, whether a mode needs the draft): the models resolved (pulled unless inside
+    the job or --no-pull), checked against the prompts (chat ones need a template) and the modes."""
+    from ..decode.modes import needs_draft as mode_needs_draft
+
+    needs_draft = any(mode_needs_draft(m) for m in mode_list)
+    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull)
+    chats = [p.id for p in prompt_set if p.messages is not None]
+    if chats:
+        check_chat_template(target.path, target.label, f"the chat prompts of the prompt set ({', '.join(chats)})")
+    if needs_draft and draft_ref is None:
+        wants = ", ".join(m for m in mode_list if mode_needs_draft(m))
+        raise UsageError(f"--modes {wants} need a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
+    return target, draft_ref, needs_draft
+
+
 def parse_modes(text: str) -> list[str]:
     from ..decode.modes import MODE_NAMES as MODES
 
@@ -97,24 +121,10 @@ def bench(
     prompt_set = load_prompts(prompts_file, limit)
     outputs = {"--json": json_out, "--csv": csv_out, "--trace": trace_out, "--plot": plot_out}
     check_output_paths(outputs)
-    if plot_out is not None:
-        import importlib.util
-
-        if importlib.util.find_spec("matplotlib") is None:
-            raise UsageError("--plot needs matplotlib; install it with `pip install 'matplotlib>=3.8,<4'`")
+    _check_plot_support(plot_out)
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     inside = under_mpi_launcher()
-    from ..decode.modes import needs_draft as mode_needs_draft
-
-    needs_draft = any(mode_needs_draft(m) for m in mode_list)
-    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull)
-    chats = [p.id for p in prompt_set if p.messages is not None]
-    if chats:
-        check_chat_template(target.path, target.label, f"the chat prompts of the prompt set ({', '.join(chats)})")
-    if needs_draft and draft_ref is None:
-        wants = ", ".join(m for m in mode_list if mode_needs_draft(m))
-        raise UsageError(f"--modes {wants} need a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
-
+    target, draft_ref, needs_draft = _bench_models(model, job, mode_list, prompt_set, inside)
     cfg = make_job_config(target, draft_ref, job)
 
     def relaunch_job() -> int:

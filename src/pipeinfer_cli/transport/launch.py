@@ -118,8 +118,7 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, preexec_fn=_die_with_parent())
     except BaseException:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        _restore_handlers(previous)
         raise
     job = JobProcesses(proc)
     pumps = (OutputPump(proc.stdout, sys.stdout.buffer, debug, stop_job, stopping),
@@ -133,22 +132,32 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
     finally:
         exited.set()
         rc = job.finish()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        _restore_handlers(previous)
         # The job's processes are gone, so the pipes reach EOF: wait for what they still hold (the
         # rank's `Error:` line decides below whether to add one) longer than a loaded machine takes
         # to copy it, but not for ever (a stray grandchild could keep a pipe open).
         for pump in pumps:
             pump.join(timeout=PUMP_DRAIN_S)
+    return _job_status(rc, pumps, job, stopped_by[0] if stopped_by else None, clean_stop)
+
+
+def _restore_handlers(previous: dict) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
+def _job_status(rc: int, pumps, job: JobProcesses, stopped_by: int | None,
+                clean_stop: Callable[[str], str] | None) -> int:
+    """The relaunching command's exit status once the job is gone (mpiexec's rc), and the one line
+    to add when the job could not say what happened itself."""
     if any(pump.broken for pump in pumps):
         return 128 + signal.SIGPIPE  # the reader went away: the job was stopped, nothing to report
-    if stopped_by:
-        signum = stopped_by[0]
+    if stopped_by is not None:
         if clean_stop is not None:
-            _say(clean_stop(signal.Signals(signum).name))
+            _say(clean_stop(signal.Signals(stopped_by).name))
             return 0
-        _report("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}")
-        return 128 + signum
+        _report("interrupted" if stopped_by == signal.SIGINT else f"stopped by {signal.Signals(stopped_by).name}")
+        return 128 + stopped_by
     if rc != 0 and pumps[1].reported:
         # The head printed the error; the launcher may have killed the other ranks since, so its
         # status is the head's only when that is a usage error's 2 (the ranks exit with the head's).
