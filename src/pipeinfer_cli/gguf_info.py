@@ -2,8 +2,8 @@
 
 The read is the native extension's (`_native.gguf_metadata`): the same ggml reader and the same
 checks as the layer engine's loader, without the tensor data. The `gguf` Python package would parse
-every element of every array field (about 10 s for a 151,936-token vocabulary); ggml's reader skips
-what it is not asked for and takes a few milliseconds.
+every element of every array field, which is slow on a large vocabulary; ggml's reader skips what it
+is not asked for (BENCHMARKS.md, "Figures formerly quoted in source comments").
 """
 
 from __future__ import annotations

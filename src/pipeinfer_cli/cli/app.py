@@ -102,10 +102,10 @@ def omp_wait_policy(environ=os.environ) -> str | None:
     about 300,000 rounds, then sleep).
 
     Ranks that share a host must not spin: a spinning team steals the core from the rank that
-    computes next (SmolLM2, 2 threads, second core busy: 8 tok/s spinning against 85 passive). A
-    rank alone on its host, the cluster case, keeps the brief spin: with `passive` every one of
-    the hundreds of barriers per token becomes a futex wake (Qwen 1.5B at 2 threads: 12.0 tok/s
-    passive against 19.6 spinning). An explicit OMP_WAIT_POLICY always wins."""
+    computes next. A rank alone on its host, the cluster case, keeps the brief spin: with `passive`
+    every one of the hundreds of barriers per token becomes a futex wake, which costs a rank with
+    several threads much of its speed. An explicit OMP_WAIT_POLICY always wins. (BENCHMARKS.md,
+    "OpenMP wait policy per rank" and "Figures formerly quoted in source comments".)"""
     from ..transport.launch import RELAUNCHED, local_rank_count
 
     if "OMP_WAIT_POLICY" in environ:

@@ -94,9 +94,9 @@ def generate(
 
 # In `iterative` mode one stage computes at a time, so the ranks that `--ranks N` starts on this
 # machine may each use all its cores, their OpenMP threads spinning briefly between graphs and then
-# sleeping: measured on 2 cores (Qwen2.5-Coder-1.5B, 2 ranks, BENCHMARKS.md "Threads per rank"),
-# 18.2 tok/s against 11.8 with one thread each and passive waiting. The speculative modes compute on
-# several stages at once: there, oversubscribed spinning threads fell to 0.39x, so they keep their share.
+# sleeping, which beats one thread per rank with passive waiting. The speculative modes compute on
+# several stages at once: there, oversubscribed spinning threads slow every stage down, so they keep
+# their share (BENCHMARKS.md, "Threads per rank").
 ITERATIVE_SPIN_COUNT = "10000"
 
 

@@ -42,8 +42,9 @@ class AsyncDraft:
         # The path keeps moving while the draft rank drafts (the head decodes on): ask for as many
         # more tokens as it moved during the last round trip, so the reply still reaches ahead, and
         # with no confidence cutoff: the head applies p_accept + p_adjust to the part it launches
-        # (the tokens the path has meanwhile committed need no confidence). Measured on qwen-coder
-        # (1/1 and 0.5,0.5/1): a few % faster than cutting the draft short at the draft rank.
+        # (the tokens the path has meanwhile committed need no confidence). That was faster than
+        # cutting the draft short at the draft rank (BENCHMARKS.md, "Figures formerly quoted in
+        # source comments").
         self.drafter.request(path, min(self.n_draft + self.lag, limit), 0.0)
 
     def receive(self, path: Callable[[], list[int]]) -> None:

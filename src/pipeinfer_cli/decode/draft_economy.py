@@ -4,8 +4,8 @@ With one stage nothing is idle: the draft and every verification row take the sa
 target's next token would. On a CPU, where a batch of k rows costs about k single-token runs
 (BENCHMARKS.md, "PipeInfer on three topologies"), a drafted token pays only if it is accepted more
 often than its drafting and its verification row cost, in single-token runs. A 0.5B draft of a
-1.5B target never does (0.59x `iterative` on one rank); prompt lookup does on text that copies
-its prompt.
+1.5B target never does (BENCHMARKS.md, "Drafting only while it pays, on one rank"); prompt lookup
+does on text that copies its prompt.
 
 So `pipeinfer` on one stage keeps a balance, in seconds: each speculative run adds the time its
 accepted tokens saved (accepted x the time of a one-token run) and subtracts what it cost (the
@@ -18,11 +18,12 @@ acceptance rate would pay for it, and drafting ends for the request: probing wou
 either, since a draft model must first catch up on every token it skipped. Which runs are launched changes, never what
 is committed: the tokens are those of `iterative`.
 
-A draft model must first read the prompt (its prompt pass: about 0.4 of the target's prefill for
-the 0.5B draft, 2 s on a 500-token prompt here) before it can propose anything, and on one stage
-that pass takes the cores too. So it is deferred: the first draft of a request is a probe from the
-last PROBE_CONTEXT tokens only (what drafting and verification cost does not depend on how much
-context the draft read), and the prompt pass runs only once a probe says the draft is not hopeless.
+A draft model must first read the prompt (its prompt pass, a sizeable share of the target's
+prefill: BENCHMARKS.md, "The draft's prompt pass, deferred behind a probe") before it can propose
+anything, and on one stage that pass takes the cores too. So it is deferred: the first draft of a
+request is a probe from the last PROBE_CONTEXT tokens only (what drafting and verification cost
+does not depend on how much context the draft read), and the prompt pass runs only once a probe
+says the draft is not hopeless.
 What a job has learned stays with the job (`DraftMemory`): a draft found hopeless is not probed
 again by its later requests (a server's, a benchmark's, a chat's turns).
 

@@ -7,13 +7,12 @@ to one token), and proposes the tokens that followed it.
 
 Its confidence comes from match statistics, not a fixed prior:
 
-- the match length m: on the grounded benchmark prompts (Qwen2.5-Coder-1.5B's greedy answers,
-  `pipeinfer bench --prompts grounded`), the token after the longest earlier match was the
-  target's next token 21 % of the time for m = 1, 43 % for 2, 64 % for 3, 85 % for 4, 86-96 % for
-  5-7 and 97-99 % for m >= 8 (`HIT_RATE`);
+- the match length m: the longer the earlier match, the likelier the token after it is the
+  target's next one (`HIT_RATE`, from the greedy answers to the grounded benchmark prompts:
+  BENCHMARKS.md, "The lookup drafter, change by change");
 - agreement: when several earlier occurrences match equally well, the share of them that continue
-  with the proposed token (occurrences that disagree dropped the hit rate to 0-12 %), while several
-  that agree make it likelier (1 - (1 - hit)^votes);
+  with the proposed token (where they disagree, the proposal is rarely right), while
+  several that agree make it likelier (1 - (1 - hit)^votes);
 - position: the k-th token of a copy is accepted only if the k-1 before it were, and the match
   grows by one with each, so its confidence is the product of HIT_RATE(m), HIT_RATE(m+1), …
   (`Proposal.probs` are these cumulative probabilities: what a run of that length stands to gain).

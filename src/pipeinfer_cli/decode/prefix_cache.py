@@ -10,8 +10,8 @@ tokens are exactly those it would get without reuse:
   chunk's end, so a later prompt that shares those tokens would compute the very same cell;
 - cells of generated tokens were computed one row at a time (batch-invariant decode), and those of
   a prompt's last, partial chunk with a smaller batch: ggml picks other kernels for other row
-  counts, so a fresh prefill would round them differently (by up to 0.5 in a logit, measured on
-  SmolLM2), and reusing them could change the output.
+  counts, so a fresh prefill would round them differently (visibly in the logits: BENCHMARKS.md,
+  "Figures formerly quoted in source comments"), and reusing them could change the output.
 
 So the kept prefix is the common token prefix, rounded down to whole chunks, within the part of the
 cache that full prefill chunks computed. The suffix is then prefilled in the same chunks a fresh

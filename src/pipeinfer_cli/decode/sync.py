@@ -62,9 +62,9 @@ class _Background(threading.Thread):
     """Runs fn in a thread at a lower CPU priority; join() re-raises its exception.
 
     The draft's prompt pass must not delay the first token: where the head's host has no idle core
-    (3 stages on 2 cores), it would take CPU time from the stages' prefill (TTFT 1.13x `iterative`,
-    BENCHMARKS.md). At a higher nice value it uses what the stages leave idle. Linux gives each
-    thread its own nice value, and threads it starts (OpenMP's) inherit it."""
+    (3 stages on 2 cores), it would take CPU time from the stages' prefill (BENCHMARKS.md, "The same
+    suite on the grounded prompts"). At a higher nice value it uses what the stages leave idle.
+    Linux gives each thread its own nice value, and threads it starts (OpenMP's) inherit it."""
 
     def __init__(self, fn: Callable[[], None]):
         super().__init__(daemon=True, name="draft-prefill")
