@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 BACKOFF_MIN_S = 20e-6
 BACKOFF_MAX_S = 1e-3  # the longest sleep of a rank that has been idle for a while
 # A rank that just made progress expects the next message soon (the pipeline is running): for
-# BACKOFF_HOT_S it sleeps at most BACKOFF_HOT_MAX_S between probes. With a 1 ms cap from the
-# start, a run waited 1.7 ms (p50) between two stages on shared memory; with 0.1 ms, 0.65 ms, and
-# 2-rank iterative decoding went from 46 to 53 tok/s (SmolLM2, 1 thread per rank).
+# BACKOFF_HOT_S it sleeps at most BACKOFF_HOT_MAX_S between probes, so it notices the next run
+# soon after it arrives; only an idle rank backs off to BACKOFF_MAX_S (BENCHMARKS.md, "Hand-off
+# between stages" and "Figures formerly quoted in source comments").
 BACKOFF_HOT_MAX_S = 1e-4
 BACKOFF_HOT_S = 0.05
 
@@ -34,9 +34,9 @@ PREDICT_FRACTION = 0.8
 PREDICT_ENV = "PIPEINFER_WAIT_PREDICT"
 # With PIPEINFER_WAIT_SPIN=tail, a rank alone on its cores probes without sleeping once a predicted
 # wait's sleep is over, for at most SPIN_TAIL_S, so that its core is awake when the other stage's
-# message arrives: on the test VM a computation that follows a sleep ran 5-13 % slower than one
-# that follows work (scripts/idle_gap.py). Measured through the CLI it gave 2-rank `iterative`
-# 0.97-1.11x and 2-stage pipeinfer with lookup 0.985x, for 15 % more CPU: not the default.
+# message arrives: on the test VM a computation that follows a sleep runs slower than one that
+# follows work (scripts/idle_gap.py). Through the CLI the gain did not hold up and the spin costs
+# CPU, so it is not the default (BENCHMARKS.md, "Pipeline overhead: 2 ranks against 1").
 # Ranks that share cores never spin. PIPEINFER_WAIT_SPIN=1 is a diagnostic, not a mode for users:
 # every wait a busy probe loop.
 SPIN_TAIL_S = 0.01
