@@ -27,8 +27,9 @@ BACKOFF_HOT_S = 0.05
 # A wait that has lasted about the same for a while (the next stage's compute, in a steady
 # pipeline) is slept through in one go, up to PREDICT_FRACTION of the shortest of the last
 # PREDICT_WAITS waits at that site, then polled finely as above. Probing every 0.1 ms wakes the
-# waiting rank ten thousand times a second, and on cores that share a physical core (or its
-# caches) those wake-ups slow the rank that computes. PIPEINFER_WAIT_PREDICT=0 turns it off.
+# waiting rank ten thousand times a second; sleeping through saves those wake-ups' CPU. (That they
+# also slow the rank that computes was suspected and measured not to be so: BENCHMARKS.md, "A
+# polling neighbour is not the cause".) PIPEINFER_WAIT_PREDICT=0 turns it off.
 PREDICT_WAITS = 8
 PREDICT_FRACTION = 0.8
 PREDICT_ENV = "PIPEINFER_WAIT_PREDICT"
