@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT = "Write a Python function that checks whether a number is prime, with a docstring."
+PROMPT = "Here is a Python function that checks whether a number is prime:\n\ndef is_prime(n):"
 
 # (label, model, extra args): each case runs with greedy sampling and with a seeded temperature.
 CASES = [
