@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from pipeinfer_cli.bench.results import BenchResults
 from pipeinfer_cli.cli.app import app
-from pipeinfer_cli.cli.wording import human_bytes, plural
+from pipeinfer_cli.wording import human_bytes, plural
 
 runner = CliRunner()
 

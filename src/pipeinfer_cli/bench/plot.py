@@ -12,7 +12,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from ..cli.wording import plural
+from ..wording import plural
 
 DPI = 100
 WIDTH_IN = 11.0

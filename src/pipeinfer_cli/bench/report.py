@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
-from ..cli.wording import plural
+from ..wording import plural
 from .stats import per_prompt_medians
 
 

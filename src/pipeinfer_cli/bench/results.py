@@ -6,7 +6,7 @@ import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli.wording import plural
+from ..wording import plural
 from ..runtime.topology import format_layer_ranges
 from . import environment
 from .runner import check_tokens

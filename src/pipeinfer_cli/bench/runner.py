@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..cli.wording import plural
+from ..wording import plural
 from ..decode.result import GenerationResult
 from ..runtime.job import JobConfig, Request, run_job
 from .schedule import BenchItem

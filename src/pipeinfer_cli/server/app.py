@@ -24,7 +24,7 @@ from starlette.routing import Route
 from ..decode.result import GenerationResult
 from ..runtime.tokenizer import NoChatTemplateError
 from ..runtime.service import Event, GenerationRequest, InvalidRequest, Service, ServiceUnavailable
-from ..cli.wording import human_bytes
+from ..wording import human_bytes
 from ..errors import UsageError
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openai_errors import ApiError, invalid, unavailable
