@@ -19,7 +19,7 @@
 #   Hydra passes this shell's whole environment to every rank; MPIRUN_ARGS="-genv VAR value" sets one.
 # - A system MPI (Open MPI, Intel MPI, Cray MPICH, MVAPICH) for InfiniBand/Slingshot: set
 #   MPIRUN=mpirun (that MPI's launcher) and make mpi4py load that library, not the wheel's
-#   (the same two commands as in README.md, "Running on a cluster"):
+#   (the same two commands as in docs/cluster.md):
 #       .venv/bin/pip uninstall -y mpich mpi4py
 #       MPI4PY_BUILD_MPICC="$(command -v mpicc)" .venv/bin/pip install --no-cache-dir --no-binary=mpi4py "mpi4py>=4,<5"
 #   Check: $MPIRUN -n 2 .venv/bin/python -m mpi4py.bench helloworld   (each rank says "of 2").

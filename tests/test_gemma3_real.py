@@ -68,7 +68,7 @@ def test_gemma3_prompt_longer_than_the_window(gemma3_path, window):
 
 
 def test_gemma3_kv_cache_keeps_every_cell_for_every_layer(gemma3_path, window):
-    """The README's memory figure (75.5 MB at --ctx 4096): K and V of every layer for all n_ctx cells,
+    """docs/models.md's memory figure (75.5 MB at --ctx 4096): K and V of every layer for all n_ctx cells,
     1,024 bytes per cell and layer (one KV head of 256 F16 values each), although the local layers
     only read their window."""
     eng = LayerEngine(gemma3_path, 0, N_LAYER, n_ctx=4096)

@@ -39,7 +39,7 @@ def _table(monkeypatch, module, args) -> str:
 
 
 def test_models_list_sizes_match_the_readme(monkeypatch):
-    """The README's model table says 98 MB and 1.1 GB; the list says the same in the same units."""
+    """The model table of docs/models.md says 98 MB and 1.1 GB; the list says the same in the same units."""
     from pipeinfer_cli.cli import models_cmd
 
     table = _table(monkeypatch, models_cmd, ["models", "list"])

@@ -6,7 +6,7 @@ JSON (`--json`): one object
      "summary": {mode: per-mode statistics (bench/stats.py)},
      "tokens_identical": bool, "token_mismatches": [...],
      "records": [one per (prompt, mode, repeat) in run order, warmups included with "warmup": true]}
-Each record carries the metric fields of the README's "JSON fields" (n_prompt, n_gen, ttft_s, tok_per_s,
+Each record carries the metric fields of docs/json-output.md (n_prompt, n_gen, ttft_s, tok_per_s,
 decode_tok_per_s, itl_ms, acceptance, runs, ranks) plus text and token ids. Trace events are not
 repeated here: they go to `--trace`.
 

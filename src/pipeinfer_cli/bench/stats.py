@@ -63,7 +63,7 @@ def speedup(medians: dict[str, dict[str, float]], mode: str, base: str) -> float
 
 
 def _run_keys(records: list[dict]) -> list[str]:
-    """The run counters the records carry (README, "JSON fields", plus any the engine adds), in first-seen order."""
+    """The run counters the records carry (docs/json-output.md, plus any the engine adds), in first-seen order."""
     keys = ["launched", "speculative", "cancelled", "cancelled_mid_compute", "layer_evals_skipped"]
     for r in records:
         keys += [k for k in r["runs"] if k not in keys]

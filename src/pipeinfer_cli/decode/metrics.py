@@ -1,4 +1,4 @@
-"""Generation metrics, with the field names of the JSON output (see README, "Metrics")."""
+"""Generation metrics, with the field names of the JSON output (docs/json-output.md)."""
 
 from __future__ import annotations
 
