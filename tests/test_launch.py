@@ -283,3 +283,80 @@ def test_ctrl_c_on_one_rank_says_interrupted(smollm2_path):
             os.killpg(p.pid, signal.SIGKILL)
     assert (p.returncode, err.decode()) == (130, "Error: interrupted\n")
     assert marked_pids(marker) == []
+
+
+# A stand-in for mpiexec and two ranks (PMI_RANK set, as Hydra sets it), for a server's orderly stop:
+# each rank notes the signals it receives; rank 1 ends when rank 0 has ended (as a stage ends when
+# the head tells it to). With "stubborn", rank 0 ignores SIGTERM (a head stuck in C code).
+FAKE_SERVER_JOB = r'''
+import os, signal, subprocess, sys, time
+ready, log_dir, stubborn = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+signal.signal(signal.SIGTERM, lambda *_: None)  # mpiexec: ends when its ranks have ended
+RANK = r"""
+import os, signal, sys, time
+rank, log_dir, stubborn = int(os.environ["PMI_RANK"]), sys.argv[1], sys.argv[2] == "1"
+def noted(signum, _frame):
+    open(os.path.join(log_dir, f"signal-{rank}"), "a").write(f"{signum}\n")
+    if rank == 0 and not stubborn:
+        open(os.path.join(log_dir, "head-ended"), "w").close()
+        sys.exit(0)
+signal.signal(signal.SIGTERM, noted)
+open(os.path.join(log_dir, f"up-{rank}"), "w").close()
+while not (rank == 1 and os.path.exists(os.path.join(log_dir, "head-ended"))):
+    time.sleep(0.02)
+"""
+ranks = [subprocess.Popen([sys.executable, "-c", RANK, log_dir, sys.argv[3]], start_new_session=True,
+                          env={**os.environ, "PMI_RANK": str(r)}) for r in (0, 1)]
+while not all(os.path.exists(os.path.join(log_dir, f"up-{r}")) for r in (0, 1)):
+    time.sleep(0.02)
+open(ready, "w").close()
+for r in ranks:
+    r.wait()
+'''
+
+
+def _run_fake_server_job(tmp_path, stubborn: bool, orderly_stop_s: float = 10.0):
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!" + sys.executable + "\nimport sys, runpy\n"
+                    "args = sys.argv[sys.argv.index('--fake') + 1:]\n"
+                    "sys.argv = args\nrunpy.run_path(args[0], run_name='__main__')\n")
+    fake.chmod(0o755)
+    (tmp_path / "fake_job.py").write_text(FAKE_SERVER_JOB)
+    ready = tmp_path / "ready"
+    args = [str(tmp_path / "fake_job.py"), str(ready), str(tmp_path), "1" if stubborn else "0"]
+    wrapper = (f"import sys\nfrom pipeinfer_cli.transport import launch\n"
+               f"launch.find_mpiexec = lambda: {str(fake)!r}\n"
+               f"launch.ORDERLY_STOP_S = {orderly_stop_s!r}\n"
+               f"sys.exit(launch.relaunch(2, ['--fake', *{args!r}], clean_stop=lambda s: 'stopped by ' + s))\n")
+    p = subprocess.Popen([sys.executable, "-c", wrapper], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.02)
+        time.sleep(0.5)  # the launcher's watcher has seen both ranks (it looks every 0.2 s)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+        return p.returncode, err.decode()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="Linux: reads /proc")
+def test_a_server_is_stopped_through_its_head_alone(tmp_path):
+    """The stop signal reaches the head only; the stages end because the head ended, not by a signal
+    of their own (one killed first would take the head down before it answered its clients)."""
+    rc, err = _run_fake_server_job(tmp_path, stubborn=False)
+    assert (rc, err) == (0, "stopped by SIGTERM\n"), err
+    assert (tmp_path / "signal-0").read_text() == f"{int(signal.SIGTERM)}\n"
+    assert not (tmp_path / "signal-1").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="Linux: reads /proc")
+def test_a_server_whose_head_does_not_stop_is_stopped_by_force(tmp_path):
+    rc, err = _run_fake_server_job(tmp_path, stubborn=True, orderly_stop_s=1.0)
+    assert (rc, err) == (0, "stopped by SIGTERM\n"), err
+    # The head got the signal first, then every rank got it with the forced stop.
+    assert (tmp_path / "signal-0").read_text().count("\n") == 2 and (tmp_path / "signal-1").exists()

@@ -58,6 +58,7 @@ def build_app(service: Service, settings: ServerSettings) -> Starlette:
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.metrics = metrics
+    app.state.answers_in_flight = lambda: api.answers_in_flight
     service.add_observer(lambda ticket, result: api.finished(ticket.tag, result))
     return app
 
@@ -71,6 +72,9 @@ async def _http_error(_request: Request, exc: HTTPException) -> Response:
 class _Api:
     def __init__(self, service: Service, settings: ServerSettings, metrics: ServerMetrics):
         self.service, self.settings, self.metrics = service, settings, metrics
+        # Generation answers not yet fully written: the HTTP server's stop waits for them, so a request
+        # ended by a shutdown still gets its error event (sse-starlette drops open streams on exit).
+        self.answers_in_flight = 0
 
     # -- plain endpoints ---------------------------------------------------------------------
     async def health(self, _request: Request) -> Response:
@@ -127,9 +131,13 @@ class _Api:
         # The loaded model's name, whatever the client asked for ("gpt-4", "any"), as llama-server answers:
         # the response says which model wrote it.
         reply = Reply(parsed.chat, self.settings.model)
+        self.answers_in_flight += 1
         if parsed.stream:
             return EventSourceResponse(self._stream(endpoint, reply, parsed, ticket, events), sep="\n", ping=15)
-        return await self._wait(request, endpoint, reply, ticket, events)
+        try:
+            return await self._wait(request, endpoint, reply, ticket, events)
+        finally:
+            self.answers_in_flight -= 1
 
     def _generation(self, p: ParsedRequest) -> GenerationRequest:
         """Tokenize and check the request: ApiError (400) naming the field if it cannot run."""
@@ -205,6 +213,7 @@ class _Api:
                     yield {"data": json.dumps(unavailable(ev.text, code=ev.reason).body())}
                     return
         finally:
+            self.answers_in_flight -= 1
             if not ticket.finished:
                 ticket.cancel()  # the client went away mid-stream
 

@@ -45,6 +45,7 @@ class HttpThread:
     def __init__(self, app, sock: socket.socket):
         import uvicorn
 
+        self.app = app
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2, timeout_keep_alive=5)
         self.server = uvicorn.Server(config)
@@ -62,6 +63,12 @@ class HttpThread:
         if not self.server.started:
             raise RuntimeError("the HTTP server did not start")
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 5.0, drain_s: float = 2.0) -> None:
+        """Let answers in flight write their last event (the service has ended them) for up to
+        drain_s, then shut the server down."""
+        in_flight = getattr(self.app.state, "answers_in_flight", lambda: 0)
+        deadline = time.monotonic() + drain_s
+        while in_flight() > 0 and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.server.should_exit = True
         self.thread.join(timeout_s)

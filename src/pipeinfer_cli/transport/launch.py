@@ -24,6 +24,9 @@ RELAUNCHED = "PIPEINFER_RELAUNCHED"
 # only this process; it then stops every process of the job itself (see relaunch()).
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
+# A server stops in order: the head ends every request with an error event, tells the other ranks to
+# end and exits. Past this, the job is stopped by force (SIGTERM to every process, then SIGKILL).
+ORDERLY_STOP_S = 5.0
 
 
 def under_mpi_launcher() -> bool:
@@ -90,7 +93,9 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
     and it returns only once they are gone. What the launcher prints about its teardown is
     dropped, and the one line reported is `Error: interrupted` (`Error: stopped by SIGTERM`).
     clean_stop: for a command that a stop signal is meant to end (a server), the line to print
-    instead, given the signal's name; the exit status is then 0.
+    instead, given the signal's name; the exit status is then 0. Such a job is stopped in order:
+    the signal goes to the head alone (a stage killed first would take the head down before it
+    could answer the requests in flight), and by force only after ORDERLY_STOP_S.
 
     The head prints its own errors; an abnormal end it could not report (a rank killed or
     crashed) is reported here, in one line.
@@ -98,39 +103,27 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
     cmd = [find_mpiexec(), "-n", str(n_ranks), sys.executable, "-m", "pipeinfer_cli", *argv]
     env = {**os.environ, RELAUNCHED: "1"}
     debug = debug_enabled()
-    stopping = threading.Event()
-    stopped_by: list[int] = []
-    job: JobProcesses | None = None
-
-    def stop_job() -> None:
-        stopping.set()  # first, so that the launcher's reaction to the stop is filtered
-        if job is not None:
-            job.stop()
-
-    def on_signal(signum, _frame):
-        if not stopped_by:  # a second Ctrl-C changes nothing: the job is being stopped already
-            stopped_by.append(signum)
-            stop_job()
-
+    stop = _StopRequest(clean_stop is not None)
     # The handlers come first: a stop that arrives while mpiexec starts stops it right after.
-    previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
+    previous = {s: signal.signal(s, stop.on_signal) for s in _STOP_SIGNALS}
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, preexec_fn=_die_with_parent())
     except BaseException:
         _restore_handlers(previous)
         raise
-    job = JobProcesses(proc)
-    pumps = (OutputPump(proc.stdout, sys.stdout.buffer, debug, stop_job, stopping),
-             OutputPump(proc.stderr, sys.stderr.buffer, debug, stop_job, stopping, drop_when_stopping=True))
+    job = stop.job = JobProcesses(proc)
+    pumps = (OutputPump(proc.stdout, sys.stdout.buffer, debug, stop.by_force, stop.stopping),
+             OutputPump(proc.stderr, sys.stderr.buffer, debug, stop.by_force, stop.stopping, drop_when_stopping=True))
     exited = threading.Event()
     threading.Thread(target=job.watch_ranks, args=(n_ranks, exited), daemon=True, name="find-ranks").start()
     try:
-        if stopping.is_set():
+        if stop.stopping.is_set():
             job.stop()
         job.wait_exited()
     finally:
         exited.set()
+        stop.force_later.cancel()
         rc = job.finish()
         _restore_handlers(previous)
         # The job's processes are gone, so the pipes reach EOF: wait for what they still hold (the
@@ -138,7 +131,36 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
         # to copy it, but not for ever (a stray grandchild could keep a pipe open).
         for pump in pumps:
             pump.join(timeout=PUMP_DRAIN_S)
-    return _job_status(rc, pumps, job, stopped_by[0] if stopped_by else None, clean_stop)
+    return _job_status(rc, pumps, job, stop.signum, clean_stop)
+
+
+class _StopRequest:
+    """A stop signal received by the launching process, and how it stops the job: by force (SIGTERM
+    to every process, SIGKILL soon after), or for a server in order (the signal to the head alone,
+    by force only after ORDERLY_STOP_S)."""
+
+    def __init__(self, orderly: bool):
+        self.orderly = orderly
+        self.stopping = threading.Event()
+        self.signum: int | None = None
+        self.job: JobProcesses | None = None
+        self.force_later = threading.Timer(ORDERLY_STOP_S, self.by_force)
+        self.force_later.daemon = True
+
+    def by_force(self) -> None:
+        self.stopping.set()  # first, so that the launcher's reaction to the stop is filtered
+        if self.job is not None:
+            self.job.stop()
+
+    def on_signal(self, signum, _frame) -> None:
+        if self.signum is not None:  # a second Ctrl-C changes nothing: the job is being stopped already
+            return
+        self.signum = signum
+        if self.orderly and self.job is not None and self.job.signal_rank(0, signum):
+            self.stopping.set()
+            self.force_later.start()
+            return
+        self.by_force()
 
 
 def _restore_handlers(previous: dict) -> None:

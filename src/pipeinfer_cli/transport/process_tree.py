@@ -169,6 +169,16 @@ class JobProcesses:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signum)
 
+    def signal_rank(self, rank: int, signum: int) -> bool:
+        """Send signum to one rank of the job; False if that rank is not known to be running."""
+        with self._lock:
+            table = self._refresh()
+            pids = [pid for pid in self._alive(table) if self.ranks.get(pid) == rank]
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signum)
+            return bool(pids)
+
     def stop(self) -> None:
         """SIGTERM to every process of the job, SIGKILL STOP_GRACE_S later to what is left."""
         with self._lock:
