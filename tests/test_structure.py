@@ -17,13 +17,14 @@ from pipeinfer_cli.decode.modes import (
 from pipeinfer_cli.decode.session import DecodeOptions
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pipeinfer_cli"
-POLICIES = sorted(p.stem for p in (SRC / "decode").glob("*.py") if p.stem != "__init__")
+POLICIES = sorted(f"{pkg}.{p.stem}" for pkg in ("decode", "planner") for p in (SRC / pkg).glob("*.py")
+                  if p.stem != "__init__")
 
 
 @pytest.mark.parametrize("module", POLICIES)
 def test_policy_modules_import_no_mpi(module):
     """A simulator runs the same policies in virtual time: importing them must not start MPI."""
-    code = (f"import sys, pipeinfer_cli.decode.{module}; "
+    code = (f"import sys, pipeinfer_cli.{module}; "
             "bad = [m for m in ('mpi4py', 'mpi4py.MPI') if m in sys.modules]; assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -34,6 +35,7 @@ LAYERS = [
     {"cli"},  # the commands
     {"server", "bench"},  # the front ends' engines: HTTP, benchmarks
     {"runtime"},  # the processes of a job
+    {"planner"},  # predictions from a profile: runs the policies in virtual time
     {"decode", "transport"},  # pure policies; the wire and its waits
     {"native", "gguf_info", "layer_split", "registry", "model_files", "cache", "fetch", "errors", "_native", "wording"},
 ]
