@@ -385,4 +385,6 @@ class PipeInfer:
 
 def decode_pipeinfer(pipe: PipelineLike, s: Session, opts: DecodeOptions, drafter: Drafter | AsyncDrafter,
                      prompt_pass: Callable[[], None] | None = None, memory: DraftMemory | None = None) -> None:
-    PipeInfer(pipe, s, opts, drafter, wait_until=pipe.wait_until, prompt_pass=prompt_pass, memory=memory).run()
+    # A simulated pipeline keeps virtual time (`clock`); the real one runs on the wall clock.
+    PipeInfer(pipe, s, opts, drafter, wait_until=pipe.wait_until, clock=getattr(pipe, "clock", now),
+              prompt_pass=prompt_pass, memory=memory).run()

@@ -84,13 +84,17 @@ class VirtualPipeline:
         for t, p, sids, out in zip(tokens, pos, seq_ids, output):
             self.cells.append([p, t, set(sids)])
             if out:  # the last stage samples: only the token ids come back
-                rows.append(sample(self.logits_of(self.context(sids[0], p)), self.sampling, p + 1))
+                rows.append(self.row_token(self.context(sids[0], p), p))
         sampled = np.asarray(rows, np.int64)
         if self.latency == 0:
             self.ready.append(RunResult(run_id, sampled))
         else:
             self.pending.append((self.tick + self.latency, run_id, sampled))
         return run_id
+
+    def row_token(self, context: tuple[int, ...], pos: int) -> int:
+        """The token the last stage samples after a row at `pos` that attends to `context`."""
+        return sample(self.logits_of(context), self.sampling, pos + 1)
 
     def cancel(self, run_ids: list[int]) -> None:
         self.log.append(("cancel", list(run_ids)))

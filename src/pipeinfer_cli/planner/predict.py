@@ -1,0 +1,116 @@
+"""One prediction: a request of a trace, in one mode, on one topology, in virtual time.
+
+The head's request is run as `runtime/head.py` runs it — `prefill`, then `decode(mode, …)`, the
+very functions `generate` calls — against a `SimulatedPipeline` built from the profile, with the
+replayed target and draft. The metrics are the session's own (`GenerationMetrics.rates`), so a
+prediction and a run compare field by field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..decode.draft_economy import DraftMemory
+from ..decode.modes import decode, needs_draft
+from ..decode.sampling import SamplingParams
+from ..decode.session import DecodeOptions, Session
+from ..decode.sync import prefill
+from .costs import StageCost
+from .profile import DraftCosts, Profile, RankCosts
+from .replay import ChainIndex, PromptTrace
+from .sim_drafters import ReplayDrafter, ReplayDraftRank, TimedLookup
+from .sim_pipeline import SimulatedPipeline
+
+
+@dataclass
+class Topology:
+    """Stages in pipeline order: the profile rank whose costs each stage has, and its layers; the
+    draft: "head", "lookup", a profile rank (an int: a draft rank of its own), or None."""
+
+    stage_ranks: list[int]
+    layers: list[tuple[int, int]]
+    draft: str | int | None = None
+
+    def describe(self) -> str:
+        return ",".join(str(e - b) for b, e in self.layers) + ("/1" if isinstance(self.draft, int) else "")
+
+
+@dataclass
+class Prediction:
+    mode: str
+    prompt_id: str
+    n_prompt: int
+    n_gen: int
+    ttft_s: float | None
+    tok_per_s: float | None
+    decode_tok_per_s: float | None
+    itl_ms: dict | None
+    acceptance: dict
+    runs: dict
+    utilisation: list[float]  # per stage, share of the request's time spent computing
+    draft_misses: int = 0  # draft questions the trace could not answer (past its depth, tree side branches)
+    settings: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in vars(self).items()}
+
+
+def _stages(profile: Profile, topo: Topology) -> list[StageCost]:
+    last = len(topo.layers) - 1
+    return [StageCost(profile.ranks[r], e - b, has_output=i == last)
+            for i, (r, (b, e)) in enumerate(zip(topo.stage_ranks, topo.layers))]
+
+
+def build_pipeline(profile: Profile, topo: Topology, pt: PromptTrace, opts: DecodeOptions, n_ctx: int) -> SimulatedPipeline:
+    ranks = topo.stage_ranks
+    links = [profile.link(ranks[i], ranks[i + 1]) for i in range(len(ranks) - 1)] + [profile.link(ranks[-1], ranks[0])]
+    cancel_links = [profile.link(ranks[0], r) for r in ranks]
+    n_seq = min(64, 2 + opts.max_inflight * max(1, opts.max_branches))
+    return SimulatedPipeline(_stages(profile, topo), links, cancel_links, profile.model.n_embd,
+                             lambda _context, pos: pt.token_after(pos), n_seq, n_ctx)
+
+
+def make_drafter(profile: Profile, topo: Topology, pipe: SimulatedPipeline, index: ChainIndex | None):
+    d = profile.draft
+    if topo.draft is None:
+        return None
+    if topo.draft == "lookup":
+        costs = d if d is not None and d.kind == "lookup" else DraftCosts("lookup", "lookup", 0, 1, 2e-5, 0.0)
+        return TimedLookup(pipe, costs)
+    if d is None or d.kind != "model":
+        raise ValueError("the profile has no draft model's costs: calibrate with --draft MODEL")
+    if index is None:
+        raise ValueError("a draft model needs a trace with its chains (or a synthetic acceptance rate)")
+    if topo.draft == "head":
+        return ReplayDrafter(pipe, index, d)
+    r = int(topo.draft)
+    return ReplayDraftRank(pipe, index, d, profile.link(topo.stage_ranks[0], r), profile.link(r, topo.stage_ranks[0]))
+
+
+def predict(profile: Profile, topo: Topology, mode: str, pt: PromptTrace, opts: DecodeOptions,
+            index: ChainIndex | None = None, n_ctx: int = 4096) -> Prediction:
+    """Run the request of `pt` in `mode` on `topo`, in virtual time."""
+    pipe = build_pipeline(profile, topo, pt, opts, n_ctx)
+    drafter = make_drafter(profile, topo, pipe, index) if needs_draft(mode) else None
+    s = Session(list(pt.prompt), SamplingParams(), len(pt.tokens), pt.is_eog, clock=pipe.clock)
+    draft_prefill = (lambda: drafter.start(pt.prompt)) if drafter is not None else None
+    deferred = (draft_prefill is not None and mode == "pipeinfer" and topo.draft == "head" and pipe.n_stages == 1
+                and opts.spec_policy == "auto")
+    prefill(pipe, s, None if deferred else draft_prefill, draft_in_thread=False)
+    opts = replace(opts, n_predict=len(pt.tokens))
+    decode(mode, pipe, s, opts, drafter, prompt_pass=draft_prefill if deferred else None, memory=DraftMemory())
+    if s.generated != pt.tokens[:len(s.generated)]:
+        raise AssertionError(f"{mode} replayed tokens other than the trace's: the simulation lost a token")
+    rates = s.metrics.rates()
+    return Prediction(mode, pt.prompt_id, rates.n_prompt, rates.n_gen, rates.ttft_s, rates.tok_per_s,
+                      rates.decode_tok_per_s, rates.itl_ms, s.metrics.acceptance.to_dict(), vars(s.metrics.runs).copy(),
+                      pipe.utilisation(), index.misses if index is not None else 0,
+                      {"layer_split": topo.describe(), "draft": topo.draft, "n_draft": opts.n_draft,
+                       "p_accept": opts.p_accept, "max_inflight": opts.max_inflight, "max_branches": opts.max_branches})
+
+
+def synthetic_rank(base: RankCosts, speed: float = 1.0, rank: int = 0, host: str = "") -> RankCosts:
+    """A node described by its speed relative to a measured one (2.0: twice as fast), every cost scaled."""
+    scale = lambda g: replace(g, s=[[v / speed for v in row] for row in g.s])  # noqa: E731
+    return replace(base, rank=rank, host=host or f"node{rank}", decode=scale(base.decode), prefill=scale(base.prefill),
+                   output_row_s=base.output_row_s / speed, run_overhead_s=base.run_overhead_s / speed)

@@ -1,0 +1,165 @@
+"""A pipeline in virtual time: the `PipelineLike` that `pipeinfer plan` runs the real decoding
+policies against.
+
+Discrete events, as the real job does them:
+- `launch` computes the head's layers in the head's own time (the head is busy meanwhile: that is
+  how the real head works) and sends the run on;
+- every further stage takes runs in launch order, each busy until its previous run is done;
+  hidden states cross a link as its latency plus bytes over its bandwidth;
+- a cancel goes from the head to every stage directly: a stage that has not started the run skips
+  it (its fixed cost only), one that is computing it stops at the next layer;
+- the last stage samples and sends token ids back to the head.
+
+Virtual time moves only when the head waits (`next_result`, `wait_until`), computes (`launch`) or
+drafts (the replay drafter advances it). The KV cache, the sampled tokens and the operation log
+are the `VirtualPipeline`'s, so a policy's KV mistake shows here as in the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..decode.pipeline_protocol import RunResult
+from ..decode.virtual_pipeline import VirtualPipeline
+from .costs import StageCost
+from .profile import LinkCosts
+
+HEADER_BYTES = 64  # a run header or a result header on the wire (ids, flags, positions)
+MAX_WAITS = 1_000_000
+
+
+@dataclass
+class _Run:
+    run_id: int
+    rows: int
+    n_out: int
+    kv: int
+    invariant: bool
+    sampled: np.ndarray
+    t_sent: float  # the head has computed its layers and sent the run on
+    t_cancel: float | None = None
+    arrival: float = 0.0  # result at the head (recomputed as runs are launched and cancelled)
+    starts: list[float] = field(default_factory=list)  # per stage >= 1: when it takes the run
+    ends: list[float] = field(default_factory=list)  # per stage >= 1: when it is done with the run
+    computed: list[bool] = field(default_factory=list)  # per stage >= 1: it computed (not skipped)
+
+
+class SimulatedPipeline(VirtualPipeline):
+    """stages[0] is the head; links[i] carries stage i -> i+1, links[-1] the last stage -> head;
+    cancel_links[i]: head -> stage i (cancel messages go directly). token_of(context, pos): the token
+    the target gives after a row (a replayed trace)."""
+
+    def __init__(self, stages: list[StageCost], links: list[LinkCosts], cancel_links: list[LinkCosts],
+                 n_embd: int, token_of: Callable[[tuple[int, ...], int], int], n_seq_max: int, n_ctx: int):
+        super().__init__(logits_of=None, latency=0, n_seq_max=n_seq_max, n_ctx=n_ctx)
+        self.stages, self.links, self.cancel_links = stages, links, cancel_links
+        self.n_stages = len(stages)
+        self.n_embd = n_embd
+        self.token_of = token_of
+        self.t = 0.0
+        self.inflight: list[_Run] = []
+        self.free_at = [0.0] * len(stages)  # per stage >= 1: done with every delivered run
+        self.busy_s = [0.0] * len(stages)  # per stage: seconds computing (skips included)
+        self.event_sources: list[Callable[[], float | None]] = []  # e.g. a draft rank's reply time
+
+    # -- time ---------------------------------------------------------------------------------
+    def clock(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+    def row_token(self, context: tuple[int, ...], pos: int) -> int:
+        return self.token_of(context, pos)
+
+    # -- runs ---------------------------------------------------------------------------------
+    def launch(self, tokens: list[int], pos: list[int], seq_ids: list[list[int]], output: list[bool],
+               speculative: bool = False, invariant: bool = True) -> int:
+        run_id = super().launch(tokens, pos, seq_ids, output, speculative, invariant)
+        sampled = self.ready.pop().tokens  # the base class answers at once; here the answer travels
+        rows, n_out, kv = len(tokens), int(np.count_nonzero(output)), int(max(pos)) + 1
+        head = self.stages[0].run_seconds(rows, n_out if self.n_stages == 1 else 0, kv, invariant)
+        self.busy_s[0] += head
+        self.t += head
+        if self.n_stages == 1:
+            self.ready.append(RunResult(run_id, sampled))
+            return run_id
+        self.inflight.append(_Run(run_id, rows, n_out, kv, invariant, sampled, self.t))
+        self._schedule()
+        return run_id
+
+    def cancel(self, run_ids: list[int]) -> None:
+        super().cancel(run_ids)
+        ids = set(run_ids)
+        for r in self.inflight:
+            if r.run_id in ids and r.t_cancel is None:
+                r.t_cancel = self.t
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Every run in flight through stages 1.., in launch order, from what is known now. Past
+        events never change: a cancel arrives after the moment it was sent."""
+        free = list(self.free_at)
+        for r in self.inflight:
+            r.starts, r.ends, r.computed = [], [], []
+            t, payload = r.t_sent, True
+            for s in range(1, self.n_stages):
+                t += self.links[s - 1].seconds(HEADER_BYTES + (r.rows * self.n_embd * 4 if payload else 0))
+                stage = self.stages[s]
+                start = max(t, free[s])
+                full = stage.run_seconds(r.rows, r.n_out if s == self.n_stages - 1 else 0, r.kv, r.invariant)
+                cancel_at = None if r.t_cancel is None else r.t_cancel + self.cancel_links[s].seconds(8)
+                if not payload or (cancel_at is not None and cancel_at <= start):
+                    end, payload = start + stage.costs.run_overhead_s, False
+                elif cancel_at is not None and cancel_at < start + full:
+                    end, payload = min(start + full, cancel_at + stage.layer_seconds(r.rows, r.kv, r.invariant)), False
+                else:
+                    end = start + full
+                free[s] = end
+                r.starts.append(start)
+                r.ends.append(end)
+                r.computed.append(payload)
+                t = end
+            n_back = r.n_out if payload else 0
+            r.arrival = t + self.links[-1].seconds(HEADER_BYTES + 8 * n_back)
+
+    def poll(self) -> bool:
+        got = False
+        while self.inflight and self.inflight[0].arrival <= self.t:
+            r = self.inflight.pop(0)
+            for s, (start, end) in enumerate(zip(r.starts, r.ends), start=1):
+                self.busy_s[s] += end - start
+                self.free_at[s] = end
+            cancelled = r.t_cancel is not None or not r.computed[-1]
+            self.ready.append(RunResult(r.run_id, None if cancelled else r.sampled))
+            got = True
+        return got
+
+    def next_event(self) -> float | None:
+        times = [r.arrival for r in self.inflight[:1]] + [t for src in self.event_sources if (t := src()) is not None]
+        return min(times) if times else None
+
+    def next_result(self) -> RunResult:
+        while not self.ready:
+            if not self.inflight:
+                raise RuntimeError("the policy waits for a result with no run in flight")
+            self.t = max(self.t, self.inflight[0].arrival)
+            self.poll()
+        return self.ready.popleft()
+
+    def wait_until(self, cond: Callable[[], bool], max_checks: int = MAX_WAITS) -> None:
+        for _ in range(max_checks):
+            if cond():
+                return
+            t = self.next_event()
+            if t is None:
+                raise RuntimeError("the policy waits with nothing in flight: it would wait for ever")
+            self.t = max(self.t, t)
+        raise RuntimeError("the policy kept waiting without progress")
+
+    def utilisation(self) -> list[float]:
+        """Per stage, the share of the elapsed virtual time it spent computing."""
+        return [b / self.t if self.t > 0 else 0.0 for b in self.busy_s]
