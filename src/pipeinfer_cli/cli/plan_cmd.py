@@ -1,0 +1,191 @@
+"""`pipeinfer plan`: predict every mode's speed on a calibrated cluster before running it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..decode.modes import MODE_NAMES, get_mode, needs_draft
+from ..decode.session import DecodeOptions
+from ..errors import UsageError
+from .console import err, out
+from .options import JsonFlag, LayerSplitOption, NDraftOption, NPredictOption, PAcceptOption, MaxInflightOption
+from .wording import epilog, plural
+
+EPILOG = epilog("""Examples:
+
+  pipeinfer calibrate qwen-coder --ranks 2 --out cluster.json
+  pipeinfer plan qwen-coder --profile cluster.json --prompts default --limit 4
+  pipeinfer plan qwen-coder --profile cluster.json -p "def fib(n):" --record fib.trace
+  pipeinfer plan qwen-coder --profile cluster.json --trace fib.trace --search
+  pipeinfer plan qwen-coder --profile cluster.json --trace fib.trace --layer-split 0.3,0.7/1
+
+How it predicts: the decoding policies that `generate` runs (the same code) run in virtual time
+against a simulated pipeline built from the profile: each stage busy for its measured seconds per
+layer at the run's rows and KV length, hidden states crossing each link as latency plus bytes over
+bandwidth, cancels that skip a run or stop it at the next layer, the head's own layers and
+drafting in the head's time. Acceptance is replayed: the target's tokens for each prompt and the
+draft's greedy chain from every committed prefix are recorded once (a trace), so every mode meets
+exactly the draft it would meet in a run. --acceptance RATE replaces the draft by one that is right
+with that probability (sweeps, or a draft model that is not here).
+""")
+
+ProfileOption = Annotated[Path, typer.Option("--profile", help="The profile `pipeinfer calibrate` wrote.")]
+TraceOption = Annotated[Path | None, typer.Option("--trace", help="A trace recorded before (--record): no model runs.")]
+RecordOption = Annotated[Path | None, typer.Option("--record", help="Record the trace (target tokens and draft chains) and save it here.")]
+PromptsOption = Annotated[str | None, typer.Option("--prompts", help="A shipped prompt set ('default', 'grounded') or a JSONL file, as `bench` takes it.")]
+LimitOption = Annotated[int | None, typer.Option("--limit", min=1, help="Use only the first N prompts.")]
+ModesOption = Annotated[str, typer.Option("--modes", help="Comma-separated modes to predict.")]
+AcceptanceOption = Annotated[float | None, typer.Option("--acceptance", min=0.0, max=1.0, help="A synthetic draft, right with this probability per token (no draft chains needed).")]
+SearchFlag = Annotated[bool, typer.Option("--search", help="Also search n_draft, p_accept and max_inflight for the fastest predicted settings per mode.")]
+PlanRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help="Ranks to plan for (default: the profile's).")]
+
+
+def plan(
+    model: Annotated[str, typer.Argument(help="Target model: registry name, pair name (target + draft), or .gguf path.")],
+    profile: ProfileOption = Path("profile.json"),
+    draft: Annotated[str | None, typer.Option("--draft", "-md", help="Draft model (name or .gguf path), or 'lookup'.")] = None,
+    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Raw prompt text.")] = None,
+    prompts: PromptsOption = None,
+    limit: LimitOption = None,
+    trace: TraceOption = None,
+    record: RecordOption = None,
+    acceptance: AcceptanceOption = None,
+    n_predict: NPredictOption = 128,
+    modes: ModesOption = ",".join(MODE_NAMES),
+    ranks: PlanRanksOption = None,
+    layer_split: LayerSplitOption = None,
+    n_draft: NDraftOption = 4,
+    p_accept: PAcceptOption = 0.5,
+    max_inflight: MaxInflightOption = 4,
+    search: SearchFlag = False,
+    ctx: Annotated[int, typer.Option("--ctx", "-c", min=16, help="Context size (KV cells), as the job would use.")] = 4096,
+    as_json: JsonFlag = False,
+) -> None:
+    """Predict tok/s, TTFT and inter-token latency of each mode on the cluster a profile describes.
+
+    The table goes to stdout (--json: one object, with the fields of `generate --json` per mode and
+    prompt), progress to stderr. Nothing runs on the cluster: a trace is recorded on this machine
+    (one process, the whole target) unless --trace gives one.
+    """
+    from ..planner.plan import Replay, plan_modes, search_settings
+    from ..planner.profile import Profile
+
+    mode_list = _modes(modes)
+    prof = Profile.load(profile)
+    setup = _setup(model, draft, prof, ranks, layer_split)
+    opts = DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_accept=p_accept, max_inflight=max_inflight)
+    replay = Replay(_trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list),
+                    acceptance)
+    summary = plan_modes(prof, setup.topology, mode_list, replay, opts, ctx)
+    if search:
+        for m in mode_list:
+            best, speed = search_settings(prof, setup.topology(m), m, replay, opts, ctx,
+                                          on_step=lambda i, n, m=m: _progress(f"search {m}", i, n))
+            summary[m]["best"] = {"n_draft": best.n_draft, "p_accept": best.p_accept,
+                                  "max_inflight": best.max_inflight, "tok_per_s": speed}
+    if as_json:
+        out.print_json(json.dumps({"model": setup.label, "draft": setup.draft_label, "profile": str(profile),
+                                   "modes": summary}))
+        return
+    _print_table(summary, setup)
+
+
+class _Setup:
+    """The target, draft and topology a plan is for."""
+
+    def __init__(self, label, path, draft_label, draft_path, n_ranks, layer_split, profile):
+        self.label, self.path, self.draft_label, self.draft_path = label, path, draft_label, draft_path
+        self.n_ranks, self.layer_split, self.profile = n_ranks, layer_split, profile
+
+    def topology(self, mode: str):
+        """The split `generate` would use for this mode (a draft on the head takes layers from it)."""
+        from ..planner.predict import Topology
+        from ..runtime.topology import plan_job
+
+        t = plan_job(self.path, self.label, self.n_ranks, self.n_ranks, self.layer_split, None, self.draft_path,
+                     needs_draft(mode), has_draft=self.draft_label is not None)
+        stages = [r for r in t.ranks if r.role != "draft"]
+        draft = None
+        if needs_draft(mode):
+            draft = "lookup" if self.draft_label == "lookup" else (t.draft_rank if t.draft_rank is not None else "head")
+        return Topology([r.rank for r in stages], [r.layers for r in stages], draft)
+
+
+def _setup(model: str, draft: str | None, prof, ranks: int | None, layer_split: str | None) -> _Setup:
+    from .job_setup import ranks_wanted, resolve_models
+
+    target, draft_ref = resolve_models(model, draft, allow_pull=False)
+    prof.check_model(target.label, target.path.stat().st_size, "the profile")
+    want, split_ranks = ranks_wanted(ranks, layer_split)
+    n = want if (ranks or split_ranks) else len(prof.ranks)
+    if n > len(prof.ranks):
+        raise UsageError(f"the plan has {plural(n, 'rank')} but the profile measured {plural(len(prof.ranks), 'rank')}; "
+                         f"calibrate with --ranks {n}")
+    draft_label = draft_ref if isinstance(draft_ref, str) or draft_ref is None else draft_ref.label
+    draft_path = None if isinstance(draft_ref, str) or draft_ref is None else draft_ref.path
+    return _Setup(target.label, target.path, draft_label, draft_path, n, layer_split, prof)
+
+
+def _modes(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise UsageError("--modes is empty; give one or more of " + ", ".join(MODE_NAMES))
+    return [get_mode(m, "--modes").name for m in names]
+
+
+def _progress(what: str, i: int, n: int) -> None:
+    if i == n or i % max(1, n // 10) == 0:
+        err.print(f"pipeinfer plan: {what}: {i}/{n}", markup=False, highlight=False)
+
+
+def _trace(setup: _Setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, modes) -> list:
+    from ..planner.replay import Trace
+
+    if trace is not None:
+        if prompt or prompts:
+            raise UsageError("--trace already holds its prompts; drop -p/--prompts, or record a new trace with --record")
+        t = Trace.load(trace)
+        if t.model.get("file_bytes") != setup.path.stat().st_size:
+            raise UsageError(f"the trace {trace} was recorded with {t.model.get('name')}, not {setup.label}; "
+                             "record one with this model (--record)")
+        return t.prompts[:limit] if limit else t.prompts
+    from .plan_record import record_trace
+
+    with_chains = acceptance is None and setup.draft_label not in (None, "lookup") and any(needs_draft(m) for m in modes)
+    t = record_trace(setup, prompt, prompts, limit, n_predict, with_chains)
+    if record is not None:
+        t.save(record)
+        err.print(f"pipeinfer plan: trace written to {record}", markup=False, highlight=False)
+    return t.prompts
+
+
+def _print_table(summary: dict, setup: _Setup) -> None:
+    t = Table(title=f"predicted: {setup.label}" + (f" + {setup.draft_label}" if setup.draft_label else "")
+              + f" on {plural(setup.n_ranks, 'rank')}", title_justify="left")
+    for col in ("mode", "split", "tok/s", "decode tok/s", "TTFT s", "ITL p50 ms", "accept", "vs iterative",
+                "busy per stage"):
+        t.add_column(col, justify="left" if col in ("mode", "split", "busy per stage") else "right")
+    for m, s in summary.items():
+        acc = s["acceptance"]["rate"]
+        vs = s["speedup"].get("vs_iterative")
+        t.add_row(m, s["settings"]["layer_split"], _f(s["tok_per_s"], 2), _f(s["decode_tok_per_s"], 2),
+                  _f(s["ttft_s"], 3), _f(s["itl_ms"]["p50"], 1), "-" if acc is None else f"{acc:.0%}",
+                  "-" if vs is None else f"{vs:.2f}x", " ".join(f"{u:.0%}" for u in s["utilisation"]))
+    out.print(t)
+    for m, s in summary.items():
+        if "best" in s:
+            b = s["best"]
+            out.print(f"best {m}: n_draft {b['n_draft']}, p_accept {b['p_accept']}, max_inflight {b['max_inflight']}"
+                      f" -> {_f(b['tok_per_s'], 2)} tok/s", markup=False, highlight=False)
+        if s["draft_misses"]:
+            out.print(f"note: {m}: the trace could not answer {s['draft_misses']} draft questions (beyond its "
+                      "recorded depth); those drafts were cut short", markup=False, highlight=False)
+
+
+def _f(v, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
