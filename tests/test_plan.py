@@ -109,3 +109,42 @@ def test_profile_round_trip_and_refusals(tmp_path):
     (tmp_path / "bad.trace").write_text("{}")
     with pytest.raises(TraceError, match="not a pipeinfer trace"):
         Trace.load(tmp_path / "bad.trace")
+
+
+def test_auto_split_gives_a_slower_rank_fewer_layers():
+    from pipeinfer_cli.planner.split import auto_split
+
+    equal = make_profile(2, n_layer=24)
+    assert auto_split(equal, [0, 1]) == [(0, 12), (12, 24)]
+    slow = make_profile(2, n_layer=24, ranks=[rank_costs(0), rank_costs(1, speed=0.5)])
+    (b0, e0), (b1, e1) = auto_split(slow, [0, 1])
+    assert e0 - b0 == 16 and e1 - b1 == 8  # twice as slow: half the layers
+
+
+def test_auto_split_respects_memory_and_says_when_nothing_fits():
+    from pipeinfer_cli.errors import UsageError
+    from pipeinfer_cli.planner.split import auto_split
+
+    prof = make_profile(2, n_layer=24)
+    prof.ranks[1].mem_available_bytes = 700  # room for 6 layers of 100 bytes (at 90 %), the LM head included
+    (_, e0), (b1, e1) = auto_split(prof, [0, 1])
+    assert e1 - b1 <= 5 and e0 == b1
+    prof.ranks[0].mem_available_bytes = prof.ranks[1].mem_available_bytes = 500
+    with pytest.raises(UsageError, match="no split of 24 layers over 2 ranks fits"):
+        auto_split(prof, [0, 1])
+
+
+def test_layer_split_auto_in_the_job_planner(tmp_path):
+    from pipeinfer_cli.errors import UsageError
+    from pipeinfer_cli.runtime.topology import plan_topology, split_rank_count
+
+    assert split_rank_count("auto") is None and split_rank_count("auto/1") is None and split_rank_count("1,1/1") == 3
+    slow = make_profile(2, n_layer=24, ranks=[rank_costs(0), rank_costs(1, speed=0.5)])
+    topo = plan_topology(2, "auto", [100] * 24, 100, "1", 2, profile=slow)
+    assert [r.layers for r in topo.ranks] == [(0, 16), (16, 24)]
+    topo = plan_topology(3, "auto/1", [100] * 24, 100, "1", 3, profile=slow)
+    assert topo.draft_rank == 2 and [r.layers for r in topo.ranks[:2]] == [(0, 16), (16, 24)]
+    with pytest.raises(UsageError, match="needs a profile"):
+        plan_topology(2, "auto", [100] * 24, 100, "1", 2)
+    with pytest.raises(UsageError, match="measured 2 rank"):
+        plan_topology(3, "auto", [100] * 24, 100, "1", 3, profile=slow)

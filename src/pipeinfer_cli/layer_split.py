@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .errors import UsageError
 
@@ -17,17 +17,25 @@ def balanced_split(layer_costs: Sequence[int], n_ranks: int, last_extra: int = 0
     first_extra is work only the first stage does (a draft model running on the head).
     """
     n_layer = len(layer_costs)
-    if n_ranks < 1:
-        raise UsageError(f"need at least 1 rank, got {n_ranks}")
-    if n_ranks > n_layer:
-        raise UsageError(f"cannot split {n_layer} layers over {n_ranks} ranks; use at most {n_layer} ranks")
     prefix = [0]
     for c in layer_costs:
         prefix.append(prefix[-1] + c)
 
-    def cost(b: int, e: int) -> int:
+    def cost(_stage: int, b: int, e: int) -> float:
         return prefix[e] - prefix[b] + (last_extra if e == n_layer else 0) + (first_extra if b == 0 else 0)
 
+    return min_max_split(n_layer, n_ranks, cost)
+
+
+def min_max_split(n_layer: int, n_ranks: int, cost: Callable[[int, int, int], float]) -> list[tuple[int, int]]:
+    """Consecutive ranges [begin, end) for n_ranks stages, stage r holding [b, e) at cost(r, b, e)
+    (inf: it cannot, e.g. not enough memory), that minimise the largest stage cost and among those
+    the sum of the squared costs (the most even). Stages may differ (measured speeds per rank).
+    UsageError when no split is possible."""
+    if n_ranks < 1:
+        raise UsageError(f"need at least 1 rank, got {n_ranks}")
+    if n_ranks > n_layer:
+        raise UsageError(f"cannot split {n_layer} layers over {n_ranks} ranks; use at most {n_layer} ranks")
     # best[r][e]: the best (max cost, sum of squared costs) of splitting layers [0, e) into r
     # stages (small sizes: O(R·L²)). Among the splits with the least max cost, the one with the
     # most even stages: with a draft on the head, the head alone sets the max, and the other
@@ -39,10 +47,15 @@ def balanced_split(layer_costs: Sequence[int], n_ranks: int, last_extra: int = 0
     for r in range(1, n_ranks + 1):
         for e in range(r, n_layer + 1):
             for b in range(r - 1, e):
-                c = cost(b, e)
+                if best[r - 1][b][0] == float("inf"):
+                    continue
+                c = cost(r - 1, b, e)
                 v = (max(best[r - 1][b][0], c), best[r - 1][b][1] + c * c)
                 if v < best[r][e]:
                     best[r][e], cut[r][e] = v, b
+    if best[n_ranks][n_layer][0] == float("inf"):
+        raise UsageError(f"no split of {n_layer} layers over {n_ranks} ranks fits: some rank has too little memory "
+                         "for any share; add a rank or free memory")
     ranges: list[tuple[int, int]] = []
     e = n_layer
     for r in range(n_ranks, 0, -1):

@@ -55,6 +55,9 @@ def inspect(
     draft_label, draft_bytes = _draft_bytes(draft, reg)
     if layer_split:
         fractions, n_draft_ranks = parse_layer_split(layer_split)
+        if fractions is None:
+            raise UsageError("inspect shows splits from the GGUF header alone; --layer-split auto comes from measured "
+                             "times: see it with `pipeinfer plan MODEL --profile FILE --layer-split auto`")
         split_ranks = len(fractions) + n_draft_ranks
         if ranks is not None and ranks != split_ranks:
             raise UsageError(f"--layer-split {layer_split!r} describes {plural(split_ranks, 'rank')} but --ranks is {ranks}")

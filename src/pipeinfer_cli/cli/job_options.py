@@ -38,6 +38,7 @@ class JobOptions:
     spec_policy: o.SpecPolicyOption = "auto"
     ranks: o.JobRanksOption = None
     layer_split: o.LayerSplitOption = None
+    profile: o.ProfileOption = None
     threads: o.ThreadsOption = None
     ctx: o.CtxOption = 4096
     rank_timeout: o.RankTimeoutOption = DEFAULT_RANK_TIMEOUT_S

@@ -60,12 +60,10 @@ def check_chat_template(model_path, model_label: str, what: str) -> None:
 
 def ranks_wanted(ranks: int | None, layer_split: str | None) -> tuple[int, int | None]:
     """(ranks to run, ranks described by --layer-split or None); checks the two agree."""
-    from ..runtime.topology import parse_layer_split
+    from ..runtime.topology import split_rank_count
 
-    split_ranks = None
-    if layer_split:
-        fractions, n_draft_ranks = parse_layer_split(layer_split)
-        split_ranks = len(fractions) + n_draft_ranks
+    split_ranks = split_rank_count(layer_split)
+    if split_ranks is not None:
         if ranks is not None and ranks != split_ranks:
             raise UsageError(f"--layer-split {layer_split!r} describes {split_ranks} ranks but --ranks is {ranks}")
     return ranks or split_ranks or 1, split_ranks
@@ -128,7 +126,7 @@ def make_job_config(target, draft_ref, job):
                              max_branches=job.max_branches, max_inflight=job.max_inflight,
                              spec_policy=check_spec_policy(job.spec_policy)),
         n_ctx=job.ctx, layer_split=job.layer_split, threads=job.threads, debug=debug_enabled(),
-        rank_timeout_s=job.rank_timeout,
+        rank_timeout_s=job.rank_timeout, profile=job.profile,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -39,7 +40,12 @@ SpecPolicyOption = Annotated[str, typer.Option(
          "confident. Several stages, or a draft rank: always.")]
 MaxInflightOption = Annotated[int, typer.Option("--max-inflight", min=1, max=32, help="pipeinfer: runs in flight at once.")]
 JobRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help="Ranks to start with mpiexec on this machine (default: the MPI world size, or 1).")]
-LayerSplitOption = Annotated[str | None, typer.Option("--layer-split", help="Fractions of the layers per target stage, '/1' for a draft rank: 0.5,0.5 or 0.5,0.5/1. Default: balanced by bytes.")]
+LayerSplitOption = Annotated[str | None, typer.Option("--layer-split", help="Fractions of the layers per target stage, '/1' for a draft rank: 0.5,0.5 or 0.5,0.5/1; or auto (auto/1): balanced by the time each rank measured (needs --profile). Default: balanced by bytes.")]
+PROFILE_ENV = "PIPEINFER_PROFILE"
+ProfileOption = Annotated[Path | None, typer.Option(
+    "--profile", envvar=PROFILE_ENV, show_envvar=True, metavar="FILE",
+    help="A profile written by `pipeinfer calibrate` with the same ranks, for --layer-split auto. Every rank reads "
+         "it: on a cluster, put it where every node sees it (as the model).")]
 ThreadsOption = Annotated[str | None, typer.Option("--threads", "-t", help="Threads per rank: one value or one per rank (default: cores / ranks on this host; all the cores for each rank of an iterative `generate --ranks N`, where one stage computes at a time).")]
 CtxOption = Annotated[int, typer.Option("--ctx", "-c", min=16, help="Context size (KV cells) per rank.")]
 RankTimeoutOption = Annotated[float, typer.Option(

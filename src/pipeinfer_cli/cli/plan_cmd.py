@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.table import Table
 
 from ..decode.modes import MODE_NAMES, get_mode, needs_draft
@@ -77,7 +78,7 @@ def plan(
 
     mode_list = _modes(modes)
     prof = Profile.load(profile)
-    setup = _setup(model, draft, prof, ranks, layer_split)
+    setup = _setup(model, draft, prof, profile, ranks, layer_split)
     opts = DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_accept=p_accept, max_inflight=max_inflight)
     replay = Replay(_trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list),
                     acceptance)
@@ -98,9 +99,9 @@ def plan(
 class _Setup:
     """The target, draft and topology a plan is for."""
 
-    def __init__(self, label, path, draft_label, draft_path, n_ranks, layer_split, profile):
+    def __init__(self, label, path, draft_label, draft_path, n_ranks, layer_split, profile, profile_path):
         self.label, self.path, self.draft_label, self.draft_path = label, path, draft_label, draft_path
-        self.n_ranks, self.layer_split, self.profile = n_ranks, layer_split, profile
+        self.n_ranks, self.layer_split, self.profile, self.profile_path = n_ranks, layer_split, profile, profile_path
 
     def topology(self, mode: str):
         """The split `generate` would use for this mode (a draft on the head takes layers from it)."""
@@ -108,7 +109,7 @@ class _Setup:
         from ..runtime.topology import plan_job
 
         t = plan_job(self.path, self.label, self.n_ranks, self.n_ranks, self.layer_split, None, self.draft_path,
-                     needs_draft(mode), has_draft=self.draft_label is not None)
+                     needs_draft(mode), has_draft=self.draft_label is not None, profile_path=self.profile_path)
         stages = [r for r in t.ranks if r.role != "draft"]
         draft = None
         if needs_draft(mode):
@@ -116,7 +117,7 @@ class _Setup:
         return Topology([r.rank for r in stages], [r.layers for r in stages], draft)
 
 
-def _setup(model: str, draft: str | None, prof, ranks: int | None, layer_split: str | None) -> _Setup:
+def _setup(model: str, draft: str | None, prof, profile_path: Path, ranks: int | None, layer_split: str | None) -> _Setup:
     from .job_setup import ranks_wanted, resolve_models
 
     target, draft_ref = resolve_models(model, draft, allow_pull=False)
@@ -128,7 +129,7 @@ def _setup(model: str, draft: str | None, prof, ranks: int | None, layer_split: 
                          f"calibrate with --ranks {n}")
     draft_label = draft_ref if isinstance(draft_ref, str) or draft_ref is None else draft_ref.label
     draft_path = None if isinstance(draft_ref, str) or draft_ref is None else draft_ref.path
-    return _Setup(target.label, target.path, draft_label, draft_path, n, layer_split, prof)
+    return _Setup(target.label, target.path, draft_label, draft_path, n, layer_split, prof, profile_path)
 
 
 def _modes(text: str) -> list[str]:
@@ -166,17 +167,21 @@ def _trace(setup: _Setup, prof, prompt, prompts, limit, trace, record, acceptanc
 
 def _print_table(summary: dict, setup: _Setup) -> None:
     t = Table(title=f"predicted: {setup.label}" + (f" + {setup.draft_label}" if setup.draft_label else "")
-              + f" on {plural(setup.n_ranks, 'rank')}", title_justify="left")
-    for col in ("mode", "split", "tok/s", "decode tok/s", "TTFT s", "ITL p50 ms", "accept", "vs iterative",
-                "busy per stage"):
-        t.add_column(col, justify="left" if col in ("mode", "split", "busy per stage") else "right")
+              + f" on {plural(setup.n_ranks, 'rank')}", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+              pad_edge=False)
+    for col in ("mode", "layers", "tok/s", "decode", "TTFT s", "ITL ms", "accept", "speedup", "busy %"):
+        t.add_column(col, justify="left" if col in ("mode", "layers", "busy %") else "right", no_wrap=True,
+                     min_width=len(col))
     for m, s in summary.items():
         acc = s["acceptance"]["rate"]
         vs = s["speedup"].get("vs_iterative")
         t.add_row(m, s["settings"]["layer_split"], _f(s["tok_per_s"], 2), _f(s["decode_tok_per_s"], 2),
                   _f(s["ttft_s"], 3), _f(s["itl_ms"]["p50"], 1), "-" if acc is None else f"{acc:.0%}",
-                  "-" if vs is None else f"{vs:.2f}x", " ".join(f"{u:.0%}" for u in s["utilisation"]))
+                  "-" if vs is None else f"{vs:.2f}x", "/".join(f"{100 * u:.0f}" for u in s["utilisation"]))
     out.print(t)
+    out.print("decode: tok/s after the first token; ITL: median gap between token arrivals; speedup: against "
+              "iterative (geometric mean over prompts); busy: each stage's share of the time computing",
+              markup=False, highlight=False)
     for m, s in summary.items():
         if "best" in s:
             b = s["best"]

@@ -66,6 +66,7 @@ class JobConfig:
     # prefill computes (decode/prefix_cache.py). Off for generate and bench (honest TTFT figures).
     reuse_prefix: bool = False
     rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S  # liveness deadline (transport/liveness.py); 0: off
+    profile: Path | None = None  # a calibration profile (planner/profile.py), for --layer-split auto
 
 
 def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,

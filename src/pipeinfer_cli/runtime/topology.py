@@ -40,6 +40,20 @@ class Topology:
 
 
 
+def _auto_ranges(profile, n_stages: int, draft_on_head: bool) -> list[tuple[int, int]]:
+    from ..planner.split import auto_split
+
+    if profile is None:
+        raise UsageError("--layer-split auto needs a profile of the ranks: run `pipeinfer calibrate MODEL --ranks N "
+                         "--out profile.json` with the same ranks, then pass --profile profile.json")
+    if n_stages < 1:
+        raise UsageError("--layer-split auto/1 needs at least 2 ranks: the draft rank and a target stage")
+    if len(profile.ranks) < n_stages:
+        raise UsageError(f"--layer-split auto: the profile measured {len(profile.ranks)} rank(s) but the job has "
+                         f"{n_stages} target stage(s); calibrate with as many ranks as the job runs")
+    return auto_split(profile, list(range(n_stages)), draft_on_head)
+
+
 def format_layer_ranges(ranks: list) -> str:
     """Each rank's layers as a user reads them, from [begin, end) pairs: '0-13, 14-28, 29, draft'."""
     out = []
@@ -51,22 +65,37 @@ def format_layer_ranges(ranks: list) -> str:
     return ", ".join(out)
 
 
-def parse_layer_split(text: str) -> tuple[list[float], int]:
-    """'0.5,0.5/1' -> ([0.5, 0.5], 1 draft rank). Fractions are normalised to sum to 1."""
+AUTO = "auto"
+
+
+def parse_layer_split(text: str) -> tuple[list[float] | None, int]:
+    """'0.5,0.5/1' -> ([0.5, 0.5], 1 draft rank). Fractions are normalised to sum to 1.
+    'auto' (or 'auto/1') -> (None, draft ranks): the split comes from a profile (planner/split.py)."""
     main, _, draft = text.partition("/")
+    if main.strip() == AUTO:
+        return None, _draft_ranks(text, draft)
     try:
         fractions = [float(x) for x in main.split(",")]
     except ValueError:
         raise UsageError(f"--layer-split {text!r}: expected comma-separated numbers such as 0.5,0.5 or 0.5,0.5/1") from None
     if any(f <= 0 for f in fractions):
         raise UsageError(f"--layer-split {text!r}: every fraction must be positive")
-    n_draft = 0
-    if draft:
-        if draft.strip() != "1":
-            raise UsageError(f"--layer-split {text!r}: after '/' only 1 draft rank is supported (write /1)")
-        n_draft = 1
     total = sum(fractions)
-    return [f / total for f in fractions], n_draft
+    return [f / total for f in fractions], _draft_ranks(text, draft)
+
+
+def _draft_ranks(text: str, draft: str) -> int:
+    if draft and draft.strip() != "1":
+        raise UsageError(f"--layer-split {text!r}: after '/' only 1 draft rank is supported (write /1)")
+    return 1 if draft else 0
+
+
+def split_rank_count(text: str | None) -> int | None:
+    """The ranks a --layer-split describes (None: it does not say, as 'auto' does not)."""
+    if not text:
+        return None
+    fractions, n_draft = parse_layer_split(text)
+    return None if fractions is None else len(fractions) + n_draft
 
 
 def ranges_from_fractions(fractions: list[float], n_layer: int) -> list[tuple[int, int]]:
@@ -126,14 +155,18 @@ def alone_on_cores(threads_here: int, threads_mine: int) -> bool:
 
 
 def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[int], output_bytes: int,
-                  threads: str | None, ranks_per_host: int, head_extra: int = 0) -> Topology:
+                  threads: str | None, ranks_per_host: int, head_extra: int = 0, profile=None) -> Topology:
     """Assign roles and layers to world_size ranks (checked against --layer-split if given).
 
     head_extra: bytes of a draft model that runs on the head; the default split then gives the
     head fewer layers, since it reads the draft's weights for every drafted token as well.
+    profile: a planner Profile, for --layer-split auto (the layers balanced by measured time).
     """
     n_layer = len(layer_bytes)
-    if layer_split:
+    if layer_split and parse_layer_split(layer_split)[0] is None:
+        n_draft = parse_layer_split(layer_split)[1]
+        ranges = _auto_ranges(profile, world_size - n_draft, head_extra > 0)
+    elif layer_split:
         fractions, n_draft = parse_layer_split(layer_split)
         if len(fractions) + n_draft != world_size:
             raise UsageError(
@@ -200,12 +233,13 @@ def plan_config(cfg, world_size: int, ranks_per_host: int, needs_draft: bool) ->
     """plan_job for a job's configuration (a runtime.job.JobConfig): the one call that plans a job,
     in the launching command (from the header, before any process starts) and on every rank."""
     return plan_job(cfg.model_path, cfg.model_label, world_size, ranks_per_host, cfg.layer_split, cfg.threads,
-                    cfg.draft_path, needs_draft, has_draft=cfg.draft_label is not None)
+                    cfg.draft_path, needs_draft, has_draft=cfg.draft_label is not None,
+                    profile_path=getattr(cfg, "profile", None))
 
 
 def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host: int, layer_split: str | None,
              threads: str | None, draft_path: Path | None = None, needs_draft: bool = False,
-             has_draft: bool = True) -> Topology:
+             has_draft: bool = True, profile_path: Path | None = None) -> Topology:
     """The topology of a job on this model, from its GGUF header alone (well under a second, no MPI):
     the relaunching command checks it before it starts any process.
 
@@ -223,5 +257,11 @@ def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host
     head_extra = 0
     if needs_draft and draft_path is not None and not (layer_split and "/" in layer_split):
         head_extra = draft_path.stat().st_size
+    profile = None
+    if profile_path is not None and layer_split and parse_layer_split(layer_split)[0] is None:
+        from ..planner.profile import Profile
+
+        profile = Profile.load(profile_path)
+        profile.check_model(model_label, Path(model_path).stat().st_size, f"the profile {profile_path}")
     return plan_topology(world_size, layer_split, info.layer_bytes, info.output_bytes, threads, ranks_per_host,
-                         head_extra=head_extra)
+                         head_extra=head_extra, profile=profile)
