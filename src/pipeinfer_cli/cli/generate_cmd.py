@@ -89,7 +89,7 @@ def generate(
 
     request = Request(mode=prep.mode, prompt=given.text if given else None, chat=given.messages if given else None,
                       stop=check_stop_strings(stop))
-    _run_and_print(cfg, request, as_json)
+    _run_and_print(cfg, request, as_json, prep.auto)
 
 
 # In `iterative` mode one stage computes at a time, so the ranks that `--ranks N` starts on this
@@ -126,7 +126,7 @@ def _relaunch(n_ranks: int, given, threads: int | None = None) -> int:
         return relaunch(n_ranks, _stdin_as_file(argv, f.name))
 
 
-def _run_and_print(cfg, request, as_json: bool) -> None:
+def _run_and_print(cfg, request, as_json: bool, auto=None) -> None:
     """Run the job on this rank; the head streams the text (or prints the JSON) and the summary."""
     from ..runtime.job import run_job
 
@@ -144,7 +144,7 @@ def _run_and_print(cfg, request, as_json: bool) -> None:
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
-        err.print(summary_line(result), markup=False, highlight=False)
+        err.print(summary_line(result, auto), markup=False, highlight=False)
 
 
 def _stdin_as_file(argv: list[str], path: str) -> list[str]:
@@ -164,7 +164,7 @@ def world_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
-def summary_line(r: GenerationResult) -> str:
+def summary_line(r: GenerationResult, auto=None) -> str:
     parts = [plural(r.n_gen, "token"), f"{r.tok_per_s:.2f} tok/s" if r.tok_per_s else "",
              f"decode {r.decode_tok_per_s:.2f} tok/s" if r.decode_tok_per_s else "",
              f"TTFT {r.ttft_s * 1e3:.0f} ms" if r.ttft_s is not None else ""]
@@ -177,6 +177,6 @@ def summary_line(r: GenerationResult) -> str:
         parts.append(f"drafting paused {plural(runs.drafting_paused, 'time')}")
     if runs.cancelled:
         parts.append(f"{plural(runs.cancelled, 'run')} cancelled")
-    parts.append(f"mode {r.mode}")
+    parts.append(f"mode {r.mode}" if auto is None else f"mode {auto.describe()} (acceptance assumed {auto.acceptance:.0%})")
     parts.append(f"{plural(len(r.ranks), 'rank')} (layers {format_layer_ranges([x.get('layers') for x in r.ranks])})")
     return "pipeinfer: " + ", ".join(p for p in parts if p)

@@ -139,6 +139,7 @@ class PreparedJob:
     ranks: int  # ranks to run
     explicit_ranks: bool  # --ranks or --layer-split said how many
     has_draft: bool
+    auto: object = None  # auto_mode.AutoChoice when -M auto chose the mode and its settings
 
 
 @dataclass
@@ -189,7 +190,13 @@ def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull)
     from ..decode.modes import check_mode
+    from .auto_mode import AUTO, choose
 
-    mode = check_mode(mode, draft_ref is not None)
-    return PreparedJob(make_job_config(target, draft_ref, job), mode, want, bool(job.ranks or split_ranks),
-                       draft_ref is not None)
+    auto = mode == AUTO
+    mode = check_mode(None if auto else mode, draft_ref is not None)
+    cfg = make_job_config(target, draft_ref, job)
+    choice = None
+    if auto:
+        choice = choose(cfg, want, draft_ref is not None)
+        mode, cfg.decode = choice.mode, choice.decode
+    return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), draft_ref is not None, choice)

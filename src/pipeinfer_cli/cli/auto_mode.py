@@ -1,0 +1,87 @@
+"""`-M auto`: the mode and settings the plan predicts fastest for this job's ranks and draft.
+
+The prediction runs the real policies in virtual time (planner/) on the profile of these ranks.
+Before a request has run, what the draft will get right is not known: it is assumed to be the
+profile's measured acceptance (`draft.acceptance`, if calibrate measured one) or DEFAULT_ACCEPTANCE,
+and the summary line shows the prediction beside the measured speed. Every process of the job
+makes the same choice (the simulation is deterministic), so no message is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import UsageError
+
+AUTO = "auto"
+DEFAULT_ACCEPTANCE = 0.6
+AUTO_PROMPT = 128  # tokens of the typical request the choice is made for
+AUTO_GEN = 96
+# A small grid: the choice is made at every start.
+N_DRAFT = (2, 3, 4, 6)
+P_ACCEPT = (0.3, 0.5, 0.7)
+MAX_INFLIGHT = (2, 4)
+
+
+@dataclass
+class AutoChoice:
+    mode: str
+    decode: object  # DecodeOptions
+    predicted_tok_per_s: float | None
+    acceptance: float  # the assumed acceptance rate
+
+    def describe(self) -> str:
+        d = self.decode
+        knobs = "" if self.mode == "iterative" else f" n_draft {d.n_draft}"
+        if self.mode == "pipeinfer":
+            knobs += f", p_accept {d.p_accept}, max_inflight {d.max_inflight}"
+        pred = "" if self.predicted_tok_per_s is None else f", predicted {self.predicted_tok_per_s:.2f} tok/s"
+        return f"auto chose {self.mode}{' (' + knobs.strip() + ')' if knobs else ''}{pred}"
+
+
+def choose(cfg, n_ranks: int, has_draft: bool) -> AutoChoice:
+    """The fastest predicted mode and settings for this job (cfg: a JobConfig with a profile)."""
+    from ..decode.modes import MODE_NAMES, needs_draft
+    from ..planner.plan import Replay, run_mode, summarize
+    from ..planner.predict import Topology
+    from ..planner.profile import DraftCosts, Profile
+    from ..planner.replay import PromptTrace
+    from ..runtime.topology import plan_job
+
+    if cfg.profile is None:
+        raise UsageError("-M auto needs a profile of the ranks: run `pipeinfer calibrate MODEL --ranks N --out "
+                         "profile.json` (with the draft), then pass --profile profile.json")
+    prof = Profile.load(cfg.profile)
+    prof.check_model(cfg.model_label, cfg.model_path.stat().st_size, f"the profile {cfg.profile}")
+    if len(prof.ranks) < n_ranks:
+        raise UsageError(f"-M auto: the profile measured {len(prof.ranks)} rank(s) but the job has {n_ranks}; "
+                         "calibrate with as many ranks as the job runs")
+    lookup = cfg.draft_label == "lookup"
+    if lookup:  # prompt lookup: a free drafter whose hits are assumed, like a model's
+        prof = replace(prof, draft=DraftCosts("model", "lookup", 0, 1, 2e-5, 0.0))
+    acceptance = getattr(prof.draft, "acceptance", None) or DEFAULT_ACCEPTANCE
+    n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < AUTO_GEN else AUTO_GEN
+    pt = PromptTrace("auto", list(range(1000, 1000 + AUTO_PROMPT)), [2000 + i for i in range(n_gen)], "length")
+    replay = Replay([pt], acceptance)
+    best = None
+    for mode in MODE_NAMES:
+        if needs_draft(mode) and (not has_draft or prof.draft is None):
+            continue
+        t = plan_job(cfg.model_path, cfg.model_label, n_ranks, n_ranks, cfg.layer_split, None, cfg.draft_path,
+                     needs_draft(mode), has_draft=has_draft, profile_path=cfg.profile)
+        stages = [r for r in t.ranks if r.role != "draft"]
+        draft = None if not needs_draft(mode) else (t.draft_rank if t.draft_rank is not None else "head")
+        topo = Topology([r.rank for r in stages], [r.layers for r in stages], draft)
+        for opts in _candidates(mode, cfg.decode):
+            speed = summarize(run_mode(prof, topo, mode, replay, opts, cfg.n_ctx))["tok_per_s"]
+            if speed is not None and (best is None or speed > best.predicted_tok_per_s):
+                best = AutoChoice(mode, opts, speed, acceptance)
+    return best
+
+
+def _candidates(mode: str, opts) -> list:
+    if mode == "iterative":
+        return [opts]
+    if mode == "speculative":
+        return [replace(opts, n_draft=k) for k in N_DRAFT]
+    return [replace(opts, n_draft=k, p_accept=p, max_inflight=f) for k in N_DRAFT for p in P_ACCEPT for f in MAX_INFLIGHT]
