@@ -1,0 +1,138 @@
+"""Projection of the PipeInfer paper's setup with the validated planner (planner/project.py): a 70B
+Q3_K_M Llama-family target on 7 stages and a 1.1B Q4_K_M draft on an eighth node, Gigabit
+Ethernet, every figure stated below. Prints the tables BENCHMARKS.md quotes, writes a PNG of
+speedup against node count and link rate, and the whole as JSON.
+
+    python scripts/project_paper.py --png projection.png --json projection.json
+
+Deterministic: the same figures give the same output. Takes a few minutes (hundreds of predictions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from pipeinfer_cli.decode.session import DecodeOptions
+from pipeinfer_cli.planner.plan import Replay, run_mode, speedup, summarize
+from pipeinfer_cli.planner.predict import Topology
+from pipeinfer_cli.planner.project import ClusterSpec, ModelSpec, NodeSpec, cluster_profile
+from pipeinfer_cli.planner.replay import PromptTrace
+from pipeinfer_cli.runtime.topology import ranges_from_fractions
+
+# -- the stated figures ----------------------------------------------------------------------------
+# Llama-2-70B Q3_K_M: 33.2 GB; 80 layers of 8192 (about 855 M weights each, about 410 MB at Q3_K_M),
+# an LM head of 32000 x 8192 at Q6_K (215 MB).
+LLAMA_70B_Q3KM = ModelSpec("llama-70b-q3_k_m", 80, 8192, 32000, 410_000_000, 215_000_000, 855e6)
+TINYLLAMA_Q4KM_BYTES = 669_000_000  # TinyLlama 1.1B Q4_K_M
+# A server node: 16 cores, 25 GB/s effective memory bandwidth, 400 GFLOP/s on quantized matmuls,
+# each further row of a batch costs 10 % of the first (memory-bound), 0.5 ms per run of Python and
+# MPI (the order measured here, BENCHMARKS.md).
+NODE = NodeSpec(mem_bandwidth=25e9, flops=400e9, row_cost=0.10, cores=16, memory=64 << 30, run_overhead_s=5e-4)
+GBE = (117e6, 100e-6)  # Gigabit Ethernet: 117 MB/s of payload, 100 µs one way through MPI over TCP
+LINKS = {"100 Mbit/s": (11.7e6, 150e-6), "1 Gbit/s": GBE, "10 Gbit/s": (1.17e9, 50e-6)}
+PAPER_SPLIT = [0.1] + [0.15] * 6  # 0.1,0.15x6/1
+PROMPT, GEN = 128, 128
+OPTS = DecodeOptions(n_predict=GEN, n_draft=4, p_accept=0.5, max_inflight=4)
+MODES = ("iterative", "speculative", "pipeinfer")
+
+
+def spec(n_nodes=8, link=GBE, node=NODE, draft_bytes=TINYLLAMA_Q4KM_BYTES) -> ClusterSpec:
+    return ClusterSpec(LLAMA_70B_Q3KM, node, n_nodes, link[0], link[1], draft_bytes, draft_on_rank=True)
+
+
+def fractions(n_stages: int) -> list[float]:
+    """The paper's shape for any stage count: the head a smaller share (it also launches and drafts)."""
+    return PAPER_SPLIT if n_stages == 7 else ([0.1] + [0.9 / (n_stages - 1)] * (n_stages - 1) if n_stages > 1 else [1.0])
+
+
+def predict_all(s: ClusterSpec, acceptance: float, opts: DecodeOptions = OPTS) -> dict:
+    prof = cluster_profile(s)
+    n_stages = s.n_nodes - 1
+    layers = ranges_from_fractions(fractions(n_stages), s.model.n_layer)
+    pt = PromptTrace("p", list(range(1000, 1000 + PROMPT)), [5000 + i for i in range(GEN)], "length")
+    replay = Replay([pt], acceptance)
+    out = {}
+    for mode in MODES:
+        topo = Topology(list(range(n_stages)), layers, None if mode == "iterative" else n_stages)
+        out[mode] = run_mode(prof, topo, mode, replay, opts, 4096)
+    return out
+
+
+def row(preds: dict) -> dict:
+    r = {m: summarize(p)["tok_per_s"] for m, p in preds.items()}
+    r["pipeinfer_vs_iterative"] = speedup(preds["pipeinfer"], preds["iterative"])
+    r["pipeinfer_vs_speculative"] = speedup(preds["pipeinfer"], preds["speculative"])
+    r["speculative_vs_iterative"] = speedup(preds["speculative"], preds["iterative"])
+    r["winner"] = max(MODES, key=lambda m: r[m] or 0)
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--png", type=Path)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    result = {"assumptions": {"model": vars(LLAMA_70B_Q3KM), "draft_bytes": TINYLLAMA_Q4KM_BYTES, "node": vars(NODE),
+                              "links": LINKS, "split": "0.1,0.15x6/1", "prompt": PROMPT, "generated": GEN,
+                              "options": {"n_draft": OPTS.n_draft, "p_accept": OPTS.p_accept,
+                                          "max_inflight": OPTS.max_inflight}}}
+    base = {a: row(predict_all(spec(), a)) for a in (0.5, 0.6, 0.7, 0.8, 0.9)}
+    result["paper_setup_by_acceptance"] = base
+    print("8 nodes (7 stages + draft rank), 1 Gbit/s; tok/s by acceptance")
+    print(f"{'accept':>6} {'iterative':>9} {'specul.':>8} {'pipeinfer':>9} {'pi/it':>6} {'pi/sp':>6} {'sp/it':>6}")
+    for a, r in base.items():
+        print(f"{a:6.1f} {r['iterative']:9.2f} {r['speculative']:8.2f} {r['pipeinfer']:9.2f} "
+              f"{r['pipeinfer_vs_iterative']:6.2f} {r['pipeinfer_vs_speculative']:6.2f} {r['speculative_vs_iterative']:6.2f}")
+    sweep = {}
+    for name, link in LINKS.items():
+        sweep[name] = {n: row(predict_all(spec(n, link), 0.7)) for n in (3, 4, 6, 8)}
+    result["nodes_and_links_at_0.7"] = sweep
+    print("\nspeedup of pipeinfer over iterative (over speculative) at acceptance 0.7")
+    for name, by_n in sweep.items():
+        print(f"{name:>11}: " + "  ".join(f"{n} nodes {r['pipeinfer_vs_iterative']:.2f} ({r['pipeinfer_vs_speculative']:.2f})"
+                                         for n, r in by_n.items()))
+    cross = {}
+    for rc in (0.02, 0.1, 0.25, 0.5, 1.0):
+        for ratio in (0.01, 0.02, 0.05, 0.1):
+            node = replace(NODE, row_cost=rc)
+            draft = int(ratio * LLAMA_70B_Q3KM.layer_bytes * LLAMA_70B_Q3KM.n_layer)
+            cross[f"{rc}/{ratio}"] = row(predict_all(spec(node=node, draft_bytes=draft), 0.7))
+    result["crossover_row_cost_by_draft_ratio_at_0.7"] = cross
+    print("\nwinner at 8 nodes, 1 Gbit/s, acceptance 0.7: row cost (share of a row) x draft cost (share of the target)")
+    for rc in (0.02, 0.1, 0.25, 0.5, 1.0):
+        print(f"row cost {rc:4}: " + "  ".join(f"draft {ratio:4}: {cross[f'{rc}/{ratio}']['winner']:11}"
+                                                 f"({cross[f'{rc}/{ratio}']['pipeinfer_vs_speculative']:.2f})"
+                                                 for ratio in (0.01, 0.02, 0.05, 0.1)))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+    if args.png:
+        _plot(sweep, args.png)
+
+
+def _plot(sweep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    for name, by_n in sweep.items():
+        ns = list(by_n)
+        axes[0].plot(ns, [by_n[n]["pipeinfer_vs_iterative"] for n in ns], marker="o", label=name)
+        axes[1].plot(ns, [by_n[n]["pipeinfer_vs_speculative"] for n in ns], marker="o", label=name)
+    for ax, what in zip(axes, ("iterative", "speculative")):
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("nodes (stages + 1 draft rank)")
+        ax.set_ylabel(f"pipeinfer / {what} (tok/s)")
+        ax.legend(title="link rate")
+        ax.grid(alpha=0.3)
+    fig.suptitle("Projected: 70B Q3_K_M target, 1.1B draft, acceptance 0.7 (planner, stated node figures)")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main()
