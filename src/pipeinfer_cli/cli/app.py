@@ -22,7 +22,7 @@ if Path(sys.argv[0]).name == "pipeinfer" and signal.getsignal(signal.SIGINT) is 
 import typer  # noqa: E402
 
 from .. import __version__  # noqa: E402
-from . import bench_cmd, chat_cmd, generate_cmd, inspect_cmd, models_cmd, plan_cmd, serve_cmd  # noqa: E402
+from . import bench_cmd, calibrate_cmd, chat_cmd, generate_cmd, inspect_cmd, models_cmd, plan_cmd, serve_cmd  # noqa: E402
 from .console import err  # noqa: E402
 from .errors import ErrorHandlingGroup, report  # noqa: E402
 
@@ -67,6 +67,7 @@ app.command("chat", epilog=chat_cmd.EPILOG)(chat_cmd.chat)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("bench", epilog=bench_cmd.EPILOG)(bench_cmd.bench)
 app.command("serve", epilog=serve_cmd.EPILOG)(serve_cmd.serve)
+app.command("calibrate", epilog=calibrate_cmd.EPILOG)(calibrate_cmd.calibrate)
 app.command("plan", epilog=plan_cmd.EPILOG)(plan_cmd.plan)
 
 
@@ -117,7 +118,7 @@ def omp_wait_policy(environ=os.environ) -> str | None:
 
 
 # The commands that start a job (and check in with every rank at its start, transport/startup.py).
-JOB_COMMANDS = ("generate", "chat", "serve", "bench")
+JOB_COMMANDS = ("generate", "chat", "serve", "bench", "calibrate")
 
 
 def main() -> None:

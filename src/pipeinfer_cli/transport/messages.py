@@ -7,7 +7,8 @@ receiver always takes a header's payload right after the header, so the stream s
 
 Every array message has a class here with `encode()` and `decode()`: RunHeader, KvCommand,
 ResultHeader (last stage -> head), DraftRequest and DraftReply (head <-> draft rank). Only ERROR,
-STATS and the clock probes at start are pickled (rare control messages, never on the hot path).
+STATS, the clock probes at start and `calibrate`'s orders and results are pickled (rare control
+messages, never on the hot path).
 `Link` adds a sequence number to every message (see mpi_link.py); heartbeats are liveness.py's.
 """
 
@@ -33,6 +34,7 @@ class Tag(IntEnum):
     CLOCK = 11  # clock-offset probes at start (pickled floats)
     HEARTBEAT = 12  # head <-> every other rank, every few seconds with --rank-timeout: [busy, progress...]
     STARTUP = 13  # start-up check-ins (rank -> head) and the head's answer (go / abort), pickled
+    CALIBRATE = 14  # `pipeinfer calibrate`: the head's orders and every rank's measurements, pickled
 
 
 class Msg(IntEnum):

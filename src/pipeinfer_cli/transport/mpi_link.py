@@ -73,7 +73,7 @@ class _Received:
 
 
 # Rare control messages sent pickled; every other tag carries one flat array.
-PICKLED_TAGS = frozenset({Tag.ERROR, Tag.STATS, Tag.CLOCK, Tag.STARTUP})
+PICKLED_TAGS = frozenset({Tag.ERROR, Tag.STATS, Tag.CLOCK, Tag.STARTUP, Tag.CALIBRATE})
 _SEQ = np.dtype(np.int64)
 
 

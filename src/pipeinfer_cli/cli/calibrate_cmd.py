@@ -1,0 +1,205 @@
+"""`pipeinfer calibrate MODEL`: measure every rank of a job and write the profile a planner predicts from."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..errors import PipeinferError, UsageError
+from ..transport.deadlines import DEFAULT_RANK_TIMEOUT_S
+from .console import err, out
+from .job_options import JobOptions
+from .job_setup import begin_job, run_here_or_relaunch
+from .options import (CtxOption, DraftOption, JobRanksOption, LayerSplitOption, ModelArg, NDraftOption,
+                      NoPullOption, RankTimeoutOption, ThreadsOption)
+from .wording import epilog, human_bytes, plural
+
+# The epoch time the command started at, passed to the relaunched job (its head prints the duration).
+STARTED_ENV = "PIPEINFER_CALIBRATE_STARTED"
+NON_TTY_WIDTH = 200  # into a file or a pipe (under mpiexec, always), the table is never cut
+
+EPILOG = epilog("""Examples:
+
+  pipeinfer calibrate qwen-coder --ranks 2 --quick
+
+  pipeinfer calibrate smollm2-135m-instruct --draft lookup --out smollm2.json
+
+  mpiexec -f hosts -n 4 pipeinfer calibrate qwen-coder --out cluster.json
+
+What is measured, on every rank in turn (the others sleep, so that ranks sharing a host do not
+disturb each other): seconds per layer of a batch-invariant run of 1 to 2 x --n-draft rows
+(decoding and verifying drafted tokens) at KV lengths 16, 256 and 1024, and of prompt chunks of
+16, 64 and 256 tokens, on a probe of the first layers (about 512 MB of weights); the cost of an
+output row (LM head and sampler) on the last layer; the rank's fixed cost per run (the head's
+loop); with --draft, the draft's seconds per proposed token and per prompt token, on the rank that
+would run it; then latency and bandwidth of every link the job uses (each stage to the next, the
+last back to the head, a draft rank), with the job's real waits; and each host's CPU, cores and
+memory.
+
+For the Qwen pair on 2 ranks of a 2-core machine it takes about 2 minutes; --quick (fewer
+repetitions, two KV lengths, batches up to --n-draft + 1 rows) about 40 seconds. Run it on a quiet
+machine, with the ranks, threads and launcher of the jobs it should predict (the job options are
+generate's).
+
+The profile (--out, default profile.json; --json prints it too) is what `pipeinfer plan --profile
+FILE` predicts each mode's speed from, without running it, and what `--layer-split auto --profile
+FILE` splits the layers by. docs/calibrate.md describes its fields.
+""")
+
+OutOption = Annotated[Path, typer.Option("--out", "-o", help="Write the profile here (JSON; replaced atomically).")]
+ProfileJsonFlag = Annotated[bool, typer.Option("--json", help="Print the profile (what --out holds) on stdout instead of the table.")]
+QuickOption = Annotated[bool, typer.Option("--quick", help="Fewer repetitions: under a minute for the Qwen pair on 2 ranks, noisier figures.")]
+
+
+def calibrate(
+    model: ModelArg,
+    draft: DraftOption = None,
+    ranks: JobRanksOption = None,
+    layer_split: LayerSplitOption = None,
+    threads: ThreadsOption = None,
+    ctx: CtxOption = 4096,
+    n_draft: NDraftOption = 4,
+    out_path: OutOption = Path("profile.json"),
+    quick: QuickOption = False,
+    as_json: ProfileJsonFlag = False,
+    rank_timeout: RankTimeoutOption = DEFAULT_RANK_TIMEOUT_S,
+    no_pull: NoPullOption = False,
+) -> None:
+    """Measure what every rank of a job costs (layers, output, runs, draft, links) and write a profile.
+
+    Progress goes to stderr, a table to stdout (--json: the profile instead), the profile to --out.
+    """
+    started = float(os.environ.get(STARTED_ENV) or time.time())
+    check_out_path(out_path)
+    job = JobOptions(draft=draft, ranks=ranks, layer_split=layer_split, threads=threads, ctx=ctx, n_draft=n_draft,
+                     rank_timeout=rank_timeout, no_pull=no_pull)
+    start = begin_job(model, None, None, job)
+    prep = start.prep
+    _check_layers(prep.cfg)
+    if not start.inside:  # the launching command checks the plan of the ranks it starts
+        from ..runtime.calibrate import calibration_split
+
+        prep.cfg.layer_split = calibration_split(prep.cfg.layer_split, prep.ranks)
+
+    def relaunch_job() -> int:
+        from ..transport.launch import relaunch
+
+        os.environ[STARTED_ENV] = repr(started)
+        return relaunch(prep.ranks, sys.argv[1:])
+
+    run_here_or_relaunch(prep, start.inside, prep.has_draft, relaunch_job)
+    from ..runtime.calibrate import run_calibration
+
+    profile = run_calibration(prep.cfg, probe_spec(prep.cfg, quick), "pipeinfer " + shlex.join(sys.argv[1:]),
+                              _progress)
+    if profile is None:  # another rank: the head reports
+        return
+    try:
+        profile.save(out_path)
+    except OSError as e:
+        raise PipeinferError(f"cannot write the profile to {out_path}: {e.strerror or e}") from None
+    if as_json:
+        sys.stdout.write(profile.to_json() + "\n")
+    else:
+        print_tables(profile, prep.cfg.decode.n_draft)
+    err.print(f"pipeinfer calibrate: {plural(len(profile.ranks), 'rank')} measured in {time.time() - started:.1f} s; "
+              f"profile written to {out_path.resolve()}", markup=False, highlight=False)
+
+
+def probe_spec(cfg, quick: bool):
+    """What every rank times, and how often (fewer repetitions with --quick)."""
+    from ..runtime.calibrate_probes import KV_LENGTHS, QUICK_KV, ProbeSpec
+
+    kind = "lookup" if cfg.draft_label == "lookup" else ("model" if cfg.draft_path is not None else None)
+    return ProbeSpec(str(cfg.model_path), cfg.n_ctx, cfg.decode.n_draft, reps=3 if quick else 7,
+                     warmup=1 if quick else 2, overhead_tokens=16 if quick else 48, draft_kind=kind,
+                     draft_path=str(cfg.draft_path) if cfg.draft_path else None, draft_label=cfg.draft_label or "",
+                     draft_prompt=128 if quick else 256, draft_proposals=4 if quick else 12,
+                     link_reps=50 if quick else 200, kv_points=QUICK_KV if quick else KV_LENGTHS,
+                     extra_rows=not quick, prefill_reps=1 if quick else 3)
+
+
+def check_out_path(path: Path) -> None:
+    """--out must name a file in an existing, writable directory (checked before any job starts)."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UsageError(f"--out {path} is a directory; give a file name, e.g. --out {path / 'profile.json'}")
+    if not parent.is_dir():
+        raise UsageError(f"--out {path}: the directory {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"--out {path}: the directory {parent} is not writable; choose another path")
+
+
+def _check_layers(cfg) -> None:
+    from ..gguf_info import read_model_info
+
+    n_layer = read_model_info(cfg.model_path).n_layer
+    if n_layer < 2:
+        raise UsageError(f"{cfg.model_label} has {plural(n_layer, 'layer')}; calibrate needs at least 2 (it times "
+                         "the first layers apart from the last one)")
+
+
+def _progress(rank: int, line: str) -> None:
+    err.print(f"calibrate: rank {rank}: {line}", markup=False, highlight=False)
+    sys.stderr.flush()
+
+
+def _ms(seconds: float, digits: int = 3) -> str:
+    return f"{seconds * 1e3:.{digits}f}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} µs"
+
+
+def print_tables(profile, n_draft: int) -> None:
+    """Per rank, per host, per link and the draft's figures, on stdout."""
+    from rich.console import Console
+
+    console = out if sys.stdout.isatty() else Console(soft_wrap=False, width=NON_TTY_WIDTH)  # a pipe: never cut
+    first = profile.ranks[0]
+    big = max(r for r in first.decode.rows if r <= n_draft + 1)
+    m = profile.model
+    console.print(f"{m.name}, {m.n_layer} layers; per layer, at KV length {first.decode.kv[0]}, prompt in chunks of "
+                  f"{first.prefill.rows[-1]} tokens:", markup=False, highlight=False)
+    t = Table(box=None, pad_edge=False, header_style="bold underline")
+    for col in ("rank", "host", "threads", "ms/layer\n1 row", f"ms/layer\n{big} rows", "prompt µs\n/token/layer",
+                "output\nms/row", "overhead\nms/run"):
+        t.add_column(col, justify="left" if col == "host" else "right", no_wrap=True)
+    for r in profile.ranks:
+        d = r.decode.s[0]
+        t.add_row(str(r.rank), r.host, str(r.threads), _ms(d[0]), _ms(d[r.decode.rows.index(big)]),
+                  f"{r.prefill.s[0][-1] / r.prefill.rows[-1] * 1e6:.1f}", _ms(r.output_row_s), _ms(r.run_overhead_s))
+    console.print(t)
+    for host in dict.fromkeys(r.host for r in profile.ranks):
+        r = next(x for x in profile.ranks if x.host == host)
+        console.print(f"host {host}: {r.cpu}, {plural(r.cores, 'logical CPU')}, memory "
+                      f"{human_bytes(r.mem_total_bytes)} ({human_bytes(r.mem_available_bytes)} available)",
+                      markup=False, highlight=False)
+    if profile.links:
+        console.print("links, one way (latency + bytes / bandwidth, the receiver's wake-up included):", markup=False,
+                      highlight=False)
+        console.print(_links_table(profile))
+    d = profile.draft
+    if d is not None:
+        prompt = f", {_duration(d.prompt_token_s)} per prompt token" if d.kind == "model" else ""
+        console.print(f"draft {d.name} on rank {d.rank} ({plural(d.threads, 'thread')}): {_duration(d.token_s)} per "
+                      f"proposed token{prompt}", markup=False, highlight=False)
+
+
+def _links_table(profile) -> Table:
+    lt = Table(box=None, pad_edge=False, header_style="bold underline")
+    for col in ("link", "latency µs", "MB/s", "1 row µs", "256 rows µs"):
+        lt.add_column(col, justify="right", no_wrap=True)
+    row = profile.model.n_embd * 4
+    for lk in profile.links:
+        lt.add_row(f"{lk.src} -> {lk.dst}", f"{lk.latency_s * 1e6:.0f}", f"{lk.bytes_per_s / 1e6:.0f}",
+                   f"{lk.seconds(row) * 1e6:.0f}", f"{lk.seconds(256 * row) * 1e6:.0f}")
+    return lt

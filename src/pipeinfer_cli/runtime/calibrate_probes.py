@@ -1,0 +1,348 @@
+"""The timings `pipeinfer calibrate` takes on one rank (calibrate.py runs them on every rank of a job).
+
+Everything is timed on probe engines, independent of the job's layer split:
+
+- the layers: a `LayerEngine` on layers [0, k), k layers holding about PROBE_BYTES of weights (at
+  least 1, never the last layer), timed for batch-invariant runs of r rows at KV length kv
+  (decoding, verification of r-1 drafted tokens) and for prompt chunks; seconds per layer;
+- the output: an engine on the last layer alone (with the final norm and the LM head), its
+  runs with every row an output row against the per-layer cost of the same run, plus the sampler;
+- the fixed cost of a run: the head's real iterative loop (`Pipeline` on one stage, `Session`,
+  `decode_iterative`) over the last-layer engine, wall time minus the engine's and the sampler's;
+- the draft: a GGUF draft's prompt pass and proposals (`LlamaDrafter`), or prompt lookup;
+- the host: name, CPU model, logical CPUs, memory.
+
+Each point is the median of `reps` timed repetitions after `warmup` untimed ones, the points of a
+grid interleaved repetition by repetition, so that a slow spell of the machine spreads over them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..decode.sampling import SamplingParams, sample_rows
+from ..decode.session import CANONICAL_SEQ, PREFILL_CHUNK, Session
+from ..decode.sync import decode_iterative, prefill
+from ..decode.trace import TraceRecorder
+from ..planner.profile import CostGrid, DraftCosts, LinkCosts, RankCosts
+from ..wording import plural
+from .pipeline import Pipeline
+
+PROBE_BYTES = 512 * 2**20  # weights of the layer probe: enough layers that one eval is well above timer noise
+KV_LENGTHS = (16, 256, 1024)  # KV lengths of the decode grid (those that fit --ctx)
+QUICK_KV = (16, 512)  # --quick: two, for a shorter fill
+PREFILL_ROWS = (16, 64, 256)  # prompt chunk sizes (256 = PREFILL_CHUNK, the chunk every prefill uses)
+EXTRA_ROWS = (6, 8, 12, 16, 24, 32, 48, 64)  # rows beyond n_draft + 1, up to 2 n_draft (trees, long runs)
+KV_PAD = 256  # the engine attends over the used cells rounded up to this (kv_cache.cpp, n_kv)
+LINK_ROWS = (1, 8, 64, 256)  # message sizes of the link probe, in rows of n_embd float32
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """What to time on every rank, and how often (the same on every rank)."""
+
+    model_path: str
+    n_ctx: int  # the job's --ctx: caps the KV lengths and chunk sizes
+    n_draft: int  # --n-draft: decode rows go 1 .. n_draft + 1, then a few beyond
+    reps: int  # timed repetitions per point (the median is kept)
+    warmup: int  # untimed repetitions first
+    overhead_tokens: int  # tokens of the head loop timed for the per-run overhead
+    draft_kind: str | None = None  # "model", "lookup" or None
+    draft_path: str | None = None
+    draft_label: str = ""
+    draft_prompt: int = 256  # tokens of the draft's timed prompt pass
+    draft_proposals: int = 8  # timed proposals of n_draft tokens
+    link_reps: int = 30  # timed round trips per message size
+    kv_points: tuple[int, ...] = KV_LENGTHS  # KV lengths of the decode grid, before --ctx caps them
+    extra_rows: bool = True  # rows beyond n_draft + 1 too (EXTRA_ROWS); else the planner extrapolates
+    prefill_reps: int = 3  # timed prompt chunks of each size (long runs, warmed up by the fills)
+
+    @property
+    def decode_rows(self) -> list[int]:
+        extra = {r for r in EXTRA_ROWS if r <= 2 * self.n_draft} if self.extra_rows else set()
+        rows = sorted(set(range(1, self.n_draft + 2)) | extra)
+        return [r for r in rows if r < self.n_ctx] or [1]
+
+    @property
+    def kv_lengths(self) -> list[int]:
+        top = max(self.decode_rows)
+        return [k for k in self.kv_points if k + top <= self.n_ctx] or [max(1, self.n_ctx - top)]
+
+    @property
+    def prefill_rows(self) -> list[int]:
+        return [r for r in PREFILL_ROWS if r <= self.n_ctx] or [self.n_ctx]
+
+    def probe_ctx(self) -> int:
+        """KV cells of a probe: the largest point, rounded up as the engine pads, within --ctx."""
+        need = max(max(self.kv_lengths) + max(self.decode_rows), max(self.prefill_rows))
+        return min(self.n_ctx, -(-need // KV_PAD) * KV_PAD)
+
+
+def probe_layers(layer_bytes: list[int], budget: int = PROBE_BYTES) -> tuple[int, int]:
+    """[0, k): as many layers from the first as hold about `budget` bytes, 1 <= k <= n_layer - 1."""
+    k, total = 0, 0
+    while k < len(layer_bytes) - 1 and (k == 0 or total + layer_bytes[k] <= budget):
+        total += layer_bytes[k]
+        k += 1
+    return 0, max(1, k)
+
+
+def _interleaved(points: list, once: Callable[[object], float], reps: int, warmup: int) -> list[float]:
+    """The median of `reps` timings of once(point) for each point, after `warmup` untimed rounds;
+    every round times every point once, in order."""
+    times: list[list[float]] = [[] for _ in points]
+    for i in range(warmup + reps):
+        for j, p in enumerate(points):
+            t = once(p)
+            if i >= warmup:
+                times[j].append(t)
+    return [statistics.median(t) for t in times]
+
+
+def _fill(eng, kv: int, tokens: Callable[[int], np.ndarray], start: int = 0) -> None:
+    """Cells start..kv-1 of sequence 0 (an empty cache first when start is 0), in prompt chunks."""
+    if start == 0:
+        eng.kv_clear()
+    for b in range(start, kv, PREFILL_CHUNK):
+        n = min(PREFILL_CHUNK, kv - b)
+        eng.eval(tokens=tokens(n), pos=np.arange(b, b + n, dtype=np.int32), seq_ids=[[CANONICAL_SEQ]] * n,
+                 batch_invariant=False)
+
+
+def _timed_eval(eng, rows: int, at: int, tokens: Callable[[int], np.ndarray], invariant: bool) -> float:
+    """Seconds of one eval of `rows` tokens at positions at.. of sequence 0, rolled back afterwards."""
+    toks, pos = tokens(rows), np.arange(at, at + rows, dtype=np.int32)
+    t0 = time.perf_counter()
+    eng.eval(tokens=toks, pos=pos, seq_ids=[[CANONICAL_SEQ]] * rows, batch_invariant=invariant)
+    dt = time.perf_counter() - t0
+    eng.seq_rm(CANONICAL_SEQ, at, -1)
+    return dt
+
+
+def _tokens(n_vocab: int, seed: int) -> Callable[[int], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return lambda k: rng.integers(0, n_vocab, k, dtype=np.int32)
+
+
+def layer_costs(spec: ProbeSpec, eng, n_vocab: int) -> tuple[CostGrid, CostGrid]:
+    """(decode grid, prefill grid): seconds per layer, on the layer probe `eng`."""
+    n = eng.layer_end - eng.layer_begin
+    tokens = _tokens(n_vocab, 0)
+    rows, kvs, pre = spec.decode_rows, spec.kv_lengths, spec.prefill_rows
+    decode, filled = [], 0
+    for kv in kvs:  # ascending: each KV length extends the last one's cells (timed runs roll back)
+        _fill(eng, kv, tokens, filled)
+        filled = kv
+        secs = _interleaved(rows, lambda r, kv=kv: _timed_eval(eng, r, kv, tokens, True), spec.reps, spec.warmup)
+        decode.append([s / n for s in secs])
+    eng.kv_clear()
+    # The fills were prompt chunks already: no warm-up.
+    secs = _interleaved(pre, lambda r: _timed_eval(eng, r, 0, tokens, False), spec.prefill_reps, 0)
+    eng.kv_clear()
+    return CostGrid(rows, kvs, decode), CostGrid(pre, [0], [[s / n for s in secs]])
+
+
+class _EmbeddingFront:
+    """The last-layer engine as a first stage: token ids in, rows of a small random table as its
+    hidden states (so that the head's loop can run over it). Keeps the seconds of every eval."""
+
+    def __init__(self, eng, n_embd: int):
+        self.eng = eng
+        self.table = np.random.default_rng(1).standard_normal((256, n_embd)).astype(np.float32)
+        self.evals: list[float] = []
+
+    def eval(self, tokens, pos, seq_ids, output=None, batch_invariant=False):
+        embd = self.table[np.asarray(tokens, np.int64) % len(self.table)]
+        t0 = time.perf_counter()
+        out = self.eng.eval(embd=embd, pos=pos, seq_ids=seq_ids, output=output, batch_invariant=batch_invariant)
+        self.evals.append(time.perf_counter() - t0)
+        return out
+
+    def __getattr__(self, name):  # kv_used_cells, seq_rm, kv_clear, ...
+        return getattr(self.eng, name)
+
+
+def head_seconds(spec: ProbeSpec, last, probe, n_vocab: int, rows: int, kv: int) -> float:
+    """Seconds per output row of the final norm and LM head: a run of `rows` rows, every one an
+    output row, on the last layer (`last`, a _EmbeddingFront), less one layer of the same run timed
+    on the layer probe in the same rounds (interleaved, so that a busy spell of the machine weighs
+    on both alike)."""
+    n = probe.layer_end - probe.layer_begin
+    tokens = _tokens(n_vocab, 5)
+    _fill(last, kv, tokens)
+    _fill(probe, kv, tokens)
+
+    def once(which: str) -> float:
+        if which == "layer":
+            return _timed_eval(probe, rows, kv, tokens, True) / n
+        t0 = time.perf_counter()
+        last.eval(tokens(rows), np.arange(kv, kv + rows, dtype=np.int32), [[CANONICAL_SEQ]] * rows,
+                  output=np.ones(rows, bool), batch_invariant=True)
+        dt = time.perf_counter() - t0
+        last.seq_rm(CANONICAL_SEQ, kv, -1)
+        return dt
+
+    t_out, t_layer = _interleaved(["output", "layer"], once, spec.reps, spec.warmup)
+    return max(0.0, t_out - t_layer) / rows
+
+
+def sampler_seconds(spec: ProbeSpec, last, rows: int, kv: int, sampling: SamplingParams) -> float:
+    """Seconds per row of `sample_rows` on real logits of the last layer (`last`, a _EmbeddingFront)."""
+    logits = last.eval(np.arange(rows), np.arange(kv, kv + rows, dtype=np.int32), [[CANONICAL_SEQ]] * rows,
+                       output=np.ones(rows, bool), batch_invariant=True)
+    last.seq_rm(CANONICAL_SEQ, kv, -1)
+    positions = np.arange(kv + 1, kv + 1 + rows)
+
+    def once(_):
+        t0 = time.perf_counter()
+        sample_rows(logits, sampling, positions)
+        return time.perf_counter() - t0
+
+    return _interleaved([0], once, spec.reps * 3, spec.warmup)[0] / rows
+
+
+def run_overhead(front: _EmbeddingFront, n_vocab: int, n_tokens: int, sampling: SamplingParams,
+                 sample_s: float) -> float:
+    """The head's fixed seconds per run beyond its engine and the sampler: its real iterative loop
+    (Pipeline on one stage, Session, decode_iterative) for n_tokens tokens; per run, the time from
+    one commit to the next less the run's eval, the median, less the sampler's share. That is
+    Python's part of every run (launch, result, commit, the run's bookkeeping); on a stage with
+    neighbours, MPI's sends and probes come on top, and the link probe measures those."""
+    pipe = Pipeline(None, front, 1, TraceRecorder(0))
+    front.kv_clear()
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, n_vocab, 16)]
+    commits: list[float] = []
+    s = Session(prompt, sampling, n_tokens + 1, is_eog=lambda _t: False,
+                on_token=lambda _t: commits.append(time.perf_counter()))
+    prefill(pipe, s)
+    decode_iterative(pipe, s)
+    front.kv_clear()
+    gaps = np.diff(commits)  # one decode run each, whose eval is among the last ones
+    per_run = gaps - np.asarray(front.evals[len(front.evals) - len(gaps):])
+    return max(0.0, float(np.median(per_run)) - sample_s)
+
+
+def draft_costs(spec: ProbeSpec, rank: int, threads: int) -> DraftCosts:
+    """The draft's seconds per proposed token and per token of its prompt pass, on this rank."""
+    if spec.draft_kind == "lookup":
+        return _lookup_costs(spec, rank)
+    from ..decode.drafters import LlamaDrafter
+
+    drafter = LlamaDrafter(Path(spec.draft_path), n_ctx=spec.n_ctx, n_threads=threads)
+    try:
+        rng = np.random.default_rng(3)
+        n_prompt = max(1, min(spec.draft_prompt, spec.n_ctx - (spec.draft_proposals + 2) * (spec.n_draft + 1)))
+
+        def prompt(k: int) -> list[int]:
+            return [int(t) for t in rng.integers(0, drafter.n_vocab, k)]
+
+        drafter.start(prompt(min(16, n_prompt)))  # warm-up: the first eval allocates
+        path = prompt(n_prompt)
+        t0 = time.perf_counter()
+        drafter.start(path)
+        prompt_s = (time.perf_counter() - t0) / n_prompt
+        per_token = []
+        for i in range(spec.draft_proposals + 1):
+            t0 = time.perf_counter()
+            prop = drafter.propose(path, spec.n_draft, 0.0)
+            dt = time.perf_counter() - t0
+            if i > 0:  # the first one warms up
+                per_token.append(dt / max(1, len(prop.tokens)))
+            path = path + prop.tokens  # as if every token was accepted: n_draft evals per proposal
+    finally:
+        drafter.close()
+    return DraftCosts("model", spec.draft_label, rank, threads, statistics.median(per_token), prompt_s)
+
+
+def _lookup_costs(spec: ProbeSpec, rank: int) -> DraftCosts:
+    """Prompt lookup: a path of 1,000 tokens that repeats itself, so that every proposal is full."""
+    from ..decode.lookup import LookupDrafter
+
+    drafter = LookupDrafter()
+    base = [int(t) for t in np.random.default_rng(4).integers(0, 32000, 500)]
+    path = base + base
+
+    def once(_):
+        t0 = time.perf_counter()
+        prop = drafter.propose(path, spec.n_draft, 0.0)
+        return (time.perf_counter() - t0) / max(1, len(prop.tokens))
+
+    token_s = _interleaved([0], once, spec.reps * 5, spec.warmup)[0]
+    return DraftCosts("lookup", "lookup", rank, 1, token_s, 0.0)
+
+
+def host_facts() -> dict:
+    """This host: name, CPU model, logical CPUs, total and available memory (bytes)."""
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                mem[key] = int(value.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"host": socket.gethostname(), "cpu": cpu or "unknown", "cores": os.cpu_count() or 1,
+            "mem_total_bytes": mem.get("MemTotal", 0), "mem_available_bytes": mem.get("MemAvailable", 0)}
+
+
+def measure_rank(spec: ProbeSpec, info, rank: int, threads: int, runs_draft: bool, sampling: SamplingParams,
+                 say: Callable[[str], None]) -> tuple[RankCosts, DraftCosts | None]:
+    """Every timing of one rank (the module doc); say(line) reports each phase as it starts."""
+    from ..native import LayerEngine
+
+    facts = host_facts()
+    begin, end = probe_layers(info.layer_bytes)
+    say(f"layers {begin}-{end - 1} ({sum(info.layer_bytes[begin:end]) / 1e6:.0f} MB), {plural(threads, 'thread')}: "
+        f"{len(spec.decode_rows)} batch sizes x KV {'/'.join(map(str, spec.kv_lengths))}, prompt chunks "
+        f"{'/'.join(map(str, spec.prefill_rows))}")
+    probe = LayerEngine(spec.model_path, begin, end, n_ctx=spec.probe_ctx(), n_threads=threads, n_seq_max=2)
+    decode, prefill_grid = layer_costs(spec, probe, info.n_vocab)
+    say(f"output rows and per-run overhead on layer {info.n_layer - 1}")
+    last = _EmbeddingFront(LayerEngine(spec.model_path, info.n_layer - 1, info.n_layer, n_ctx=spec.probe_ctx(),
+                                       n_threads=threads, n_seq_max=2), info.n_embd)
+    rows, kv = max(r for r in decode.rows if r <= spec.n_draft + 1), decode.kv[0]
+    head_s = head_seconds(spec, last, probe, info.n_vocab, rows, kv)
+    del probe
+    sample_s = sampler_seconds(spec, last, rows, kv, sampling)
+    overhead_s = run_overhead(last, info.n_vocab, spec.overhead_tokens, sampling, sample_s)
+    del last
+    draft = None
+    if runs_draft:
+        say(f"draft {spec.draft_label}")
+        draft = draft_costs(spec, rank, threads)
+    costs = RankCosts(rank=rank, threads=threads, decode=decode, prefill=prefill_grid, output_row_s=head_s + sample_s,
+                      run_overhead_s=overhead_s, probe_layers=[begin, end], **facts)
+    return costs, draft
+
+
+def fit_link(src: int, dst: int, n_embd: int, rtt: dict[int, float]) -> LinkCosts:
+    """Latency and bandwidth of src -> dst from round trips: rtt[rows] is the median time of a
+    message of rows x n_embd float32 there and one row back. The way back is taken as half the
+    one-row round trip, and one-way time = latency + bytes / bandwidth is fitted by least squares."""
+    back = rtt[min(rtt)] / 2
+    xs = np.asarray([r * n_embd * 4 for r in sorted(rtt)], float)
+    ys = np.asarray([rtt[r] - back for r in sorted(rtt)], float)
+    if len(xs) > 1 and np.ptp(xs) > 0:
+        slope, intercept = np.polyfit(xs, ys, 1)
+    else:
+        slope, intercept = 0.0, float(ys[0])
+    # Noise can tilt a fit of near-equal times flat or downwards: the bandwidth is then what the
+    # largest message showed on its own.
+    bandwidth = 1.0 / float(slope) if slope > 1e-12 else float(xs[-1] / max(ys[-1], 1e-9))
+    return LinkCosts(src, dst, max(0.0, float(intercept)), bandwidth)
