@@ -20,10 +20,18 @@ from .wording import epilog, plural
 EPILOG = epilog("""Examples:
 
   pipeinfer calibrate qwen-coder --ranks 2 --out cluster.json
-  pipeinfer plan qwen-coder --profile cluster.json --prompts default --limit 4
-  pipeinfer plan qwen-coder --profile cluster.json -p "def fib(n):" --record fib.trace
-  pipeinfer plan qwen-coder --profile cluster.json --trace fib.trace --search
-  pipeinfer plan qwen-coder --profile cluster.json --trace fib.trace --layer-split 0.3,0.7/1
+
+  pipeinfer plan qwen-coder --profile cluster.json --prompts default \\
+      --limit 4
+
+  pipeinfer plan qwen-coder --profile cluster.json -p "def fib(n):" \\
+      --record fib.trace
+
+  pipeinfer plan qwen-coder --profile cluster.json --trace fib.trace \\
+      --search
+
+  pipeinfer plan qwen-coder --profile cluster.json --trace fib.trace \\
+      --layer-split auto
 
 How it predicts: the decoding policies that `generate` runs (the same code) run in virtual time
 against a simulated pipeline built from the profile: each stage busy for its measured seconds per
