@@ -97,7 +97,7 @@ def calibrate(
     run_here_or_relaunch(prep, start.inside, prep.has_draft, relaunch_job)
     from ..runtime.calibrate import run_calibration
 
-    profile = run_calibration(prep.cfg, probe_spec(prep.cfg, quick), "pipeinfer " + shlex.join(sys.argv[1:]),
+    profile = run_calibration(prep.cfg, probe_spec(prep.cfg, quick, prep.ranks), "pipeinfer " + shlex.join(sys.argv[1:]),
                               _progress)
     if profile is None:  # another rank: the head reports
         return
@@ -113,9 +113,10 @@ def calibrate(
               f"profile written to {out_path.resolve()}", markup=False, highlight=False)
 
 
-def probe_spec(cfg, quick: bool):
-    """What every rank times, and how often (fewer repetitions with --quick)."""
-    from ..runtime.calibrate_probes import KV_LENGTHS, QUICK_KV, ProbeSpec
+def probe_spec(cfg, quick: bool, n_ranks: int = 1):
+    """What every rank times, and how often (fewer repetitions with --quick). On several ranks each
+    timed eval follows a sleep, as a stage's compute follows its wait (calibrate_probes.IDLE_GAP_S)."""
+    from ..runtime.calibrate_probes import IDLE_GAP_S, KV_LENGTHS, QUICK_KV, ProbeSpec
 
     kind = "lookup" if cfg.draft_label == "lookup" else ("model" if cfg.draft_path is not None else None)
     return ProbeSpec(str(cfg.model_path), cfg.n_ctx, cfg.decode.n_draft, reps=3 if quick else 7,
@@ -123,7 +124,8 @@ def probe_spec(cfg, quick: bool):
                      draft_path=str(cfg.draft_path) if cfg.draft_path else None, draft_label=cfg.draft_label or "",
                      draft_prompt=128 if quick else 256, draft_proposals=4 if quick else 12,
                      link_reps=50 if quick else 200, kv_points=QUICK_KV if quick else KV_LENGTHS,
-                     extra_rows=not quick, prefill_reps=1 if quick else 3)
+                     extra_rows=not quick, prefill_reps=1 if quick else 3,
+                     idle_gap_s=IDLE_GAP_S if n_ranks > 1 else 0.0)
 
 
 def check_out_path(path: Path) -> None:

@@ -87,6 +87,7 @@ def plan(
     mode_list = _modes(modes)
     prof = Profile.load(profile)
     setup = _setup(model, draft, prof, profile, ranks, layer_split)
+    setup.job_drafts = any(needs_draft(m) for m in mode_list)
     opts = DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_accept=p_accept, max_inflight=max_inflight)
     replay = Replay(_trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list),
                     acceptance)
@@ -110,14 +111,17 @@ class _Setup:
     def __init__(self, label, path, draft_label, draft_path, n_ranks, layer_split, profile, profile_path):
         self.label, self.path, self.draft_label, self.draft_path = label, path, draft_label, draft_path
         self.n_ranks, self.layer_split, self.profile, self.profile_path = n_ranks, layer_split, profile, profile_path
+        self.job_drafts = False  # some planned mode needs the draft (set once the modes are known)
 
     def topology(self, mode: str):
-        """The split `generate` would use for this mode (a draft on the head takes layers from it)."""
+        """The split of the job that runs the planned modes, as `bench` plans one job for them all:
+        a draft model on the head takes layers from it if any planned mode drafts (with one mode,
+        the split `generate -M MODE` uses)."""
         from ..planner.predict import Topology
         from ..runtime.topology import plan_job
 
         t = plan_job(self.path, self.label, self.n_ranks, self.n_ranks, self.layer_split, None, self.draft_path,
-                     needs_draft(mode), has_draft=self.draft_label is not None, profile_path=self.profile_path)
+                     self.job_drafts, has_draft=self.draft_label is not None, profile_path=self.profile_path)
         stages = [r for r in t.ranks if r.role != "draft"]
         draft = None
         if needs_draft(mode):

@@ -36,6 +36,7 @@ from ..planner.profile import CostGrid, DraftCosts, LinkCosts, RankCosts
 from ..wording import plural
 from .pipeline import Pipeline
 
+IDLE_GAP_S = 0.025  # a stage's wait before it computes, as scripts/idle_gap.py measures it
 PROBE_BYTES = 512 * 2**20  # weights of the layer probe: enough layers that one eval is well above timer noise
 KV_LENGTHS = (16, 256, 1024)  # KV lengths of the decode grid (those that fit --ctx)
 QUICK_KV = (16, 512)  # --quick: two, for a shorter fill
@@ -64,6 +65,7 @@ class ProbeSpec:
     kv_points: tuple[int, ...] = KV_LENGTHS  # KV lengths of the decode grid, before --ctx caps them
     extra_rows: bool = True  # rows beyond n_draft + 1 too (EXTRA_ROWS); else the planner extrapolates
     prefill_reps: int = 3  # timed prompt chunks of each size (long runs, warmed up by the fills)
+    idle_gap_s: float = 0.0  # sleep before each timed eval: a stage of a pipeline computes after a wait
 
     @property
     def decode_rows(self) -> list[int]:
@@ -117,9 +119,17 @@ def _fill(eng, kv: int, tokens: Callable[[int], np.ndarray], start: int = 0) -> 
                  batch_invariant=False)
 
 
-def _timed_eval(eng, rows: int, at: int, tokens: Callable[[int], np.ndarray], invariant: bool) -> float:
-    """Seconds of one eval of `rows` tokens at positions at.. of sequence 0, rolled back afterwards."""
+def _timed_eval(eng, rows: int, at: int, tokens: Callable[[int], np.ndarray], invariant: bool,
+                gap_s: float = 0.0) -> float:
+    """Seconds of one eval of `rows` tokens at positions at.. of sequence 0, rolled back afterwards.
+
+    gap_s: sleep first. On several ranks every stage computes after waiting for its input, and on
+    this kind of machine the same layers compute 5-13 % slower after a 25 ms sleep than back to
+    back (BENCHMARKS.md, "A gap between two computations"); timing them back to back would
+    predict too fast a pipeline."""
     toks, pos = tokens(rows), np.arange(at, at + rows, dtype=np.int32)
+    if gap_s > 0:
+        time.sleep(gap_s)
     t0 = time.perf_counter()
     eng.eval(tokens=toks, pos=pos, seq_ids=[[CANONICAL_SEQ]] * rows, batch_invariant=invariant)
     dt = time.perf_counter() - t0
@@ -141,11 +151,11 @@ def layer_costs(spec: ProbeSpec, eng, n_vocab: int) -> tuple[CostGrid, CostGrid]
     for kv in kvs:  # ascending: each KV length extends the last one's cells (timed runs roll back)
         _fill(eng, kv, tokens, filled)
         filled = kv
-        secs = _interleaved(rows, lambda r, kv=kv: _timed_eval(eng, r, kv, tokens, True), spec.reps, spec.warmup)
+        secs = _interleaved(rows, lambda r, kv=kv: _timed_eval(eng, r, kv, tokens, True, spec.idle_gap_s), spec.reps, spec.warmup)
         decode.append([s / n for s in secs])
     eng.kv_clear()
     # The fills were prompt chunks already: no warm-up.
-    secs = _interleaved(pre, lambda r: _timed_eval(eng, r, 0, tokens, False), spec.prefill_reps, 0)
+    secs = _interleaved(pre, lambda r: _timed_eval(eng, r, 0, tokens, False, spec.idle_gap_s), spec.prefill_reps, 0)
     eng.kv_clear()
     return CostGrid(rows, kvs, decode), CostGrid(pre, [0], [[s / n for s in secs]])
 
@@ -182,7 +192,9 @@ def head_seconds(spec: ProbeSpec, last, probe, n_vocab: int, rows: int, kv: int)
 
     def once(which: str) -> float:
         if which == "layer":
-            return _timed_eval(probe, rows, kv, tokens, True) / n
+            return _timed_eval(probe, rows, kv, tokens, True, spec.idle_gap_s) / n
+        if spec.idle_gap_s > 0:
+            time.sleep(spec.idle_gap_s)
         t0 = time.perf_counter()
         last.eval(tokens(rows), np.arange(kv, kv + rows, dtype=np.int32), [[CANONICAL_SEQ]] * rows,
                   output=np.ones(rows, bool), batch_invariant=True)
