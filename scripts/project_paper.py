@@ -67,6 +67,9 @@ def row(preds: dict) -> dict:
     r["pipeinfer_vs_speculative"] = speedup(preds["pipeinfer"], preds["speculative"])
     r["speculative_vs_iterative"] = speedup(preds["speculative"], preds["iterative"])
     r["winner"] = max(MODES, key=lambda m: r[m] or 0)
+    # After the first token (the paper's generation speed leaves the prompt out).
+    r["decode_tok_per_s"] = {m: summarize(p)["decode_tok_per_s"] for m, p in preds.items()}
+    r["ttft_s"] = summarize(preds["iterative"])["ttft_s"]
     return r
 
 
@@ -81,11 +84,15 @@ def main() -> None:
                                           "max_inflight": OPTS.max_inflight}}}
     base = {a: row(predict_all(spec(), a)) for a in (0.5, 0.6, 0.7, 0.8, 0.9)}
     result["paper_setup_by_acceptance"] = base
-    print("8 nodes (7 stages + draft rank), 1 Gbit/s; tok/s by acceptance")
-    print(f"{'accept':>6} {'iterative':>9} {'specul.':>8} {'pipeinfer':>9} {'pi/it':>6} {'pi/sp':>6} {'sp/it':>6}")
+    print(f"8 nodes (7 stages + draft rank), 1 Gbit/s; tok/s by acceptance (TTFT {base[0.7]['ttft_s']:.1f} s for "
+          f"{PROMPT} prompt tokens; decode: after the first token)")
+    print(f"{'accept':>6} {'iterative':>9} {'specul.':>8} {'pipeinfer':>9} {'pi/it':>6} {'pi/sp':>6} {'sp/it':>6}"
+          f" {'decode pi/sp':>12}")
     for a, r in base.items():
+        d = r["decode_tok_per_s"]
         print(f"{a:6.1f} {r['iterative']:9.2f} {r['speculative']:8.2f} {r['pipeinfer']:9.2f} "
-              f"{r['pipeinfer_vs_iterative']:6.2f} {r['pipeinfer_vs_speculative']:6.2f} {r['speculative_vs_iterative']:6.2f}")
+              f"{r['pipeinfer_vs_iterative']:6.2f} {r['pipeinfer_vs_speculative']:6.2f} {r['speculative_vs_iterative']:6.2f}"
+              f" {d['pipeinfer'] / d['speculative']:12.2f}")
     sweep = {}
     for name, link in LINKS.items():
         sweep[name] = {n: row(predict_all(spec(n, link), 0.7)) for n in (3, 4, 6, 8)}

@@ -37,12 +37,16 @@ CONFIGS = {
 }
 
 
+class StepFailed(RuntimeError):
+    pass
+
+
 def run(cmd: list[str], emu=None) -> subprocess.CompletedProcess:
     full = EMU + ["exec", "--"] + cmd if emu else cmd
     print("+", " ".join(full), file=sys.stderr, flush=True)
     r = subprocess.run(full, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
-        sys.exit(f"failed ({r.returncode}): {' '.join(full)}\n{r.stderr[-2000:]}")
+        raise StepFailed(f"failed ({r.returncode}): {' '.join(full)}\n{r.stderr[-2000:]}")
     return r
 
 
@@ -60,12 +64,15 @@ def validate(name: str, work: Path, prompts: str, limit: int, n: int, repeat: in
     if emu:
         run(EMU + ["up", str(emu[0]), "--rate", emu[1]])
     try:
-        prof, trace, bench = work / f"{name}.profile.json", work / f"{name}.trace.json", work / f"{name}.bench.json"
+        stem = name.replace("/", "-")
+        prof, trace, bench = work / f"{stem}.profile.json", work / f"{stem}.trace.json", work / f"{stem}.bench.json"
         job = job_args(draft, ranks, split)
         run(PIPEINFER + ["calibrate", model, *job, "--out", str(prof)], emu)
-        plan = json.loads(run(PIPEINFER + ["plan", model, "--profile", str(prof), "--prompts", prompts, "--limit",
-                                           str(limit), "-n", str(n), "--record", str(trace), "--json"]
-                              + (["--draft", draft] if draft else []) + (["--layer-split", split] if split else [])).stdout)
+        plan_out = run(PIPEINFER + ["plan", model, "--profile", str(prof), "--prompts", prompts, "--limit",
+                                    str(limit), "-n", str(n), "--record", str(trace), "--json"]
+                       + (["--draft", draft] if draft else []) + (["--layer-split", split] if split else [])).stdout
+        (work / f"{stem}.plan.json").write_text(plan_out)
+        plan = json.loads(plan_out)
         run(PIPEINFER + ["bench", model, *job, "--prompts", prompts, "--limit", str(limit), "-n", str(n),
                          "--repeat", str(repeat), "--json", str(bench)], emu)
     finally:
@@ -91,26 +98,39 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", type=Path, help="keep every profile, trace, plan and bench file in this directory")
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(CONFIGS)
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         sys.exit(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            results[name] = validate(name, Path(tmp), args.prompts, args.limit, args.n, args.repeat)
     print(f"{'config':16} {'mode':12} {'pred tok/s':>10} {'meas tok/s':>10} {'err':>7} {'pred TTFT':>9} "
-          f"{'meas TTFT':>9} {'err':>7}")
-    for name, rows in results.items():
-        for mode, r in rows.items():
-            def f(v, fmt):
-                return "-" if v is None else format(v, fmt)
-            print(f"{name:16} {mode:12} {f(r['predicted_tok_per_s'], '10.2f')} {f(r['measured_tok_per_s'], '10.2f')} "
-                  f"{f(r['error_tok_per_s'], '+7.1%')} {f(r['predicted_ttft_s'], '9.3f')} {f(r['measured_ttft_s'], '9.3f')} "
-                  f"{f(r['error_ttft_s'], '+7.1%')}")
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=1))
+          f"{'meas TTFT':>9} {'err':>7}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            try:
+                results[name] = validate(name, work, args.prompts, args.limit, args.n, args.repeat)
+            except StepFailed as e:
+                print(f"{name}: {e}", file=sys.stderr, flush=True)
+                results[name] = {"failed": str(e)}
+                continue
+            for mode, r in results[name].items():
+                _print_row(name, mode, r)
+            if args.json:  # after every configuration: a long run that stops keeps what it measured
+                args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                 "results": results}, indent=1))
+
+
+def _print_row(name: str, mode: str, r: dict) -> None:
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    print(f"{name:16} {mode:12} {f(r['predicted_tok_per_s'], '10.2f')} {f(r['measured_tok_per_s'], '10.2f')} "
+          f"{f(r['error_tok_per_s'], '+7.1%')} {f(r['predicted_ttft_s'], '9.3f')} {f(r['measured_ttft_s'], '9.3f')} "
+          f"{f(r['error_ttft_s'], '+7.1%')}", flush=True)
 
 
 if __name__ == "__main__":

@@ -148,3 +148,15 @@ def test_layer_split_auto_in_the_job_planner(tmp_path):
         plan_topology(2, "auto", [100] * 24, 100, "1", 2)
     with pytest.raises(UsageError, match="measured 2 rank"):
         plan_topology(3, "auto", [100] * 24, 100, "1", 3, profile=slow)
+
+
+def test_debug_slowdown_is_read_per_rank_and_bad_values_are_named():
+    from pipeinfer_cli.errors import UsageError
+    from pipeinfer_cli.transport.faults import slowdown_for
+
+    env = {"PIPEINFER_DEBUG_SLOW": "1:2.5,3:4"}
+    assert [slowdown_for(r, env) for r in range(4)] == [1.0, 2.5, 1.0, 4.0]
+    assert slowdown_for(0, {}) == 1.0
+    for bad in ("1", "x:2", "1:0.5", "-1:2"):
+        with pytest.raises(UsageError, match="PIPEINFER_DEBUG_SLOW: cannot read"):
+            slowdown_for(0, {"PIPEINFER_DEBUG_SLOW": bad})

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import operator
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,11 +62,13 @@ class LayerEngine:
         flash_attn: attention with ggml_flash_attn_ext (F16 mask, V not transposed) instead of
             mul_mat + soft_max. Off by default because llama.cpp's default is off, and the
             logits match llama.cpp bit for bit only when both use the same path.
+        slowdown: every eval takes this many times as long (it sleeps the difference after
+            computing): a slower node emulated for tests and benchmarks (PIPEINFER_DEBUG_SLOW).
     """
 
     def __init__(self, path: str | os.PathLike[str], layer_begin: int, layer_end: int, *, n_ctx: int = 4096,
                  n_threads: int = 1, n_seq_max: int = 64, use_repack: bool = True,
-                 flash_attn: bool = False) -> None:
+                 flash_attn: bool = False, slowdown: float = 1.0) -> None:
         path = os.fspath(path)
         index = operator.index  # integers (numpy ones too), never a truncated float
         try:
@@ -75,6 +78,7 @@ class LayerEngine:
         except _native.ModelFileError as e:
             raise ModelFileError(str(e)) from None
         self.path = path
+        self.slowdown = float(slowdown)
 
     # --- read-only properties -------------------------------------------------------------
     @property
@@ -193,8 +197,14 @@ class LayerEngine:
         pos = _as_int32(pos, "pos")
         if output is not None:
             output = np.ascontiguousarray(output, dtype=np.bool_)
-        return self._eng.eval(tokens=tokens, embd=embd, pos=pos, seq_ids=seq_ids, output=output,
-                              batch_invariant=bool(batch_invariant))
+        if self.slowdown == 1.0:
+            return self._eng.eval(tokens=tokens, embd=embd, pos=pos, seq_ids=seq_ids, output=output,
+                                  batch_invariant=bool(batch_invariant))
+        t0 = time.perf_counter()
+        out = self._eng.eval(tokens=tokens, embd=embd, pos=pos, seq_ids=seq_ids, output=output,
+                             batch_invariant=bool(batch_invariant))
+        time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
+        return out
 
     def cancel(self) -> None:
         """Make the running (or next) eval stop as soon as possible. Thread-safe.

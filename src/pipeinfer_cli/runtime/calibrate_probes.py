@@ -33,6 +33,7 @@ from ..decode.session import CANONICAL_SEQ, PREFILL_CHUNK, Session
 from ..decode.sync import decode_iterative, prefill
 from ..decode.trace import TraceRecorder
 from ..planner.profile import CostGrid, DraftCosts, LinkCosts, RankCosts
+from ..transport.faults import slowdown_for
 from ..wording import plural
 from .pipeline import Pipeline
 
@@ -323,11 +324,13 @@ def measure_rank(spec: ProbeSpec, info, rank: int, threads: int, runs_draft: boo
     say(f"layers {begin}-{end - 1} ({sum(info.layer_bytes[begin:end]) / 1e6:.0f} MB), {plural(threads, 'thread')}: "
         f"{len(spec.decode_rows)} batch sizes x KV {'/'.join(map(str, spec.kv_lengths))}, prompt chunks "
         f"{'/'.join(map(str, spec.prefill_rows))}")
-    probe = LayerEngine(spec.model_path, begin, end, n_ctx=spec.probe_ctx(), n_threads=threads, n_seq_max=2)
+    slow = slowdown_for(rank)  # PIPEINFER_DEBUG_SLOW: an emulated slower node is measured as such
+    probe = LayerEngine(spec.model_path, begin, end, n_ctx=spec.probe_ctx(), n_threads=threads, n_seq_max=2,
+                        slowdown=slow)
     decode, prefill_grid = layer_costs(spec, probe, info.n_vocab)
     say(f"output rows and per-run overhead on layer {info.n_layer - 1}")
     last = _EmbeddingFront(LayerEngine(spec.model_path, info.n_layer - 1, info.n_layer, n_ctx=spec.probe_ctx(),
-                                       n_threads=threads, n_seq_max=2), info.n_embd)
+                                       n_threads=threads, n_seq_max=2, slowdown=slow), info.n_embd)
     rows, kv = max(r for r in decode.rows if r <= spec.n_draft + 1), decode.kv[0]
     head_s = head_seconds(spec, last, probe, info.n_vocab, rows, kv)
     del probe

@@ -54,6 +54,7 @@ def make_drafter(cfg, threads: int):
 
 def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool) -> Loaded:
     from ..native import LayerEngine
+    from ..transport.faults import slowdown_for
 
     me = topo.ranks[rank]
     out = Loaded(topo, me)
@@ -65,7 +66,7 @@ def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool)
     n_seq = min(64, 2 + cfg.decode.max_inflight * max(1, cfg.decode.max_branches))
     try:
         out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=cfg.n_ctx,
-                                 n_threads=me.threads, n_seq_max=n_seq)
+                                 n_threads=me.threads, n_seq_max=n_seq, slowdown=slowdown_for(rank))
     except RuntimeError as e:
         if "cannot allocate a KV cache" not in str(e):
             raise

@@ -22,6 +22,10 @@ appends a line to FILE when a message fault fires.
 PIPEINFER_DEBUG_FAIL=RANK:N, the older variable for `raise`, still works: it means
 PIPEINFER_DEBUG_FAULT=RANK:raise:N (deprecated).
 
+PIPEINFER_DEBUG_SLOW=RANK:FACTOR[,…] makes rank RANK's layer engine take FACTOR times as long for
+every eval (it sleeps the difference, leaving the cores free): a slower node emulated on one
+machine, for `--layer-split auto` and the planner (`calibrate` sees it too).
+
 The process reads the environment once (`FaultInjector.from_env`) and hands the injector to its
 `Link`; the rank's code asks the injector (`link.faults`), never the environment.
 """
@@ -39,6 +43,7 @@ from .messages import Tag
 
 FAULT_ENV = "PIPEINFER_DEBUG_FAULT"
 LOG_ENV = "PIPEINFER_DEBUG_FAULT_LOG"  # a file: one line per fault that fired (time, rank, tag, n, mode)
+SLOW_ENV = "PIPEINFER_DEBUG_SLOW"  # RANK:FACTOR[,…]: that rank's engine computes FACTOR times as slowly
 FAIL_ENV = "PIPEINFER_DEBUG_FAIL"  # deprecated: RANK:N means PIPEINFER_DEBUG_FAULT=RANK:raise:N
 MODES = ("drop", "delay", "dup", "kill", "stall")
 RAISE = "raise"  # not a message fault: the rank raises at its N-th run, draft proposal or token
@@ -143,3 +148,19 @@ def _log(fault: Fault, n: int) -> None:
     if path:
         with open(path, "a") as f:
             f.write(f"{time.time():.3f} {fault.rank} {fault.tag.name} {n} {fault.mode}\n")
+
+
+def slowdown_for(rank: int, environ: Mapping[str, str] = os.environ) -> float:
+    """PIPEINFER_DEBUG_SLOW's factor for this rank (1.0: none); a UsageError names a bad part."""
+    factor = 1.0
+    for part in filter(None, (p.strip() for p in environ.get(SLOW_ENV, "").split(","))):
+        r, _, f = part.partition(":")
+        try:
+            r_i, f_v = int(r), float(f)
+        except ValueError:
+            r_i, f_v = -1, 0.0
+        if r_i < 0 or not f_v >= 1.0:
+            raise UsageError(f"{SLOW_ENV}: cannot read {part!r}; write RANK:FACTOR with FACTOR >= 1, e.g. 1:2")
+        if r_i == rank:
+            factor = f_v
+    return factor
