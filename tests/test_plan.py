@@ -160,3 +160,11 @@ def test_debug_slowdown_is_read_per_rank_and_bad_values_are_named():
     for bad in ("1", "x:2", "1:0.5", "-1:2"):
         with pytest.raises(UsageError, match="PIPEINFER_DEBUG_SLOW: cannot read"):
             slowdown_for(0, {"PIPEINFER_DEBUG_SLOW": bad})
+
+
+def test_a_profile_from_another_machine_is_named_in_one_line():
+    prof = make_profile(2)
+    assert prof.machine_warning(1, "node1", "test cpu") is None
+    w = prof.machine_warning(1, "laptop", "other cpu", "the profile p.json")
+    assert w.startswith("rank 1 runs on laptop (other cpu) but the profile p.json measured it on node1 (test cpu)")
+    assert "\n" not in w and prof.machine_warning(5, "x", "y") is None

@@ -179,6 +179,17 @@ class Profile:
         if self.draft is not None and not (_nonneg(self.draft.token_s) and _nonneg(self.draft.prompt_token_s)):
             raise ProfileError(f"{where}: the draft's costs are negative or missing; calibrate again")
 
+    def machine_warning(self, rank: int, host: str, cpu: str, where: str = "the profile") -> str | None:
+        """One line when rank `rank` runs on another machine than the profile measured (another
+        host name or CPU model), else None: its costs may not be this machine's."""
+        if rank >= len(self.ranks):
+            return None
+        rc = self.ranks[rank]
+        if rc.host == host and rc.cpu == cpu:
+            return None
+        return (f"rank {rank} runs on {host} ({cpu}) but {where} measured it on {rc.host} ({rc.cpu}); "
+                "its split and predictions assume that machine: run `pipeinfer calibrate` with these ranks")
+
     def check_model(self, name: str, file_bytes: int, where: str = "the profile") -> None:
         """Refuse a profile measured for another model (same name and file size, or the same file)."""
         if self.model.file_bytes != file_bytes:

@@ -43,6 +43,22 @@ def requested_n(cfg, req) -> int:
     return cfg.decode.n_predict if n is None else n
 
 
+def _warn_if_profiled_elsewhere(cfg, rank: int) -> None:
+    """With --profile (for --layer-split auto or -M auto): one warning line from a rank that runs on
+    another machine than the profile measured for it."""
+    if getattr(cfg, "profile", None) is None:
+        return
+    import sys
+
+    from ..planner.profile import Profile
+    from .calibrate_probes import host_facts
+
+    facts = host_facts()
+    warning = Profile.load(cfg.profile).machine_warning(rank, facts["host"], facts["cpu"], f"the profile {cfg.profile}")
+    if warning:
+        print(f"pipeinfer: warning: {warning}", file=sys.stderr, flush=True)
+
+
 def make_drafter(cfg, threads: int):
     from ..decode.drafters import LlamaDrafter
     from ..decode.lookup import LookupDrafter
@@ -58,6 +74,7 @@ def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool)
 
     me = topo.ranks[rank]
     out = Loaded(topo, me)
+    _warn_if_profiled_elsewhere(cfg, rank)
     if me.role == "draft":
         if needs_draft:
             out.drafter = make_drafter(cfg, me.threads)
