@@ -161,14 +161,20 @@ def job_processes(marker: str) -> list[int]:
     return pids
 
 
-@pytest.mark.skipif(not Path("/dev/shm").is_dir() or not Path("/proc/self/stat").exists(), reason="Linux: reads /proc")
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_stop_leaves_clean_output_and_no_process(tmp_path, signum):
+def _fake_mpiexec(tmp_path: Path) -> Path:
+    """An executable `mpiexec` that runs the Python script given after `--fake` (a stand-in job)."""
     fake = tmp_path / "mpiexec"
     fake.write_text("#!" + sys.executable + "\nimport sys, runpy\n"
                     "args = sys.argv[sys.argv.index('--fake') + 1:]\n"
                     "sys.argv = args\nrunpy.run_path(args[0], run_name='__main__')\n")
     fake.chmod(0o755)
+    return fake
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir() or not Path("/proc/self/stat").exists(), reason="Linux: reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_stop_leaves_clean_output_and_no_process(tmp_path, signum):
+    fake = _fake_mpiexec(tmp_path)
     (tmp_path / "fake_mpiexec.py").write_text(FAKE_MPIEXEC)
     ready = tmp_path / "ready"
     marker = f"pipeinfer-test-{uuid.uuid4().hex}"
@@ -316,11 +322,7 @@ for r in ranks:
 
 
 def _run_fake_server_job(tmp_path, stubborn: bool, orderly_stop_s: float = 10.0):
-    fake = tmp_path / "mpiexec"
-    fake.write_text("#!" + sys.executable + "\nimport sys, runpy\n"
-                    "args = sys.argv[sys.argv.index('--fake') + 1:]\n"
-                    "sys.argv = args\nrunpy.run_path(args[0], run_name='__main__')\n")
-    fake.chmod(0o755)
+    fake = _fake_mpiexec(tmp_path)
     (tmp_path / "fake_job.py").write_text(FAKE_SERVER_JOB)
     ready = tmp_path / "ready"
     args = [str(tmp_path / "fake_job.py"), str(ready), str(tmp_path), "1" if stubborn else "0"]

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
+from .json_file import read_json, write_atomic
 
 FORMAT = "pipeinfer-profile"
 VERSION = 1
@@ -123,10 +124,7 @@ class Profile:
 
     def save(self, path: Path) -> None:
         """Write atomically: a profile file is whole or absent."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json() + "\n")
-        tmp.replace(path)
+        write_atomic(Path(path), self.to_json() + "\n")
 
     @staticmethod
     def from_dict(d: dict, where: str = "the profile") -> Profile:
@@ -151,12 +149,7 @@ class Profile:
     @staticmethod
     def load(path: Path | str) -> Profile:
         path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ProfileError(f"no profile at {path}; write one with `pipeinfer calibrate MODEL --out {path}`") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ProfileError(f"cannot read the profile {path}: {e}") from None
+        d = read_json(path, ProfileError, "profile", f"write one with `pipeinfer calibrate MODEL --out {path}`")
         return Profile.from_dict(d, str(path))
 
     def check_units(self, where: str) -> None:

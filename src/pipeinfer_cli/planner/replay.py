@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..decode.drafters import Proposal
 from ..errors import UsageError
+from .json_file import read_json, write_atomic
 
 FORMAT = "pipeinfer-trace"
 VERSION = 1
@@ -63,20 +64,12 @@ class Trace:
     version: int = VERSION
 
     def save(self, path: Path) -> None:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)) + "\n")
-        tmp.replace(path)
+        write_atomic(Path(path), json.dumps(asdict(self)) + "\n")
 
     @staticmethod
     def load(path: Path | str) -> Trace:
         path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise TraceError(f"no trace at {path}; record one with `pipeinfer plan MODEL --record {path}`") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise TraceError(f"cannot read the trace {path}: {e}") from None
+        d = read_json(path, TraceError, "trace", f"record one with `pipeinfer plan MODEL --record {path}`")
         if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("version") != VERSION:
             raise TraceError(f"{path} is not a pipeinfer trace (version {VERSION}); record one with "
                              f"`pipeinfer plan MODEL --record {path}`")
