@@ -4,6 +4,7 @@
 #include "errors.h"
 #include "ggml-cpu.h"
 #include "gguf_file.h"
+#include "gguf_slice.h"
 #include "huge_pages.h"
 
 #include <unistd.h>
@@ -148,10 +149,13 @@ model_hparams read_hparams(const gguf_file & f) {
     read_rope(f, a, hp);
     if (hp.arch == "gemma3") gemma3_read_hparams(f, hp);
     const int64_t tid = gguf_find_tensor(f.ctx(), "token_embd.weight");
-    if (tid < 0) {
+    if (tid >= 0) {
+        hp.n_vocab = (uint32_t) gguf_get_tensor_ne(f.ctx(), tid)[1];
+    } else if (gguf_find_key(f.ctx(), slice_key_n_vocab) >= 0) {
+        hp.n_vocab = (uint32_t) f.get_uint(slice_key_n_vocab, 0, true);  // a rank slice (gguf_slice.h)
+    } else {
         throw model_file_error(f.path() + ": tensor 'token_embd.weight' is missing");
     }
-    hp.n_vocab = (uint32_t) gguf_get_tensor_ne(f.ctx(), tid)[1];
     return hp;
 }
 

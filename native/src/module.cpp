@@ -9,6 +9,7 @@
 #include "engine.h"
 #include "errors.h"
 #include "gguf_file.h"
+#include "gguf_slice.h"
 #include "vocab_check.h"
 
 #include "ggml.h"
@@ -146,6 +147,21 @@ void bind_functions(py::module_ & m) {
     }, py::arg("path"),
           "What in a GGUF file's vocabulary would make llama.cpp's loader abort ('' when nothing); "
           "raises ModelFileError when the header itself does not parse.");
+
+    m.def("gguf_slice_layout", [](const std::string & path, const std::vector<std::string> & names,
+                                  const std::string & source_sha256, uint32_t layer_begin, uint32_t layer_end) {
+        slice_layout layout;
+        {
+            py::gil_scoped_release release;
+            layout = plan_slice(path, names, source_sha256, layer_begin, layer_end);
+        }
+        py::list pieces;
+        for (const auto & p : layout.pieces) pieces.append(py::make_tuple(p.src_offset, p.size, p.dst_offset));
+        return py::make_tuple(py::bytes((const char *) layout.meta.data(), layout.meta.size()), pieces,
+                              layout.total_size);
+    }, py::arg("path"), py::arg("tensor_names"), py::arg("source_sha256"), py::arg("layer_begin"), py::arg("layer_end"),
+          "(meta bytes, [(src_offset, size, dst_offset)], total size) of a rank slice of a GGUF file: every "
+          "key/value, pipeinfer.slice.* keys, and only the named tensors (gguf_slice.h).");
 
     m.def("cpu_features", []() {
         std::map<std::string, bool> f;

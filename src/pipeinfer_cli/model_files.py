@@ -17,7 +17,7 @@ class ModelRef:
     """A model argument resolved to a file."""
 
     label: str  # registry name, or the path as given
-    path: Path
+    path: Path | None  # None: not on this node (a rank other than the head is sent it: runtime/weight_stream.py)
     entry: ModelEntry | None  # None for a local path
 
 
@@ -37,18 +37,25 @@ def check_gguf_file(path: Path) -> None:
         raise ModelFileError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'); convert it with llama.cpp's convert_hf_to_gguf.py")
 
 
-def resolve_model(spec: str, registry: Registry) -> ModelRef:
-    """Resolve a model name or path. Registry models must have been pulled already."""
+def resolve_model(spec: str, registry: Registry, missing_ok: bool = False) -> ModelRef:
+    """Resolve a model name or path. Registry models must have been pulled already.
+
+    missing_ok: a model that is not on this node resolves to a ModelRef without a path (a rank
+    other than the head, which is sent its weights)."""
     if spec in registry.models:
         entry = registry.models[spec]
         path = cached_model_path(entry)
         if not path.exists():
+            if missing_ok:
+                return ModelRef(spec, None, entry)
             raise ModelFileError(f"model {spec!r} is not downloaded; run `pipeinfer models pull {spec}`")
         return ModelRef(spec, path, entry)
     if spec in registry.pairs:
         raise UnknownModelError(f"{spec!r} is a target/draft pair, not a single model; use {registry.pairs[spec].target!r} or {registry.pairs[spec].draft!r}")
     if looks_like_path(spec):
         path = Path(spec).expanduser()
+        if missing_ok and not path.exists():
+            return ModelRef(spec, None, None)
         check_gguf_file(path)
         return ModelRef(spec, path, None)
     registry.model(spec)  # raises the "unknown model" error listing the known names

@@ -14,6 +14,7 @@ import typer
 from ..errors import PipeinferError, UsageError
 from .job_setup import (PreparedJob, check_chat_template, check_n_predict, make_job_config, ranks_wanted,
                         resolve_models, run_here_or_relaunch)
+from ..transport.start_waits import launcher_rank
 from .job_options import JobOptions, job_options
 from .options import ModelArg
 from .wording import epilog, plural
@@ -65,7 +66,8 @@ def _bench_models(model: str, job, mode_list: list[str], prompt_set, inside: boo
     from ..decode.modes import needs_draft as mode_needs_draft
 
     needs_draft = any(mode_needs_draft(m) for m in mode_list)
-    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull)
+    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull,
+                                       on_head=not inside or launcher_rank() == 0)
     chats = [p.id for p in prompt_set if p.messages is not None]
     if chats:
         check_chat_template(target.path, target.label, f"the chat prompts of the prompt set ({', '.join(chats)})")

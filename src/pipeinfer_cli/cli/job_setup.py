@@ -10,13 +10,16 @@ import typer
 
 from ..errors import OptionValueError, UsageError
 from ..registry import load_registry
+from ..transport.start_waits import launcher_rank
 
 
-def resolve_models(model: str, draft: str | None, allow_pull: bool):
+def resolve_models(model: str, draft: str | None, allow_pull: bool, on_head: bool = True):
     """(target ModelRef, draft ModelRef | 'lookup' | None) from a model/pair name or paths.
 
     allow_pull: a registry model missing from the cache is downloaded first, announced by one line
-    on stderr; otherwise it is the error `model … is not downloaded; run pipeinfer models pull …`."""
+    on stderr; otherwise it is the error `model … is not downloaded; run pipeinfer models pull …`.
+    on_head: False on the other ranks of an MPI job, which may lack the files (the head sends
+    them their weights), so a missing model is not an error there."""
     from ..cache import cached_model_path, ensure_writable_cache
     from ..fetch import pull_model
     from ..model_files import resolve_model
@@ -39,7 +42,7 @@ def resolve_models(model: str, draft: str | None, allow_pull: bool):
             with byte_progress() as progress:
                 task = progress.add_task(f"pull {name}", total=entry.size)
                 pull_model(entry, progress=lambda n: progress.advance(task, n))
-        return resolve_model(name, reg)
+        return resolve_model(name, reg, missing_ok=not on_head)
 
     target = ref(model)
     if draft is None or draft == "lookup":
@@ -53,6 +56,8 @@ def check_chat_template(model_path, model_label: str, what: str) -> None:
     Gemma 3 270M have none."""
     from ..gguf_info import read_model_info
 
+    if model_path is None:
+        return  # a rank without the file: the head checks
     if not read_model_info(model_path).chat_template:
         raise UsageError(f"{model_label} has no chat template in its GGUF metadata, so {what} cannot be formatted "
                          "as a chat; give the raw text with -p/--prompt (or -f FILE) instead")
@@ -127,7 +132,15 @@ def make_job_config(target, draft_ref, job):
                              spec_policy=check_spec_policy(job.spec_policy)),
         n_ctx=job.ctx, layer_split=job.layer_split, threads=job.threads, debug=debug_enabled(),
         rank_timeout_s=job.rank_timeout, profile=job.profile,
+        model_sha256=target.entry.sha256 if target.entry else None, model_size=target.entry.size if target.entry else None,
+        draft_sha256=_entry_field(draft_ref, "sha256"), draft_size=_entry_field(draft_ref, "size"),
     )
+
+
+def _entry_field(ref, name: str):
+    """A registry fact of a draft ModelRef (None for lookup, no draft, or a path)."""
+    entry = getattr(ref, "entry", None)
+    return getattr(entry, name) if entry is not None else None
 
 
 @dataclass
@@ -187,16 +200,21 @@ def one_model(model: str | None, model_opt: str | None) -> str:
 
 def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:
     """Ranks, models (pulled unless inside the MPI job or --no-pull), mode and JobConfig of a job command."""
+    from .draft_spec import mark_hybrid, resolve_draft_models
+
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
-    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull)
+    target, draft_ref, hybrid = resolve_draft_models(resolve_models, model, job.draft,
+                                                     allow_pull=not inside and not job.no_pull,
+                                                     on_head=not inside or launcher_rank() == 0)
     from ..decode.modes import check_mode
     from .auto_mode import AUTO, choose
 
     auto = mode == AUTO
     mode = check_mode(None if auto else mode, draft_ref is not None)
     cfg = make_job_config(target, draft_ref, job)
+    mark_hybrid(cfg, hybrid)
     choice = None
-    if auto:
+    if auto and target.path is not None:  # a rank without the model takes the head's choice
         choice = choose(cfg, want, draft_ref is not None)
         mode, cfg.decode = choice.mode, choice.decode
     return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), draft_ref is not None, choice)

@@ -77,7 +77,7 @@ class Head:
         self.pipe = Pipeline(link if topo.world_size > 1 else None, loaded.engine, topo.n_stages, trace, topo.draft_rank,
                              wait_policy=link.wait_policy if link is not None else None)
         me = topo.ranks[0]
-        self.report = RankReport(0, "head", list(me.layers), me.threads, trace, loaded.engine, link)
+        self.report = RankReport(0, "head", list(me.layers), me.threads, trace, loaded.engine, link, loaded.weights)
         self.prefix = PrefixCache()
         self.draft_used = False  # a request has run the draft (its cache may hold tokens)
         self.draft_memory = DraftMemory()  # whether drafting can pay on one stage, learned by earlier requests

@@ -12,6 +12,8 @@ modes on the same ranks. Where each part lives:
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,8 @@ from .loading import Loaded, load_rank
 from ..decode.sampling import SamplingParams
 from ..decode.modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
 from ..decode.session import DecodeOptions
-from .topology import Topology, alone_on_cores, plan_config
+from .topology import Topology, alone_on_cores
+from .weight_stream import local_files, share_plan_and_weights
 from ..decode.trace import TraceRecorder
 from .worker import abort_job, serve_worker
 
@@ -67,6 +70,12 @@ class JobConfig:
     reuse_prefix: bool = False
     rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S  # liveness deadline (transport/liveness.py); 0: off
     profile: Path | None = None  # a calibration profile (planner/profile.py), for --layer-split auto
+    # What the registry says of the models (None for a path): a rank's copy with this size is taken
+    # to have this sha256, as its pull verified (runtime/weight_stream.py).
+    model_sha256: str | None = None
+    model_size: int | None = None
+    draft_sha256: str | None = None
+    draft_size: int | None = None
 
 
 def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,
@@ -193,17 +202,36 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
         needs_draft = any(needs_draft_for(r.mode) for r in requests)
     startup = job_startup()
     # Every rank checks in before planning, whatever fails later, so that the head learns the
-    # hosts (ranks per host for the thread counts) and a rank that failed earlier is reported.
+    # hosts (ranks per host for the thread counts), the model files each rank has, and a rank
+    # that failed earlier is reported.
     if not startup.started:
-        startup.check_in("start", deadline_s=start_timeout_s())
-    hosts = startup.hosts
+        startup.check_in("start", local_files(cfg), deadline_s=start_timeout_s())
     loaded, err, code = None, None, 1
     try:
         if before_load is not None:
             before_load()
-        topo = plan_config(cfg, link.size, hosts.count(hosts[link.rank]), needs_draft)
+        t0 = time.monotonic()
+        topo, source = share_plan_and_weights(link, startup, cfg, needs_draft, startup.start_values, _say)
         loaded = load_rank(cfg, topo, link.rank, requests, needs_draft)
+        loaded.weights = _weights_report(source, time.monotonic() - t0)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
     threads = startup.check_in("loaded", busy_threads(loaded) if loaded is not None else 0, err, code)
     return loaded, threads
+
+
+def _say(text: str) -> None:
+    print(f"pipeinfer: {text}", file=sys.stderr, flush=True)
+
+
+def _weights_report(source, load_s: float) -> dict | None:
+    """This rank's "weights" report: where they came from, bytes received, time to get and load
+    them, and its memory once loaded."""
+    from ..decode.metrics import peak_rss_mib
+
+    if source is None:
+        return None
+    out = source.to_dict()
+    out["load_s"] = round(load_s, 3)
+    out["peak_rss_mib_after_load"] = round(peak_rss_mib(), 1)
+    return out

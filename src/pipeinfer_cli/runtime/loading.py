@@ -4,6 +4,7 @@ tokenized prompts and a head-local drafter; on a draft rank, the draft model."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import UsageError
 from .topology import RankPlan, Topology
@@ -19,6 +20,7 @@ class Loaded:
     tokenizer: object | None = None  # tokenizer.Tokenizer (head)
     prompts: list[list[int]] = field(default_factory=list)  # token ids of every request (head)
     drafter: object | None = None  # the head's drafter, or the draft rank's model
+    weights: dict | None = None  # where this rank's weights came from (runtime/weight_stream.py)
 
 
 def spec_margin(cfg, req) -> int:
@@ -46,8 +48,8 @@ def requested_n(cfg, req) -> int:
 def _warn_if_profiled_elsewhere(cfg, rank: int) -> None:
     """With --profile (for --layer-split auto or -M auto): one warning line from a rank that runs on
     another machine than the profile measured for it."""
-    if getattr(cfg, "profile", None) is None:
-        return
+    if getattr(cfg, "profile", None) is None or not Path(cfg.profile).is_file():
+        return  # no profile, or the head's is not on this node
     import sys
 
     from ..planner.profile import Profile

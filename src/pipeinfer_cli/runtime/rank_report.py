@@ -27,8 +27,10 @@ class RankReport:
     Every count restarts at each report, so a report is exactly one request's share. cpu_s counts
     CPU seconds since the previous report, so an idle rank that spins would show it."""
 
-    def __init__(self, rank: int, role: str, layers, threads: int, trace, engine=None, link: Link | None = None):
+    def __init__(self, rank: int, role: str, layers, threads: int, trace, engine=None, link: Link | None = None,
+                 weights: dict | None = None):
         self.rank, self.role, self.layers, self.threads = rank, role, layers, threads
+        self.weights = weights  # where the rank's weights came from, once per job (runtime/weight_stream.py)
         self.trace, self.engine, self.link = trace, engine, link
         self.busy_s = 0.0  # seconds computing (stage evals, draft proposals)
         self.runs = 0  # runs computed or draft requests answered
@@ -50,6 +52,8 @@ class RankReport:
                "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(self.busy_s, 4),
                "cpu_s": round(time.process_time() - self._cpu0, 3), "runs": self.runs, "wait": self._wait_style()}
         out["process"] = process_stats()
+        if self.weights is not None:
+            out["weights"] = self.weights
         if self.engine is not None:
             stats = dict(self.engine.stats())
             out["engine"] = {k: v - self._engine0.get(k, 0) for k, v in stats.items()}

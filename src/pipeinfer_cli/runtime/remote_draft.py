@@ -71,7 +71,7 @@ class RemoteDrafter:
         pass
 
 
-def serve_draft(link: Link, drafter, threads: int, trace) -> None:
+def serve_draft(link: Link, drafter, threads: int, trace, weights: dict | None = None) -> None:
     """Answer the head's draft requests until SHUTDOWN; report this request's counters at each REPORT."""
 
     def check_abort() -> None:
@@ -80,7 +80,7 @@ def serve_draft(link: Link, drafter, threads: int, trace) -> None:
 
     fail_at = fault_injection(link)
     n_req = 0  # over the whole job, for fault injection
-    report = RankReport(link.rank, "draft", None, threads, trace, link=link)
+    report = RankReport(link.rank, "draft", None, threads, trace, link=link, weights=weights)
     while True:
         st = link.wait_probe(0, Tag.DRAFT_REQ, on_idle=check_abort)
         req = DraftRequest.decode(link.recv_array(0, Tag.DRAFT_REQ, np.int64, st))

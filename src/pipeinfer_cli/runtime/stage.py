@@ -80,12 +80,12 @@ class CancelListener(threading.Thread):
             self.cancelled = {i for i in self.cancelled if i > run_id}
 
 
-def serve_stage(link: Link, engine, threads: int, trace) -> None:
+def serve_stage(link: Link, engine, threads: int, trace, weights: dict | None = None) -> None:
     """Run the stage loop until SHUTDOWN, reporting this request's counters to the head at each REPORT."""
     listener = CancelListener(link, engine)
     listener.start()
     try:
-        _StageLoop(link, engine, threads, trace, listener).run()
+        _StageLoop(link, engine, threads, trace, listener, weights).run()
         link.flush()
     finally:
         listener.stopped.set()
@@ -97,14 +97,15 @@ def serve_stage(link: Link, engine, threads: int, trace) -> None:
 class _StageLoop:
     """One stage's stream: control messages (KV, SAMPLING, REPORT, KV_USAGE, SHUTDOWN) and runs, in order."""
 
-    def __init__(self, link: Link, engine, threads: int, trace, listener: CancelListener):
+    def __init__(self, link: Link, engine, threads: int, trace, listener: CancelListener, weights: dict | None = None):
         self.link, self.engine, self.trace, self.listener = link, engine, trace, listener
         self.prev = link.rank - 1
         self.is_last = engine.is_last
         self.nxt = None if self.is_last else link.rank + 1
         self.fail_at = fault_injection(link)
         self.n_runs = 0  # over the whole job, for fault injection
-        self.report = RankReport(link.rank, "stage", [engine.layer_begin, engine.layer_end], threads, trace, engine, link)
+        self.report = RankReport(link.rank, "stage", [engine.layer_begin, engine.layer_end], threads, trace, engine, link,
+                                 weights)
         self.sampling = SamplingParams()  # set by the head at the start of every request (Msg.SAMPLING)
         self.skipped_before_start = 0  # runs cancelled before this stage started them (this request)
         self.layers_unstarted = 0  # their layers

@@ -61,9 +61,9 @@ def serve_worker(link: Link, loaded, debug: bool, trace, before=None) -> None:
         if before is not None:  # the clock probes at start, inside the fault protocol
             before()
         if loaded.me.role == "draft":
-            serve_draft(link, loaded.drafter, loaded.me.threads, trace)
+            serve_draft(link, loaded.drafter, loaded.me.threads, trace, loaded.weights)
         else:
-            serve_stage(link, loaded.engine, loaded.me.threads, trace)
+            serve_stage(link, loaded.engine, loaded.me.threads, trace, loaded.weights)
         link.flush()
         link.drop_unreceived()  # the head sends nothing after SHUTDOWN: what is left can only be stale
     except JobAborted:

@@ -35,6 +35,8 @@ class Tag(IntEnum):
     HEARTBEAT = 12  # head <-> every other rank, every few seconds with --rank-timeout: [busy, progress...]
     STARTUP = 13  # start-up check-ins (rank -> head) and the head's answer (go / abort), pickled
     CALIBRATE = 14  # `pipeinfer calibrate`: the head's orders and every rank's measurements, pickled
+    WEIGHTS = 15  # head -> a rank without the model file: its weights, in chunks (runtime/weight_stream.py)
+    WEIGHTS_CTL = 16  # head -> that rank: the stream's start (its size) and end (its sha256), pickled
 
 
 class Msg(IntEnum):

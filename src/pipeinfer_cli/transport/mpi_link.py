@@ -73,7 +73,7 @@ class _Received:
 
 
 # Rare control messages sent pickled; every other tag carries one flat array.
-PICKLED_TAGS = frozenset({Tag.ERROR, Tag.STATS, Tag.CLOCK, Tag.STARTUP, Tag.CALIBRATE})
+PICKLED_TAGS = frozenset({Tag.ERROR, Tag.STATS, Tag.CLOCK, Tag.STARTUP, Tag.CALIBRATE, Tag.WEIGHTS_CTL})
 _SEQ = np.dtype(np.int64)
 
 
@@ -282,6 +282,10 @@ class Link:
     def abort_requested(self) -> bool:
         """Did the head tell this rank to stop?"""
         return self.probe(0, Tag.ABORT) is not None
+
+    def sends_in_flight(self) -> int:
+        """Sends not completed yet (a stream keeps this bounded to bound its memory)."""
+        return len(self._pending)
 
     def progress_sends(self) -> None:
         if self._pending:

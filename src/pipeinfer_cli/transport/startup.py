@@ -59,6 +59,7 @@ class Startup:
         self.started = False  # the "start" phase is over (later failures use the job's fault protocol)
         self.aborted = False  # the head told every rank that the job will not start
         self.hosts: list[str] = [self.host]
+        self.start_values: list = [None]  # every rank's value at the "start" check-in
 
     # -- every rank --------------------------------------------------------------------------
     def check_in(self, phase: str, value: object = None, error: str | None = None, exit_code: int = 1,
@@ -70,22 +71,38 @@ class Startup:
             if error is not None:
                 raise StartupFailed(error, exit_code)
             if phase == "start":
-                self.started = True
+                self.started, self.start_values = True, [value]
                 started_now()
             return [value]
         if self.link.rank == 0:
-            return self._gather(mine, deadline_s)
+            values = self._gather(mine, deadline_s)
+        else:
+            values = self._answer(mine)
+        if phase == "start":
+            self.start_values = values
+        return values
+
+    def _answer(self, mine: CheckIn) -> list:
+        """A rank other than the head: check in and take the head's answer."""
         self.link.send_pickled(mine, 0, Tag.STARTUP)
         self.link.flush()
+        if mine.error is not None and not self.link.arrives_within(0, Tag.STARTUP, FAILED_RANK_WAIT_S):
+            self._report_alone(mine.error, mine.exit_code)  # the head is gone or cut off
         answer = self.link.recv_pickled(0, Tag.STARTUP)
         if answer[0] != "go":
             from .exits import leave_after_head
 
             leave_after_head(answer[1])  # the head reports the error and ends the job, with this status
-        if phase == "start":
+        if mine.phase == "start":
             self.started, self.hosts = True, answer[2]
             started_now()
         return answer[1]
+
+    def _report_alone(self, message: str, exit_code: int) -> None:
+        from .exits import hard_exit
+
+        print(f"Error: rank {self.link.rank} (host {self.host}): {message}", file=sys.stderr)
+        hard_exit(exit_code)
 
     # -- the head ----------------------------------------------------------------------------
     def _gather(self, mine: CheckIn, deadline_s: float | None) -> list:
@@ -151,14 +168,13 @@ class Startup:
         if self.link.rank == 0:
             self._abort(exit_code)
             return
-        from .exits import hard_exit, leave_after_head
+        from .exits import leave_after_head
 
         self.link.send_pickled(CheckIn("start", self.host, None, message, exit_code), 0, Tag.STARTUP)
         self.link.flush(timeout_s=2)
         if self.link.arrives_within(0, Tag.STARTUP, FAILED_RANK_WAIT_S):
             leave_after_head(exit_code)  # the head prints the job's error
-        print(f"Error: rank {self.link.rank} (host {self.host}): {message}", file=sys.stderr)
-        hard_exit(exit_code)
+        self._report_alone(message, exit_code)
 
 
 _startup: Startup | None = None

@@ -1,0 +1,260 @@
+"""Weights from the head: a model on one node is enough.
+
+Only the head needs the job's model files. At start-up (`share_plan_and_weights`, on every rank):
+
+1. "start": every rank tells the head which model files it has (`model_identity.FileIdentity`).
+2. "plan": the head plans the job and sends every rank its configuration (the head's options win)
+   and the models' sha256 where a rank's copy is not the head's very file.
+3. Each rank picks its weights: the head's file when it is the same file; its own copy when it has
+   the same size and sha256; else its node cache (`slice_cache`), whose bytes are checked.
+4. "weights": ranks that found none of these say what they need, and the head streams it to them
+   one after the other (a stage its rank slice, a draft rank the whole draft file), in chunks with
+   at most STREAM_WINDOW of them in flight, so no rank ever holds more than its share plus a few
+   chunks. The rank writes the bytes to its node cache, so the next job on that node reads them
+   from disk.
+
+The head prints one line per streamed rank and its progress on stderr; every rank's report in the
+JSON says where its weights came from, how many bytes it received and how long it took.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import PipeinferError
+from ..model_identity import FileIdentity, file_sha256, identify
+from ..transport.messages import Tag
+from ..transport.mpi_link import Link
+from ..transport.start_waits import start_timeout_s
+from ..wording import human_bytes
+from .topology import Topology, plan_config
+
+STREAM_CHUNK_BYTES = 4 << 20
+STREAM_WINDOW = 4  # chunks in flight to one rank: bounds the memory a stream takes on both sides
+PROGRESS_EVERY_S = 5.0
+
+
+class WeightsError(PipeinferError):
+    """A rank could not get its weights (a stream cut, a damaged copy, a model the head lacks)."""
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a rank asks the head to stream: its slice of the target, or the whole draft file."""
+
+    what: str  # "target" or "draft"
+    layers: tuple[int, int] | None  # the target's [begin, end); None: the whole file
+
+
+@dataclass
+class WeightsSource:
+    """Where this rank's weights came from (its report's "weights" entry)."""
+
+    source: str  # "local" (a model file on this node), "cache" (the node cache) or "stream" (from the head)
+    bytes_received: int = 0
+    stream_s: float = 0.0
+    path: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "bytes_received": self.bytes_received, "stream_s": round(self.stream_s, 3),
+                "path": self.path}
+
+
+def local_files(cfg) -> dict:
+    """The model files this rank has ("start" check-in value)."""
+    return {"target": identify(cfg.model_path, cfg.model_sha256, cfg.model_size),
+            "draft": identify(cfg.draft_path, cfg.draft_sha256, cfg.draft_size)}
+
+
+def share_plan_and_weights(link: Link, startup, cfg, needs_draft: bool, files: list[dict],
+                           say: Callable[[str], None]) -> tuple[Topology, WeightsSource | None]:
+    """Plan on the head, agree on the configuration and get every rank its weights (see the module
+    docstring). files: every rank's `local_files` from the "start" check-in. On every rank, cfg is
+    the head's configuration afterwards, with this rank's own paths to the weights it loads."""
+    hosts = startup.hosts
+    if link.rank == 0:
+        topo = plan_config(cfg, link.size, hosts.count(hosts[0]), needs_draft)
+        digests = _digests_for_others(cfg, topo, files, needs_draft)
+        startup.check_in("plan", (topo, cfg, digests))
+        needs = startup.check_in("weights", [])
+        for rank, wanted in enumerate(needs):
+            for need in wanted:
+                _stream_to(link, cfg, topo, rank, hosts[rank], need, digests, say)
+        return topo, WeightsSource("local", path=str(cfg.model_path))
+    topo, head_cfg, digests = startup.check_in("plan")[0]
+    mine = files[link.rank]
+    _adopt(cfg, head_cfg)
+    role = topo.ranks[link.rank].role
+    source, needs = None, []
+    if role == "stage":
+        cfg.model_path, source = _pick(mine["target"], files[0]["target"], digests.get("target"),
+                                       tuple(topo.ranks[link.rank].layers), _whoami(link, startup))
+        if cfg.model_path is None:
+            needs.append(Need("target", tuple(topo.ranks[link.rank].layers)))
+    elif role == "draft" and needs_draft and head_cfg.draft_path is not None:
+        cfg.draft_path, source = _pick(mine["draft"], files[0]["draft"], digests.get("draft"), None,
+                                       _whoami(link, startup))
+        if cfg.draft_path is None:
+            needs.append(Need("draft", None))
+    startup.check_in("weights", needs)
+    for need in needs:
+        path, source = _receive(link, cfg, need, digests)
+        if need.what == "target":
+            cfg.model_path = path
+        else:
+            cfg.draft_path = path
+    return topo, source
+
+
+def _adopt(cfg, head_cfg) -> None:
+    """Take the head's configuration (its options win: one plan, one mode) but keep this rank's
+    paths, which the weights step sets."""
+    own = cfg.model_path, cfg.draft_path
+    cfg.__dict__.update(head_cfg.__dict__)
+    cfg.model_path, cfg.draft_path = own
+
+
+def _digests_for_others(cfg, topo: Topology, files: list[dict], needs_draft: bool) -> dict:
+    """The sha256 of each model some rank needs and cannot use the head's very file for. Hashing
+    a model the registry does not know takes a few seconds once (it is remembered)."""
+    out = {}
+    head = files[0]
+    for plan in topo.ranks[1:]:
+        what = "target" if plan.role == "stage" else "draft" if needs_draft and cfg.draft_path is not None else None
+        if what is None or what in out:
+            continue
+        theirs = files[plan.rank][what]
+        if theirs is None or not theirs.same_file(head[what]):
+            out[what] = file_sha256(head[what])
+    return out
+
+
+def _whoami(link: Link, startup) -> str:
+    return f"rank {link.rank} (host {startup.host})"
+
+
+def _pick(mine: FileIdentity | None, head: FileIdentity, digest: str | None, layers, whoami: str):
+    """(path, WeightsSource) of the weights this rank can load without a stream, or (None, None)."""
+    from .. import slice_cache
+
+    if mine is not None and mine.same_file(head):
+        return Path(mine.path), WeightsSource("local", path=mine.path)
+    if mine is not None and mine.size == head.size and file_sha256(mine) == digest:
+        return Path(mine.path), WeightsSource("local", path=mine.path)
+    path, why = slice_cache.lookup(digest, layers)
+    if why is not None:
+        print(f"pipeinfer: warning: {whoami}: {why}", file=sys.stderr, flush=True)
+    if path is not None:
+        return path, WeightsSource("cache", path=str(path))
+    return None, None
+
+
+# -- the stream ------------------------------------------------------------------------------
+
+def _source_for(cfg, need: Need, digests: dict):
+    from ..weight_slices import stage_slice, whole_file
+
+    if need.what == "target":
+        return stage_slice(cfg.model_path, digests["target"], *need.layers)
+    return whole_file(cfg.draft_path)
+
+
+def _stream_to(link: Link, cfg, topo: Topology, rank: int, host: str, need: Need, digests: dict,
+               say: Callable[[str], None]) -> None:
+    """Head: send one rank its weights. Stops early (quietly) when the rank checked in with an
+    error instead (it reports it at the next check-in); raises WeightsError when it stops taking
+    the chunks for PIPEINFER_START_TIMEOUT seconds."""
+    import hashlib
+
+    from ..weight_slices import iter_chunks
+
+    src = _source_for(cfg, need, digests)
+    label = cfg.model_label if need.what == "target" else cfg.draft_label
+    part = "the whole draft file" if need.layers is None else f"layers {need.layers[0]}-{need.layers[1] - 1}"
+    say(f"rank {rank} (host {host}) has no copy of {label}: sending it {part} ({human_bytes(src.total)})")
+    link.send_pickled(("begin", src.total), rank, Tag.WEIGHTS_CTL)
+    digest, sent, t0 = hashlib.sha256(), 0, time.monotonic()
+    last_note = t0
+    stall_s = start_timeout_s()
+    for chunk in iter_chunks(src, STREAM_CHUNK_BYTES):
+        if not _wait_for_window(link, rank, stall_s, host):
+            return
+        digest.update(chunk)
+        link.send_array(np.frombuffer(chunk, np.uint8), rank, Tag.WEIGHTS)
+        sent += len(chunk)
+        now = time.monotonic()
+        if now - last_note >= PROGRESS_EVERY_S:
+            last_note = now
+            say(f"rank {rank}: {human_bytes(sent)} of {human_bytes(src.total)} ({100 * sent / src.total:.0f} %), "
+                f"{human_bytes(sent / (now - t0))}/s")
+    link.send_pickled(("end", digest.hexdigest()), rank, Tag.WEIGHTS_CTL)
+    if not _wait_for_window(link, rank, stall_s, host, limit=0):
+        return
+    took = time.monotonic() - t0
+    say(f"rank {rank}: {human_bytes(sent)} in {took:.1f} s ({human_bytes(sent / max(took, 1e-9))}/s); "
+        "it keeps them in its node cache for the next job")
+
+
+def _wait_for_window(link: Link, rank: int, stall_s: float, host: str, limit: int = STREAM_WINDOW - 1) -> bool:
+    """Head: wait until at most `limit` sends are in flight. False when the rank checked in with an
+    error instead of taking them (it is reported at the next check-in)."""
+    backoff = link.backoff(hi=5e-3)
+    last_count, last_change = link.sends_in_flight(), time.monotonic()
+    while link.sends_in_flight() > limit:
+        if link.probe(rank, Tag.STARTUP) is not None:
+            return False
+        link.progress_sends()
+        count = link.sends_in_flight()
+        if count != last_count:
+            last_count, last_change = count, time.monotonic()
+        elif time.monotonic() - last_change > stall_s:
+            raise WeightsError(f"rank {rank} (host {host}) stopped taking its weights: nothing was received for "
+                               f"{stall_s:g} s; check the network between it and the head ({_TIMEOUT_HINT})")
+        backoff.idle()
+    return True
+
+
+_TIMEOUT_HINT = "PIPEINFER_START_TIMEOUT sets how long to wait"
+
+
+def _receive(link: Link, cfg, need: Need, digests: dict) -> tuple[Path, WeightsSource]:
+    """A rank: take the stream of one Need into the node cache; its path and source."""
+    from ..slice_cache import SliceWriter
+
+    stall_s = start_timeout_s()
+    kind, total = _recv_ctl(link, stall_s, "the start of the stream")
+    label = cfg.model_label if need.what == "target" else cfg.draft_label
+    t0 = time.monotonic()
+    with SliceWriter(label, digests[need.what], need.layers, total) as out:
+        while out.written < total:
+            got = _wait_chunk(link, stall_s, out.written, total)
+            out.write(memoryview(link.recv_array(0, Tag.WEIGHTS, np.uint8, got)))
+        kind, digest = _recv_ctl(link, stall_s, "the end of the stream")
+        path = out.commit(digest)
+    return path, WeightsSource("stream", total, time.monotonic() - t0, str(path))
+
+
+def _recv_ctl(link: Link, stall_s: float, what: str):
+    if not link.arrives_within(0, Tag.WEIGHTS_CTL, stall_s):
+        raise WeightsError(f"{what} of the weights from the head did not arrive within {stall_s:g} s ({_TIMEOUT_HINT})")
+    return link.recv_pickled(0, Tag.WEIGHTS_CTL)
+
+
+def _wait_chunk(link: Link, stall_s: float, done: int, total: int):
+    deadline = time.monotonic() + stall_s
+    backoff = link.backoff(hi=5e-3)
+    while True:
+        got = link.probe(0, Tag.WEIGHTS)
+        if got is not None:
+            return got
+        if time.monotonic() > deadline:
+            raise WeightsError(f"the weights from the head stopped after {human_bytes(done)} of {human_bytes(total)}: "
+                               f"nothing arrived for {stall_s:g} s; check the network between this host and the head "
+                               f"({_TIMEOUT_HINT})")
+        backoff.idle()

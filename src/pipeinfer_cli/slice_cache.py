@@ -1,0 +1,166 @@
+"""The node cache of streamed weights: rank slices and whole files a rank was sent by the head.
+
+Files live in `<cache>/slices/`, named by the model's sha256 and what part of it they hold
+(`<sha256>.layers-14-27.gguf`, or `<sha256>.whole.gguf` for a whole draft file), each with a
+`.json` beside it: the model's label, the part, the size and the file's own sha256. A cached file
+is used only when its bytes still hash to that digest (a flipped byte makes it fetched again).
+Files are written under a `.partial` name and renamed once complete and checked, so a job cut
+in the middle never leaves a file that a later job would use; `models prune` removes leftovers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cache import cache_dir, ensure_writable_cache
+from .fetch import current_umask, sha256_file
+
+SLICES_DIR = "slices"
+PARTIAL = ".partial"
+WHOLE = "whole"
+
+
+def slices_dir() -> Path:
+    return cache_dir() / SLICES_DIR
+
+
+def part_name(layers: tuple[int, int] | None) -> str:
+    """'layers-14-27' for layers [14, 28), 'whole' for a whole file."""
+    return WHOLE if layers is None else f"layers-{layers[0]}-{layers[1] - 1}"
+
+
+def slice_path(model_sha256: str, layers: tuple[int, int] | None) -> Path:
+    return slices_dir() / f"{model_sha256}.{part_name(layers)}.gguf"
+
+
+@dataclass(frozen=True)
+class CachedSlice:
+    path: Path
+    model: str  # the model's label when it was streamed
+    model_sha256: str
+    layers: tuple[int, int] | None  # [begin, end), or None for a whole file
+    size: int
+    sha256: str  # of this file's bytes
+    created: float  # Unix time
+
+    def describe(self) -> str:
+        return "whole file" if self.layers is None else f"layers {self.layers[0]}-{self.layers[1] - 1}"
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def read_entry(path: Path) -> CachedSlice | None:
+    """A cached file's record, or None when the file or its record is missing or unreadable."""
+    try:
+        rec = json.loads(_sidecar(path).read_text())
+        layers = tuple(rec["layers"]) if rec.get("layers") is not None else None
+        return CachedSlice(path, str(rec["model"]), str(rec["model_sha256"]), layers, int(rec["size"]),
+                           str(rec["sha256"]), float(rec.get("created", 0)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def lookup(model_sha256: str, layers: tuple[int, int] | None) -> tuple[Path | None, str | None]:
+    """(path, None) for a cached file whose bytes check out; (None, why) for one that does not
+    (it is removed, so it is fetched again); (None, None) when there is none."""
+    path = slice_path(model_sha256, layers)
+    if not path.exists():
+        return None, None
+    entry = read_entry(path)
+    why = None
+    if entry is None:
+        why = "its record is missing or unreadable"
+    elif path.stat().st_size != entry.size:
+        why = f"it has {path.stat().st_size} bytes, its record says {entry.size}"
+    elif sha256_file(path) != entry.sha256:
+        why = "its bytes no longer match their sha256 (corrupted)"
+    if why is None:
+        return path, None
+    remove(path)
+    return None, f"the cached {path.name} was not used: {why}; it is fetched again"
+
+
+def remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    _sidecar(path).unlink(missing_ok=True)
+
+
+def list_cached() -> list[CachedSlice]:
+    """Every complete cached file (with or without a readable record: a lone file is listed with
+    what its name says, so that `models prune` can remove it)."""
+    root = slices_dir()
+    if not root.is_dir():
+        return []
+    out = []
+    for path in sorted(root.glob("*.gguf")):
+        entry = read_entry(path)
+        if entry is None:
+            sha, _, part = path.stem.partition(".")
+            entry = CachedSlice(path, "?", sha, None, path.stat().st_size, "", path.stat().st_mtime)
+        out.append(entry)
+    return out
+
+
+def leftovers() -> list[Path]:
+    """Partial files of jobs that were cut, and records without their file."""
+    root = slices_dir()
+    if not root.is_dir():
+        return []
+    stray = [p for p in root.iterdir() if PARTIAL in p.name]
+    stray += [p for p in root.glob("*.json") if not p.with_suffix(".gguf").exists()]
+    return sorted(stray)
+
+
+class SliceWriter:
+    """Writes one streamed file: bytes appended in order under a partial name, hashed as they
+    come; commit() checks the digest the head sent, records it and renames the file into place.
+    Leaving the `with` block without commit() removes the partial file."""
+
+    def __init__(self, model: str, model_sha256: str, layers: tuple[int, int] | None, size: int):
+        ensure_writable_cache()
+        slices_dir().mkdir(parents=True, exist_ok=True)
+        self.model, self.model_sha256, self.layers, self.size = model, model_sha256, layers, size
+        self.final = slice_path(model_sha256, layers)
+        self.tmp = self.final.with_name(f".{self.final.name}.{os.getpid()}{PARTIAL}")
+        self._f = open(self.tmp, "wb")
+        self._digest = hashlib.sha256()
+        self.written = 0
+
+    def write(self, block) -> None:
+        self._f.write(block)
+        self._digest.update(block)
+        self.written += len(block)
+
+    def commit(self, expected_sha256: str) -> Path:
+        got = self._digest.hexdigest()
+        if self.written != self.size or got != expected_sha256:
+            raise OSError(f"the streamed {part_name(self.layers)} of {self.model} arrived damaged "
+                          f"({self.written} of {self.size} bytes, sha256 {got[:12]}… instead of {expected_sha256[:12]}…)")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        os.fchmod(self._f.fileno(), 0o666 & ~current_umask())
+        self._f.close()
+        record = {"model": self.model, "model_sha256": self.model_sha256,
+                  "layers": list(self.layers) if self.layers is not None else None,
+                  "size": self.size, "sha256": got, "created": time.time()}
+        side = _sidecar(self.final)
+        side_tmp = side.with_name(f".{side.name}.{os.getpid()}{PARTIAL}")
+        side_tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(side_tmp, side)
+        os.replace(self.tmp, self.final)
+        return self.final
+
+    def __enter__(self) -> SliceWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._f.closed:
+            self._f.close()
+        self.tmp.unlink(missing_ok=True)
