@@ -38,9 +38,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_a_node_without_the_model_ends_the_job(smollm2_path, tmp_path):
+def test_a_late_node_without_the_model_is_waited_for_and_sent_its_layers(smollm2_path, tmp_path):
     """Rank 1's cache lacks the model, and rank 1 starts 4 s late: the head waits without spinning,
-    then prints rank 1's error once (naming its host) and the job ends."""
+    then sends rank 1 its layers (runtime/weight_stream.py) and the job runs."""
     cache, empty = str(smollm2_path.parent), tmp_path / "empty-cache"
     empty.mkdir()
     late = tmp_path / "late.sh"
@@ -56,9 +56,20 @@ def test_a_node_without_the_model_ends_the_job(smollm2_path, tmp_path):
     # Over that second the head only waits (in MPI_Init or its check-in): it must sleep, not spin.
     assert heads and all(cpu_seconds(p) - used[p] < 0.3 for p in heads), [cpu_seconds(p) - used[p] for p in heads]
     rc, out, err = finish_job(proc, marker, within_s=60)
+    assert rc == 0 and out.strip(), err
+    assert f"rank 1 (host {socket.gethostname()}) has no copy of {MODEL}" in err
+
+
+def test_a_model_missing_on_the_head_is_one_line_naming_it_and_the_host(smollm2_path, tmp_path):
+    """The head is the one node that needs the model: without it the job ends at once, saying so."""
+    empty = tmp_path / "empty-cache"
+    empty.mkdir()
+    proc, marker = start_job([MPIEXEC, "-n", 1, "-env", "PIPEINFER_CACHE", str(empty), PIPEINFER, *ARGS, "--no-pull",
+                              ":", "-n", 1, "-env", "PIPEINFER_CACHE", str(smollm2_path.parent), PIPEINFER, *ARGS])
+    rc, out, err = finish_job(proc, marker, within_s=60)
     assert rc != 0 and out == ""
     line = one_error_line(err)
-    assert line.startswith(f"Error: rank 1 (host {socket.gethostname()}): model '{MODEL}' is not downloaded"), line
+    assert line.startswith(f"Error: model '{MODEL}' is not on the head's host ({socket.gethostname()})"), line
 
 
 def test_an_option_only_one_rank_rejects(smollm2_path):

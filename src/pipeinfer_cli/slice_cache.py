@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ class CachedSlice:
     size: int
     sha256: str  # of this file's bytes
     created: float  # Unix time
+    last_used: float = 0.0  # Unix time a job last used it (its record's mtime)
 
     def describe(self) -> str:
         return "whole file" if self.layers is None else f"layers {self.layers[0]}-{self.layers[1] - 1}"
@@ -62,7 +64,7 @@ def read_entry(path: Path) -> CachedSlice | None:
         rec = json.loads(_sidecar(path).read_text())
         layers = tuple(rec["layers"]) if rec.get("layers") is not None else None
         return CachedSlice(path, str(rec["model"]), str(rec["model_sha256"]), layers, int(rec["size"]),
-                           str(rec["sha256"]), float(rec.get("created", 0)))
+                           str(rec["sha256"]), float(rec.get("created", 0)), _sidecar(path).stat().st_mtime)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -82,6 +84,7 @@ def lookup(model_sha256: str, layers: tuple[int, int] | None) -> tuple[Path | No
     elif sha256_file(path) != entry.sha256:
         why = "its bytes no longer match their sha256 (corrupted)"
     if why is None:
+        os.utime(_sidecar(path))  # last use, for `models prune --unused-days`
         return path, None
     remove(path)
     return None, f"the cached {path.name} was not used: {why}; it is fetched again"
@@ -103,19 +106,40 @@ def list_cached() -> list[CachedSlice]:
         entry = read_entry(path)
         if entry is None:
             sha, _, part = path.stem.partition(".")
-            entry = CachedSlice(path, "?", sha, None, path.stat().st_size, "", path.stat().st_mtime)
+            st = path.stat()
+            entry = CachedSlice(path, "?", sha, None, st.st_size, "", st.st_mtime, st.st_mtime)
         out.append(entry)
     return out
 
 
-def leftovers() -> list[Path]:
-    """Partial files of jobs that were cut, and records without their file."""
+def leftovers(only_dead: bool = False) -> list[Path]:
+    """Partial files of jobs that were cut, and records without their file. only_dead: only the
+    partial files of processes of this host that have ended (others may still be writing)."""
     root = slices_dir()
     if not root.is_dir():
         return []
-    stray = [p for p in root.iterdir() if PARTIAL in p.name]
-    stray += [p for p in root.glob("*.json") if not p.with_suffix(".gguf").exists()]
+    stray = [p for p in root.iterdir() if PARTIAL in p.name and (not only_dead or _writer_ended(p))]
+    if not only_dead:
+        stray += [p for p in root.glob("*.json") if not p.with_suffix(".gguf").exists()]
     return sorted(stray)
+
+
+def _writer_ended(partial: Path) -> bool:
+    """Whether the process that wrote this partial file (named .<file>~<host>~<pid>.partial) has ended."""
+    parts = partial.name[: -len(PARTIAL)].split("~")
+    if len(parts) != 3 or parts[1] != socket.gethostname() or not parts[2].isdigit():
+        return False
+    return not Path(f"/proc/{parts[2]}").exists()
+
+
+def remove_dead_partials() -> None:
+    """Best effort, when a rank starts writing: the partial files that cut jobs of this host left."""
+    for path in leftovers(only_dead=True):
+        path.unlink(missing_ok=True)
+
+
+def total_bytes() -> int:
+    return sum(e.size for e in list_cached())
 
 
 class SliceWriter:
@@ -128,7 +152,8 @@ class SliceWriter:
         slices_dir().mkdir(parents=True, exist_ok=True)
         self.model, self.model_sha256, self.layers, self.size = model, model_sha256, layers, size
         self.final = slice_path(model_sha256, layers)
-        self.tmp = self.final.with_name(f".{self.final.name}.{os.getpid()}{PARTIAL}")
+        remove_dead_partials()
+        self.tmp = self.final.with_name(f".{self.final.name}~{socket.gethostname()}~{os.getpid()}{PARTIAL}")
         self._f = open(self.tmp, "wb")
         self._digest = hashlib.sha256()
         self.written = 0
@@ -151,7 +176,7 @@ class SliceWriter:
                   "layers": list(self.layers) if self.layers is not None else None,
                   "size": self.size, "sha256": got, "created": time.time()}
         side = _sidecar(self.final)
-        side_tmp = side.with_name(f".{side.name}.{os.getpid()}{PARTIAL}")
+        side_tmp = side.with_name(f".{side.name}~{socket.gethostname()}~{os.getpid()}{PARTIAL}")
         side_tmp.write_text(json.dumps(record, indent=1) + "\n")
         os.replace(side_tmp, side)
         os.replace(self.tmp, self.final)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import typer
 
-from ..errors import OptionValueError, UsageError
+from ..errors import ModelFileError, OptionValueError, UsageError
 from ..registry import load_registry
 from ..transport.start_waits import launcher_rank
 
@@ -42,12 +42,28 @@ def resolve_models(model: str, draft: str | None, allow_pull: bool, on_head: boo
             with byte_progress() as progress:
                 task = progress.add_task(f"pull {name}", total=entry.size)
                 pull_model(entry, progress=lambda n: progress.advance(task, n))
-        return resolve_model(name, reg, missing_ok=not on_head)
+        try:
+            return resolve_model(name, reg, missing_ok=not on_head)
+        except ModelFileError as exc:
+            raise _missing_on_head(name, exc) from None
 
     target = ref(model)
     if draft is None or draft == "lookup":
         return target, draft
     return target, ref(draft)
+
+
+def _missing_on_head(name: str, exc: ModelFileError) -> ModelFileError:
+    """In a job of several ranks the head is the one node that needs the models: say so, and where."""
+    import socket
+
+    from ..transport.launch import under_mpi_launcher
+
+    if not under_mpi_launcher() or "does not exist" not in str(exc) and "not downloaded" not in str(exc):
+        return exc
+    how = f"run `pipeinfer models pull {name}` there" if not name.endswith(".gguf") and "/" not in name else "copy it there"
+    return ModelFileError(f"model {name!r} is not on the head's host ({socket.gethostname()}), which needs every model "
+                          f"of the job (the other ranks are sent their layers from it); {how}")
 
 
 def check_chat_template(model_path, model_label: str, what: str) -> None:

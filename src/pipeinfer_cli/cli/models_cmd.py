@@ -1,8 +1,10 @@
-"""`pipeinfer models …`: list, pull and locate the models of the registry."""
+"""`pipeinfer models …`: list, pull, locate and remove the models of the registry, and the weights
+other ranks were sent (the node cache of rank slices, slice_cache.py)."""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Annotated
 
 import typer
@@ -11,9 +13,10 @@ from rich.table import Table
 from ..cache import cache_dir, cached_model_path, ensure_writable_cache
 from ..fetch import pull_model
 from ..registry import load_registry
+from ..slice_cache import leftovers, list_cached, part_name, remove
 from .console import byte_progress, err, out
 from .options import JsonFlag
-from .wording import epilog, human_bytes
+from .wording import epilog, human_bytes, plural
 
 app = typer.Typer(
     help="List, download and locate the named models of the registry (models.toml).",
@@ -26,7 +29,14 @@ app = typer.Typer(
 
   pipeinfer models path smollm2-135m-instruct
 
+  pipeinfer models prune --unused-days 30
+
+  pipeinfer models rm gemma3-270m
+
 Sizes are in decimal units (1 MB = 1,000,000 bytes). PIPEINFER_CACHE chooses the cache directory.
+Besides complete model files, the cache holds the weights a rank was sent by the head of a job
+(rank slices, in <cache>/slices): `models list` shows them and their total, `models prune` and
+`models rm` remove them.
 """),
 )
 
@@ -44,8 +54,10 @@ def list_models(as_json: JsonFlag = False) -> None:
         rows.append({"name": m.name, "arch": m.arch, "size": m.size, "downloaded": path.exists(),
                      "path": str(path), "default": m.name == reg.default, "description": m.description})
     pairs = [{"name": p.name, "target": p.target, "draft": p.draft, "description": p.description} for p in reg.pairs.values()]
+    slices = [_slice_row(s) for s in list_cached()]
     if as_json:
-        out.print_json(json.dumps({"cache": str(cache_dir()), "models": rows, "pairs": pairs}))
+        out.print_json(json.dumps({"cache": str(cache_dir()), "models": rows, "pairs": pairs, "slices": slices,
+                                   "cache_bytes": _cache_bytes(rows, slices)}))
         return
     if not out.is_terminal:
         by_name = {r["name"]: r for r in rows}
@@ -54,6 +66,7 @@ def list_models(as_json: JsonFlag = False) -> None:
             t, d = by_name[p["target"]], by_name[p["draft"]]
             both = t["downloaded"] and d["downloaded"]
             lines.append(f"{p['name']}\tpair\t{t['size'] + d['size']}\t{'yes' if both else 'no'}\t{p['target']}\t{p['draft']}")
+        lines += [f"{s['model']}@{s['part']}\tslice\t{s['size']}\tyes\t{s['path']}" for s in slices]
         typer.echo("\n".join(lines))
         return
     # Every column but the description keeps its full width (never "smollm2-135m-instru…"); the
@@ -78,6 +91,86 @@ def list_models(as_json: JsonFlag = False) -> None:
         for p in pairs:
             pt.add_row(p["name"], p["target"], p["draft"])
         out.print(pt)
+    _print_slices(slices)
+    out.print(f"The cache holds {human_bytes(_cache_bytes(rows, slices))}: "
+              f"{plural(sum(r['downloaded'] for r in rows), 'model file')} and {plural(len(slices), 'rank slice')} "
+              "(`pipeinfer models prune` removes slices, `pipeinfer models rm NAME` a model).",
+              markup=False, highlight=False)
+
+
+def _slice_row(s) -> dict:
+    return {"model": s.model, "model_sha256": s.model_sha256, "part": part_name(s.layers),
+            "layers": list(s.layers) if s.layers else None, "size": s.size, "path": str(s.path),
+            "created": s.created, "last_used": s.last_used}
+
+
+def _cache_bytes(rows: list[dict], slices: list[dict]) -> int:
+    return sum(r["size"] for r in rows if r["downloaded"]) + sum(s["size"] for s in slices)
+
+
+def _print_slices(slices: list[dict]) -> None:
+    if not slices:
+        return
+    st = Table(title="rank slices (weights this node was sent by a job's head)", title_justify="left")
+    for col in ("model", "part", "size", "last used"):
+        st.add_column(col, justify="right" if col == "size" else "left", no_wrap=True)
+    for s in slices:
+        st.add_row(s["model"], s["part"].replace("-", " ", 1), human_bytes(s["size"]),
+                   time.strftime("%Y-%m-%d %H:%M", time.localtime(s["last_used"])))
+    out.print(st)
+
+
+@app.command("prune")
+def prune(
+    unused_days: Annotated[float | None, typer.Option("--unused-days", help="Only slices no job used for this many days.", min=0)] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")] = False,
+) -> None:
+    """Remove the rank slices of the node cache (the weights a job's head sent this node), and the partial
+    files of jobs that were cut. Complete model files stay (`pipeinfer models rm NAME` removes one).
+
+    A slice is only a copy: the next job that needs it is sent it again by its head.
+    """
+    cutoff = None if unused_days is None else time.time() - unused_days * 86400
+    victims = [s for s in list_cached() if cutoff is None or s.last_used < cutoff]
+    stray = leftovers()
+    freed = sum(s.size for s in victims) + sum(p.stat().st_size for p in stray if p.exists())
+    for s in victims:
+        err.print(f"{'would remove' if dry_run else 'removed'} {s.model} {s.describe()} ({human_bytes(s.size)}) {s.path}",
+                  markup=False, highlight=False)
+        if not dry_run:
+            remove(s.path)
+    if not dry_run:
+        for p in stray:
+            p.unlink(missing_ok=True)
+    verb = "would free" if dry_run else "freed"
+    err.print(f"{plural(len(victims), 'slice')} and {plural(len(stray), 'leftover file')}: {verb} {human_bytes(freed)}",
+              markup=False, highlight=False)
+
+
+@app.command("rm")
+def rm(
+    names: Annotated[list[str], typer.Argument(help="Model or pair names (see `pipeinfer models list`).")],
+    slices_only: Annotated[bool, typer.Option("--slices-only", help="Keep the model files; remove only their rank slices.")] = False,
+) -> None:
+    """Remove downloaded models from the cache, with every rank slice of them."""
+    reg = load_registry()
+    wanted: list[str] = []
+    for name in names:
+        members = [reg.pairs[name].target, reg.pairs[name].draft] if name in reg.pairs else [reg.model(name).name]
+        wanted += [m for m in members if m not in wanted]
+    for name in wanted:
+        entry = reg.models[name]
+        mine = [s for s in list_cached() if s.model_sha256 == entry.sha256]
+        for s in mine:
+            remove(s.path)
+        path = cached_model_path(entry)
+        had = path.exists() and not slices_only
+        if had:
+            path.unlink()
+        what = [f"its file {path}"] if had else []
+        what += [plural(len(mine), "rank slice")] if mine else []
+        err.print(f"{name}: removed {' and '.join(what)}" if what else f"{name}: nothing to remove",
+                  markup=False, highlight=False)
 
 
 @app.command("pull")

@@ -226,12 +226,13 @@ def _say(text: str) -> None:
 
 def _weights_report(source, load_s: float) -> dict | None:
     """This rank's "weights" report: where they came from, bytes received, time to get and load
-    them, and its memory once loaded."""
-    from ..decode.metrics import peak_rss_mib
+    them, and its memory: the peak while loading and what stays resident once loaded."""
+    from ..decode.metrics import peak_rss_mib, process_stats
 
     if source is None:
         return None
     out = source.to_dict()
     out["load_s"] = round(load_s, 3)
-    out["peak_rss_mib_after_load"] = round(peak_rss_mib(), 1)
+    out["peak_rss_mib_loading"] = round(peak_rss_mib(), 1)
+    out["rss_mib_loaded"] = process_stats()["rss_mib"]
     return out

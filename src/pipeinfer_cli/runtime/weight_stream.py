@@ -19,6 +19,7 @@ JSON says where its weights came from, how many bytes it received and how long i
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ import numpy as np
 
 from ..errors import PipeinferError
 from ..model_identity import FileIdentity, file_sha256, identify
+from ..transport.faults import stream_rate_limit
 from ..transport.messages import Tag
 from ..transport.mpi_link import Link
 from ..transport.start_waits import start_timeout_s
@@ -60,10 +62,11 @@ class WeightsSource:
     bytes_received: int = 0
     stream_s: float = 0.0
     path: str | None = None
+    peak_rss_mib_streamed: float | None = None  # this process's peak RSS once the stream was written
 
     def to_dict(self) -> dict:
         return {"source": self.source, "bytes_received": self.bytes_received, "stream_s": round(self.stream_s, 3),
-                "path": self.path}
+                "path": self.path, "peak_rss_mib_streamed": self.peak_rss_mib_streamed}
 
 
 def local_files(cfg) -> dict:
@@ -182,7 +185,10 @@ def _stream_to(link: Link, cfg, topo: Topology, rank: int, host: str, need: Need
     digest, sent, t0 = hashlib.sha256(), 0, time.monotonic()
     last_note = t0
     stall_s = start_timeout_s()
+    rate = stream_rate_limit()
     for chunk in iter_chunks(src, STREAM_CHUNK_BYTES):
+        if rate is not None:
+            time.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
         if not _wait_for_window(link, rank, stall_s, host):
             return
         digest.update(chunk)
@@ -231,30 +237,69 @@ def _receive(link: Link, cfg, need: Need, digests: dict) -> tuple[Path, WeightsS
     kind, total = _recv_ctl(link, stall_s, "the start of the stream")
     label = cfg.model_label if need.what == "target" else cfg.draft_label
     t0 = time.monotonic()
-    with SliceWriter(label, digests[need.what], need.layers, total) as out:
+    with SliceWriter(label, digests[need.what], need.layers, total) as out, _sigterm_raises():
         while out.written < total:
             got = _wait_chunk(link, stall_s, out.written, total)
             out.write(memoryview(link.recv_array(0, Tag.WEIGHTS, np.uint8, got)))
         kind, digest = _recv_ctl(link, stall_s, "the end of the stream")
         path = out.commit(digest)
-    return path, WeightsSource("stream", total, time.monotonic() - t0, str(path))
+    from ..decode.metrics import peak_rss_mib
+
+    return path, WeightsSource("stream", total, time.monotonic() - t0, str(path), round(peak_rss_mib(), 1))
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While a stream is written, SIGTERM (a launcher stopping the job) raises, so that the partial
+    file is removed on the way out. (SIGKILL cannot be caught: its partial file is removed by the
+    next stream written on this host, or `pipeinfer models prune`.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise WeightsError("stopped by SIGTERM while the weights were streamed")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _recv_ctl(link: Link, stall_s: float, what: str):
-    if not link.arrives_within(0, Tag.WEIGHTS_CTL, stall_s):
+    if _wait_from_head(link, Tag.WEIGHTS_CTL, stall_s) is None:
         raise WeightsError(f"{what} of the weights from the head did not arrive within {stall_s:g} s ({_TIMEOUT_HINT})")
     return link.recv_pickled(0, Tag.WEIGHTS_CTL)
 
 
 def _wait_chunk(link: Link, stall_s: float, done: int, total: int):
+    got = _wait_from_head(link, Tag.WEIGHTS, stall_s)
+    if got is None:
+        raise WeightsError(f"the weights from the head stopped after {human_bytes(done)} of {human_bytes(total)}: "
+                           f"nothing arrived for {stall_s:g} s; check the network between this host and the head "
+                           f"({_TIMEOUT_HINT})")
+    return got
+
+
+def _wait_from_head(link: Link, tag: Tag, stall_s: float):
+    """The head's next message of this tag, or None after stall_s seconds without one. A head that
+    failed meanwhile (its start-up answer is an abort) ends this rank the way a check-in would."""
     deadline = time.monotonic() + stall_s
     backoff = link.backoff(hi=5e-3)
     while True:
-        got = link.probe(0, Tag.WEIGHTS)
+        got = link.probe(0, tag)
         if got is not None:
             return got
+        if link.probe(0, Tag.STARTUP) is not None:
+            answer = link.recv_pickled(0, Tag.STARTUP)
+            if answer[0] == "abort":
+                from ..transport.exits import leave_after_head
+
+                leave_after_head(answer[1])
         if time.monotonic() > deadline:
-            raise WeightsError(f"the weights from the head stopped after {human_bytes(done)} of {human_bytes(total)}: "
-                               f"nothing arrived for {stall_s:g} s; check the network between this host and the head "
-                               f"({_TIMEOUT_HINT})")
+            return None
         backoff.idle()

@@ -164,3 +164,21 @@ def slowdown_for(rank: int, environ: Mapping[str, str] = os.environ) -> float:
         if r_i == rank:
             factor = f_v
     return factor
+
+
+STREAM_RATE_ENV = "PIPEINFER_DEBUG_STREAM_RATE"
+
+
+def stream_rate_limit(environ: Mapping[str, str] = os.environ) -> float | None:
+    """PIPEINFER_DEBUG_STREAM_RATE: the most bytes per second the head streams weights at (to cut a
+    stream in the middle in tests, or see the progress lines on one machine); None: no limit."""
+    text = environ.get(STREAM_RATE_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = 0.0
+    if not rate > 0:
+        raise UsageError(f"{STREAM_RATE_ENV}: cannot read {text!r}; write a number of bytes per second, e.g. 20e6")
+    return rate

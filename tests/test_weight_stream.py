@@ -1,0 +1,292 @@
+"""Weights from the head (runtime/weight_stream.py, weight_slices.py, slice_cache.py).
+
+- Which tensors a stage's slice holds, for any layer count and split (a property).
+- A slice is a GGUF the layer engine loads to exactly the whole file's hidden states and logits.
+- The node cache: a complete file is found again, a flipped byte is caught (and the file removed),
+  a damaged or interrupted stream leaves no file, files follow the umask, `models` lists and prunes.
+- Real MPI jobs whose rank 1 has an empty cache (MPMD, one PIPEINFER_CACHE per rank): the tokens
+  are those of a 1-rank job in every mode; the next job reads the node cache (0 bytes received);
+  a draft rank is sent the whole draft file; a corrupt slice is sent again; a rank stopped in the
+  middle of its stream ends the job with one line and leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jobprocs import finish_job, marked_pids, start_job
+
+from pipeinfer_cli.weight_slices import stage_slice, stage_tensor_names, iter_chunks
+
+BIN = Path(sys.executable).parent
+MPIEXEC, PIPEINFER = str(BIN / "mpiexec"), str(BIN / "pipeinfer")
+MODEL = "smollm2-135m-instruct"
+PROMPT = "The capital of France is"
+
+
+# -- which tensors ------------------------------------------------------------------------------
+
+def _names(n_layer: int, tied: bool, rope_freqs: bool) -> list[str]:
+    names = ["token_embd.weight"] + (["rope_freqs.weight"] if rope_freqs else [])
+    for i in range(n_layer):
+        names += [f"blk.{i}.attn_norm.weight", f"blk.{i}.attn_q.weight", f"blk.{i}.ffn_down.weight"]
+    names += ["output_norm.weight"] + ([] if tied else ["output.weight"])
+    return names
+
+
+@settings(max_examples=300, deadline=None)
+@given(n_layer=st.integers(1, 80), data=st.data(), tied=st.booleans(), rope_freqs=st.booleans())
+def test_every_tensor_goes_to_the_stages_that_need_it(n_layer, data, tied, rope_freqs):
+    cuts = sorted(data.draw(st.sets(st.integers(1, n_layer - 1), max_size=min(8, n_layer - 1)))) if n_layer > 1 else []
+    bounds = [0, *cuts, n_layer]
+    names = _names(n_layer, tied, rope_freqs)
+    stages = [stage_tensor_names(names, n_layer, b, e) for b, e in zip(bounds, bounds[1:])]
+    for (b, e), got in zip(zip(bounds, bounds[1:]), stages):
+        assert got == [n for n in names if n in got]  # file order kept
+        layers = {int(n.split(".")[1]) for n in got if n.startswith("blk.")}
+        assert layers == set(range(b, e))
+        assert ("token_embd.weight" in got) == (b == 0 or (e == n_layer and tied))
+        assert ("output_norm.weight" in got) == (e == n_layer)
+        assert ("output.weight" in got) == (e == n_layer and not tied)
+        assert ("rope_freqs.weight" in got) == rope_freqs
+    for n in names:
+        if n.startswith("blk."):
+            assert sum(n in s for s in stages) == 1
+
+
+# -- slices compute what the whole file computes ------------------------------------------------
+
+def _write(src, path: Path) -> Path:
+    with open(path, "wb") as f:
+        for chunk in iter_chunks(src, 1 << 20):
+            f.write(chunk)
+    assert path.stat().st_size == src.total
+    return path
+
+
+@pytest.mark.parametrize("fixture", ["smollm2_path", "gemma3_path"])
+def test_a_split_into_slices_computes_exactly_the_whole_model(request, fixture, tmp_path):
+    from pipeinfer_cli import _native
+    from pipeinfer_cli.native import LayerEngine
+
+    model = request.getfixturevalue(fixture)
+    kv = _native.gguf_metadata(str(model))["kv"]
+    n = kv[f"{kv['general.architecture']}.block_count"]
+    mid = n // 2
+    first = _write(stage_slice(model, "0" * 64, 0, mid), tmp_path / "a.gguf")
+    last = _write(stage_slice(model, "0" * 64, mid, n), tmp_path / "b.gguf")
+    assert max(first.stat().st_size, last.stat().st_size) < model.stat().st_size
+    tokens, pos, seq = np.array([1, 2, 3, 4, 5], np.int32), np.arange(5, dtype=np.int32), [[0]] * 5
+
+    def run(p0: Path, p1: Path):
+        a = LayerEngine(str(p0), 0, mid, n_ctx=64, n_threads=1)
+        b = LayerEngine(str(p1), mid, n, n_ctx=64, n_threads=1)
+        h = a.eval(tokens, pos=pos, seq_ids=seq)
+        return h, b.eval(embd=h, pos=pos, seq_ids=seq, output=[True] * 5)
+
+    (h_whole, l_whole), (h_slices, l_slices) = run(model, model), run(first, last)
+    assert np.array_equal(h_whole, h_slices) and np.array_equal(l_whole, l_slices)
+    meta = _native.gguf_metadata(str(last))
+    assert meta["kv"]["pipeinfer.slice.layer_begin"] == mid and meta["kv"]["pipeinfer.slice.layer_end"] == n
+    assert not any(t[0].startswith(f"blk.{mid - 1}.") for t in meta["tensors"])
+
+
+# -- the node cache ------------------------------------------------------------------------------
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPEINFER_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _store(data: bytes, layers=(3, 7), sha=None):
+    import hashlib
+
+    from pipeinfer_cli.slice_cache import SliceWriter
+
+    with SliceWriter("m", "ab" * 32, layers, len(data)) as w:
+        w.write(data[: len(data) // 2])
+        w.write(data[len(data) // 2:])
+        return w.commit(sha or hashlib.sha256(data).hexdigest())
+
+
+def test_a_cached_slice_is_found_and_a_flipped_byte_is_caught(cache):
+    from pipeinfer_cli import slice_cache
+
+    data = os.urandom(100_000)
+    path = _store(data)
+    assert path.read_bytes() == data and path.name == f"{'ab' * 32}.layers-3-6.gguf"
+    assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    assert slice_cache.lookup("ab" * 32, (3, 7)) == (path, None)
+    assert slice_cache.lookup("ab" * 32, (3, 8)) == (None, None)
+    raw = bytearray(data)
+    raw[54_321] ^= 1
+    path.write_bytes(bytes(raw))
+    found, why = slice_cache.lookup("ab" * 32, (3, 7))
+    assert found is None and "corrupted" in why and not path.exists()
+    assert slice_cache.list_cached() == [] and slice_cache.leftovers() == []
+
+
+def test_a_damaged_or_interrupted_stream_leaves_no_file(cache):
+    from pipeinfer_cli import slice_cache
+
+    with pytest.raises(OSError, match="arrived damaged"):
+        _store(b"x" * 1000, sha="0" * 64)
+    with pytest.raises(RuntimeError):
+        with slice_cache.SliceWriter("m", "cd" * 32, None, 10) as w:
+            w.write(b"12345")
+            raise RuntimeError("cut")
+    assert list((cache / "slices").iterdir()) == []
+
+
+def test_partial_files_of_ended_writers_are_removed(cache):
+    from pipeinfer_cli import slice_cache
+
+    (cache / "slices").mkdir(parents=True)
+    dead = cache / "slices" / f".x.gguf~{socket.gethostname()}~999999999.partial"
+    alive = cache / "slices" / f".y.gguf~{socket.gethostname()}~{os.getpid()}.partial"
+    elsewhere = cache / "slices" / ".z.gguf~another-host~1.partial"
+    for p in (dead, alive, elsewhere):
+        p.write_bytes(b"part")
+    _store(b"data")
+    assert not dead.exists() and alive.exists() and elsewhere.exists()
+
+
+def test_models_list_shows_slices_and_prune_removes_them(cache):
+    _store(os.urandom(5000))
+    env = {**os.environ, "PIPEINFER_CACHE": str(cache)}
+    listed = json.loads(subprocess.run([PIPEINFER, "models", "list", "--json"], capture_output=True, text=True,
+                                       env=env, check=True).stdout)
+    assert [(s["part"], s["size"]) for s in listed["slices"]] == [("layers-3-6", 5000)]
+    assert listed["cache_bytes"] >= 5000
+    plain = subprocess.run([PIPEINFER, "models", "list"], capture_output=True, text=True, env=env, check=True).stdout
+    assert "m@layers-3-6\tslice\t5000\tyes\t" in plain
+    kept = subprocess.run([PIPEINFER, "models", "prune", "--unused-days", "1"], capture_output=True, text=True, env=env)
+    assert kept.returncode == 0 and "0 slices" in kept.stderr
+    gone = subprocess.run([PIPEINFER, "models", "prune"], capture_output=True, text=True, env=env)
+    assert gone.returncode == 0 and "1 slice" in gone.stderr and "freed 5.0 kB" in gone.stderr
+    assert list((cache / "slices").iterdir()) == []
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# -- real jobs: rank 1 without the model ----------------------------------------------------------
+
+def _cache_with(tmp_path: Path, name: str, *models: Path) -> Path:
+    """A cache directory holding these model files (hard links: no copy)."""
+    d = tmp_path / name
+    d.mkdir(exist_ok=True)
+    for m in models:
+        if not (d / m.name).exists():
+            os.link(m, d / m.name)
+    return d
+
+
+def _mpmd(caches: list[Path], args: list, **env) -> tuple[int, str, str]:
+    cmd = [MPIEXEC]
+    for k, c in enumerate(caches):
+        cmd += ([":"] if k else []) + ["-n", 1, "-env", "PIPEINFER_CACHE", str(c), PIPEINFER, *args]
+    proc, marker = start_job(cmd, **env)
+    return finish_job(proc, marker, within_s=120)
+
+
+def _solo(model_cache: Path, args: list) -> dict:
+    r = subprocess.run([PIPEINFER, *map(str, args), "--ranks", "1"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PIPEINFER_CACHE": str(model_cache)})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+MODES = {"iterative": [], "speculative": ["--draft", "lookup"], "pipeinfer": ["--draft", MODEL],
+         "pipeinfer-seeded": ["--draft", MODEL, "--temp", "0.8", "--seed", "7"]}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", list(MODES))
+def test_streamed_layers_give_the_tokens_of_one_rank(smollm2_path, tmp_path, mode):
+    head = _cache_with(tmp_path, "head", smollm2_path)
+    args = ["generate", MODEL, "-p", PROMPT, "-n", 24, "--threads", 1, "--json", "--no-pull",
+            "-M", mode.split("-")[0], *MODES[mode]]
+    solo = _solo(head, args)
+    rc, out, err = _mpmd([head, tmp_path / "empty"], args)
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["tokens"] == solo["tokens"] and got["text"] == solo["text"]
+    weights = [r["weights"] for r in got["ranks"]]
+    assert weights[0]["source"] == "local" and weights[0]["bytes_received"] == 0
+    assert weights[1]["source"] == "stream" and weights[1]["bytes_received"] > 10_000_000
+    assert f"rank 1 (host {socket.gethostname()}) has no copy of {MODEL}: sending it layers" in err
+    assert "Traceback" not in err
+    # The next job on that node reads the slice from its cache: nothing crosses the link.
+    rc, out, err = _mpmd([head, tmp_path / "empty"], args)
+    assert rc == 0, err
+    again = json.loads(out)
+    assert again["tokens"] == solo["tokens"]
+    assert again["ranks"][1]["weights"]["source"] == "cache" and again["ranks"][1]["weights"]["bytes_received"] == 0
+    assert "has no copy" not in err
+
+
+@pytest.mark.mpi
+def test_a_draft_rank_is_sent_the_whole_draft_and_a_corrupt_slice_is_sent_again(smollm2_path, tmp_path):
+    head = _cache_with(tmp_path, "head", smollm2_path)
+    args = ["generate", MODEL, "-p", PROMPT, "-n", 24, "--threads", 1, "--json", "--no-pull",
+            "-M", "pipeinfer", "--draft", MODEL, "--layer-split", "0.5,0.5/1"]
+    solo = _solo(head, [a for a in args if a not in ("--layer-split", "0.5,0.5/1")])
+    empty1, empty2 = tmp_path / "e1", tmp_path / "e2"
+    rc, out, err = _mpmd([head, empty1, empty2], args)
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["tokens"] == solo["tokens"]
+    draft = got["ranks"][2]["weights"]
+    assert draft["source"] == "stream" and draft["bytes_received"] == smollm2_path.stat().st_size
+    assert (empty2 / "slices").is_dir() and [p.name.split(".", 1)[1] for p in (empty2 / "slices").glob("*.gguf")] == ["whole.gguf"]
+    # A flipped byte in rank 1's slice: caught, said, and the slice is sent again.
+    (sliced,) = (empty1 / "slices").glob("*.gguf")
+    raw = bytearray(sliced.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    sliced.write_bytes(bytes(raw))
+    rc, out, err = _mpmd([head, empty1, empty2], args)
+    assert rc == 0, err
+    again = json.loads(out)
+    assert again["tokens"] == solo["tokens"]
+    assert "was not used: its bytes no longer match their sha256 (corrupted); it is fetched again" in err
+    assert again["ranks"][1]["weights"]["source"] == "stream" and again["ranks"][2]["weights"]["source"] == "cache"
+
+
+@pytest.mark.mpi
+def test_a_rank_stopped_mid_stream_ends_the_job_with_one_line_and_no_partial_file(smollm2_path, tmp_path):
+    head, empty = _cache_with(tmp_path, "head", smollm2_path), tmp_path / "empty"
+    args = ["generate", MODEL, "-p", PROMPT, "-n", 8, "--threads", 1, "--no-pull"]
+    cmd = [MPIEXEC, "-n", 1, "-env", "PIPEINFER_CACHE", str(head), PIPEINFER, *args, ":",
+           "-n", 1, "-env", "PIPEINFER_CACHE", str(empty), PIPEINFER, *args]
+    proc, marker = start_job(cmd, PIPEINFER_DEBUG_STREAM_RATE="4e6")  # about 12 s for the slice
+    deadline = time.monotonic() + 60
+    while not list((empty / "slices").glob("*.partial")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    receivers = [p for p in marked_pids(marker) if b"PMI_RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes()
+                 and b"pipeinfer" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert receivers, "rank 1 is not running"
+    for p in receivers:
+        os.kill(p, 15)
+    rc, out, err = finish_job(proc, marker, within_s=60)
+    assert rc != 0 and out == ""
+    errors = [ln for ln in err.splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 1 and errors[0].startswith("Error: rank 1 (host ") and "stopped by SIGTERM" in errors[0], err
+    assert "Traceback" not in err
+    assert list((empty / "slices").iterdir()) == []
