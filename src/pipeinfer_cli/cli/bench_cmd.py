@@ -15,6 +15,8 @@ from ..errors import PipeinferError, UsageError
 from .job_setup import (PreparedJob, check_chat_template, check_n_predict, make_job_config, ranks_wanted,
                         resolve_models, run_here_or_relaunch)
 from ..transport.start_waits import launcher_rank
+from ..decode.hybrid import split_hybrid
+from .draft_spec import mark_hybrid
 from .job_options import JobOptions, job_options
 from .options import ModelArg
 from .wording import epilog, plural
@@ -66,8 +68,11 @@ def _bench_models(model: str, job, mode_list: list[str], prompt_set, inside: boo
     from ..decode.modes import needs_draft as mode_needs_draft
 
     needs_draft = any(mode_needs_draft(m) for m in mode_list)
-    target, draft_ref = resolve_models(model, job.draft, allow_pull=not inside and not job.no_pull,
-                                       on_head=not inside or launcher_rank() == 0)
+    from .draft_spec import resolve_draft_models
+
+    target, draft_ref, _ = resolve_draft_models(resolve_models, model, job.draft,
+                                                allow_pull=not inside and not job.no_pull,
+                                                on_head=not inside or launcher_rank() == 0)
     chats = [p.id for p in prompt_set if p.messages is not None]
     if chats:
         check_chat_template(target.path, target.label, f"the chat prompts of the prompt set ({', '.join(chats)})")
@@ -127,7 +132,7 @@ def bench(
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     inside = under_mpi_launcher()
     target, draft_ref, needs_draft = _bench_models(model, job, mode_list, prompt_set, inside)
-    cfg = make_job_config(target, draft_ref, job)
+    cfg = mark_hybrid(make_job_config(target, draft_ref, job), split_hybrid(job.draft)[0])  # checked by _bench_models
 
     def relaunch_job() -> int:
         for stream, var in _TTY_ENV.items():  # the relaunched head cannot see this terminal

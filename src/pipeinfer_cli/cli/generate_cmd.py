@@ -164,13 +164,21 @@ def world_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
+def _by_source(acc) -> str:
+    """' (lookup 40/42, model 10/20)' for a hybrid draft, else ''."""
+    rows = [f"{src} {a}/{d}" for src, (d, a) in sorted(acc.by_source.items())]
+    return f" ({', '.join(rows)})" if rows else ""
+
+
 def summary_line(r: GenerationResult, auto=None) -> str:
     parts = [plural(r.n_gen, "token"), f"{r.tok_per_s:.2f} tok/s" if r.tok_per_s else "",
              f"decode {r.decode_tok_per_s:.2f} tok/s" if r.decode_tok_per_s else "",
              f"TTFT {r.ttft_s * 1e3:.0f} ms" if r.ttft_s is not None else ""]
     acc, runs = r.acceptance, r.runs
     if acc.drafted:
-        parts.append(f"acceptance {acc.accepted}/{acc.drafted} ({acc.rate:.0%})")
+        parts.append(f"acceptance {acc.accepted}/{acc.drafted} ({acc.rate:.0%})" + _by_source(acc))
+    if r.draft_vocab == "translated" and r.mode != "iterative":
+        parts.append("draft translated (another vocabulary)")
     if runs.drafting_ended:
         parts.append("drafting off (cannot pay on one stage; --spec-policy always drafts anyway)")
     elif runs.drafting_paused:

@@ -71,6 +71,11 @@ class AsyncDraft:
         if r is None or path == self.refused:
             return None
         cand = r.base + r.tokens
+        if not r.tokens and r.base == path:
+            # The draft has nothing to propose here: asking again for the same path would only
+            # get the same empty answer.
+            self.reply, self.refused = None, list(path)
+            return None
         if len(cand) <= len(path) or cand[:len(path)] != path:
             self.reply = None
             return []

@@ -52,6 +52,17 @@ class Acceptance:
     drafted: int = 0  # draft tokens whose verification completed
     accepted: int = 0
     verified_runs: int = 0
+    # Hybrid drafting (--draft lookup+MODEL): [drafted, accepted] per source ("lookup", "model").
+    by_source: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, drafted: int, accepted: int, source: str | None = None) -> None:
+        """Count verified draft tokens, and under their source when the drafter names one."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if source is not None:
+            row = self.by_source.setdefault(source, [0, 0])
+            row[0] += drafted
+            row[1] += accepted
 
     @property
     def rate(self) -> float | None:
@@ -64,8 +75,12 @@ class Acceptance:
         return (self.accepted / self.verified_runs) if self.verified_runs else None
 
     def to_dict(self) -> dict:
-        return {"drafted": self.drafted, "accepted": self.accepted, "rate": self.rate,
-                "mean_accepted_len": self.mean_accepted_len}
+        out = {"drafted": self.drafted, "accepted": self.accepted, "rate": self.rate,
+               "mean_accepted_len": self.mean_accepted_len}
+        if self.by_source:
+            out["by_source"] = {k: {"drafted": d, "accepted": a, "rate": a / d if d else None}
+                                for k, (d, a) in sorted(self.by_source.items())}
+        return out
 
 
 @dataclass

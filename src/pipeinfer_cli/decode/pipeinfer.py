@@ -65,6 +65,7 @@ class PipeInfer:
         self.slots = KvSlots(pipe, pipe.engine.n_seq_max)
         self.flights: deque[Flight] = deque()  # launch order, cancelled ones included until their result arrives
         self.runs_this_round = 0  # speculative runs launched since the last verification
+        self.draft_source: str | None = None  # Proposal.source of the last synchronous draft
         self.rejections = 0
         self.limit_pos = s.n_prompt + s.n_predict - 1  # last position whose token can still be committed
         # A dedicated draft rank answers asynchronously (request/poll); head-local drafters are synchronous.
@@ -103,7 +104,7 @@ class PipeInfer:
         return min(self.opts.n_draft, self.limit_pos - len(path))
 
     # -- launching ---------------------------------------------------------------------------
-    def launch(self, branch_tokens: list[list[int]], pos0: int, speculative: bool) -> bool:
+    def launch(self, branch_tokens: list[list[int]], pos0: int, speculative: bool, source: str | None = None) -> bool:
         """Launch one run: a single path, or a tree of paths that share a prefix and split once.
 
         branch_tokens[b] is branch b's full input (from pos0); branch 0 is the one later runs continue.
@@ -121,7 +122,7 @@ class PipeInfer:
         run_id = self.pipe.launch(batch.tokens, batch.pos, batch.seq_ids, batch.output, speculative=speculative)
         n = len(batch.tokens)
         self.gate.launched(speculative, n, self.clock() - t0)
-        self.flights.append(Flight(run_id, pos0, batch.branches, speculative, parent, n_cells=n))
+        self.flights.append(Flight(run_id, pos0, batch.branches, speculative, parent, n_cells=n, source=source))
         m = self.s.metrics.runs
         m.launched += 1
         m.speculative += speculative
@@ -154,7 +155,7 @@ class PipeInfer:
         if not branches[0]:
             return False
         self.runs_this_round += 1
-        return self.launch(branches, len(path), speculative=True)
+        return self.launch(branches, len(path), speculative=True, source=self.draft_source)
 
     def probe_draft(self, path: list[int], n_max: int) -> tuple[list[list[int]], float]:
         """The first draft of a request whose draft model has not read the prompt: n_max tokens from
@@ -165,11 +166,14 @@ class PipeInfer:
         self.drafter.read_context(tail[:-1])
         self.gate.probed()
         t0 = self.clock()
-        return [self.drafter.propose(tail, n_max, 0.0).tokens], t0
+        prop = self.drafter.propose(tail, n_max, 0.0)
+        self.draft_source = prop.source
+        return [prop.tokens], t0
 
     def draft_tree(self, path: list[int], n_max: int, threshold: float) -> list[list[int]]:
         """The confident part of the draft continuing `path`, then the side branches a tree may add."""
         prop = self.drafter.propose(path, n_max, threshold)
+        self.draft_source = prop.source
         keep = confident(prop.probs, threshold)
         branches = [prop.tokens[:keep]]
         budget = min(self.opts.max_branches, self.slots.n_free) - 1
@@ -221,16 +225,17 @@ class PipeInfer:
         if self.draft.reply is None or not self.can_speculate():
             return False
         path = self.path()
+        source = self.draft.reply.source
         draft = self.draft.take(path, self.threshold, self.draft_window(path))
         if not draft:
             return draft is not None  # [] : dropped, ask again
         self.request_draft(ahead=draft)  # draft beyond this run while the head computes it
         if self.valid():
-            ok = self.launch([draft], len(path), speculative=True)
+            ok = self.launch([draft], len(path), speculative=True, source=source)
         else:
             # Nothing in flight: the run starts with the last committed token (not in the KV yet),
             # as a speculative run of the synchronous scheme does; no separate frontier run needed.
-            ok = self.launch([[self.s.tokens[-1]] + draft], len(self.s.tokens) - 1, speculative=True)
+            ok = self.launch([[self.s.tokens[-1]] + draft], len(self.s.tokens) - 1, speculative=True, source=source)
         if ok:
             self.runs_this_round += 1
         return ok
@@ -285,8 +290,7 @@ class PipeInfer:
         self.kill(f, f.alive())
         self.pipe.trace.instant("commit", self.clock(), run=f.run_id, n=taken, branch=walk.winner)
         drafted, accepted = walk.acceptance(taken)
-        acc.drafted += drafted
-        acc.accepted += accepted
+        acc.add(drafted, accepted, f.source)
         if f.speculative and f.parent is None:
             # A speculative run launched with nothing in flight starts with the last committed token
             # (a draft rank's reply): its drafted tokens were all checked here.
@@ -311,16 +315,16 @@ class PipeInfer:
         """
         s, acc = self.s, self.s.metrics.acceptance
         nxt = self.valid()[0]
-        acc.drafted += 1
         # A speculative run's verification starts here, with its first (drafted) token; count it
         # even if that token is rejected, so mean_accepted_len is per verified run as defined.
         acc.verified_runs += nxt.speculative
         ok = [k for k, b in enumerate(nxt.branches)
               if b.alive and b.tokens[0] == s.tokens[-1] and nxt.pos0 == len(s.tokens) - 1]
         if nxt.parent == (run_id, winner) and ok:
-            acc.accepted += 1
+            acc.add(1, 1, nxt.source)
             self.prune(nxt, ok)
         else:
+            acc.add(1, 0, nxt.source)
             self.reject()
 
     def handle(self, res) -> None:

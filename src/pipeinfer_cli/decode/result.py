@@ -41,6 +41,7 @@ class GenerationResult:
     #                    counters, wire traffic; in process also its "trace" events, never in the JSON
     reused_tokens: int = 0  # prompt tokens whose KV cells were kept from the previous request (prefix reuse)
     common_prefix_tokens: int = 0  # prompt tokens in common with the previous request, reused or not
+    draft_vocab: str | None = None  # "direct" (the draft's tokens are the target's) or "translated" (through text); None without a draft
     debug_diverged: bool = False  # PIPEINFER_DEBUG_DIVERGE changed the last token (tests); in the JSON only if set
     queue_s: float | None = None  # serve: seconds the request waited in the queue
     request_seq: int | None = None  # serve: the request's number, in submission order
@@ -52,7 +53,7 @@ class GenerationResult:
         trace: keep each rank's trace events (the bench's in-memory records, for its Chrome trace)."""
         d = {
             "prompt_id": self.prompt_id, "mode": self.mode, "model": self.model, "draft": self.draft,
-            "layer_split": self.layer_split, "n_ctx": self.n_ctx, "text": self.text, "tokens": self.tokens,
+            "draft_vocab": self.draft_vocab, "layer_split": self.layer_split, "n_ctx": self.n_ctx, "text": self.text, "tokens": self.tokens,
             "finish_reason": self.finish_reason, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
             "ttft_s": self.ttft_s, "tok_per_s": self.tok_per_s, "decode_tok_per_s": self.decode_tok_per_s,
             "itl_ms": self.itl_ms, "acceptance": self.acceptance.to_dict(), "runs": vars(self.runs).copy(),

@@ -120,7 +120,8 @@ def decode_speculative(pipe: PipelineLike, s: Session, opts: DecodeOptions, draf
         pos = len(s.tokens) - 1
         # Never draft past -n: tokens beyond it would be verified for nothing.
         n_max = min(opts.n_draft, s.remaining - 1)
-        draft = drafter.propose(s.tokens, n_max, opts.p_min).tokens if n_max > 0 else []
+        prop = drafter.propose(s.tokens, n_max, opts.p_min) if n_max > 0 else None
+        draft = prop.tokens if prop is not None else []
         batch = [s.tokens[-1]] + draft
         pipe.launch(batch, list(range(pos, pos + len(batch))), [[CANONICAL_SEQ]] * len(batch), [True] * len(batch),
                     speculative=bool(draft))
@@ -136,6 +137,5 @@ def decode_speculative(pipe: PipelineLike, s: Session, opts: DecodeOptions, draf
         if draft:
             # Count the drafts compared with a committed target token (none past an end of text).
             compared = min(len(draft), n_acc + 1, taken)
-            s.metrics.acceptance.drafted += compared
-            s.metrics.acceptance.accepted += min(n_acc, compared)
+            s.metrics.acceptance.add(compared, min(n_acc, compared), prop.source)
             s.metrics.acceptance.verified_runs += 1

@@ -35,6 +35,7 @@ class Flight:
     follow: int = 0  # the branch later runs continue
     cancelled: bool = False
     n_cells: int = 0  # rows of its batch (KV cells it takes on each stage)
+    source: str | None = None  # the hybrid drafter's source of its drafted tokens (Proposal.source)
 
     @property
     def tokens(self) -> list[int]:

@@ -68,12 +68,12 @@ class Head:
 
     def __init__(self, link: Link | None, cfg, loaded: Loaded, trace: TraceRecorder, offsets: list[float],
                  cb: Callbacks | None = None):
-        from .remote_draft import RemoteDrafter
+        from .draft_setup import head_drafter
 
         self.link, self.cfg, self.loaded, self.trace, self.offsets = link, cfg, loaded, trace, offsets
         topo = self.topo = loaded.topo
         self.tokenizer = loaded.tokenizer
-        self.drafter = RemoteDrafter(link, topo.draft_rank) if topo.draft_rank is not None else loaded.drafter
+        self.drafter = head_drafter(cfg, loaded, link)
         self.pipe = Pipeline(link if topo.world_size > 1 else None, loaded.engine, topo.n_stages, trace, topo.draft_rank,
                              wait_policy=link.wait_policy if link is not None else None)
         me = topo.ranks[0]
@@ -131,6 +131,7 @@ class Head:
         self.draft_used |= needs_draft(req.mode)
         result = assemble_result(self.cfg, req, self.topo, self.tokenizer, s, ranks, self.offsets, t_end)
         result.reused_tokens, result.common_prefix_tokens = keep, common
+        result.draft_vocab = self.loaded.draft_vocab
         if os.environ.get(DEBUG_DIVERGE) == req.mode:
             _debug_diverge(result)
         if cb.on_result:

@@ -20,6 +20,8 @@ class Loaded:
     tokenizer: object | None = None  # tokenizer.Tokenizer (head)
     prompts: list[list[int]] = field(default_factory=list)  # token ids of every request (head)
     drafter: object | None = None  # the head's drafter, or the draft rank's model
+    draft_vocab: str | None = None  # head: "direct" or "translated" (runtime/vocab.py); None without a draft
+    draft_tokenizer: object | None = None  # head, translated drafts: the draft's tokenizer.Tokenizer
     weights: dict | None = None  # where this rank's weights came from (runtime/weight_stream.py)
 
 
@@ -106,14 +108,20 @@ def _load_head(cfg, out: Loaded, requests: list, needs_draft: bool) -> None:
         return
     if cfg.draft_label is None:
         raise UsageError("speculative and pipeinfer modes need a draft: pass --draft MODEL, --draft lookup, or a pair name")
+    out.draft_vocab = "direct"  # lookup drafts in the target's own tokens
+    if cfg.draft_path is not None:
+        from .vocab import check_translatable, draft_vocab
+
+        # From the draft's vocabulary alone, before its weights load, wherever it runs.
+        draft_tok = Tokenizer(cfg.draft_path)
+        out.draft_vocab = draft_vocab(tok, draft_tok)
+        if out.draft_vocab == "translated":
+            check_translatable(tok, draft_tok, cfg.model_label, cfg.draft_label)
+            out.draft_tokenizer = draft_tok
+        else:
+            draft_tok.close()
     if out.topo.draft_rank is None:
         out.drafter = make_drafter(cfg, out.me.threads)
-    if cfg.draft_path is not None:
-        from .vocab import check_vocab_compatible
-
-        # A draft on the head is checked through its loaded model; a draft rank's from its file alone.
-        draft_vocab = out.drafter if out.drafter is not None else Tokenizer(cfg.draft_path)
-        check_vocab_compatible(tok, draft_vocab, cfg.model_label, cfg.draft_label)
 
 
 class PromptTooLongError(UsageError):

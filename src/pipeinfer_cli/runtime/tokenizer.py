@@ -80,6 +80,26 @@ class Tokenizer:
     def piece(self, token: int) -> bytes:
         return self.llm.detokenize([token])
 
+    # -- text as bytes, special tokens spelled out (translating a draft of another vocabulary) --
+    @property
+    def bos(self) -> int:
+        return int(self.llm.token_bos())
+
+    def encode_bytes(self, text: bytes, add_bos: bool) -> list[int]:
+        """Token ids of UTF-8 text; special tokens' spellings (`<|im_end|>`) become those tokens."""
+        return self.llm.tokenize(text, add_bos=add_bos, special=True)
+
+    def text_piece(self, token: int) -> bytes:
+        """A token's bytes, a special token's spelling included (`piece` gives b'' for those), so
+        that the pieces of a tokenization spell the text it came from."""
+        cache = self.__dict__.setdefault("_text_pieces", {})
+        got = cache.get(token)
+        if got is None:
+            buf = ctypes.create_string_buffer(256)
+            n = self._llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+            got = cache[token] = buf.raw[:max(n, 0)]
+        return got
+
     def decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
 
