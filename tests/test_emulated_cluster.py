@@ -219,6 +219,61 @@ def test_tokens_equal_shared_memory_and_bytes_cross_the_links(smollm2_path, clus
         assert grew[k][0] >= sent[k] and grew[k][1] >= received[k], (k, grew, sent, received)
 
 
+# -- the model on the head's host only -----------------------------------------------------------
+
+def _node_local_cache(tmp_path: Path, n: int, *models: Path) -> Path:
+    """A cache directory that is node-local on the emulated hosts (PIPEINFER_EMU_NODE_LOCAL): the
+    head's host holds these model files, every other host starts empty."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for m in models:
+        os.link(m, cache / m.name)
+    for k in range(1, n):
+        shutil.rmtree(f"{cache}.{_host_of(k, n)}", ignore_errors=True)
+    return cache
+
+
+def _host_of(k: int, n: int) -> str:
+    return f"pt{_ID}{'a' if n == 2 else 'b'}-h{k}"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_model_on_the_head_alone_gives_the_tokens_of_shared_memory(smollm2_path, clusters, tmp_path, n, mode):
+    """The model is on the head's host only (other hosts have their own, empty cache): every
+    other rank is sent its layers over its shaped link, and the tokens are those of the same job
+    over shared memory. The next job reads the slices from the hosts' caches: nothing is sent."""
+    emu = clusters(n)
+    cache = _node_local_cache(tmp_path, n, smollm2_path)
+    env_extra = {"PIPEINFER_CACHE": str(cache), "PIPEINFER_EMU_NODE_LOCAL": str(cache)}
+    args = [sys.executable, "-m", "pipeinfer_cli", "generate", "smollm2-135m-instruct", *COMMON, "--ranks", n,
+            "--mode", mode, *MODES[mode], "--no-pull"]
+    key = (n, mode, "greedy")
+    if key not in _shm:
+        _shm[key], _ = generate(smollm2_path, n, mode, "greedy")
+    for round_ in ("streamed", "cached"):
+        marker = uuid.uuid4().hex
+        before = emu.counters()
+        try:
+            r = subprocess.run(emu.cmd("exec", "--", *map(str, args)), capture_output=True, text=True, timeout=180,
+                               env=job_env(marker, **env_extra))
+        finally:
+            assert_no_survivors(marker)
+        assert r.returncode == 0, r.stderr
+        grew = [s1 - s0 for (s0, _), (s1, _) in zip(before, emu.counters())]
+        got = json.loads(r.stdout)
+        assert got["tokens"] == _shm[key]["tokens"] and got["text"] == _shm[key]["text"]
+        weights = [rank["weights"] for rank in got["ranks"]]
+        assert weights[0]["source"] == "local"
+        if round_ == "streamed":
+            assert all(w["source"] == "stream" and w["bytes_received"] > 5_000_000 for w in weights[1:]), weights
+            assert grew[0] >= sum(w["bytes_received"] for w in weights[1:])  # through the head's shaped link
+        else:
+            assert all(w["source"] == "cache" and w["bytes_received"] == 0 for w in weights[1:]), weights
+            assert grew[0] < 5_000_000, grew  # the job's own traffic only
+    assert not list(Path(f"{cache}.{_host_of(1, n)}").glob("*.gguf"))  # slices only, in slices/
+
+
 # -- the bytes cross the shaped link --------------------------------------------------------------
 
 SEND = """

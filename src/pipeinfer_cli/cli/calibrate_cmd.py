@@ -82,6 +82,7 @@ def calibrate(
                      rank_timeout=rank_timeout, no_pull=no_pull)
     start = begin_job(model, None, None, job)
     prep = start.prep
+    _check_on_this_node(prep.cfg)
     _check_layers(prep.cfg)
     if not start.inside:  # the launching command checks the plan of the ranks it starts
         from ..runtime.calibrate import calibration_split
@@ -137,6 +138,17 @@ def check_out_path(path: Path) -> None:
         raise UsageError(f"--out {path}: the directory {parent} does not exist; create it or choose another path")
     if not os.access(parent, os.W_OK):
         raise UsageError(f"--out {path}: the directory {parent} is not writable; choose another path")
+
+
+def _check_on_this_node(cfg) -> None:
+    """Calibrate times every rank on its own copy of the models: unlike a job, it sends none."""
+    from ..errors import ModelFileError
+
+    for label, path, given in ((cfg.model_label, cfg.model_path, True),
+                               (cfg.draft_label, cfg.draft_path, cfg.draft_label not in (None, "lookup"))):
+        if given and path is None:
+            raise ModelFileError(f"model {label!r} is not on this node; calibrate times every rank on its own copy of "
+                                 "the models (a job sends a rank its layers, calibrate does not): pull or copy it here")
 
 
 def _check_layers(cfg) -> None:

@@ -59,7 +59,9 @@ def _missing_on_head(name: str, exc: ModelFileError) -> ModelFileError:
 
     from ..transport.launch import under_mpi_launcher
 
-    if not under_mpi_launcher() or "does not exist" not in str(exc) and "not downloaded" not in str(exc):
+    if not under_mpi_launcher() or launcher_rank() != 0:
+        return exc  # not a job's head (`calibrate` needs the model on every rank)
+    if "does not exist" not in str(exc) and "not downloaded" not in str(exc):
         return exc
     how = f"run `pipeinfer models pull {name}` there" if not name.endswith(".gguf") and "/" not in name else "copy it there"
     return ModelFileError(f"model {name!r} is not on the head's host ({socket.gethostname()}), which needs every model "
