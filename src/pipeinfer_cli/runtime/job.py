@@ -213,7 +213,7 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
         t0 = time.monotonic()
         topo, source = share_plan_and_weights(link, startup, cfg, needs_draft, startup.start_values, _say)
         loaded = load_rank(cfg, topo, link.rank, requests, needs_draft)
-        loaded.weights = _weights_report(source, time.monotonic() - t0)
+        loaded.weights = _weights_report(source, time.monotonic() - t0, loaded)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
     threads = startup.check_in("loaded", busy_threads(loaded) if loaded is not None else 0, err, code)
@@ -224,7 +224,7 @@ def _say(text: str) -> None:
     print(f"pipeinfer: {text}", file=sys.stderr, flush=True)
 
 
-def _weights_report(source, load_s: float) -> dict | None:
+def _weights_report(source, load_s: float, loaded: Loaded) -> dict | None:
     """This rank's "weights" report: where they came from, bytes received, time to get and load
     them, and its memory: the peak while loading and what stays resident once loaded."""
     from ..decode.metrics import peak_rss_mib, process_stats
@@ -235,4 +235,9 @@ def _weights_report(source, load_s: float) -> dict | None:
     out["load_s"] = round(load_s, 3)
     out["peak_rss_mib_loading"] = round(peak_rss_mib(), 1)
     out["rss_mib_loaded"] = process_stats()["rss_mib"]
+    # This rank's share: its layers' weights (a stage), or the draft file (a draft rank).
+    if loaded.engine is not None:
+        out["weight_bytes"] = loaded.engine.weight_bytes
+    else:
+        out["weight_bytes"] = Path(source.path).stat().st_size if source.path else None
     return out
