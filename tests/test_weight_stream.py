@@ -179,6 +179,25 @@ def test_models_list_shows_slices_and_prune_removes_them(cache):
     assert list((cache / "slices").iterdir()) == []
 
 
+def test_models_rm_removes_a_models_slices(cache):
+    from pipeinfer_cli.registry import load_registry
+    from pipeinfer_cli.slice_cache import SliceWriter, list_cached
+
+    entry = load_registry().model(MODEL)
+    import hashlib
+
+    with SliceWriter(MODEL, entry.sha256, (0, 5), 3) as w:
+        w.write(b"abc")
+        w.commit(hashlib.sha256(b"abc").hexdigest())
+    _store(b"other model")  # another model's slice stays
+    env = {**os.environ, "PIPEINFER_CACHE": str(cache)}
+    r = subprocess.run([PIPEINFER, "models", "rm", MODEL, "--slices-only"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and f"{MODEL}: removed 1 rank slice" in r.stderr, r.stderr
+    assert [s.model for s in list_cached()] == ["m"]
+    r = subprocess.run([PIPEINFER, "models", "rm", "no-such-model"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and r.stderr.startswith("Error: unknown model 'no-such-model'")
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
