@@ -87,7 +87,7 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
                      weight_type: str = "f32", arch_name: str | None = None,
                      rope_scaling: tuple[str, float] | None = None, rope_orig_ctx: int | None = None,
                      head_dim: int | None = None, n_expert: int = 0, n_expert_used: int = 2,
-                     n_ff_exp: int | None = None, gemma: "GemmaParams | None" = None) -> Path:
+                     n_ff_exp: int | None = None, gemma: "GemmaParams | None" = None, spm: bool = False) -> Path:
     """Write a random-weight model and return its path.
 
     `omit_tensors` drops tensors (for error tests). `weight_type` ("f32", "f16", "q8_0", "q4_0")
@@ -102,6 +102,8 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
     experts per token, each `n_ff_exp` wide (qwen3moe's expert_feed_forward_length; llama: n_ff).
     `arch="gemma3"` writes Gemma 3's layout (Q/K norms, post-norms, tied output) with `gemma`'s
     sliding-window settings (default `GemmaParams()`).
+    `spm=True` writes a SentencePiece vocabulary (byte fallback, a space added in front of the text,
+    as Llama 2's) in place of the byte-level BPE one.
     """
     import gguf
 
@@ -190,19 +192,10 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
         writer.add_rope_scaling_orig_ctx_len(rope_orig_ctx)
     if arch == "gemma3":
         _add_gemma_metadata(writer, gemma)
-    tokens, types = vocab(n_vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(MERGES)
-    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
+    if spm:
+        _add_spm_vocab(writer, n_vocab)
+    else:
+        _add_bpe_vocab(writer, n_vocab)
     for name, data in tensors.items():
         if name in omit_tensors:
             continue
@@ -218,3 +211,37 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 4, n_embd: int = 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_bpe_vocab(writer, n_vocab: int) -> None:
+    tokens, types = vocab(n_vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(MERGES)
+    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+def _add_spm_vocab(writer, n_vocab: int) -> None:
+    """<unk>, <s>, </s>, the 256 byte tokens, then '▁'-prefixed pieces; llama.cpp adds a space in
+    front of the text (add_space_prefix), so its tokens do not spell the text back exactly."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256  # UNKNOWN, CONTROL, CONTROL, BYTE
+    words = ["\u2581", "\u2581t", "\u2581a", "he", "in", "\u2581the"]
+    tokens += words + [f"<unused{i}>" for i in range(n_vocab - len(tokens) - len(words))]
+    types += [1] * (n_vocab - len(types))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(n_vocab - 259)])
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)

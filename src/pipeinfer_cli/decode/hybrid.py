@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .drafters import Proposal
 from .lookup import LookupDrafter, hit_rate
+from .tree import confident
 
 HYBRID_PREFIX = "lookup+"  # --draft lookup+MODEL
 
@@ -107,6 +108,12 @@ class HybridAsyncDrafter(HybridDrafter):
 
     def ready(self) -> bool:
         return self.local is not None or self.model.ready()
+
+    def free_draft(self, path: list[int], threshold: float, n_max: int) -> list[int]:
+        """Lookup's confident tokens continuing path, if it takes precedence there: pipeinfer asks at
+        every step, also while the draft rank drafts (lookup costs nothing)."""
+        prop = self.from_lookup(path, n_max, threshold) if n_max > 0 else None
+        return prop.tokens[:confident(prop.probs, threshold)] if prop is not None else []
 
     def _model_reply(self, prop: Proposal | None) -> Proposal | None:
         if prop is not None:

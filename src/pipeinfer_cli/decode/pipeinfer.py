@@ -221,23 +221,28 @@ class PipeInfer:
         self.draft.request(path, self.limit_pos - len(path))
 
     def launch_reply(self) -> bool:
-        """Launch the pending draft reply if it still continues the current path. True if something changed."""
-        if self.draft.reply is None or not self.can_speculate():
+        """Launch the pending draft reply if it still continues the current path, else what a free
+        drafter in front of the draft rank offers (hybrid's lookup, asked at every step while the
+        draft rank drafts: it costs nothing). True if something changed."""
+        free = getattr(self.drafter, "free_draft", None)
+        if (self.draft.reply is None and free is None) or not self.can_speculate():
             return False
-        path = self.path()
-        source = self.draft.reply.source
-        draft = self.draft.take(path, self.threshold, self.draft_window(path))
+        path, draft = self.path(), None
+        if self.draft.reply is not None:
+            source = self.draft.reply.source
+            draft = self.draft.take(path, self.threshold, self.draft_window(path))
+            if draft == []:
+                return True  # dropped: ask again
+        if not draft and free is not None:
+            draft, source = free(path, self.threshold, self.draft_window(path)), "lookup"
         if not draft:
-            return draft is not None  # [] : dropped, ask again
+            return False
         self.request_draft(ahead=draft)  # draft beyond this run while the head computes it
-        if self.valid():
-            ok = self.launch([draft], len(path), speculative=True, source=source)
-        else:
-            # Nothing in flight: the run starts with the last committed token (not in the KV yet),
-            # as a speculative run of the synchronous scheme does; no separate frontier run needed.
-            ok = self.launch([[self.s.tokens[-1]] + draft], len(self.s.tokens) - 1, speculative=True, source=source)
-        if ok:
-            self.runs_this_round += 1
+        # Nothing in flight: the run starts with the last committed token (not in the KV yet), as a
+        # speculative run of the synchronous scheme does; no separate frontier run needed.
+        first = [] if self.valid() else [self.s.tokens[-1]]
+        ok = self.launch([first + draft], len(path) - len(first), speculative=True, source=source)
+        self.runs_this_round += ok
         return ok
 
     def wait_any(self) -> None:
