@@ -10,7 +10,7 @@ from pipeinfer_cli.decode.result import GenerationResult
 
 KEYS = ["prompt_id", "mode", "model", "draft", "layer_split", "n_ctx", "text", "tokens", "finish_reason",
         "n_prompt", "n_gen", "ttft_s", "tok_per_s", "decode_tok_per_s", "itl_ms", "acceptance", "runs", "wire",
-        "t_start", "t_end", "ranks", "reused_tokens", "common_prefix_tokens"]
+        "t_start", "t_end", "ranks", "reused_tokens", "common_prefix_tokens", "draft_vocab"]
 
 
 def _result(**kw) -> GenerationResult:
@@ -34,6 +34,18 @@ def test_to_json_keeps_the_metrics_dict_and_the_key_order():
     assert d["ranks"] == [{"rank": 0, "layers": [0, 10], "clock_offset_s": 0.0}]  # no trace events
     assert "trace" in r.to_json(trace=True)["ranks"][0] and "trace" in r.ranks[0]  # to_json does not mutate
     json.dumps(d)
+
+
+def test_hybrid_acceptance_is_counted_per_source():
+    acc = Acceptance()
+    acc.add(4, 3, "lookup")
+    acc.add(2, 1, "model")
+    acc.add(1, 1)  # a drafter that names no source counts in the totals only
+    d = _result(acceptance=acc, draft_vocab="translated").to_json()
+    assert d["draft_vocab"] == "translated"
+    assert d["acceptance"]["drafted"] == 7 and d["acceptance"]["accepted"] == 5
+    assert d["acceptance"]["by_source"] == {"lookup": {"drafted": 4, "accepted": 3, "rate": 0.75},
+                                            "model": {"drafted": 2, "accepted": 1, "rate": 0.5}}
 
 
 def test_optional_fields_appear_only_when_set():

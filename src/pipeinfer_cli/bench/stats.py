@@ -70,6 +70,19 @@ def _run_keys(records: list[dict]) -> list[str]:
     return keys
 
 
+def _by_source(rs: list[dict]) -> dict:
+    """Hybrid drafting: {"by_source": {source: drafted, accepted, rate}} pooled over the records; {} otherwise."""
+    pooled: dict[str, list[int]] = {}
+    for r in rs:
+        for src, row in r["acceptance"].get("by_source", {}).items():
+            acc = pooled.setdefault(src, [0, 0])
+            acc[0] += row["drafted"]
+            acc[1] += row["accepted"]
+    if not pooled:
+        return {}
+    return {"by_source": {s: {"drafted": d, "accepted": a, "rate": a / d if d else None} for s, (d, a) in sorted(pooled.items())}}
+
+
 def summarize(records: list[dict], modes: list[str], mismatches: list[dict]) -> dict[str, dict]:
     measured = [r for r in records if not r["warmup"]]
     tok_medians = per_prompt_medians(records, "tok_per_s")
@@ -89,7 +102,8 @@ def summarize(records: list[dict], modes: list[str], mismatches: list[dict]) -> 
                        "p90": _median(_values(rs, lambda r: r["itl_ms"]["p90"]))},
             "acceptance": {"drafted": drafted, "accepted": accepted,
                            "rate": accepted / drafted if drafted else None,
-                           "mean_accepted_len": _median(_values(rs, lambda r: r["acceptance"]["mean_accepted_len"]))},
+                           "mean_accepted_len": _median(_values(rs, lambda r: r["acceptance"]["mean_accepted_len"])),
+                           **_by_source(rs)},
             "runs": {k: _mean(_values(rs, lambda r, k=k: r["runs"][k])) for k in _run_keys(rs)},
             "speedup": {f"vs_{b}": speedup(tok_medians, mode, b) for b in BASELINES if b in modes},
             "decode_speedup": {f"vs_{b}": speedup(dec_medians, mode, b) for b in BASELINES if b in modes},

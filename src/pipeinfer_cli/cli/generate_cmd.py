@@ -31,6 +31,9 @@ EPILOG = epilog("""Examples:
   pipeinfer generate qwen2.5-coder-1.5b-instruct --draft lookup --ranks 2 \\
       -f prompt.txt
 
+  pipeinfer generate qwen2.5-coder-1.5b-instruct --ranks 2 \\
+      --draft lookup+smollm2-135m-instruct -f prompt.txt
+
   pipeinfer generate qwen-coder --system "Review this patch." \\
       --chat "$(git diff)" -n -1
 
@@ -44,7 +47,10 @@ A registry model that is not downloaded yet is pulled first (one line on stderr 
 big and where); --no-pull or PIPEINFER_NO_PULL=1 refuses.
 
 With a draft (--draft, or a pair name such as qwen-coder) the mode is pipeinfer unless -M says
-otherwise.
+otherwise. A draft of another family (another vocabulary) is translated through text: its proposals
+are re-tokenized for the target, which verifies its own tokens (the summary line says "draft
+translated"). --draft lookup+MODEL drafts by prompt lookup where it has a confident match and with
+MODEL elsewhere; the summary line counts each source's accepted tokens.
 
 Greedy decoding (--temp 0, the default) prints exactly the same tokens in every mode; with
 --temp > 0 the same --seed also gives the same tokens in every mode.

@@ -53,13 +53,14 @@ class GenerationResult:
         trace: keep each rank's trace events (the bench's in-memory records, for its Chrome trace)."""
         d = {
             "prompt_id": self.prompt_id, "mode": self.mode, "model": self.model, "draft": self.draft,
-            "draft_vocab": self.draft_vocab, "layer_split": self.layer_split, "n_ctx": self.n_ctx, "text": self.text, "tokens": self.tokens,
+            "layer_split": self.layer_split, "n_ctx": self.n_ctx, "text": self.text, "tokens": self.tokens,
             "finish_reason": self.finish_reason, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
             "ttft_s": self.ttft_s, "tok_per_s": self.tok_per_s, "decode_tok_per_s": self.decode_tok_per_s,
             "itl_ms": self.itl_ms, "acceptance": self.acceptance.to_dict(), "runs": vars(self.runs).copy(),
             "wire": self.wire, "t_start": self.t_start, "t_end": self.t_end,
             "ranks": [r if trace else {k: v for k, v in r.items() if k != "trace"} for r in self.ranks],
             "reused_tokens": self.reused_tokens, "common_prefix_tokens": self.common_prefix_tokens,
+            "draft_vocab": self.draft_vocab,  # after the keys that came before it: their order is kept
         }
         if self.debug_diverged:
             d["debug_diverged"] = True
