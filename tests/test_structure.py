@@ -37,7 +37,8 @@ LAYERS = [
     {"runtime"},  # the processes of a job
     {"planner"},  # predictions from a profile: runs the policies in virtual time
     {"decode", "transport"},  # pure policies; the wire and its waits
-    {"native", "gguf_info", "layer_split", "registry", "model_files", "cache", "fetch", "errors", "_native", "wording"},
+    {"native", "gguf_info", "layer_split", "registry", "model_files", "cache", "fetch", "errors", "_native", "wording",
+     "model_identity", "weight_slices", "slice_cache"},
 ]
 
 
