@@ -172,3 +172,24 @@ def test_pipeinfer_with_lookup_is_lossless_on_grounded_prompts(smollm2_path, tmp
     recs = [x for x in doc["records"] if x["mode"] == "pipeinfer"]
     assert sum(x["acceptance"]["accepted"] for x in recs) > 0
     assert sum(x["runs"]["speculative"] for x in recs) > 0
+
+
+def test_draft_min_drops_short_drafts_and_keeps_the_rest():
+    """--draft-min / speculative.n_min (decode/min_draft.py): a shorter draft becomes an empty one."""
+    from pipeinfer_cli.decode.drafters import Proposal
+    from pipeinfer_cli.decode.min_draft import MinLengthDrafter, with_min_length
+
+    class Fixed:
+        name = "fixed"
+
+        def __init__(self, n):
+            self.n = n
+
+        def propose(self, path, n_max, p_min):
+            return Proposal(list(range(self.n)), [0.9] * self.n, [[]] * self.n, source="model")
+
+    assert with_min_length(Fixed(1), 1).__class__ is Fixed  # 0 and 1: any draft, unwrapped
+    short, long_ = MinLengthDrafter(Fixed(2), 3), MinLengthDrafter(Fixed(3), 3)
+    assert short.propose([1], 8, 0.0).tokens == [] and short.propose([1], 8, 0.0).source == "model"
+    assert long_.propose([1], 8, 0.0).tokens == [0, 1, 2]
+    assert short.name == "fixed" and not hasattr(short, "request")  # forwarded; stays synchronous

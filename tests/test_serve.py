@@ -255,7 +255,28 @@ BAD = {  # id: (path, body, status, param, code)
     "token-out-of-vocab": ("/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt", "invalid_value"),
     "stop-not-text": ("/v1/chat/completions", {"stop": 5}, 400, "stop", "invalid_type"),
     "no-such-endpoint": ("/v1/embeddings", {}, 404, None, "not_found"),
+    "spec-n-max-zero": ("/v1/chat/completions", {"speculative.n_max": 0}, 400, "speculative.n_max", "invalid_value"),
+    "spec-n-min-above-max": ("/v1/chat/completions", {"speculative": {"n_max": 2, "n_min": 3}}, 400, "speculative.n_min",
+                             "invalid_value"),
+    "spec-p-min-above-1": ("/v1/chat/completions", {"speculative.p_min": 1.5}, 400, "speculative.p_min", "invalid_value"),
+    "spec-unknown-key": ("/v1/chat/completions", {"speculative.n_mx": 2}, 400, "speculative.n_mx", "unsupported_parameter"),
 }
+
+
+@pytest.mark.parametrize("mode", ["speculative", "pipeinfer"])
+def test_speculation_settings_per_request(server, reference, mode):
+    """llama-server's speculative.n_max / n_min / p_min change how a request drafts, never its tokens."""
+    body = {"prompt": RAW, "max_tokens": N, "mode": mode, **SEEDED}
+    plain = server.post_json("/v1/completions", body)[1]
+    one = server.post_json("/v1/completions", {**body, "speculative.n_max": 1})[1]
+    none = server.post_json("/v1/completions", {**body, "speculative": {"n_max": 2, "n_min": 2, "p_min": 1.0}})[1]
+    texts = {r["choices"][0]["text"] for r in (plain, one, none)}
+    assert texts == {plain["choices"][0]["text"]} and plain["pipeinfer"]["tokens"] == one["pipeinfer"]["tokens"]
+    t1, t0 = one["timings"], none["timings"]
+    assert t1["draft_n"] <= t1["runs_speculative"]  # at most one drafted token per run
+    # p_min 1.0 stops a draft after its first token (lookup is never that sure), and n_min 2 then drops it.
+    assert t0["draft_n"] == 0 and t0["runs_speculative"] == 0
+    assert plain["timings"]["draft_by_source"] == {}  # a single drafter: no per-source split
 
 
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))

@@ -28,6 +28,7 @@ class JobOptions:
     min_p: o.MinPOption = 0.0
     seed: o.SeedOption = 0
     n_draft: o.NDraftOption = 4
+    draft_min: o.DraftMinOption = 0
     p_min: o.PMinOption = 0.0
     p_accept: o.PAcceptOption = 0.5
     p_split: o.PSplitOption = 0.1

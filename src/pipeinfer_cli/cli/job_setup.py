@@ -144,7 +144,8 @@ def make_job_config(target, draft_ref, job):
         draft_path=None if draft_ref in (None, "lookup") else draft_ref.path,
         draft_label=draft_ref if draft_ref in (None, "lookup") else draft_ref.label,
         sampling=SamplingParams(temperature=job.temp, top_k=job.top_k, top_p=job.top_p, min_p=job.min_p, seed=job.seed),
-        decode=DecodeOptions(n_predict=job.n_predict, n_draft=job.n_draft, p_min=job.p_min, p_accept=job.p_accept,
+        decode=DecodeOptions(n_predict=job.n_predict, n_draft=job.n_draft, n_min=_draft_min(job), p_min=job.p_min,
+                             p_accept=job.p_accept,
                              p_split=job.p_split, p_recovery=job.p_recovery, p_decay=job.p_decay,
                              max_branches=job.max_branches, max_inflight=job.max_inflight,
                              spec_policy=check_spec_policy(job.spec_policy)),
@@ -153,6 +154,13 @@ def make_job_config(target, draft_ref, job):
         model_sha256=target.entry.sha256 if target.entry else None, model_size=target.entry.size if target.entry else None,
         draft_sha256=_entry_field(draft_ref, "sha256"), draft_size=_entry_field(draft_ref, "size"),
     )
+
+
+def _draft_min(job) -> int:
+    if job.draft_min > job.n_draft:
+        raise OptionValueError(f"--draft-min {job.draft_min} is larger than --n-draft {job.n_draft}; a draft has at most "
+                               "--n-draft tokens, so lower --draft-min or raise --n-draft")
+    return job.draft_min
 
 
 def _entry_field(ref, name: str):

@@ -24,6 +24,7 @@ MinPOption = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Dr
 StopOption = Annotated[list[str] | None, typer.Option("--stop", metavar="TEXT", show_default=False, help="Stop when this text appears (not printed); repeat for several.")]
 SeedOption = Annotated[int, typer.Option("--seed", "-s", help="Sampling seed; each token depends only on (logits, seed, position).")]
 NDraftOption = Annotated[int, typer.Option("--n-draft", min=1, max=64, help="Max draft tokens per speculative run.")]
+DraftMinOption = Annotated[int, typer.Option("--draft-min", min=0, max=64, help="speculative and pipeinfer: a draft shorter than this many tokens is not verified (llama.cpp's --draft-min); 0: any draft.")]
 PMinOption = Annotated[float, typer.Option("--p-min", min=0.0, max=1.0, help="speculative: stop drafting when the draft's top probability is below this.")]
 PAcceptOption = Annotated[float, typer.Option("--p-accept", "-pa", min=0.0, max=1.0, help="pipeinfer: keep speculating while draft confidence >= p_accept + p_adjust.")]
 PSplitOption = Annotated[float, typer.Option("--p-split", "-ps", min=0.0, max=1.0, help="pipeinfer: open a tree branch when a runner-up draft token has p > p_split.")]

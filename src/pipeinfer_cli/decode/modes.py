@@ -78,8 +78,10 @@ def check_mode(name: str | None, has_draft: bool, field: str = "--mode") -> str:
 
 def decode(name: str, pipe, s, opts: DecodeOptions, drafter=None, *, prompt_pass=None, memory=None) -> None:
     """Generate a prefilled session's tokens in mode `name` (pipe: a PipelineLike)."""
+    from .min_draft import with_min_length
     from .sync import decode_iterative, decode_speculative
 
+    drafter = with_min_length(drafter, opts.n_min)
     if name == ITERATIVE.name:
         decode_iterative(pipe, s)
     elif name == SPECULATIVE.name:

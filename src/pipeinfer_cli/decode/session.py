@@ -20,6 +20,7 @@ class DecodeOptions:
 
     n_predict: int = 128
     n_draft: int = 4  # max draft tokens per speculative run
+    n_min: int = 0  # a draft shorter than this is not verified (llama.cpp's --draft-min; 0 and 1: any draft)
     p_min: float = 0.0  # speculative: stop drafting when the draft's top probability is lower
     p_accept: float = 0.5  # pipeinfer: keep speculating while draft confidence >= p_accept + p_adjust
     p_split: float = 0.1  # pipeinfer: split a tree branch when a runner-up candidate has p > p_split

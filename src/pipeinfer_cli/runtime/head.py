@@ -166,6 +166,7 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
     reuse: leading prompt tokens whose cells the canonical sequence already holds (prefix reuse).
     memory: what the job's earlier requests learned about drafting on one stage."""
     tok = loaded.tokenizer
+    opts = getattr(req, "decode", None) or cfg.decode
     s = Session(prompt, req.sampling or cfg.sampling, n_predict_for(cfg, req, len(prompt)), tok.is_eog, cb.on_token,
                 text=TextStream(tok.piece, req.stop), on_text=cb.on_text, cancelled=req.cancelled)
     if req.draft == "lookup" and drafter is not None:
@@ -183,11 +184,11 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
     # On one stage with the draft model on the head, pipeinfer reads the prompt into the draft only
     # once drafting has shown it may pay (draft_economy.py): the pass would take the target's cores.
     deferred = (draft_prefill is not None and req.mode == "pipeinfer" and local_draft and pipe.n_stages == 1
-                and cfg.decode.spec_policy == "auto" and getattr(drafter, "has_prompt_pass", False))
+                and opts.spec_policy == "auto" and getattr(drafter, "has_prompt_pass", False))
     prefill(pipe, s, None if deferred else draft_prefill, draft_in_thread=local_draft, start=reuse)
     if req.mode == "speculative" and local_draft:
         drafter = _TracedDrafter(drafter, trace)  # pipeinfer traces its own draft calls
-    decode(req.mode, pipe, s, cfg.decode, drafter, prompt_pass=draft_prefill if deferred else None, memory=memory)
+    decode(req.mode, pipe, s, opts, drafter, prompt_pass=draft_prefill if deferred else None, memory=memory)
     s.finish_text()
     return s
 

@@ -51,6 +51,7 @@ class Request:
     n_predict: int | None = None  # tokens to generate; -1: until end of text or a full context
     cancelled: Callable[[], bool] | None = None  # polled at each commit: True ends it ("cancelled")
     draft: str | None = None  # "lookup": draft this request by prompt lookup, not with the job's draft model
+    decode: DecodeOptions | None = None  # this request's speculation settings (a server request's); None: the job's
 
 
 @dataclass

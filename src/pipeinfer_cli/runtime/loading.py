@@ -30,7 +30,7 @@ def spec_margin(cfg, req) -> int:
     the last committed token (rejected cells are removed again)."""
     from ..decode.modes import get_mode
 
-    return get_mode(req.mode).kv_margin(cfg.decode)
+    return get_mode(req.mode).kv_margin(getattr(req, "decode", None) or cfg.decode)
 
 
 def n_predict_for(cfg, req, n_prompt: int) -> int:

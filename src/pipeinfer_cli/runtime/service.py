@@ -70,6 +70,9 @@ class GenerationRequest:
     n_predict: int | None = None  # tokens at most; -1: until end of text or a full context
     sampling: SamplingParams | None = None
     stop: list[str] = field(default_factory=list)  # stop strings (cut from the text)
+    # llama-server's speculative.n_max / n_min / p_min for this request ({"n_max": 8, ...}); the
+    # job's --n-draft / --draft-min / --p-min for the keys it leaves out.
+    speculative: dict | None = None
 
 
 @dataclass
@@ -205,7 +208,7 @@ class Service:
             raise InvalidRequest("the prompt is empty; send some text", "prompt")
         cfg = self.cfg
         n_prompt = len(request.prompt)
-        margin = spec_margin(cfg, _ModeOnly(mode))
+        margin = spec_margin(cfg, _ModeOnly(mode, self.decode_options(request)))
         room = cfg.n_ctx - n_prompt - margin  # tokens the context still holds after the prompt
         if room < 1:
             raise RequestTooLong(f"the prompt has {n_prompt} tokens, too many for the context of {cfg.n_ctx} cells "
@@ -216,6 +219,21 @@ class Service:
             raise RequestTooLong(f"{n} tokens after a prompt of {n_prompt} need {n_prompt + n + margin} KV cells "
                                  f"(with {margin} for speculative runs in flight), more than the context of "
                                  f"{cfg.n_ctx} (--ctx); ask for at most {room}", "n_predict")
+
+    def decode_options(self, request: GenerationRequest):
+        """The request's speculation settings: the job's, with what its `speculative` dict changes.
+        InvalidRequest names the field (speculative.n_min) when they do not fit together."""
+        from dataclasses import replace
+
+        spec = request.speculative or {}
+        if not spec:
+            return self.cfg.decode
+        d = self.cfg.decode
+        n_max, n_min = spec.get("n_max", d.n_draft), spec.get("n_min", d.n_min)
+        if n_min > n_max:
+            raise InvalidRequest(f"speculative.n_min ({n_min}) is larger than speculative.n_max ({n_max}); "
+                                 "ask for at most as many as n_max", "speculative.n_min")
+        return replace(d, n_draft=n_max, n_min=n_min, p_min=spec.get("p_min", d.p_min))
 
     def stop(self, reason: str = "the server is shutting down") -> None:
         """End the service (from any thread but a signal handler's): every request waiting or running
@@ -241,6 +259,7 @@ class Service:
             r = ticket.request
             req = Request(mode=r.mode or self.default_mode(), label=str(ticket.seq), stop=list(r.stop),
                           sampling=r.sampling, n_predict=r.n_predict,
+                          decode=self.decode_options(r) if r.speculative else None,
                           cancelled=lambda t=ticket: t.cancelled or self.status != "ok")
             yield req, list(r.prompt)
             with self._cond:
@@ -319,6 +338,7 @@ class Service:
 
 @dataclass
 class _ModeOnly:
-    """spec_margin() reads only the request's mode."""
+    """spec_margin() reads only the request's mode and speculation settings."""
 
     mode: str
+    decode: object = None

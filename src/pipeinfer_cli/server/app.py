@@ -151,7 +151,7 @@ class _Api:
             else:
                 prompt = service.tokenize(text=p.prompt)
             gen = GenerationRequest(prompt, mode=p.mode, n_predict=p.max_tokens, stop=p.stop,
-                                    sampling=p.sampling(service.cfg.sampling))
+                                    sampling=p.sampling(service.cfg.sampling), speculative=p.speculative)
             service.check(gen)
         except InvalidRequest as e:
             field = {"prompt": "messages" if p.chat else "prompt", "n_predict": p.max_tokens_field}.get(e.field, e.field)

@@ -37,6 +37,7 @@ class ParsedRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     mode: str | None = None
+    speculative: dict | None = None  # llama-server's speculative.n_max / n_min / p_min, given ones only
     stream: bool = False
     include_usage: bool = False
 
@@ -101,9 +102,36 @@ def _common(body: dict, req: ParsedRequest) -> None:
     if mode is not None and mode not in MODES:
         raise invalid("mode", f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     req.mode = mode
+    req.speculative = _speculative(body)
     n = _int(body, "n", lo=1)
     if n not in (None, 1):
         raise unsupported("n", f"only n=1 is supported (got {n}); send one request per completion")
+
+
+MAX_DRAFT = 64  # as --n-draft
+
+
+def _speculative(body: dict) -> dict | None:
+    """llama-server's per-request draft settings, as flat keys ("speculative.n_max": 8) or an
+    object ("speculative": {"n_max": 8}): n_max draft tokens per run at most, n_min at least (a
+    shorter draft is not verified), p_min the draft's confidence below which drafting stops."""
+    nested = _typed(body, "speculative", dict) or {}
+    flat = {f"speculative.{k}": v for k, v in nested.items()}
+    flat.update({k: v for k, v in body.items() if k.startswith("speculative.")})
+    unknown = sorted(k for k in flat if k not in ("speculative.n_max", "speculative.n_min", "speculative.p_min"))
+    if unknown:
+        raise unsupported(unknown[0], "is not a setting; use speculative.n_max, speculative.n_min or speculative.p_min")
+    out = {}
+    for key, lo in (("n_max", 1), ("n_min", 0)):
+        value = _int(flat, f"speculative.{key}", lo=lo)
+        if value is not None and value > MAX_DRAFT:
+            raise invalid(f"speculative.{key}", f"speculative.{key} must be <= {MAX_DRAFT} (got {value})")
+        if value is not None:
+            out[key] = value
+    p_min = _number(flat, "speculative.p_min", 0.0, 1.0)
+    if p_min is not None:
+        out["p_min"] = p_min
+    return out or None
 
 
 def _refuse_unsupported(body: dict) -> None:

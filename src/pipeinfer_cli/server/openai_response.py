@@ -96,6 +96,8 @@ def timings(result: GenerationResult) -> dict:
         "tok_per_s": _r(result.tok_per_s),
         "draft_n": acc.drafted, "draft_n_accepted": acc.accepted,
         "acceptance_rate": _r(acc.rate, 4), "mean_accepted_len": _r(acc.mean_accepted_len, 3),
+        # per draft source of a hybrid draft (lookup+MODEL): {"lookup": {"drafted", "accepted", "rate"}, ...}
+        "draft_by_source": acc.to_dict().get("by_source", {}),
         "runs_launched": runs.launched, "runs_speculative": runs.speculative,
         "runs_cancelled": runs.cancelled,
         "drafting_paused": runs.drafting_paused, "drafting_ended": runs.drafting_ended,
