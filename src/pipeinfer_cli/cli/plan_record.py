@@ -34,6 +34,21 @@ def _prompt_ids(tok, setup, prompt: str | None, prompts: str | None, limit: int 
     return out
 
 
+def _refuse_translated(tok, setup) -> None:
+    """The recorded chains feed the target's token ids to the draft: only a draft of the same vocabulary."""
+    from ..runtime.tokenizer import Tokenizer
+    from ..runtime.vocab import draft_vocab
+
+    draft_tok = Tokenizer(setup.draft_path)
+    try:
+        if draft_vocab(tok, draft_tok) == "translated":
+            raise UsageError(f"plan --record cannot record the chains of {setup.draft_label}, a draft of another "
+                             "vocabulary, yet; predict it with --acceptance RATE instead (bench measures the rate: "
+                             "`pipeinfer bench ... --draft " + str(setup.draft_label) + "`)")
+    finally:
+        draft_tok.close()
+
+
 def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | None, n_predict: int,
                  with_chains: bool):
     from ..decode.drafters import LlamaDrafter
@@ -46,6 +61,8 @@ def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | No
     if n_predict < 1:
         raise UsageError("-n must be at least 1 to record a trace")
     tok = Tokenizer(setup.path)
+    if with_chains and setup.draft_path is not None:
+        _refuse_translated(tok, setup)
     ids = _prompt_ids(tok, setup, prompt, prompts, limit)
     n_ctx = max(len(p) for _, p in ids) + n_predict + CHAIN_DEPTH + 8
     threads = os.cpu_count() or 1
