@@ -309,3 +309,32 @@ def test_a_rank_stopped_mid_stream_ends_the_job_with_one_line_and_no_partial_fil
     assert len(errors) == 1 and errors[0].startswith("Error: rank 1 (host ") and "stopped by SIGTERM" in errors[0], err
     assert "Traceback" not in err
     assert list((empty / "slices").iterdir()) == []
+
+
+def test_prune_spares_a_file_a_running_job_writes_and_rm_takes_a_path(cache, tmp_path):
+    from pipeinfer_cli.slice_cache import SliceWriter, list_cached
+
+    env = {**os.environ, "PIPEINFER_CACHE": str(cache)}
+    with SliceWriter("m", "ef" * 32, (0, 2), 4) as w:  # this process is alive: its partial file stays
+        w.write(b"ab")
+        w._f.flush()
+        r = subprocess.run([PIPEINFER, "models", "prune"], capture_output=True, text=True, env=env)
+        assert r.returncode == 0 and "0 leftover files" in r.stderr, r.stderr
+        assert w.tmp.exists()
+        listed = json.loads(subprocess.run([PIPEINFER, "models", "list", "--json"], capture_output=True, text=True,
+                                           env=env, check=True).stdout)
+        assert listed["partial_bytes"] == 2
+        w.tmp.unlink()  # as a prune by hand would: the commit says so instead of failing obscurely
+        w.write(b"cd")
+        with pytest.raises(OSError, match="was removed while it was written"):
+            w.commit(__import__("hashlib").sha256(b"abcd").hexdigest())
+    model = tmp_path / "mine.gguf"
+    model.write_bytes(b"GGUF" + b"\0" * 60)
+    from pipeinfer_cli.model_identity import file_sha256, identify
+
+    with SliceWriter(str(model), file_sha256(identify(model)), (0, 3), 3) as w:
+        w.write(b"xyz")
+        w.commit(__import__("hashlib").sha256(b"xyz").hexdigest())
+    r = subprocess.run([PIPEINFER, "models", "rm", str(model)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "removed 1 rank slice" in r.stderr, r.stderr
+    assert list_cached() == [] and model.exists()

@@ -112,24 +112,41 @@ def list_cached() -> list[CachedSlice]:
     return out
 
 
+ORPHAN_AGE_S = 3600.0  # a record without its file, or a partial file of another host, this old is a leftover
+
+
 def leftovers(only_dead: bool = False) -> list[Path]:
-    """Partial files of jobs that were cut, and records without their file. only_dead: only the
-    partial files of processes of this host that have ended (others may still be writing)."""
+    """Files of jobs that were cut: partial files whose writer has ended (on this host; on another
+    host, once ORPHAN_AGE_S old), and records without their file (as old). A file that a running job
+    is still writing is never one. only_dead: partial files of this host's ended writers only."""
     root = slices_dir()
     if not root.is_dir():
         return []
-    stray = [p for p in root.iterdir() if PARTIAL in p.name and (not only_dead or _writer_ended(p))]
-    if not only_dead:
-        stray += [p for p in root.glob("*.json") if not p.with_suffix(".gguf").exists()]
+    old = time.time() - ORPHAN_AGE_S
+    stray = []
+    for p in root.iterdir():
+        if PARTIAL in p.name:
+            ended = _writer_ended(p)
+            if ended or (ended is None and not only_dead and p.stat().st_mtime < old):
+                stray.append(p)
+        elif not only_dead and p.suffix == ".json" and not p.with_suffix(".gguf").exists() and p.stat().st_mtime < old:
+            stray.append(p)
     return sorted(stray)
 
 
-def _writer_ended(partial: Path) -> bool:
-    """Whether the process that wrote this partial file (named .<file>~<host>~<pid>.partial) has ended."""
+def _writer_ended(partial: Path) -> bool | None:
+    """Whether the process that writes this partial file (named .<file>~<host>~<pid>.partial) has
+    ended; None when it cannot be told (another host's, or a name of another form)."""
     parts = partial.name[: -len(PARTIAL)].split("~")
     if len(parts) != 3 or parts[1] != socket.gethostname() or not parts[2].isdigit():
-        return False
+        return None
     return not Path(f"/proc/{parts[2]}").exists()
+
+
+def partial_bytes() -> int:
+    """Bytes in partial files (streams under way, or left by cut jobs)."""
+    root = slices_dir()
+    return sum(p.stat().st_size for p in root.iterdir() if PARTIAL in p.name) if root.is_dir() else 0
 
 
 def remove_dead_partials() -> None:
@@ -177,6 +194,9 @@ class SliceWriter:
                   "size": self.size, "sha256": got, "created": time.time()}
         side = _sidecar(self.final)
         side_tmp = side.with_name(f".{side.name}~{socket.gethostname()}~{os.getpid()}{PARTIAL}")
+        if not self.tmp.exists():
+            raise OSError(f"the partial file {self.tmp.name} was removed while it was written (by `pipeinfer models "
+                          "prune` or by hand); run the job again")
         side_tmp.write_text(json.dumps(record, indent=1) + "\n")
         os.replace(side_tmp, side)
         os.replace(self.tmp, self.final)

@@ -10,6 +10,8 @@ def resolve_draft_models(resolve, model: str, draft: str | None, **kw):
     with `lookup+MODEL` MODEL is resolved as the draft model and hybrid is True."""
     from ..decode.hybrid import split_hybrid
 
+    if draft is not None and not draft.strip():
+        raise OptionValueError("--draft is empty; give a model name, a .gguf path, lookup or lookup+MODEL")
     try:
         hybrid, draft = split_hybrid(draft)
     except ValueError as e:

@@ -13,7 +13,7 @@ from rich.table import Table
 from ..cache import cache_dir, cached_model_path, ensure_writable_cache
 from ..fetch import pull_model
 from ..registry import load_registry
-from ..slice_cache import leftovers, list_cached, part_name, remove
+from ..slice_cache import leftovers, list_cached, part_name, partial_bytes, remove
 from .console import byte_progress, err, out
 from .options import JsonFlag
 from .wording import epilog, human_bytes, plural
@@ -57,7 +57,8 @@ def list_models(as_json: JsonFlag = False) -> None:
     slices = [_slice_row(s) for s in list_cached()]
     if as_json:
         out.print_json(json.dumps({"cache": str(cache_dir()), "models": rows, "pairs": pairs, "slices": slices,
-                                   "cache_bytes": _cache_bytes(rows, slices)}))
+                                   "partial_bytes": partial_bytes(),
+                                   "cache_bytes": _cache_bytes(rows, slices) + partial_bytes()}))
         return
     if not out.is_terminal:
         by_name = {r["name"]: r for r in rows}
@@ -92,10 +93,31 @@ def list_models(as_json: JsonFlag = False) -> None:
             pt.add_row(p["name"], p["target"], p["draft"])
         out.print(pt)
     _print_slices(slices)
-    out.print(f"The cache holds {human_bytes(_cache_bytes(rows, slices))}: "
-              f"{plural(sum(r['downloaded'] for r in rows), 'model file')} and {plural(len(slices), 'rank slice')} "
+    partial = partial_bytes()
+    extra = f", plus {human_bytes(partial)} of partial files (streams under way or cut)" if partial else ""
+    out.print(f"The cache holds {human_bytes(_cache_bytes(rows, slices) + partial)}: "
+              f"{plural(sum(r['downloaded'] for r in rows), 'model file')} and {plural(len(slices), 'rank slice')}{extra} "
               "(`pipeinfer models prune` removes slices, `pipeinfer models rm NAME` a model).",
               markup=False, highlight=False)
+
+
+def _remove_path_slices(name: str) -> bool:
+    """`models rm PATH`: remove the slices recorded under that label, or of that file's sha256.
+    False when the name is no path and labels no slice (it is then looked up in the registry)."""
+    from pathlib import Path
+
+    from ..model_identity import file_sha256, identify
+
+    ident = identify(Path(name).expanduser()) if name.endswith(".gguf") or "/" in name else None
+    sha = file_sha256(ident) if ident is not None else None
+    mine = [s for s in list_cached() if s.model == name or (sha is not None and s.model_sha256 == sha)]
+    if not mine and ident is None and not name.endswith(".gguf"):
+        return False
+    for s in mine:
+        remove(s.path)
+    err.print(f"{name}: removed {plural(len(mine), 'rank slice')}" if mine else f"{name}: no rank slices to remove",
+              markup=False, highlight=False)
+    return True
 
 
 def _slice_row(s) -> dict:
@@ -126,7 +148,8 @@ def prune(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")] = False,
 ) -> None:
     """Remove the rank slices of the node cache (the weights a job's head sent this node), and the partial
-    files of jobs that were cut. Complete model files stay (`pipeinfer models rm NAME` removes one).
+    files of jobs that were cut (never those a running job is writing). Complete model files stay
+    (`pipeinfer models rm NAME` removes one).
 
     A slice is only a copy: the next job that needs it is sent it again by its head.
     """
@@ -149,13 +172,18 @@ def prune(
 
 @app.command("rm")
 def rm(
-    names: Annotated[list[str], typer.Argument(help="Model or pair names (see `pipeinfer models list`).")],
+    names: Annotated[list[str], typer.Argument(help="Model or pair names (see `pipeinfer models list`), or the .gguf path a job was given (its slices only).")],
     slices_only: Annotated[bool, typer.Option("--slices-only", help="Keep the model files; remove only their rank slices.")] = False,
 ) -> None:
-    """Remove downloaded models from the cache, with every rank slice of them."""
+    """Remove downloaded models from the cache, with every rank slice of them.
+
+    For a model that a job was given as a .gguf path, `rm PATH` removes the slices this node was
+    sent of it (the file itself is yours, and stays)."""
     reg = load_registry()
     wanted: list[str] = []
     for name in names:
+        if name not in reg.models and name not in reg.pairs and _remove_path_slices(name):
+            continue
         members = [reg.pairs[name].target, reg.pairs[name].draft] if name in reg.pairs else [reg.model(name).name]
         wanted += [m for m in members if m not in wanted]
     for name in wanted:
