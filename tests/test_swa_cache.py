@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from pipeinfer_cli.decode.prefix_cache import PrefixCache
 from pipeinfer_cli.native import LayerEngine
 from pipeinfer_cli.transport.launch import find_mpiexec
 from test_generate_mpi import run
@@ -108,7 +109,8 @@ def test_window_cache_prints_the_full_cache_tokens(full_cache_tokens, ranks, mod
 
 def reuse_turns(model, full: bool) -> list[dict]:
     first = f"Here is a text. {' '.join([PARAGRAPH] * 33)} The river carries"
-    turns = [{"prompt": first}, {"prompt": first + " silt. What do the farmers plant? They plant"}]
+    turns = [{"prompt": first}, {"prompt": first + " silt. What do the farmers plant? They plant"},
+             {"prompt": f"Here is a text. {' '.join([PARAGRAPH] * 12)} Now something else: the weather"}]
     spec = {"model": str(model), "draft": "lookup", "mode": "pipeinfer", "n": 32, "ctx": 2048, "layer_split": None,
             "reuse": True, "steps": turns, "p_accept": 0.0}
     env = dict(os.environ, **({"PIPEINFER_SWA_FULL": "1"} if full else {}))
@@ -122,6 +124,16 @@ def reuse_turns(model, full: bool) -> list[dict]:
 def test_window_cache_prefix_reuse_turn_prints_the_full_cache_tokens(gemma3_path):
     window, full = reuse_turns(gemma3_path, False), reuse_turns(gemma3_path, True)
     assert [r["tokens"] for r in window] == [r["tokens"] for r in full]
-    first, second = [r for r in window if r["kind"] == "request"][:2]
+    first, second, third = [r for r in window if r["kind"] == "request"][:3]
     assert first["n_prompt"] + first["n_gen"] > 1024  # the first turn outgrew the window cache: cells were pruned
     assert second["reused_tokens"] >= 768  # whole 256-token chunks, longer than the window
+    # A prompt sharing only 256 tokens: the full cache keeps them; the window cache pruned the cells
+    # their continuation's window needs, so it prefills from 0 (the same chunks: the same cells).
+    assert [r for r in full if r["kind"] == "request"][2]["reused_tokens"] == 256
+    assert third["reused_tokens"] == 0 and third["common_prefix_tokens"] >= 256
+
+
+def test_prefix_plan_keeps_nothing_shorter_than_the_window_cache_allows():
+    cache = PrefixCache(list(range(2000)), 1024, min_resume=600)
+    assert cache.plan(list(range(700)) + [-1])[0] == 0
+    assert cache.plan(list(range(1100)))[0] == 1024

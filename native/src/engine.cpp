@@ -498,6 +498,12 @@ void layer_engine::kv_clear() {
     kv_->clear();
     if (kv_swa_) kv_swa_->clear();
 }
+int32_t layer_engine::kv_min_resume(int32_t seq_id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!kv_swa_ || seq_id < 0 || seq_id >= (int32_t) kv_swa_->n_seq_max()) return 0;
+    const int32_t floor = kv_swa_->window_floor(seq_id);
+    return floor > 0 ? floor + (int32_t) kv_swa_->n_swa() - 1 : 0;
+}
 uint32_t layer_engine::kv_swa_used_cells() {
     std::lock_guard<std::mutex> lock(mutex_);
     return kv_swa_ ? kv_swa_->n_used() : 0;

@@ -128,6 +128,9 @@ public:
     // Cells of the sliding-window layers' own cache (0: none, they share the full cache) and in use.
     uint32_t kv_swa_size() const { return kv_swa_ ? kv_swa_->size() : 0; }
     uint32_t kv_swa_used_cells();
+    // The smallest position seq_id can be continued from (after a seq_rm of its tail): the window
+    // cache has pruned the cells before (kv_cache::window_floor); 0 when nothing was pruned.
+    int32_t kv_min_resume(int32_t seq_id);
 
     engine_stats stats();
     // Layers of the current (or last) eval that have finished; lock-free, for progress and tests.

@@ -258,6 +258,7 @@ void bind_engine_methods(py::class_<layer_engine> & c) {
         .def("kv_clear", &layer_engine::kv_clear)
         .def("kv_used_cells", &layer_engine::kv_used_cells)
         .def("kv_swa_used_cells", &layer_engine::kv_swa_used_cells)
+        .def("kv_min_resume", &layer_engine::kv_min_resume, py::arg("seq_id"))
         .def("stats", [](layer_engine & e) {
             const engine_stats s = e.stats();
             py::dict d;

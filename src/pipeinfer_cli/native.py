@@ -265,6 +265,11 @@ class LayerEngine:
         """Free every cell."""
         self._eng.kv_clear()
 
+    def kv_min_resume(self, seq_id: int) -> int:
+        """The smallest position `seq_id` can be continued from after a `seq_rm` of its tail: the
+        sliding-window cache pruned the cells its window would need below it (0: any position)."""
+        return self._eng.kv_min_resume(int(seq_id))
+
     def kv_used_cells(self) -> int:
         """Cells that belong to at least one sequence."""
         return self._eng.kv_used_cells()
