@@ -67,10 +67,16 @@ def test_gemma3_prompt_longer_than_the_window(gemma3_path, window):
     assert tokens == ref_tokens
 
 
-def test_gemma3_kv_cache_keeps_every_cell_for_every_layer(gemma3_path, window):
-    """docs/models.md's memory figure (75.5 MB at --ctx 4096): K and V of every layer for all n_ctx cells,
-    1,024 bytes per cell and layer (one KV head of 256 F16 values each), although the local layers
-    only read their window."""
+def test_gemma3_kv_cache_keeps_the_window_of_the_local_layers(gemma3_path, window, monkeypatch):
+    """docs/models.md's memory figures at --ctx 4096, 1,024 bytes per cell and layer (one KV head of
+    256 F16 values each): the full cache (swa_full) holds every layer for all n_ctx cells (75.5 MB);
+    by default the 15 local layers hold a window cache of n_swa + 512 = 1,024 cells (28.3 MB)."""
+    full = LayerEngine(gemma3_path, 0, N_LAYER, n_ctx=4096, swa_full=True)
+    assert window == 512 and len(full.hparams()["swa_layers"]) == 15
+    assert full.kv_bytes == N_LAYER * 4096 * 2 * 256 * 2 == 72 << 20 and full.kv_swa_size == 0
+    assert LayerEngine(gemma3_path, 0, N_LAYER, n_ctx=4096).kv_swa_size == 0  # below 8 x the window cache: full
+    assert LayerEngine(gemma3_path, 0, N_LAYER, n_ctx=8192).kv_swa_size == 1024  # from 8 x: the window cache
+    monkeypatch.setenv("PIPEINFER_SWA_FULL", "0")  # the window cache at any size
     eng = LayerEngine(gemma3_path, 0, N_LAYER, n_ctx=4096)
-    assert window == 512 and len(eng.hparams()["swa_layers"]) == 15
-    assert eng.kv_bytes == N_LAYER * 4096 * 2 * 256 * 2 == 72 << 20
+    assert eng.kv_swa_size == 1024
+    assert eng.kv_bytes == (3 * 4096 + 15 * 1024) * 2 * 256 * 2 == 27 << 20

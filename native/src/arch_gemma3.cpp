@@ -117,8 +117,9 @@ void gemma3_read_hparams(const gguf_file & f, model_hparams & hp) {
 }
 
 ggml_tensor * gemma3_graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weights & w, const kv_cache & kv,
-                                 const graph_shape & shape, graph_inputs & in, layer_progress & progress) {
-    gemma3_graph g(ctx, gf, w, kv, shape, in);
+                                 const kv_cache * kv_swa, const graph_shape & shape, graph_inputs & in,
+                                 layer_progress & progress) {
+    gemma3_graph g(ctx, gf, w, kv, kv_swa, shape, in);
     return build_stage(g, g.build_inputs_scaled(), progress);
 }
 

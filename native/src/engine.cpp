@@ -10,6 +10,7 @@
 #include <cmath>
 #include <new>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -100,17 +101,7 @@ layer_engine::layer_engine(const engine_params & params) : params_(params) {
         quiet_ggml_log quiet;
         w_ = stage_weights_load(params.path, params.layer_begin, params.layer_end, params.use_repack);
     }
-    try {
-        kv_ = std::make_unique<kv_cache>((uint32_t) params.n_ctx, (uint32_t) params.n_seq_max, (int) w_->layers.size(),
-                                         (int64_t) w_->hparams.n_embd_gqa(), /*v_trans=*/ !params.flash_attn);
-    } catch (const std::bad_alloc &) {
-        // K and V, f16, per cell and layer; decimal GB, as the rest of the tool reports sizes.
-        const double gb = 2.0 * 2.0 * params.n_ctx * w_->hparams.n_embd_gqa() * w_->layers.size() / 1e9;
-        char msg[256];
-        std::snprintf(msg, sizeof(msg), "cannot allocate a KV cache of %lld cells: it needs %.1f GB for K and V",
-                      (long long) params.n_ctx, gb);
-        throw engine_failure(msg);
-    }
+    open_caches();
 
     backend_ = ggml_backend_cpu_init();
     if (!backend_) throw engine_failure("ggml_backend_cpu_init failed");
@@ -121,6 +112,48 @@ layer_engine::layer_engine(const engine_params & params) : params_(params) {
     if (!galloc_) throw engine_failure("ggml_gallocr_new failed");
     const size_t gs = graph_size_for(w_->hparams, w_->layers.size());
     graph_meta_.resize(ggml_tensor_overhead() * gs + ggml_graph_overhead_custom(gs, false));
+}
+
+// The full cache, and for sliding-window layers a cache of their window: n_swa + 512 cells
+// (llama.cpp sizes its SWA cache n_swa * n_seq + a ubatch), room for a 256-token prompt chunk and
+// for rollbacks (rejected drafts, cancelled runs) of the newest positions. The window cache trades
+// speed for memory (each local layer gathers its window in position order for every batch, so
+// that attention sums exactly as over the full cache), so it is used where the memory matters: when
+// the full cache's local layers would hold at least SWA_WINDOW_FACTOR times the window cache.
+// PIPEINFER_SWA_FULL=1 (or swa_full) always keeps the full cache, PIPEINFER_SWA_FULL=0 always the window.
+void layer_engine::open_caches() {
+    const model_hparams & hp = w_->hparams;
+    const size_t n_local = w_->layers.size();
+    std::vector<bool> swa(n_local), full(n_local, true);
+    const char * env = std::getenv("PIPEINFER_SWA_FULL");
+    const std::string choice = env ? env : "";
+    const bool swa_full = params_.swa_full || choice == "1";
+    const uint32_t pad = 256, want = (hp.n_swa + 512 + pad - 1) / pad * pad;
+    constexpr int64_t SWA_WINDOW_FACTOR = 8;
+    const bool worth_it = choice == "0" || params_.n_ctx >= SWA_WINDOW_FACTOR * (int64_t) want;
+    const bool window = hp.n_swa > 0 && !swa_full && want < params_.n_ctx && worth_it;
+    size_t n_swa_layers = 0;
+    for (size_t li = 0; li < n_local; ++li) {
+        swa[li] = window && hp.is_swa(w_->layer_begin + (int) li);
+        full[li] = !swa[li];
+        n_swa_layers += swa[li];
+    }
+    try {
+        kv_ = std::make_unique<kv_cache>((uint32_t) params_.n_ctx, (uint32_t) params_.n_seq_max, full,
+                                         (int64_t) hp.n_embd_gqa(), /*v_trans=*/ !params_.flash_attn);
+        if (n_swa_layers > 0) {
+            kv_swa_ = std::make_unique<kv_cache>(want, (uint32_t) params_.n_seq_max, swa, (int64_t) hp.n_embd_gqa(),
+                                                 /*v_trans=*/ false, hp.n_swa);
+        }
+    } catch (const std::bad_alloc &) {
+        // K and V, f16, per cell and layer; decimal GB, as the rest of the tool reports sizes.
+        const double cells = (double) params_.n_ctx * (n_local - n_swa_layers) + (double) want * n_swa_layers;
+        const double gb = 2.0 * 2.0 * cells * hp.n_embd_gqa() / 1e9;
+        char msg[256];
+        std::snprintf(msg, sizeof(msg), "cannot allocate a KV cache of %lld cells: it needs %.1f GB for K and V",
+                      (long long) params_.n_ctx, gb);
+        throw engine_failure(msg);
+    }
 }
 
 layer_engine::~layer_engine() {
@@ -137,7 +170,9 @@ void layer_engine::graph_drop() {
 layer_engine::cached_graph & layer_engine::graph_for(const graph_shape & shape) {
     if (graph_.ctx && graph_.shape == shape) return graph_;
     graph_drop();
-    const size_t gs = graph_size_for(w_->hparams, w_->layers.size(), shape.invariant ? shape.n_tokens * (shape.ordered ? 2 : 1) : 0);
+    const int64_t rows = (shape.invariant ? shape.n_tokens * (shape.ordered ? 2 : 1) : 0) +
+                         (shape.swa_groups > 1 ? shape.swa_groups : 0);  // a window view per token
+    const size_t gs = graph_size_for(w_->hparams, w_->layers.size(), rows);
     const size_t meta = ggml_tensor_overhead() * gs + ggml_graph_overhead_custom(gs, false);
     if (graph_meta_.size() < meta) graph_meta_.resize(meta);
     ggml_init_params ip = { graph_meta_.size(), graph_meta_.data(), true };
@@ -145,7 +180,7 @@ layer_engine::cached_graph & layer_engine::graph_for(const graph_shape & shape) 
     if (!graph_.ctx) throw engine_failure("failed to create the graph context");
     try {
         graph_.gf = ggml_new_graph_custom(graph_.ctx, gs, false);
-        graph_.res = graph_build(graph_.ctx, graph_.gf, *w_, *kv_, shape, graph_.in, progress_);
+        graph_.res = graph_build(graph_.ctx, graph_.gf, *w_, *kv_, kv_swa_.get(), shape, graph_.in, progress_);
         if (!ggml_gallocr_alloc_graph(galloc_, graph_.gf)) throw engine_failure("failed to allocate the compute graph");
     } catch (...) {
         graph_drop();
@@ -256,7 +291,7 @@ int64_t layer_engine::out_cols() const {
 }
 
 graph_shape layer_engine::shape_for(const checked_batch & b, const std::vector<kv_token> & toks,
-                                    std::vector<int32_t> & order) const {
+                                    std::vector<int32_t> & order, std::vector<int32_t> & swa_rows) const {
     graph_shape shape;
     shape.n_tokens = b.n_tokens;
     shape.n_kv = kv_->n_kv();
@@ -265,7 +300,60 @@ graph_shape layer_engine::shape_for(const checked_batch & b, const std::vector<k
     shape.invariant = b.invariant && b.n_tokens <= max_invariant_rows;
     // Cells out of plain decoding's layout (token trees): gather them in position order.
     shape.ordered = shape.invariant && kv_->v_trans() && kv_->position_order(shape.n_kv, toks, order);
+    if (kv_swa_) plan_window(toks, shape, swa_rows);
     return shape;
+}
+
+namespace {
+// First position of a window view: the oldest position a token at pos may attend, rounded down to 256.
+int32_t window_base(int32_t pos, uint32_t n_swa) { return std::max<int32_t>(0, pos - (int32_t) n_swa + 1) / 256 * 256; }
+uint32_t round_256(int64_t n) { return (uint32_t) ((n + 255) / 256 * 256); }
+}  // namespace
+
+// The sliding-window views of the batch: one shared view when its cells have distinct positions,
+// else one per token (token trees); see kv_cache::window_rows.
+void layer_engine::plan_window(const std::vector<kv_token> & toks, graph_shape & shape,
+                               std::vector<int32_t> & swa_rows) const {
+    const uint32_t n_swa = kv_swa_->n_swa();
+    int32_t pmin = toks[0].pos, pmax = toks[0].pos;
+    for (const auto & t : toks) {
+        pmin = std::min(pmin, t.pos);
+        pmax = std::max(pmax, t.pos);
+    }
+    const int32_t base = window_base(pmin, n_swa);
+    shape.swa_groups = 1;
+    shape.n_kv_swa = round_256(pmax - base + 1);
+    swa_rows.resize(shape.n_kv_swa);
+    if (kv_swa_->window_rows(toks, 0, toks.size(), base, shape.n_kv_swa, swa_rows.data())) return;
+    shape.swa_groups = (int64_t) toks.size();
+    shape.n_kv_swa = 0;
+    for (const auto & t : toks) shape.n_kv_swa = std::max(shape.n_kv_swa, round_256(t.pos - window_base(t.pos, n_swa) + 1));
+    swa_rows.resize((size_t) shape.n_kv_swa * toks.size());
+    for (size_t t = 0; t < toks.size(); ++t) {
+        if (!kv_swa_->window_rows(toks, t, t + 1, window_base(toks[t].pos, n_swa), shape.n_kv_swa,
+                                  swa_rows.data() + t * shape.n_kv_swa)) {
+            throw invalid_input("two cells of the sliding-window cache hold position-sharing tokens of row " +
+                                std::to_string(t) + "'s sequences");
+        }
+    }
+}
+
+// The sliding-window cache's inputs: the token rows, the views' cells and their mask.
+void layer_engine::set_window_inputs(const cached_graph & g, const std::vector<kv_token> & toks,
+                                     const std::vector<uint32_t> & swa_cells, const std::vector<int32_t> & swa_rows) const {
+    const graph_inputs & in = g.in;
+    const uint32_t n = g.shape.n_kv_swa;
+    const size_t per_group = toks.size() / g.shape.swa_groups;
+    auto * k_idxs = (int64_t *) in.k_idxs_swa->data;
+    for (size_t i = 0; i < toks.size(); ++i) k_idxs[i] = swa_cells[i];
+    auto * rows = (int32_t *) in.swa_rows->data;
+    for (size_t j = 0; j < swa_rows.size(); ++j) rows[j] = std::max(swa_rows[j], 0);
+    if (!in.kq_mask_swa->data) return;
+    for (size_t t = 0; t < toks.size(); ++t) {
+        const int32_t * view = swa_rows.data() + (t / per_group) * n;
+        if (kv_->v_trans()) kv_swa_->fill_window_mask((float *) in.kq_mask_swa->data + t * n, view, n, toks[t]);
+        else kv_swa_->fill_window_mask((ggml_fp16_t *) in.kq_mask_swa->data + t * n, view, n, toks[t]);
+    }
 }
 
 // Writes the batch into the graph's input tensors (the gallocr buffer is host memory).
@@ -280,8 +368,10 @@ void layer_engine::set_inputs(const cached_graph & g, const checked_batch & b, c
     // output only stores K/V, and a stage without sliding-window (or without global) layers
     // leaves that mask unused.
     fill_kq_mask(in.kq_mask, g.shape, toks, order, 0);
-    if (in.kq_mask_swa) fill_kq_mask(in.kq_mask_swa, g.shape, toks, order, hp.n_swa);
+    if (in.kq_mask_swa && !kv_swa_) fill_kq_mask(in.kq_mask_swa, g.shape, toks, order, hp.n_swa);
     if (g.shape.ordered && in.kq_order->data) fill_ordered(in, hp, b.n_tokens, g.shape.n_kv, order);
+    if (in.out_ids) std::memcpy(in.out_ids->data, b.out_rows.data(), sizeof(int32_t) * b.out_rows.size());
+    if (!in.k_idxs->data) return;  // every layer of the stage is a sliding-window layer (kv_swa_)
     auto * k_idxs = (int64_t *) in.k_idxs->data;
     auto * v_idxs = (int64_t *) in.v_idxs->data;
     const int64_t n_embd_gqa = hp.n_embd_gqa(), kv_size = kv_->size();
@@ -294,7 +384,6 @@ void layer_engine::set_inputs(const cached_graph & g, const checked_batch & b, c
             v_idxs[i] = cells[i];
         }
     }
-    if (in.out_ids) std::memcpy(in.out_ids->data, b.out_rows.data(), sizeof(int32_t) * b.out_rows.size());
 }
 
 // One attention mask of the graph (n_swa > 0: a sliding-window layers' mask).
@@ -358,21 +447,27 @@ void layer_engine::eval(const checked_batch & b, float * out) {
     std::vector<kv_token> toks(b.n_tokens);
     for (int64_t i = 0; i < b.n_tokens; ++i) toks[i] = kv_token{b.pos[i], b.seqs[i]};
     const std::vector<uint32_t> cells = kv_->claim(toks);  // throws kv_cache_full, cache unchanged
-
+    std::vector<uint32_t> swa_cells;
     int layers_done = 0;
     bool computed = false;
+    auto release = [&] {
+        kv_->release(cells);
+        if (kv_swa_) kv_swa_->release(swa_cells);  // pruned cells stay pruned: nobody could attend them
+    };
     try {
-        std::vector<int32_t> order;
-        const cached_graph & g = graph_for(shape_for(b, toks, order));
+        if (kv_swa_) swa_cells = kv_swa_->claim(toks);
+        std::vector<int32_t> order, swa_rows;
+        const cached_graph & g = graph_for(shape_for(b, toks, order, swa_rows));
         set_inputs(g, b, toks, cells, order);
+        if (kv_swa_) set_window_inputs(g, toks, swa_cells, swa_rows);
         computed = true;
         compute(g, out, layers_done);
     } catch (const eval_cancelled &) {
-        kv_->release(cells);
+        release();
         count_cancel(computed, layers_done);
         throw;
     } catch (...) {
-        kv_->release(cells);
+        release();
         throw;
     }
 }
@@ -380,18 +475,22 @@ void layer_engine::eval(const checked_batch & b, float * out) {
 void layer_engine::seq_rm(int32_t seq_id, int32_t p0, int32_t p1) {
     std::lock_guard<std::mutex> lock(mutex_);
     kv_->seq_rm(seq_id, p0, p1);
+    if (kv_swa_) kv_swa_->seq_rm(seq_id, p0, p1);
 }
 void layer_engine::seq_cp(int32_t src, int32_t dst, int32_t p0, int32_t p1) {
     std::lock_guard<std::mutex> lock(mutex_);
     kv_->seq_cp(src, dst, p0, p1);
+    if (kv_swa_) kv_swa_->seq_cp(src, dst, p0, p1);
 }
 void layer_engine::seq_cp_many(int32_t src, const std::vector<int32_t> & dsts, int32_t p0, int32_t p1) {
     std::lock_guard<std::mutex> lock(mutex_);
     kv_->seq_cp_many(src, dsts, p0, p1);
+    if (kv_swa_) kv_swa_->seq_cp_many(src, dsts, p0, p1);
 }
 void layer_engine::seq_keep(int32_t seq_id) {
     std::lock_guard<std::mutex> lock(mutex_);
     kv_->seq_keep(seq_id);
+    if (kv_swa_) kv_swa_->seq_keep(seq_id);
 }
 int32_t layer_engine::seq_pos_max(int32_t seq_id) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -404,6 +503,17 @@ int32_t layer_engine::seq_pos_min(int32_t seq_id) {
 void layer_engine::kv_clear() {
     std::lock_guard<std::mutex> lock(mutex_);
     kv_->clear();
+    if (kv_swa_) kv_swa_->clear();
+}
+int32_t layer_engine::kv_min_resume(int32_t seq_id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!kv_swa_ || seq_id < 0 || seq_id >= (int32_t) kv_swa_->n_seq_max()) return 0;
+    const int32_t floor = kv_swa_->window_floor(seq_id);
+    return floor > 0 ? floor + (int32_t) kv_swa_->n_swa() - 1 : 0;
+}
+uint32_t layer_engine::kv_swa_used_cells() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return kv_swa_ ? kv_swa_->n_used() : 0;
 }
 uint32_t layer_engine::kv_used_cells() {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -26,6 +26,8 @@ struct engine_params {
     int     n_threads = 1;     // ggml compute threads, >= 1
     int64_t n_seq_max = 64;    // sequence ids are in [0, n_seq_max); n_seq_max in [1, kv_max_seq]
     bool use_repack = true;    // place matrix weights in the CPU extra buffer types (CPU_REPACK)
+    bool swa_full = false;     // sliding-window layers keep every cell (as llama.cpp's --swa-full); also
+                               // with PIPEINFER_SWA_FULL=1. Otherwise they keep a window cache.
     bool flash_attn = false;   // ggml_flash_attn_ext instead of mul_mat + soft_max (llama.cpp's
                                // default is off, and parity with it is exact only when off)
 };
@@ -122,7 +124,13 @@ public:
     int32_t seq_pos_min(int32_t seq_id);
     void kv_clear();
     uint32_t kv_used_cells();
-    size_t kv_bytes() const { return kv_->bytes(); }
+    size_t kv_bytes() const { return kv_->bytes() + (kv_swa_ ? kv_swa_->bytes() : 0); }
+    // Cells of the sliding-window layers' own cache (0: none, they share the full cache) and in use.
+    uint32_t kv_swa_size() const { return kv_swa_ ? kv_swa_->size() : 0; }
+    uint32_t kv_swa_used_cells();
+    // The smallest position seq_id can be continued from (after a seq_rm of its tail): the window
+    // cache has pruned the cells before (kv_cache::window_floor); 0 when nothing was pruned.
+    int32_t kv_min_resume(int32_t seq_id);
 
     engine_stats stats();
     // Layers of the current (or last) eval that have finished; lock-free, for progress and tests.
@@ -134,6 +142,7 @@ private:
     engine_params params_;
     std::unique_ptr<stage_weights> w_;
     std::unique_ptr<kv_cache> kv_;
+    std::unique_ptr<kv_cache> kv_swa_;  // the sliding-window layers' window cache (null: in kv_)
     ggml_backend_t backend_ = nullptr;
     ggml_gallocr_t galloc_ = nullptr;
     // The last graph, kept allocated: a decode step has the same shape as the previous one
@@ -150,9 +159,14 @@ private:
     // Sections of eval.
     void check_embd_or_tokens(const eval_batch & b, checked_batch & cb) const;
     void check_rows(const eval_batch & b, checked_batch & cb) const;
-    graph_shape shape_for(const checked_batch & b, const std::vector<kv_token> & toks, std::vector<int32_t> & order) const;
+    void open_caches();
+    graph_shape shape_for(const checked_batch & b, const std::vector<kv_token> & toks, std::vector<int32_t> & order,
+                          std::vector<int32_t> & swa_rows) const;
+    void plan_window(const std::vector<kv_token> & toks, graph_shape & shape, std::vector<int32_t> & swa_rows) const;
     void set_inputs(const cached_graph & g, const checked_batch & b, const std::vector<kv_token> & toks,
                     const std::vector<uint32_t> & cells, const std::vector<int32_t> & order) const;
+    void set_window_inputs(const cached_graph & g, const std::vector<kv_token> & toks,
+                           const std::vector<uint32_t> & swa_cells, const std::vector<int32_t> & swa_rows) const;
     void fill_kq_mask(ggml_tensor * mask, const graph_shape & shape, const std::vector<kv_token> & toks,
                       const std::vector<int32_t> & order, uint32_t n_swa) const;
     void compute(const cached_graph & g, float * out, int & layers_done);

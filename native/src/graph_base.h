@@ -26,6 +26,7 @@ struct graph_base {
     ggml_cgraph * gf;
     const stage_weights & w;
     const kv_cache & kv;
+    const kv_cache * kv_swa;  // sliding-window layers' own cache, or null
     const graph_shape & shape;
     graph_inputs & in;
     const model_hparams & hp;
@@ -36,8 +37,8 @@ struct graph_base {
     const bool ordered;     // attention over cells gathered in position order
 
     graph_base(ggml_context * ctx, ggml_cgraph * gf, const stage_weights & w, const kv_cache & kv,
-               const graph_shape & shape, graph_inputs & in)
-        : ctx(ctx), gf(gf), w(w), kv(kv), shape(shape), in(in), hp(w.hparams), n_tokens(shape.n_tokens),
+               const kv_cache * kv_swa, const graph_shape & shape, graph_inputs & in)
+        : ctx(ctx), gf(gf), w(w), kv(kv), kv_swa(kv_swa), shape(shape), in(in), hp(w.hparams), n_tokens(shape.n_tokens),
           n_kv(shape.n_kv), n_head(hp.n_head), n_head_kv(hp.n_head_kv), d_head(hp.n_embd_head),
           n_embd_gqa(hp.n_embd_gqa()), kv_size(kv.size()), kq_scale(1.0f / std::sqrt((float) hp.n_embd_head)),
           inv(shape.invariant && shape.n_tokens > 1), flash_attn(!kv.v_trans()),
@@ -60,7 +61,11 @@ struct graph_base {
         }
         in.pos = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens));
         in.kq_mask = input(ggml_new_tensor_2d(ctx, flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, n_kv, n_tokens));
-        if (hp.n_swa > 0) {  // sliding-window layers (gemma3) have their own mask
+        if (kv_swa) {  // sliding-window layers in their own cache: gathered views and their mask
+            in.kq_mask_swa = input(ggml_new_tensor_2d(ctx, in.kq_mask->type, shape.n_kv_swa, n_tokens));
+            in.k_idxs_swa = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens));
+            in.swa_rows = input(ggml_new_tensor_2d(ctx, GGML_TYPE_I32, shape.n_kv_swa, shape.swa_groups));
+        } else if (hp.n_swa > 0) {  // sliding-window layers (gemma3) have their own mask
             in.kq_mask_swa = input(ggml_new_tensor_2d(ctx, in.kq_mask->type, n_kv, n_tokens));
         }
         in.k_idxs = input(ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens));
@@ -87,6 +92,11 @@ struct graph_base {
     // Stores K and V of the batch into their cells before attention reads the cache: the graph
     // runs in insertion order, and the cache views of build_attn do not depend on these nodes.
     void build_kv_store(int li, ggml_tensor * K, ggml_tensor * V) {
+        if (kv_swa && kv_swa->k(li)) {  // one row per cell for K and V
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, kv_swa->k(li), ggml_reshape_2d(ctx, K, n_embd_gqa, n_tokens), in.k_idxs_swa));
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, kv_swa->v(li), ggml_reshape_2d(ctx, V, n_embd_gqa, n_tokens), in.k_idxs_swa));
+            return;
+        }
         ggml_tensor * kc = kv.k(li);
         ggml_tensor * vc = kv.v(li);
         ggml_build_forward_expand(gf, ggml_set_rows(ctx, kc, ggml_reshape_2d(ctx, K, n_embd_gqa, n_tokens), in.k_idxs));
@@ -103,6 +113,7 @@ struct graph_base {
     // [d_head*n_head, n_tokens]. A layer may have its own mask (sliding window) and scale.
     ggml_tensor * build_attn(int li, ggml_tensor * Q) { return build_attn(li, Q, in.kq_mask, kq_scale); }
     ggml_tensor * build_attn(int li, ggml_tensor * Q, ggml_tensor * mask, float scale) {
+        if (kv_swa && kv_swa->k(li)) return build_attn_window(li, Q, scale);
         ggml_tensor * kc = kv.k(li);
         ggml_tensor * vc = kv.v(li);
         // views of the first n_kv cells: k [d_head, n_head_kv, n_kv]
@@ -129,6 +140,44 @@ struct graph_base {
             cur = ggml_permute(ctx, kqv, 0, 2, 1, 3);
             cur = ggml_cont_2d(ctx, cur, d_head * n_head, n_tokens);
         }
+        ggml_build_forward_expand(gf, cur);
+        return cur;
+    }
+
+    // Attention of a sliding-window layer over its own cache: per view (the batch, or each token), the
+    // window's cells gathered in position order as exact F16 copies, laid out as the full cache's
+    // first cells are (see kv_cache::window_rows), so the results are the full cache's bit for bit.
+    ggml_tensor * build_attn_window(int li, ggml_tensor * Q, float scale) {
+        const int64_t n = shape.n_kv_swa, G = shape.swa_groups, rows = n_tokens / G;
+        ggml_tensor * q = ggml_permute(ctx, Q, 0, 2, 1, 3);  // [d_head, n_tokens, n_head]
+        ggml_tensor * mask = in.kq_mask_swa;
+        ggml_tensor * out = nullptr;
+        for (int64_t g = 0; g < G; ++g) {
+            ggml_tensor * idx = ggml_view_1d(ctx, in.swa_rows, n, g * in.swa_rows->nb[1]);
+            ggml_tensor * kg = ggml_cast(ctx, ggml_get_rows(ctx, kv_swa->k(li), idx), GGML_TYPE_F16);  // [n_embd_gqa, n]
+            ggml_tensor * vg = ggml_get_rows(ctx, kv_swa->v(li), idx);
+            ggml_tensor * qg = G == 1 ? q : ggml_view_3d(ctx, q, d_head, rows, n_head, q->nb[1], q->nb[2], g * rows * q->nb[1]);
+            ggml_tensor * mg = G == 1 ? mask : ggml_view_2d(ctx, mask, n, rows, mask->nb[1], g * rows * mask->nb[1]);
+            ggml_tensor * k = ggml_view_3d(ctx, kg, d_head, n_head_kv, n, ggml_row_size(kg->type, d_head),
+                                           ggml_row_size(kg->type, n_embd_gqa), 0);
+            k = ggml_permute(ctx, k, 0, 2, 1, 3);
+            ggml_tensor * cur;
+            if (flash_attn) {
+                ggml_tensor * v = ggml_view_3d(ctx, ggml_cast(ctx, vg, GGML_TYPE_F16), d_head, n_head_kv, n,
+                                               ggml_row_size(kg->type, d_head), ggml_row_size(kg->type, n_embd_gqa), 0);
+                cur = ggml_flash_attn_ext(ctx, qg, k, ggml_permute(ctx, v, 0, 2, 1, 3), mg, scale, 0.0f, 0.0f);
+                ggml_prec_set_acc(cur, GGML_PREC_F32);  // [d_head, n_head, rows]
+                out = out ? ggml_concat(ctx, out, cur, 2) : cur;
+            } else {
+                ggml_tensor * vt = ggml_cast(ctx, ggml_transpose(ctx, vg), GGML_TYPE_F16);  // [n, n_embd_gqa]
+                ggml_tensor * v = ggml_view_3d(ctx, vt, n, n_head_kv, d_head, ggml_row_size(vt->type, n * d_head),
+                                               ggml_row_size(vt->type, n), 0);
+                cur = attention(ctx, qg, k, ggml_permute(ctx, v, 0, 2, 1, 3), mg, scale, inv);  // [d_head, rows, n_head]
+                out = out ? ggml_concat(ctx, out, cur, 1) : cur;
+            }
+        }
+        ggml_tensor * cur = flash_attn ? ggml_reshape_2d(ctx, out, d_head * n_head, n_tokens)
+                                       : ggml_cont_2d(ctx, ggml_permute(ctx, out, 0, 2, 1, 3), d_head * n_head, n_tokens);
         ggml_build_forward_expand(gf, cur);
         return cur;
     }

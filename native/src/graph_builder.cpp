@@ -152,9 +152,10 @@ struct graph_context : graph_base {
 }  // namespace
 
 ggml_tensor * graph_build(ggml_context * ctx, ggml_cgraph * gf, const stage_weights & w, const kv_cache & kv,
-                          const graph_shape & shape, graph_inputs & in, layer_progress & progress) {
-    if (w.hparams.arch == "gemma3") return gemma3_graph_build(ctx, gf, w, kv, shape, in, progress);
-    graph_context g(ctx, gf, w, kv, shape, in);
+                          const kv_cache * kv_swa, const graph_shape & shape, graph_inputs & in,
+                          layer_progress & progress) {
+    if (w.hparams.arch == "gemma3") return gemma3_graph_build(ctx, gf, w, kv, kv_swa, shape, in, progress);
+    graph_context g(ctx, gf, w, kv, kv_swa, shape, in);
     return build_stage(g, g.build_inputs(), progress);
 }
 

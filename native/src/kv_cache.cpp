@@ -22,18 +22,25 @@ void norm_range(int32_t & p0, int32_t & p1) {
 }
 }  // namespace
 
-kv_cache::kv_cache(uint32_t size, uint32_t n_seq_max, int n_layer, int64_t n_embd_gqa, bool v_trans)
-    : cells_(size), n_seq_max_(n_seq_max), v_trans_(v_trans) {
-    ggml_init_params ip = { ggml_tensor_overhead() * (2 * (size_t) n_layer + 1), nullptr, true };
+kv_cache::kv_cache(uint32_t size, uint32_t n_seq_max, const std::vector<bool> & layers, int64_t n_embd_gqa,
+                   bool v_trans, uint32_t n_swa)
+    : cells_(size), n_seq_max_(n_seq_max), n_swa_(n_swa), lost_below_(n_seq_max, 0), v_trans_(v_trans) {
+    ggml_init_params ip = { ggml_tensor_overhead() * (2 * layers.size() + 1), nullptr, true };
     ctx_ = ggml_init(ip);
     if (!ctx_) throw engine_failure("failed to create the KV cache context");
-    for (int il = 0; il < n_layer; ++il) {
+    for (size_t il = 0; il < layers.size(); ++il) {
+        if (!layers[il]) {
+            k_.push_back(nullptr);
+            v_.push_back(nullptr);
+            continue;
+        }
         k_.push_back(ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, n_embd_gqa, size));
         v_.push_back(v_trans ? ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, size, n_embd_gqa)
                              : ggml_new_tensor_2d(ctx_, GGML_TYPE_F16, n_embd_gqa, size));
-        ggml_format_name(k_.back(), "cache_k_l%d", il);
-        ggml_format_name(v_.back(), "cache_v_l%d", il);
+        ggml_format_name(k_.back(), "cache_k_l%d", (int) il);
+        ggml_format_name(v_.back(), "cache_v_l%d", (int) il);
     }
+    if (ggml_get_first_tensor(ctx_) == nullptr) return;  // cell bookkeeping only (no layer of this kind)
     {
         // ggml logs a failed allocation on stderr; the engine's exception says it once, with the fix.
         std::string ggml_said;
@@ -54,9 +61,54 @@ kv_cache::~kv_cache() {
     if (ctx_) ggml_free(ctx_);
 }
 
-size_t kv_cache::bytes() const { return ggml_backend_buffer_get_size(buf_); }
+size_t kv_cache::bytes() const { return buf_ ? ggml_backend_buffer_get_size(buf_) : 0; }
+
+// Frees cells out of every owner's window, those furthest behind first, until n_needed are free.
+void kv_cache::prune(uint32_t n_needed) {
+    std::vector<int32_t> pmax(n_seq_max_, -1);
+    for (const auto & c : cells_) {
+        for (uint32_t s = 0; s < n_seq_max_; ++s) {
+            if (c.seqs & (1ull << s)) pmax[s] = std::max(pmax[s], c.pos);
+        }
+    }
+    std::vector<std::pair<int32_t, uint32_t>> prunable;  // (lag behind the nearest owner's window, cell)
+    for (uint32_t i = 0; i < size(); ++i) {
+        const kv_cell & c = cells_[i];
+        if (c.empty()) continue;
+        int32_t lag = std::numeric_limits<int32_t>::max();
+        for (uint32_t s = 0; s < n_seq_max_; ++s) {
+            if (c.seqs & (1ull << s)) lag = std::min(lag, pmax[s] - (int32_t) n_swa_ + 1 - c.pos);
+        }
+        if (lag > 0) prunable.emplace_back(lag, i);
+    }
+    std::sort(prunable.begin(), prunable.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
+    for (const auto & pr : prunable) {
+        if (size() - n_used_ >= n_needed) break;
+        kv_cell & c = cells_[pr.second];
+        for (uint32_t s = 0; s < n_seq_max_; ++s) {
+            if (c.seqs & (1ull << s)) lost_below_[s] = std::max(lost_below_[s], c.pos + 1);
+        }
+        erase_cell(pr.second);
+    }
+}
+
+void kv_cache::check_window(const std::vector<kv_token> & tokens) const {
+    for (const auto & t : tokens) {
+        for (uint32_t s = 0; s < n_seq_max_; ++s) {
+            if (!(t.seqs & (1ull << s)) || lost_below_[s] == 0 || t.pos - (int32_t) n_swa_ + 1 >= lost_below_[s]) continue;
+            throw kv_cache_full("sequence " + std::to_string(s) + " at position " + std::to_string(t.pos) +
+                                " needs positions the sliding-window cache has pruned (below " +
+                                std::to_string(lost_below_[s]) + "); re-evaluate the sequence from 0 or open "
+                                "the engine with the full cache (PIPEINFER_SWA_FULL=1)");
+        }
+    }
+}
 
 std::vector<uint32_t> kv_cache::claim(const std::vector<kv_token> & tokens) {
+    if (n_swa_ > 0) {
+        check_window(tokens);
+        if (size() - n_used_ < tokens.size()) prune((uint32_t) tokens.size());
+    }
     const uint32_t n_free = size() - n_used_;
     if (tokens.size() > n_free) {
         throw kv_cache_full("batch of " + std::to_string(tokens.size()) + " tokens does not fit in the KV cache: " +
@@ -124,6 +176,37 @@ void kv_cache::fill_mask(T * mask, uint32_t n_kv, const std::vector<kv_token> & 
 template void kv_cache::fill_mask<float>(float *, uint32_t, const std::vector<kv_token> &, uint32_t) const;
 template void kv_cache::fill_mask<ggml_fp16_t>(ggml_fp16_t *, uint32_t, const std::vector<kv_token> &, uint32_t) const;
 
+bool kv_cache::window_rows(const std::vector<kv_token> & tokens, size_t t0, size_t t1, int32_t base, uint32_t n,
+                           int32_t * rows) const {
+    uint64_t seqs = 0;
+    int32_t pmax = -1;
+    for (size_t t = t0; t < t1; ++t) {
+        seqs |= tokens[t].seqs;
+        pmax = std::max(pmax, tokens[t].pos);
+    }
+    std::fill(rows, rows + n, -1);
+    for (uint32_t i = 0; i < size(); ++i) {
+        const kv_cell & c = cells_[i];
+        if ((c.seqs & seqs) == 0 || c.pos < base || c.pos >= base + (int32_t) n || c.pos > pmax) continue;
+        if (rows[c.pos - base] != -1) return false;
+        rows[c.pos - base] = (int32_t) i;
+    }
+    return true;
+}
+
+template <typename T>
+void kv_cache::fill_window_mask(T * row, const int32_t * rows, uint32_t n, const kv_token & tok) const {
+    const T keep = mask_value<T>(0.0f);
+    const T drop = mask_value<T>(-INFINITY);
+    for (uint32_t j = 0; j < n; ++j) {
+        const kv_cell * c = rows[j] >= 0 ? &cells_[rows[j]] : nullptr;
+        const bool vis = c && (c->seqs & tok.seqs) != 0 && c->pos <= tok.pos && tok.pos - c->pos < (int32_t) n_swa_;
+        row[j] = vis ? keep : drop;
+    }
+}
+template void kv_cache::fill_window_mask<float>(float *, const int32_t *, uint32_t, const kv_token &) const;
+template void kv_cache::fill_window_mask<ggml_fp16_t>(ggml_fp16_t *, const int32_t *, uint32_t, const kv_token &) const;
+
 bool kv_cache::position_order(uint32_t n_kv, const std::vector<kv_token> & tokens, std::vector<int32_t> & order) const {
     order.assign(tokens.size() * (size_t) n_kv, -1);
     bool identity = true;
@@ -151,6 +234,11 @@ void kv_cache::check_seq(int32_t seq_id, const char * what) const {
 void kv_cache::seq_rm(int32_t seq_id, int32_t p0, int32_t p1) {
     if (seq_id >= 0) check_seq(seq_id, "seq_rm");
     norm_range(p0, p1);
+    if (p0 == 0 && p1 == std::numeric_limits<int32_t>::max()) {  // the whole sequence: nothing is lost any more
+        for (uint32_t s = 0; s < n_seq_max_; ++s) {
+            if (seq_id < 0 || (int32_t) s == seq_id) lost_below_[s] = 0;
+        }
+    }
     for (uint32_t i = 0; i < size(); ++i) {
         kv_cell & c = cells_[i];
         if (c.empty() || c.pos < p0 || c.pos >= p1) continue;
@@ -179,6 +267,9 @@ void kv_cache::seq_cp_many(int32_t src, const std::vector<int32_t> & dsts, int32
     }
     norm_range(p0, p1);
     const uint64_t src_bit = 1ull << src;
+    for (int32_t d : dsts) {  // the copy lacks what the source lacks
+        lost_below_[d] = seq_pos_max(d) < 0 ? lost_below_[src] : std::max(lost_below_[d], lost_below_[src]);
+    }
     for (auto & c : cells_) {
         if ((c.seqs & src_bit) && c.pos >= p0 && c.pos < p1) c.seqs |= add;
     }
@@ -192,6 +283,9 @@ void kv_cache::seq_keep(int32_t seq_id) {
         if (c.empty()) continue;
         if (c.seqs & bit) c.seqs = bit;
         else erase_cell(i);
+    }
+    for (uint32_t s = 0; s < n_seq_max_; ++s) {
+        if ((int32_t) s != seq_id) lost_below_[s] = 0;
     }
 }
 
@@ -216,6 +310,7 @@ int32_t kv_cache::seq_pos_min(int32_t seq_id) const {
 void kv_cache::clear() {
     for (auto & c : cells_) c = kv_cell{};
     n_used_ = 0;
+    std::fill(lost_below_.begin(), lost_below_.end(), 0);
 }
 
 }  // namespace pipeinfer

@@ -29,7 +29,10 @@ struct kv_token {
 class kv_cache {
 public:
     // v_trans: store V transposed, as the soft_max attention path wants it (flash attention does not).
-    kv_cache(uint32_t size, uint32_t n_seq_max, int n_layer, int64_t n_embd_gqa, bool v_trans);
+    // layers[li]: the cache holds K/V of local layer li (else k(li)/v(li) are null). n_swa > 0 makes
+    // it a sliding-window cache (see claim).
+    kv_cache(uint32_t size, uint32_t n_seq_max, const std::vector<bool> & layers, int64_t n_embd_gqa, bool v_trans,
+             uint32_t n_swa = 0);
     ~kv_cache();
     kv_cache(const kv_cache &) = delete;
     kv_cache & operator=(const kv_cache &) = delete;
@@ -40,7 +43,26 @@ public:
 
     // Claims one free cell per token and stores pos/seqs there. Throws kv_cache_full (cache
     // unchanged) when there are not enough free cells. Returns the cell index of each token.
+    // A sliding-window cache (n_swa > 0) first frees, when it lacks room, the cells no sequence can
+    // attend to any more (cell.pos <= seq_pos_max(s) - n_swa for every s it belongs to), oldest
+    // first and no more than needed, so that a rollback of the newest positions finds its window.
     std::vector<uint32_t> claim(const std::vector<kv_token> & tokens);
+    // Sliding-window cache: positions below this were pruned from seq_id (0: none). A token of the
+    // sequence at pos needs pos - n_swa + 1 >= window_floor; check_window throws otherwise.
+    int32_t window_floor(int32_t seq_id) const { return lost_below_[seq_id]; }
+    void check_window(const std::vector<kv_token> & tokens) const;
+    uint32_t n_swa() const { return n_swa_; }
+
+    // Sliding-window view for tokens [t0, t1): rows[j] = the cell holding position base + j that one
+    // of these tokens may attend (shares a sequence, not newer than the newest token), -1 if none,
+    // j < n. With base and n multiples of 256 every position keeps the SIMD lane and order it has in
+    // plain decoding (cell index == position), so attention sums round the same. False when two
+    // such cells hold one position (branches): each token then needs a view of its own.
+    bool window_rows(const std::vector<kv_token> & tokens, size_t t0, size_t t1, int32_t base, uint32_t n,
+                     int32_t * rows) const;
+    // The window mask row of token tok over such a view.
+    template <typename T>
+    void fill_window_mask(T * row, const int32_t * rows, uint32_t n, const kv_token & tok) const;
     // Frees cells returned by claim (a failed or cancelled eval).
     void release(const std::vector<uint32_t> & idxs);
 
@@ -78,6 +100,10 @@ public:
 private:
     void check_seq(int32_t seq_id, const char * what) const;
     void erase_cell(uint32_t i);
+    void prune(uint32_t n_needed);
+
+    uint32_t n_swa_ = 0;
+    std::vector<int32_t> lost_below_;  // per sequence (sliding-window cache)
 
     std::vector<kv_cell> cells_;
     uint32_t n_seq_max_;

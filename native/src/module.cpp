@@ -188,7 +188,7 @@ void bind_exceptions(py::module_ & m) {
 // LayerEngine's constructor and read-only properties.
 void bind_engine_properties(py::class_<layer_engine> & c) {
     c.def(py::init([](const std::string & path, int layer_begin, int layer_end, int64_t n_ctx, int n_threads,
-                         int64_t n_seq_max, bool use_repack, bool flash_attn) {
+                         int64_t n_seq_max, bool use_repack, bool flash_attn, bool swa_full) {
                  engine_params p;
                  p.path = path;
                  p.layer_begin = layer_begin;
@@ -198,12 +198,13 @@ void bind_engine_properties(py::class_<layer_engine> & c) {
                  p.n_seq_max = n_seq_max;
                  p.use_repack = use_repack;
                  p.flash_attn = flash_attn;
+                 p.swa_full = swa_full;
                  py::gil_scoped_release release;  // loading reads hundreds of MB
                  return std::make_unique<layer_engine>(p);
              }),
              py::arg("path"), py::arg("layer_begin"), py::arg("layer_end"), py::arg("n_ctx") = 4096,
              py::arg("n_threads") = 1, py::arg("n_seq_max") = 64, py::arg("use_repack") = true,
-             py::arg("flash_attn") = false)
+             py::arg("flash_attn") = false, py::arg("swa_full") = false)
         .def_property_readonly("arch", [](layer_engine & e) { return e.hparams().arch; })
         .def_property_readonly("n_layer", [](layer_engine & e) { return e.hparams().n_layer; })
         .def_property_readonly("layer_begin", [](layer_engine & e) { return e.weights().layer_begin; })
@@ -219,7 +220,8 @@ void bind_engine_properties(py::class_<layer_engine> & c) {
         .def_property_readonly("weight_bytes", [](layer_engine & e) { return e.weights().weight_bytes; })
         .def_property_readonly("n_repacked", [](layer_engine & e) { return e.weights().n_repacked; })
         .def_property_readonly("expert_bytes", [](layer_engine & e) { return e.weights().expert_bytes; })
-        .def_property_readonly("kv_bytes", &layer_engine::kv_bytes);
+        .def_property_readonly("kv_bytes", &layer_engine::kv_bytes)
+        .def_property_readonly("kv_swa_size", &layer_engine::kv_swa_size);
 }
 
 // LayerEngine's methods: hparams, eval, cancel, KV cache operations, stats.
@@ -255,6 +257,8 @@ void bind_engine_methods(py::class_<layer_engine> & c) {
         .def("seq_pos_min", &layer_engine::seq_pos_min, py::arg("seq_id"))
         .def("kv_clear", &layer_engine::kv_clear)
         .def("kv_used_cells", &layer_engine::kv_used_cells)
+        .def("kv_swa_used_cells", &layer_engine::kv_swa_used_cells)
+        .def("kv_min_resume", &layer_engine::kv_min_resume, py::arg("seq_id"))
         .def("stats", [](layer_engine & e) {
             const engine_stats s = e.stats();
             py::dict d;

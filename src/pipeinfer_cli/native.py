@@ -62,19 +62,23 @@ class LayerEngine:
         flash_attn: attention with ggml_flash_attn_ext (F16 mask, V not transposed) instead of
             mul_mat + soft_max. Off by default because llama.cpp's default is off, and the
             logits match llama.cpp bit for bit only when both use the same path.
+        swa_full: sliding-window layers (Gemma 3's local layers) keep every cell, as llama.cpp's
+            --swa-full (also PIPEINFER_SWA_FULL=1). By default they keep a cache of their window
+            plus 512 cells, whose attention is bit-identical to the full cache's.
         slowdown: every eval takes this many times as long (it sleeps the difference after
             computing): a slower node emulated for tests and benchmarks (PIPEINFER_DEBUG_SLOW).
     """
 
     def __init__(self, path: str | os.PathLike[str], layer_begin: int, layer_end: int, *, n_ctx: int = 4096,
                  n_threads: int = 1, n_seq_max: int = 64, use_repack: bool = True,
-                 flash_attn: bool = False, slowdown: float = 1.0) -> None:
+                 flash_attn: bool = False, swa_full: bool = False, slowdown: float = 1.0) -> None:
         path = os.fspath(path)
         index = operator.index  # integers (numpy ones too), never a truncated float
         try:
             self._eng = _native.LayerEngine(path, index(layer_begin), index(layer_end), n_ctx=index(n_ctx),
                                             n_threads=index(n_threads), n_seq_max=index(n_seq_max),
-                                            use_repack=bool(use_repack), flash_attn=bool(flash_attn))
+                                            use_repack=bool(use_repack), flash_attn=bool(flash_attn),
+                                            swa_full=bool(swa_full))
         except _native.ModelFileError as e:
             raise ModelFileError(str(e)) from None
         self.path = path
@@ -146,8 +150,14 @@ class LayerEngine:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of this stage's K and V cache tensors."""
+        """Bytes of this stage's K and V cache tensors (the full cache and the window cache)."""
         return self._eng.kv_bytes
+
+    @property
+    def kv_swa_size(self) -> int:
+        """Cells of the sliding-window layers' own cache; 0 when they keep every cell (no such
+        layers, `swa_full`, PIPEINFER_SWA_FULL=1, or an n_ctx no larger than the window cache)."""
+        return self._eng.kv_swa_size
 
     @property
     def n_repacked(self) -> int:
@@ -254,6 +264,11 @@ class LayerEngine:
     def kv_clear(self) -> None:
         """Free every cell."""
         self._eng.kv_clear()
+
+    def kv_min_resume(self, seq_id: int) -> int:
+        """The smallest position `seq_id` can be continued from after a `seq_rm` of its tail: the
+        sliding-window cache pruned the cells its window would need below it (0: any position)."""
+        return self._eng.kv_min_resume(int(seq_id))
 
     def kv_used_cells(self) -> int:
         """Cells that belong to at least one sequence."""

@@ -46,25 +46,29 @@ class PrefixCache:
     tokens: the tokens whose cells are in the canonical sequence, positions 0.. (empty: cleared).
     exact: how many leading cells full prefill chunks computed (a multiple of PREFILL_CHUNK); only
         these may be reused.
+    min_resume: the shortest prefix the stages can continue from: a sliding-window cache (Gemma 3)
+        pruned the cells a shorter one would need (0: any). A shorter prefix is not kept at all.
     """
 
     tokens: list[int] = field(default_factory=list)
     exact: int = 0
+    min_resume: int = 0
 
     def plan(self, prompt: list[int]) -> tuple[int, int]:
         """(tokens to keep, common prefix length) for the next prompt. At least one prompt token is
         always prefilled again: its logits give the first generated token."""
         common = common_prefix(self.tokens, prompt)
         keep = whole_chunks(min(common, self.exact, len(prompt) - 1))
-        return keep, common
+        return (keep if keep >= self.min_resume else 0), common
 
-    def after_request(self, prompt: list[int], committed: list[int]) -> None:
+    def after_request(self, prompt: list[int], committed: list[int], min_resume: int = 0) -> None:
         """The cache after a request whose prompt was prefilled from a chunk boundary (after the
         kept cells), with `committed` its final tokens; the canonical sequence has been trimmed to
         committed[:-1]."""
         self.tokens = list(committed[:-1])
         # The prompt's full chunks (reused, or computed from a chunk boundary) are exact.
         self.exact = whole_chunks(min(len(prompt), len(self.tokens)))
+        self.min_resume = min_resume
 
     def clear(self) -> None:
-        self.tokens, self.exact = [], 0
+        self.tokens, self.exact, self.min_resume = [], 0, 0

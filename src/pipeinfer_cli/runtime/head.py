@@ -125,7 +125,7 @@ class Head:
         self.report.runs = s.metrics.runs.launched
         ranks = [self.report.take(rows_requested=counters.rows_requested)] + reports
         if self.cfg.reuse_prefix:
-            self.prefix.after_request(prompt, s.tokens)
+            self.prefix.after_request(prompt, s.tokens, max(r.get("kv_min_resume", 0) for r in ranks))
         else:
             self.pipe.kv_clear()
         self.draft_used |= needs_draft(req.mode)

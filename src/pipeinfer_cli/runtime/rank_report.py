@@ -59,6 +59,7 @@ class RankReport:
             out["engine"] = {k: v - self._engine0.get(k, 0) for k, v in stats.items()}
             out["kv_used_cells"] = self.engine.kv_used_cells()
             out["kv_used_cells_at_start"] = self.kv_at_start
+            out["kv_min_resume"] = self.engine.kv_min_resume(0)  # the canonical sequence (window cache)
         if self.link is not None:
             out["wire"] = self.link.traffic.take()
         out.update(extra)
