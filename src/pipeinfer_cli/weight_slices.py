@@ -71,7 +71,6 @@ def whole_file(path: Path) -> SliceSource:
 def iter_chunks(src: SliceSource, chunk_bytes: int) -> Iterator[bytes]:
     """The slice's bytes in order, in chunks of at most chunk_bytes, read with pread (the source
     is never held in memory)."""
-    pos = 0
     pending = bytearray()
 
     def flush_full() -> Iterator[bytes]:
@@ -80,15 +79,17 @@ def iter_chunks(src: SliceSource, chunk_bytes: int) -> Iterator[bytes]:
             del pending[:chunk_bytes]
 
     pending += src.meta
+    yield from flush_full()
     pos = len(src.meta)
     fd = os.open(src.path, os.O_RDONLY)
     try:
         for src_off, size, dst_off in src.pieces:
             pending += bytes(dst_off - pos)  # alignment padding
+            yield from flush_full()
             pos = dst_off
             done = 0
             while done < size:
-                want = min(chunk_bytes - len(pending) if len(pending) < chunk_bytes else chunk_bytes, size - done)
+                want = min(chunk_bytes - len(pending), size - done)  # flush_full keeps pending below a chunk
                 block = os.pread(fd, want, src_off + done)
                 if not block:
                     raise OSError(f"{src.path} ends at byte {src_off + done}, inside a tensor")

@@ -88,7 +88,7 @@ def share_plan_and_weights(link: Link, startup, cfg, needs_draft: bool, files: l
         needs = startup.check_in("weights", [])
         for rank, wanted in enumerate(needs):
             for need in wanted:
-                _stream_to(link, cfg, topo, rank, hosts[rank], need, digests, say)
+                _stream_to(link, cfg, rank, hosts[rank], need, digests, say)
         return topo, WeightsSource("local", path=str(cfg.model_path))
     topo, head_cfg, digests = startup.check_in("plan")[0]
     mine = files[link.rank]
@@ -168,7 +168,7 @@ def _source_for(cfg, need: Need, digests: dict):
     return whole_file(cfg.draft_path)
 
 
-def _stream_to(link: Link, cfg, topo: Topology, rank: int, host: str, need: Need, digests: dict,
+def _stream_to(link: Link, cfg, rank: int, host: str, need: Need, digests: dict,
                say: Callable[[str], None]) -> None:
     """Head: send one rank its weights. Stops early (quietly) when the rank checked in with an
     error instead (it reports it at the next check-in); raises WeightsError when it stops taking
@@ -234,14 +234,14 @@ def _receive(link: Link, cfg, need: Need, digests: dict) -> tuple[Path, WeightsS
     from ..slice_cache import SliceWriter
 
     stall_s = start_timeout_s()
-    kind, total = _recv_ctl(link, stall_s, "the start of the stream")
+    _, total = _recv_ctl(link, stall_s, "the start of the stream")
     label = cfg.model_label if need.what == "target" else cfg.draft_label
     t0 = time.monotonic()
     with SliceWriter(label, digests[need.what], need.layers, total) as out, _sigterm_raises():
         while out.written < total:
             got = _wait_chunk(link, stall_s, out.written, total)
             out.write(memoryview(link.recv_array(0, Tag.WEIGHTS, np.uint8, got)))
-        kind, digest = _recv_ctl(link, stall_s, "the end of the stream")
+        _, digest = _recv_ctl(link, stall_s, "the end of the stream")
         path = out.commit(digest)
     from ..decode.metrics import peak_rss_mib
 
