@@ -51,7 +51,8 @@ void check_per_token(const array_view<T> & a, const char * name, int64_t n_token
 
 // Attention inputs of an ordered graph: scores and V rows indexed by position (see attention_ordered
 // in graph_builder.cpp). order[t*n_kv + p] is the cell at position p, or -1.
-void fill_ordered(const graph_inputs & in, const model_hparams & hp, int64_t n_tokens, int64_t n_kv,
+// The scores are a view of the slot (indices from its first cell); V rows index the whole cache.
+void fill_ordered(const graph_inputs & in, const model_hparams & hp, int64_t n_tokens, int64_t n_kv, int64_t base,
                   const std::vector<int32_t> & order) {
     const int64_t n_head = hp.n_head, n_embd_gqa = hp.n_embd_gqa();
     auto * ko = (int32_t *) in.kq_order->data;
@@ -64,7 +65,7 @@ void fill_ordered(const graph_inputs & in, const model_hparams & hp, int64_t n_t
         }
         for (int64_t c = 0; c < n_embd_gqa; ++c) {
             int32_t * dst = vo + (t * n_embd_gqa + c) * n_kv;
-            for (int64_t p = 0; p < n_kv; ++p) dst[p] = std::max(row[p], 0);
+            for (int64_t p = 0; p < n_kv; ++p) dst[p] = (int32_t) base + std::max(row[p], 0);
         }
     }
 }
@@ -95,6 +96,11 @@ layer_engine::layer_engine(const engine_params & params) : params_(params) {
     if (params.n_seq_max < 1 || params.n_seq_max > (int64_t) kv_max_seq) {
         throw invalid_input("n_seq_max must be in [1, " + std::to_string(kv_max_seq) + "] (got " +
                             std::to_string(params.n_seq_max) + ")");
+    }
+    if (params.n_slots < 1 || params.n_ctx % params.n_slots != 0 || params.n_seq_max % params.n_slots != 0) {
+        throw invalid_input("n_slots must be >= 1 and divide n_ctx and n_seq_max (got n_slots=" +
+                            std::to_string(params.n_slots) + ", n_ctx=" + std::to_string(params.n_ctx) +
+                            ", n_seq_max=" + std::to_string(params.n_seq_max) + ")");
     }
     {
         // Keeps the "repack tensor ..." lines out of the log; one load (or header read) at a time.
@@ -131,7 +137,8 @@ void layer_engine::open_caches() {
     const uint32_t pad = 256, want = (hp.n_swa + 512 + pad - 1) / pad * pad;
     constexpr int64_t SWA_WINDOW_FACTOR = 8;
     const bool worth_it = choice == "0" || params_.n_ctx >= SWA_WINDOW_FACTOR * (int64_t) want;
-    const bool window = hp.n_swa > 0 && !swa_full && want < params_.n_ctx && worth_it;
+    // KV slots (parallel requests) keep the full cache: the window cache has no slots.
+    const bool window = hp.n_swa > 0 && !swa_full && want < params_.n_ctx && worth_it && params_.n_slots == 1;
     size_t n_swa_layers = 0;
     for (size_t li = 0; li < n_local; ++li) {
         swa[li] = window && hp.is_swa(w_->layer_begin + (int) li);
@@ -140,7 +147,8 @@ void layer_engine::open_caches() {
     }
     try {
         kv_ = std::make_unique<kv_cache>((uint32_t) params_.n_ctx, (uint32_t) params_.n_seq_max, full,
-                                         (int64_t) hp.n_embd_gqa(), /*v_trans=*/ !params_.flash_attn);
+                                         (int64_t) hp.n_embd_gqa(), /*v_trans=*/ !params_.flash_attn, 0,
+                                         (uint32_t) params_.n_slots);
         if (n_swa_layers > 0) {
             kv_swa_ = std::make_unique<kv_cache>(want, (uint32_t) params_.n_seq_max, swa, (int64_t) hp.n_embd_gqa(),
                                                  /*v_trans=*/ false, hp.n_swa);
@@ -274,9 +282,10 @@ checked_batch layer_engine::validate(const eval_batch & b) const {
     cb.invariant = b.invariant;
     check_embd_or_tokens(b, cb);
     if (cb.n_tokens < 1) throw invalid_input("eval needs at least one token (got an empty batch)");
-    if (cb.n_tokens > (int64_t) kv_->size()) {
-        throw kv_cache_full("batch of " + std::to_string(cb.n_tokens) + " tokens is larger than the KV cache (n_ctx=" +
-                            std::to_string(kv_->size()) + "); split it or open the engine with a larger n_ctx");
+    if (cb.n_tokens > (int64_t) kv_->slot_size()) {
+        throw kv_cache_full("batch of " + std::to_string(cb.n_tokens) + " tokens is larger than the KV cache (" +
+                            std::to_string(kv_->slot_size()) + " cells" + (kv_->n_slots() > 1 ? " per slot" : "") +
+                            "); split it or open the engine with a larger n_ctx");
     }
     check_rows(b, cb);
     return cb;
@@ -294,12 +303,14 @@ graph_shape layer_engine::shape_for(const checked_batch & b, const std::vector<k
                                     std::vector<int32_t> & order, std::vector<int32_t> & swa_rows) const {
     graph_shape shape;
     shape.n_tokens = b.n_tokens;
-    shape.n_kv = kv_->n_kv();
+    const uint32_t slot = kv_->batch_slot(toks);
+    shape.kv_base = kv_->slot_base(slot);
+    shape.n_kv = kv_->n_kv(slot);
     shape.n_outputs = out_rows(b);
     // Row slicing is for verification-sized batches; a prompt-sized batch would explode the graph.
     shape.invariant = b.invariant && b.n_tokens <= max_invariant_rows;
     // Cells out of plain decoding's layout (token trees): gather them in position order.
-    shape.ordered = shape.invariant && kv_->v_trans() && kv_->position_order(shape.n_kv, toks, order);
+    shape.ordered = shape.invariant && kv_->v_trans() && kv_->position_order(shape.kv_base, shape.n_kv, toks, order);
     if (kv_swa_) plan_window(toks, shape, swa_rows);
     return shape;
 }
@@ -369,7 +380,7 @@ void layer_engine::set_inputs(const cached_graph & g, const checked_batch & b, c
     // leaves that mask unused.
     fill_kq_mask(in.kq_mask, g.shape, toks, order, 0);
     if (in.kq_mask_swa && !kv_swa_) fill_kq_mask(in.kq_mask_swa, g.shape, toks, order, hp.n_swa);
-    if (g.shape.ordered && in.kq_order->data) fill_ordered(in, hp, b.n_tokens, g.shape.n_kv, order);
+    if (g.shape.ordered && in.kq_order->data) fill_ordered(in, hp, b.n_tokens, g.shape.n_kv, g.shape.kv_base, order);
     if (in.out_ids) std::memcpy(in.out_ids->data, b.out_rows.data(), sizeof(int32_t) * b.out_rows.size());
     if (!in.k_idxs->data) return;  // every layer of the stage is a sliding-window layer (kv_swa_)
     auto * k_idxs = (int64_t *) in.k_idxs->data;
@@ -393,9 +404,9 @@ void layer_engine::fill_kq_mask(ggml_tensor * mask, const graph_shape & shape, c
     if (shape.ordered) {
         fill_ordered_mask((float *) mask->data, toks, shape.n_kv, order, n_swa);
     } else if (kv_->v_trans()) {
-        kv_->fill_mask((float *) mask->data, shape.n_kv, toks, n_swa);
+        kv_->fill_mask((float *) mask->data, shape.kv_base, shape.n_kv, toks, n_swa);
     } else {
-        kv_->fill_mask((ggml_fp16_t *) mask->data, shape.n_kv, toks, n_swa);
+        kv_->fill_mask((ggml_fp16_t *) mask->data, shape.kv_base, shape.n_kv, toks, n_swa);
     }
 }
 

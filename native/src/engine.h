@@ -25,6 +25,8 @@ struct engine_params {
     int64_t n_ctx     = 4096;  // KV cache cells, in [1, 2^32)
     int     n_threads = 1;     // ggml compute threads, >= 1
     int64_t n_seq_max = 64;    // sequence ids are in [0, n_seq_max); n_seq_max in [1, kv_max_seq]
+    int64_t n_slots = 1;       // KV slots (parallel requests), each n_ctx/n_slots cells and n_seq_max/n_slots
+                               // sequence ids; dividing both (see kv_cache)
     bool use_repack = true;    // place matrix weights in the CPU extra buffer types (CPU_REPACK)
     bool swa_full = false;     // sliding-window layers keep every cell (as llama.cpp's --swa-full); also
                                // with PIPEINFER_SWA_FULL=1. Otherwise they keep a window cache.

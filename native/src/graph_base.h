@@ -117,14 +117,15 @@ struct graph_base {
         ggml_tensor * kc = kv.k(li);
         ggml_tensor * vc = kv.v(li);
         // views of the first n_kv cells: k [d_head, n_head_kv, n_kv]
-        ggml_tensor * k = ggml_view_3d(ctx, kc, d_head, n_head_kv, n_kv,
-                                       ggml_row_size(kc->type, d_head), ggml_row_size(kc->type, n_embd_gqa), 0);
+        const int64_t base = shape.kv_base;  // the batch's KV slot starts here
+        ggml_tensor * k = ggml_view_3d(ctx, kc, d_head, n_head_kv, n_kv, ggml_row_size(kc->type, d_head),
+                                       ggml_row_size(kc->type, n_embd_gqa), ggml_row_size(kc->type, n_embd_gqa) * base);
         ggml_tensor * q = ggml_permute(ctx, Q, 0, 2, 1, 3);  // [d_head, n_tokens, n_head]
         k = ggml_permute(ctx, k, 0, 2, 1, 3);                 // [d_head, n_kv, n_head_kv]
         ggml_tensor * cur;
         if (flash_attn) {
-            ggml_tensor * v = ggml_view_3d(ctx, vc, d_head, n_head_kv, n_kv,
-                                           ggml_row_size(vc->type, d_head), ggml_row_size(vc->type, n_embd_gqa), 0);
+            ggml_tensor * v = ggml_view_3d(ctx, vc, d_head, n_head_kv, n_kv, ggml_row_size(vc->type, d_head),
+                                           ggml_row_size(vc->type, n_embd_gqa), ggml_row_size(vc->type, n_embd_gqa) * base);
             v = ggml_permute(ctx, v, 0, 2, 1, 3);             // [d_head, n_kv, n_head_kv]
             cur = ggml_flash_attn_ext(ctx, q, k, v, mask, scale, 0.0f, 0.0f);  // [d_head, n_head, n_tokens]
             ggml_prec_set_acc(cur, GGML_PREC_F32);
@@ -132,7 +133,7 @@ struct graph_base {
         } else {
             // v [n_kv, n_head_kv, d_head] -> [n_kv, d_head, n_head_kv]
             ggml_tensor * v = ggml_view_3d(ctx, vc, n_kv, n_head_kv, d_head, ggml_row_size(vc->type, kv_size * d_head),
-                                           ggml_row_size(vc->type, kv_size), 0);
+                                           ggml_row_size(vc->type, kv_size), ggml_row_size(vc->type, base));
             v = ggml_permute(ctx, v, 0, 2, 1, 3);
             ggml_tensor * kqv = ordered ? attention_ordered(ctx, q, k, vc, mask, in.kq_order, in.v_order, scale,
                                                             n_kv, d_head, n_head_kv)

@@ -11,14 +11,15 @@ namespace pipeinfer {
 // Shape of one eval; everything the graph topology depends on.
 struct graph_shape {
     int64_t  n_tokens  = 0;  // rows in the batch
-    uint32_t n_kv      = 0;  // leading cache cells attention reads
+    uint32_t n_kv      = 0;  // leading cache cells of the batch's KV slot that attention reads
+    uint32_t kv_base   = 0;  // first cell of that slot (0 with one slot)
     int64_t  n_outputs = 0;  // rows returned (last stage: rows with output; else n_tokens)
     bool     invariant = false;  // compute every row exactly as a one-token batch would (see graph_builder.cpp)
     bool     ordered   = false;  // invariant rows read their cells gathered in position order (see kv_cache::position_order)
     uint32_t n_kv_swa   = 0;     // sliding-window cache: cells each view gathers (kv_cache::window_rows)
     int64_t  swa_groups = 0;     // ... and views: 1 (the batch shares one) or n_tokens; 0 without that cache
     bool operator==(const graph_shape & o) const {
-        return n_tokens == o.n_tokens && n_kv == o.n_kv && n_outputs == o.n_outputs && invariant == o.invariant &&
+        return n_tokens == o.n_tokens && n_kv == o.n_kv && kv_base == o.kv_base && n_outputs == o.n_outputs && invariant == o.invariant &&
                ordered == o.ordered && n_kv_swa == o.n_kv_swa && swa_groups == o.swa_groups;
     }
 };

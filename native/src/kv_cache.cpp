@@ -23,8 +23,15 @@ void norm_range(int32_t & p0, int32_t & p1) {
 }  // namespace
 
 kv_cache::kv_cache(uint32_t size, uint32_t n_seq_max, const std::vector<bool> & layers, int64_t n_embd_gqa,
-                   bool v_trans, uint32_t n_swa)
-    : cells_(size), n_seq_max_(n_seq_max), n_swa_(n_swa), lost_below_(n_seq_max, 0), v_trans_(v_trans) {
+                   bool v_trans, uint32_t n_swa, uint32_t n_slots)
+    : n_swa_(n_swa), lost_below_(n_seq_max, 0), cells_(size), n_seq_max_(n_seq_max), v_trans_(v_trans) {
+    if (n_slots < 1 || size % n_slots != 0 || n_seq_max % n_slots != 0) {
+        throw invalid_input("n_slots=" + std::to_string(n_slots) + " must divide n_ctx=" + std::to_string(size) +
+                            " and n_seq_max=" + std::to_string(n_seq_max));
+    }
+    n_slots_ = n_slots;
+    slot_size_ = size / n_slots;
+    seqs_per_slot_ = n_seq_max / n_slots;
     ggml_init_params ip = { ggml_tensor_overhead() * (2 * layers.size() + 1), nullptr, true };
     ctx_ = ggml_init(ip);
     if (!ctx_) throw engine_failure("failed to create the KV cache context");
@@ -109,18 +116,19 @@ std::vector<uint32_t> kv_cache::claim(const std::vector<kv_token> & tokens) {
         check_window(tokens);
         if (size() - n_used_ < tokens.size()) prune((uint32_t) tokens.size());
     }
-    const uint32_t n_free = size() - n_used_;
-    if (tokens.size() > n_free) {
-        throw kv_cache_full("batch of " + std::to_string(tokens.size()) + " tokens does not fit in the KV cache: " +
-                            std::to_string(n_free) + " of " + std::to_string(size()) +
-                            " cells are free; remove sequences (seq_rm) or open the engine with a larger n_ctx");
-    }
+    const uint32_t slot = batch_slot(tokens), base = slot_base(slot), end = base + slot_size_;
     // Lowest free cells first: for a single sequence this is the placement llama.cpp uses,
     // which keeps the attention sums in the same order as llama.cpp's.
     std::vector<uint32_t> idxs;
     idxs.reserve(tokens.size());
-    for (uint32_t i = 0; i < size() && idxs.size() < tokens.size(); ++i) {
+    for (uint32_t i = base; i < end && idxs.size() < tokens.size(); ++i) {
         if (cells_[i].empty()) idxs.push_back(i);
+    }
+    if (idxs.size() < tokens.size()) {
+        const std::string where = n_slots_ > 1 ? " of KV slot " + std::to_string(slot) : std::string();
+        throw kv_cache_full("batch of " + std::to_string(tokens.size()) + " tokens does not fit in the KV cache" + where +
+                            ": " + std::to_string(idxs.size()) + " of " + std::to_string(slot_size_) +
+                            " cells are free; remove sequences (seq_rm) or open the engine with a larger n_ctx");
     }
     for (size_t t = 0; t < tokens.size(); ++t) {
         cells_[idxs[t]].pos  = tokens[t].pos;
@@ -140,17 +148,33 @@ void kv_cache::erase_cell(uint32_t i) {
     cells_[i].pos  = -1;
 }
 
-uint32_t kv_cache::n_kv() const {
+uint32_t kv_cache::batch_slot(const std::vector<kv_token> & tokens) const {
+    if (n_slots_ == 1) return 0;
+    const uint32_t slot = slot_of_seq(__builtin_ctzll(tokens.at(0).seqs));
+    for (const auto & t : tokens) {
+        for (uint64_t m = t.seqs; m; m &= m - 1) {
+            const uint32_t s = slot_of_seq(__builtin_ctzll(m));
+            if (s != slot) {
+                throw invalid_input("a batch mixes sequences of KV slots " + std::to_string(slot) + " and " +
+                                    std::to_string(s) + "; each batch must stay in one slot's sequences");
+            }
+        }
+    }
+    return slot;
+}
+
+uint32_t kv_cache::n_kv(uint32_t slot) const {
+    const uint32_t base = slot_base(slot);
     uint32_t used_max_p1 = 0;
-    for (uint32_t i = size(); i > 0; --i) {
-        if (!cells_[i - 1].empty()) {
+    for (uint32_t i = slot_size_; i > 0; --i) {
+        if (!cells_[base + i - 1].empty()) {
             used_max_p1 = i;
             break;
         }
     }
     const uint32_t pad = 256;
     const uint32_t padded = std::max(pad, ((used_max_p1 + pad - 1) / pad) * pad);
-    return std::min(size(), padded);
+    return std::min(slot_size_, padded);
 }
 
 namespace {
@@ -160,21 +184,22 @@ template <> ggml_fp16_t mask_value<ggml_fp16_t>(float v) { return ggml_fp32_to_f
 }  // namespace
 
 template <typename T>
-void kv_cache::fill_mask(T * mask, uint32_t n_kv, const std::vector<kv_token> & tokens, uint32_t n_swa) const {
+void kv_cache::fill_mask(T * mask, uint32_t base, uint32_t n_kv, const std::vector<kv_token> & tokens, uint32_t n_swa) const {
     const T keep = mask_value<T>(0.0f);
     const T drop = mask_value<T>(-INFINITY);
     for (size_t t = 0; t < tokens.size(); ++t) {
         T * row = mask + t * n_kv;
         const kv_token & tok = tokens[t];
         for (uint32_t j = 0; j < n_kv; ++j) {
-            const kv_cell & c = cells_[j];
+            const kv_cell & c = cells_[base + j];
             const bool in_window = n_swa == 0 || tok.pos - c.pos < (int32_t) n_swa;
             row[j] = ((c.seqs & tok.seqs) != 0 && c.pos <= tok.pos && in_window) ? keep : drop;
         }
     }
 }
-template void kv_cache::fill_mask<float>(float *, uint32_t, const std::vector<kv_token> &, uint32_t) const;
-template void kv_cache::fill_mask<ggml_fp16_t>(ggml_fp16_t *, uint32_t, const std::vector<kv_token> &, uint32_t) const;
+template void kv_cache::fill_mask<float>(float *, uint32_t, uint32_t, const std::vector<kv_token> &, uint32_t) const;
+template void kv_cache::fill_mask<ggml_fp16_t>(ggml_fp16_t *, uint32_t, uint32_t, const std::vector<kv_token> &,
+                                               uint32_t) const;
 
 bool kv_cache::window_rows(const std::vector<kv_token> & tokens, size_t t0, size_t t1, int32_t base, uint32_t n,
                            int32_t * rows) const {
@@ -207,14 +232,15 @@ void kv_cache::fill_window_mask(T * row, const int32_t * rows, uint32_t n, const
 template void kv_cache::fill_window_mask<float>(float *, const int32_t *, uint32_t, const kv_token &) const;
 template void kv_cache::fill_window_mask<ggml_fp16_t>(ggml_fp16_t *, const int32_t *, uint32_t, const kv_token &) const;
 
-bool kv_cache::position_order(uint32_t n_kv, const std::vector<kv_token> & tokens, std::vector<int32_t> & order) const {
+bool kv_cache::position_order(uint32_t base, uint32_t n_kv, const std::vector<kv_token> & tokens,
+                              std::vector<int32_t> & order) const {
     order.assign(tokens.size() * (size_t) n_kv, -1);
     bool identity = true;
     for (size_t t = 0; t < tokens.size(); ++t) {
         int32_t * row = order.data() + t * n_kv;
         const kv_token & tok = tokens[t];
         for (uint32_t j = 0; j < n_kv; ++j) {
-            const kv_cell & c = cells_[j];
+            const kv_cell & c = cells_[base + j];
             if ((c.seqs & tok.seqs) == 0 || c.pos > tok.pos) continue;
             if (c.pos < 0 || (uint32_t) c.pos >= n_kv || row[c.pos] != -1) return false;  // cannot reorder
             row[c.pos] = (int32_t) j;
@@ -264,6 +290,12 @@ void kv_cache::seq_cp_many(int32_t src, const std::vector<int32_t> & dsts, int32
     for (int32_t d : dsts) {
         check_seq(d, "seq_cp");
         add |= 1ull << d;
+    }
+    for (int32_t d : dsts) {
+        if (slot_of_seq(d) != slot_of_seq(src)) {
+            throw invalid_input("seq_cp from sequence " + std::to_string(src) + " to " + std::to_string(d) +
+                                " crosses KV slots; copies stay inside one slot's sequences");
+        }
     }
     norm_range(p0, p1);
     const uint64_t src_bit = 1ull << src;

@@ -31,8 +31,12 @@ public:
     // v_trans: store V transposed, as the soft_max attention path wants it (flash attention does not).
     // layers[li]: the cache holds K/V of local layer li (else k(li)/v(li) are null). n_swa > 0 makes
     // it a sliding-window cache (see claim).
+    // n_slots > 1 splits the cells and the sequence ids into that many equal KV slots (parallel
+    // requests): slot s owns cells [s*size/n_slots, (s+1)*size/n_slots) and sequence ids
+    // [s*n_seq_max/n_slots, ...). A batch stays inside one slot, and attention reads only its slot's
+    // cells, from the slot's first cell: a request sees exactly the cache it would have alone.
     kv_cache(uint32_t size, uint32_t n_seq_max, const std::vector<bool> & layers, int64_t n_embd_gqa, bool v_trans,
-             uint32_t n_swa = 0);
+             uint32_t n_swa = 0, uint32_t n_slots = 1);
     ~kv_cache();
     kv_cache(const kv_cache &) = delete;
     kv_cache & operator=(const kv_cache &) = delete;
@@ -40,6 +44,11 @@ public:
     uint32_t size() const { return (uint32_t) cells_.size(); }
     uint32_t n_seq_max() const { return n_seq_max_; }
     uint32_t n_used() const { return n_used_; }
+    uint32_t n_slots() const { return n_slots_; }
+    uint32_t slot_size() const { return slot_size_; }
+    // The slot of a batch (every token's sequences in one slot; invalid_input otherwise).
+    uint32_t batch_slot(const std::vector<kv_token> & tokens) const;
+    uint32_t slot_base(uint32_t slot) const { return slot * slot_size_; }
 
     // Claims one free cell per token and stores pos/seqs there. Throws kv_cache_full (cache
     // unchanged) when there are not enough free cells. Returns the cell index of each token.
@@ -66,22 +75,24 @@ public:
     // Frees cells returned by claim (a failed or cancelled eval).
     void release(const std::vector<uint32_t> & idxs);
 
-    // Number of leading cells attention looks at: the used cells rounded up to 256 like
-    // llama.cpp, so that graph shapes stay constant between decode steps.
-    uint32_t n_kv() const;
+    // Number of leading cells of a slot attention looks at: the slot's used cells rounded up to 256
+    // like llama.cpp, so that graph shapes stay constant between decode steps.
+    uint32_t n_kv(uint32_t slot = 0) const;
 
     // mask[i*n_kv + j] = 0 if token i may attend cell j (shared sequence and cell.pos <= pos), else -inf.
     // With a sliding window n_swa > 0 the cell must also be among the last n_swa positions:
     // pos - cell.pos < n_swa (llama.cpp's LLAMA_SWA_TYPE_STANDARD).
     // T is float (soft_max path) or ggml_fp16_t (flash attention); both are instantiated in kv_cache.cpp.
+    // Cells are counted from `base` (a slot's first cell).
     template <typename T>
-    void fill_mask(T * mask, uint32_t n_kv, const std::vector<kv_token> & tokens, uint32_t n_swa = 0) const;
+    void fill_mask(T * mask, uint32_t base, uint32_t n_kv, const std::vector<kv_token> & tokens, uint32_t n_swa = 0) const;
 
     // order[i*n_kv + p] = the cell token i may attend that holds position p, or -1 (none).
     // Returns true when some token's cells are not laid out at cell index == position (the layout of
     // plain one-sequence decoding) and the cells it sees have distinct positions < n_kv: then
     // attention must gather them in position order to reproduce plain decoding bit for bit.
-    bool position_order(uint32_t n_kv, const std::vector<kv_token> & tokens, std::vector<int32_t> & order) const;
+    // Cell indices are counted from `base` (a slot's first cell).
+    bool position_order(uint32_t base, uint32_t n_kv, const std::vector<kv_token> & tokens, std::vector<int32_t> & order) const;
 
     // llama.cpp semantics: [p0, p1) with negative = open end; seq_id < 0 means every sequence.
     void seq_rm(int32_t seq_id, int32_t p0, int32_t p1);
@@ -99,6 +110,7 @@ public:
 
 private:
     void check_seq(int32_t seq_id, const char * what) const;
+    uint32_t slot_of_seq(int32_t seq_id) const { return (uint32_t) seq_id / seqs_per_slot_; }
     void erase_cell(uint32_t i);
     void prune(uint32_t n_needed);
 
@@ -107,6 +119,7 @@ private:
 
     std::vector<kv_cell> cells_;
     uint32_t n_seq_max_;
+    uint32_t n_slots_ = 1, slot_size_ = 0, seqs_per_slot_ = 0;
     uint32_t n_used_ = 0;        // non-empty cells
     bool v_trans_;
     ggml_context * ctx_ = nullptr;

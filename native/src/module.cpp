@@ -188,7 +188,7 @@ void bind_exceptions(py::module_ & m) {
 // LayerEngine's constructor and read-only properties.
 void bind_engine_properties(py::class_<layer_engine> & c) {
     c.def(py::init([](const std::string & path, int layer_begin, int layer_end, int64_t n_ctx, int n_threads,
-                         int64_t n_seq_max, bool use_repack, bool flash_attn, bool swa_full) {
+                         int64_t n_seq_max, bool use_repack, bool flash_attn, bool swa_full, int64_t n_slots) {
                  engine_params p;
                  p.path = path;
                  p.layer_begin = layer_begin;
@@ -199,12 +199,13 @@ void bind_engine_properties(py::class_<layer_engine> & c) {
                  p.use_repack = use_repack;
                  p.flash_attn = flash_attn;
                  p.swa_full = swa_full;
+                 p.n_slots = n_slots;
                  py::gil_scoped_release release;  // loading reads hundreds of MB
                  return std::make_unique<layer_engine>(p);
              }),
              py::arg("path"), py::arg("layer_begin"), py::arg("layer_end"), py::arg("n_ctx") = 4096,
              py::arg("n_threads") = 1, py::arg("n_seq_max") = 64, py::arg("use_repack") = true,
-             py::arg("flash_attn") = false, py::arg("swa_full") = false)
+             py::arg("flash_attn") = false, py::arg("swa_full") = false, py::arg("n_slots") = 1)
         .def_property_readonly("arch", [](layer_engine & e) { return e.hparams().arch; })
         .def_property_readonly("n_layer", [](layer_engine & e) { return e.hparams().n_layer; })
         .def_property_readonly("layer_begin", [](layer_engine & e) { return e.weights().layer_begin; })
@@ -213,6 +214,7 @@ void bind_engine_properties(py::class_<layer_engine> & c) {
         .def_property_readonly("n_vocab", [](layer_engine & e) { return e.hparams().n_vocab; })
         .def_property_readonly("n_ctx", [](layer_engine & e) { return e.params().n_ctx; })
         .def_property_readonly("n_seq_max", [](layer_engine & e) { return e.params().n_seq_max; })
+        .def_property_readonly("n_slots", [](layer_engine & e) { return e.params().n_slots; })
         .def_property_readonly("n_threads", [](layer_engine & e) { return e.params().n_threads; })
         .def_property_readonly("flash_attn", [](layer_engine & e) { return e.params().flash_attn; })
         .def_property_readonly("is_first", &layer_engine::is_first)

@@ -71,14 +71,14 @@ class LayerEngine:
 
     def __init__(self, path: str | os.PathLike[str], layer_begin: int, layer_end: int, *, n_ctx: int = 4096,
                  n_threads: int = 1, n_seq_max: int = 64, use_repack: bool = True,
-                 flash_attn: bool = False, swa_full: bool = False, slowdown: float = 1.0) -> None:
+                 flash_attn: bool = False, swa_full: bool = False, n_slots: int = 1, slowdown: float = 1.0) -> None:
         path = os.fspath(path)
         index = operator.index  # integers (numpy ones too), never a truncated float
         try:
             self._eng = _native.LayerEngine(path, index(layer_begin), index(layer_end), n_ctx=index(n_ctx),
                                             n_threads=index(n_threads), n_seq_max=index(n_seq_max),
                                             use_repack=bool(use_repack), flash_attn=bool(flash_attn),
-                                            swa_full=bool(swa_full))
+                                            swa_full=bool(swa_full), n_slots=index(n_slots))
         except _native.ModelFileError as e:
             raise ModelFileError(str(e)) from None
         self.path = path
@@ -118,6 +118,10 @@ class LayerEngine:
     @property
     def n_seq_max(self) -> int:
         return self._eng.n_seq_max
+
+    @property
+    def n_slots(self) -> int:
+        return self._eng.n_slots
 
     @property
     def n_threads(self) -> int:

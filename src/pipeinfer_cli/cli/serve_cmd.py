@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from ..decode.parallel_policy import LOAD_POLICIES
 from ..decode.result import GenerationResult
 from ..errors import OptionValueError
 from .console import err
@@ -29,6 +30,8 @@ EPILOG = epilog("""Examples:
   pipeinfer serve qwen-coder --ranks 2 --port 8081 --queue 4 \\
       --api-key "$(cat key.txt)"
 
+  pipeinfer serve qwen2.5-coder-1.5b-instruct --ranks 2 --parallel 2 --ctx 8192
+
   curl -N http://127.0.0.1:8080/v1/chat/completions \\
       -H 'Content-Type: application/json' \\
       -d '{"messages": [{"role": "user", "content": "Hi"}], "stream": true}'
@@ -40,8 +43,12 @@ applies otherwise, and "speculative" or "pipeinfer" need a server started with a
 a pair name). -n, --temp, --top-k, --top-p, --min-p and --seed are the defaults of requests that do
 not set them. Responses name the loaded model, whatever the request's "model" says.
 
-One request is generated at a time; up to --queue more wait in order, and beyond that the server
-answers 503 with Retry-After. Ctrl-C, SIGTERM or SIGHUP stops every rank: requests in progress end
+One request is generated at a time, or up to --parallel N at once: each then has its own KV slot
+(--ctx / N cells, in whole 256-cell blocks, and its own prefix reuse), and their runs follow each
+other through the stages, so while one request's run is on stage 2 another's is on stage 1. Every
+request gets exactly the tokens it would get alone. --load-policy says when a request may
+speculate beside others; GET /slots shows what each slot does. Up to --queue more requests wait in
+order, and beyond that the server answers 503 with Retry-After. Ctrl-C, SIGTERM or SIGHUP stops every rank: requests in progress end
 with an error, the server prints `pipeinfer serve: stopped by SIGTERM` (or SIGINT, SIGHUP) and exits
 with status 0.
 """)
@@ -55,8 +62,16 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface; "
                                       "then set --api-key).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="TCP port to listen on.")] = 8080,
-    queue: Annotated[int, typer.Option("--queue", min=0, max=10000, help="Requests that may wait behind the one "
+    queue: Annotated[int, typer.Option("--queue", min=0, max=10000, help="Requests that may wait behind the ones "
                                        "being generated; more get 503 with Retry-After.")] = 8,
+    parallel: Annotated[int, typer.Option("--parallel", "-np", min=1, max=32,
+                                          help="Requests generated at once (llama-server's -np), each in its own "
+                                               "KV slot of --ctx / N cells; their runs share the stages.")] = 1,
+    load_policy: Annotated[str, typer.Option("--load-policy", metavar="yield|round-robin|no-spec",
+                                             help="With --parallel: when a request may speculate beside others. "
+                                                  "yield: only on stages no other request's next token needs; "
+                                                  "round-robin: as if alone; no-spec: never while two or more "
+                                                  "run.")] = "yield",
     api_key: Annotated[str | None, typer.Option("--api-key", envvar=API_KEY_ENV, show_default=False,
                                                 help=f"Require `Authorization: Bearer KEY` on /v1/* and /metrics "
                                                      f"(or set {API_KEY_ENV}).")] = None,
@@ -76,10 +91,14 @@ def serve(
     def check_api_key(_inside: bool) -> None:
         if api_key is not None and not api_key.strip():
             raise OptionValueError(f"--api-key (or {API_KEY_ENV}) is empty; give a key or leave it unset")
+        if load_policy not in LOAD_POLICIES:
+            raise OptionValueError(f"--load-policy {load_policy!r} is not one of {', '.join(LOAD_POLICIES)}")
 
     start = begin_job(model, model_opt, mode, job, check_api_key)
     prep = start.prep
     prep.cfg.reuse_prefix = prefix_reuse
+    prep.cfg.parallel, prep.cfg.load_policy = parallel, load_policy
+    check_parallel(prep.cfg)
     if not start.inside:
         from ..server.http_thread import bind
 
@@ -88,6 +107,23 @@ def serve(
     run_here_or_relaunch(prep, start.inside, prep.has_draft,
                          lambda: relaunch(prep.ranks, sys.argv[1:], clean_stop=stopped_line))
     _serve_on_this_rank(prep.cfg, prep.mode, host, port, queue, api_key)
+
+
+def check_parallel(cfg) -> None:
+    """--parallel N needs N slots of at least 256 cells and N shares of the engine's sequence ids."""
+    from ..runtime.loading import MAX_SEQUENCES, seqs_per_slot
+
+    n = cfg.parallel
+    if n == 1:
+        return
+    if cfg.slot_ctx < 256:
+        raise OptionValueError(f"--parallel {n} splits --ctx {cfg.n_ctx} into slots of fewer than 256 cells; "
+                               f"raise --ctx to at least {256 * n} or lower --parallel")
+    per = seqs_per_slot(cfg.decode)
+    if per * n > MAX_SEQUENCES:
+        raise OptionValueError(f"--parallel {n} needs {per * n} KV sequences ({per} per request: --max-inflight "
+                               f"{cfg.decode.max_inflight} x --max-branches {cfg.decode.max_branches} + 2), more "
+                               f"than {MAX_SEQUENCES}; lower --parallel to {MAX_SEQUENCES // per} or --max-inflight")
 
 
 def _serve_on_this_rank(cfg, mode: str, host: str, port: int, queue: int, api_key: str | None) -> None:
@@ -100,7 +136,7 @@ def _serve_on_this_rank(cfg, mode: str, host: str, port: int, queue: int, api_ke
     if MPI.COMM_WORLD.Get_rank() != 0:
         run_service(cfg, None)
         return
-    service = Service(max_queue=queue, mode=mode, on_ready=lambda s: _banner(s, host, port))
+    service = Service(max_queue=queue, mode=mode, on_ready=lambda s: _banner(s, host, port), parallel=cfg.parallel)
     http = _HttpStarter(service, cfg, host, port, api_key)
     stopped_by = _stop_on_signals(service)
     try:
@@ -168,9 +204,10 @@ def _banner(service, host: str, port: int) -> None:
     cfg, topo = service.cfg, service.loaded.topo
     ranks = "; ".join(f"{r.rank} {r.role} ({format_layer_ranges([r.layers])}, {plural(r.threads, 'thread')})" for r in topo.ranks)
     lines = [f"model {cfg.model_label}, draft {cfg.draft_label or 'none'}, default mode {service.default_mode()}, "
-             f"context {cfg.n_ctx} cells, queue {service.max_queue}",
+             f"context {cfg.n_ctx} cells, queue {service.max_queue}" +
+             (f", {cfg.parallel} slots of {cfg.slot_ctx} cells ({cfg.load_policy})" if cfg.parallel > 1 else ""),
              f"{plural(len(topo.ranks), 'rank')}: {ranks}",
-             f"ready: http://{host}:{port}/v1 (chat/completions, completions, models), /health, /metrics"]
+             f"ready: http://{host}:{port}/v1 (chat/completions, completions, models), /health, /metrics, /slots"]
     for line in lines:
         err.print(f"pipeinfer serve: {line}", markup=False, highlight=False)
 

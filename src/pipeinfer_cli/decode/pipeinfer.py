@@ -42,7 +42,7 @@ from .draft_gate import draft_gate
 from .drafters import AsyncDrafter, Drafter, Proposal
 from .kv_slots import KvSlots
 from .metrics import now
-from .pipeline_protocol import PipelineLike
+from .pipeline_protocol import PipelineLike, may_speculate
 from .session import CANONICAL_SEQ, DecodeOptions, Session
 from .tree import Branch, Flight, confident, tree_batch, walk_tree
 
@@ -97,7 +97,9 @@ class PipeInfer:
         return self.opts.p_accept + self.p_adjust
 
     def can_speculate(self) -> bool:
-        return self.inflight() < self.opts.max_inflight and self.slots.n_free > 0
+        """Room for a speculative run: runs in flight, free sequences, and the pipeline's load
+        policy when other requests share it."""
+        return self.inflight() < self.opts.max_inflight and self.slots.n_free > 0 and may_speculate(self.pipe)
 
     def draft_window(self, path: list[int]) -> int:
         """How many tokens a draft continuing `path` may propose."""

@@ -53,3 +53,13 @@ class PipelineLike(Protocol):
 
     def wait_until(self, cond: Callable[[], bool]) -> None:
         """Return once cond() is true; cond polls what it waits for."""
+
+    # Optional: `may_speculate() -> bool`, whether a speculative run may go now. A slot of a
+    # pipeline shared by parallel requests has it (runtime/slot_pipeline.py, the load policy of
+    # decode/parallel_policy.py); a pipeline without it always lets speculation through.
+
+
+def may_speculate(pipe) -> bool:
+    """The pipeline's word on a speculative run now (True when it has no load policy)."""
+    ask = getattr(pipe, "may_speculate", None)
+    return ask is None or ask()

@@ -46,6 +46,7 @@ class GenerationResult:
     queue_s: float | None = None  # serve: seconds the request waited in the queue
     request_seq: int | None = None  # serve: the request's number, in submission order
     run_index: int | None = None  # serve: the order in which the pipeline took the requests
+    slot: int | None = None  # serve --parallel: the KV slot it ran in
 
     def to_json(self, trace: bool = False) -> dict:
         """The JSON object of `generate --json`: keys in this order, values as JSON types.

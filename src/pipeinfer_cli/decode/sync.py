@@ -7,7 +7,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from .pipeline_protocol import PipelineLike
+from .pipeline_protocol import PipelineLike, may_speculate
 from .session import CANONICAL_SEQ, PREFILL_CHUNK, DecodeOptions, Session
 
 
@@ -120,7 +120,7 @@ def decode_speculative(pipe: PipelineLike, s: Session, opts: DecodeOptions, draf
         pos = len(s.tokens) - 1
         # Never draft past -n: tokens beyond it would be verified for nothing.
         n_max = min(opts.n_draft, s.remaining - 1)
-        prop = drafter.propose(s.tokens, n_max, opts.p_min) if n_max > 0 else None
+        prop = drafter.propose(s.tokens, n_max, opts.p_min) if n_max > 0 and may_speculate(pipe) else None
         draft = prop.tokens if prop is not None else []
         batch = [s.tokens[-1]] + draft
         pipe.launch(batch, list(range(pos, pos + len(batch))), [[CANONICAL_SEQ]] * len(batch), [True] * len(batch),

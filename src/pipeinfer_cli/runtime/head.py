@@ -160,9 +160,12 @@ class Head:
 
 
 def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], drafter, cb: Callbacks,
-                trace: TraceRecorder, reuse: int = 0, memory: DraftMemory | None = None) -> Session:
+                trace: TraceRecorder, reuse: int = 0, memory: DraftMemory | None = None,
+                draft_reuse: int | None = None) -> Session:
     """Generate one request's tokens in its mode; returns the finished session.
 
+    draft_reuse: leading prompt tokens the draft's cache may keep, when not `reuse` (a parallel
+    slot's draft model last served another slot).
     reuse: leading prompt tokens whose cells the canonical sequence already holds (prefix reuse).
     memory: what the job's earlier requests learned about drafting on one stage."""
     tok = loaded.tokenizer
@@ -178,7 +181,7 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
     if drafter is not None and needs_draft(req.mode):
         def draft_prefill() -> None:
             t0 = now()
-            drafter.start(prompt, reuse)
+            drafter.start(prompt, reuse if draft_reuse is None else draft_reuse)
             if local_draft:
                 trace.slice("draft", t0, now(), n_tokens=len(prompt) - reuse, prefill=True)
     # On one stage with the draft model on the head, pipeinfer reads the prompt into the draft only

@@ -77,6 +77,21 @@ class JobConfig:
     model_size: int | None = None
     draft_sha256: str | None = None
     draft_size: int | None = None
+    # serve --parallel N: requests generated at once, each in a KV slot of n_ctx // N cells (rounded
+    # down to 256) and its own sequence ids (runtime/parallel.py); load_policy: when a request may
+    # speculate beside others (decode/parallel_policy.py).
+    parallel: int = 1
+    load_policy: str = "yield"
+
+    @property
+    def slot_ctx(self) -> int:
+        """KV cells of one request: all of --ctx with one slot, else its share in whole 256-cell blocks."""
+        return self.n_ctx if self.parallel == 1 else self.n_ctx // self.parallel // 256 * 256
+
+    @property
+    def engine_ctx(self) -> int:
+        """KV cells every stage opens: the slots' cells together."""
+        return self.slot_ctx * self.parallel
 
 
 def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,
@@ -111,8 +126,13 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
         serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return
     service.attach(cfg, loaded)
-    service.idle_check = lambda: link.liveness is not None and link.liveness.check()
     try:
+        if cfg.parallel > 1:
+            from .parallel import serve_parallel
+
+            serve_parallel(link, cfg, loaded, trace, service, offsets)
+            return
+        service.idle_check = lambda: link.liveness is not None and link.liveness.check()
         serve_requests(link, cfg, loaded, trace, service.requests(), offsets, service.callbacks())
     except BaseException as exc:
         service.fail(f"the job failed and the server is stopping: {describe(exc)}")

@@ -25,6 +25,15 @@ class Loaded:
     weights: dict | None = None  # where this rank's weights came from (runtime/weight_stream.py)
 
 
+MAX_SEQUENCES = 64  # the engine's sequence ids
+
+
+def seqs_per_slot(decode) -> int:
+    """KV sequences one request uses: the canonical one, one per in-flight run and tree branch, and
+    a spare; one slot's share of the engine's MAX_SEQUENCES."""
+    return min(MAX_SEQUENCES, 2 + decode.max_inflight * max(1, decode.max_branches))
+
+
 def spec_margin(cfg, req) -> int:
     """KV cells beyond prompt + -n that a mode may fill: speculative runs in flight write past
     the last committed token (rejected cells are removed again)."""
@@ -38,7 +47,7 @@ def n_predict_for(cfg, req, n_prompt: int) -> int:
     n = requested_n(cfg, req)
     if n > 0:
         return n
-    return cfg.n_ctx - n_prompt - spec_margin(cfg, req)
+    return getattr(cfg, "slot_ctx", cfg.n_ctx) - n_prompt - spec_margin(cfg, req)
 
 
 def requested_n(cfg, req) -> int:
@@ -83,11 +92,12 @@ def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool)
         if needs_draft:
             out.drafter = make_drafter(cfg, me.threads)
         return out
-    # Sequences: the canonical one, plus one per in-flight run and tree branch (pipeinfer).
-    n_seq = min(64, 2 + cfg.decode.max_inflight * max(1, cfg.decode.max_branches))
+    # Sequences: the canonical one, plus one per in-flight run and tree branch (pipeinfer), per slot.
+    parallel = getattr(cfg, "parallel", 1)
+    n_seq = seqs_per_slot(cfg.decode) * parallel
     try:
-        out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=cfg.n_ctx,
-                                 n_threads=me.threads, n_seq_max=n_seq, slowdown=slowdown_for(rank))
+        out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=cfg.engine_ctx,
+                                 n_threads=me.threads, n_seq_max=n_seq, n_slots=parallel, slowdown=slowdown_for(rank))
     except RuntimeError as e:
         if "cannot allocate a KV cache" not in str(e):
             raise

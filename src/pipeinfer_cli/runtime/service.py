@@ -1,7 +1,9 @@
-"""A generation service on the head: models loaded once, many clients, one request at a time.
+"""A generation service on the head: models loaded once, many clients.
 
-PipeInfer accelerates a single request, so the pipeline runs one request at a time; the others
-wait in a FIFO queue of bounded length. The service knows nothing of HTTP: a client (the HTTP
+With `--parallel 1` the pipeline runs one request at a time (PipeInfer accelerates a single
+request); with `--parallel N` up to N requests generate at once, each in its own KV slot, their
+runs interleaved in the pipeline (runtime/parallel.py). The others wait in a FIFO queue of bounded
+length. The service knows nothing of HTTP: a client (the HTTP
 server in `server/`, or a terminal chat) calls `submit()` from any thread and receives its
 request's `Event`s through a callback, called from the pipeline thread. The pipeline thread — the
 one thread that makes MPI calls on the head — runs `job.run_service(cfg, service)`, which feeds
@@ -130,8 +132,10 @@ class Service:
     says why), "stopping" once stop() was called.
     """
 
-    def __init__(self, max_queue: int = 8, mode: str | None = None, on_ready: Callable[[Service], None] | None = None):
-        self.max_queue = max_queue  # requests that may wait behind the one being generated
+    def __init__(self, max_queue: int = 8, mode: str | None = None, on_ready: Callable[[Service], None] | None = None,
+                 parallel: int = 1):
+        self.max_queue = max_queue  # requests that may wait behind the ones being generated
+        self.parallel = parallel  # requests generated at once
         self.mode = mode  # for requests that name none (None: pipeinfer with a draft, else iterative)
         self.on_ready = on_ready
         self.status = "loading"
@@ -140,7 +144,9 @@ class Service:
         self.loaded = None
         self._cond = threading.Condition()
         self._queue: deque[Ticket] = deque()
-        self._current: Ticket | None = None
+        self._current: Ticket | None = None  # --parallel 1: the request being generated
+        self._running: dict[int, Ticket] = {}  # --parallel N: the requests generating, by ticket seq
+        self.slot_info: dict[int, dict] = {}  # --parallel N: slot -> what it does (GET /slots)
         self._seq = 0
         self._runs = 0  # requests taken off the queue so far
         self._observers: list[Callable[[Ticket, GenerationResult], None]] = []
@@ -171,13 +177,16 @@ class Service:
         return tok.chat_messages(messages) if messages is not None else tok.encode(text or "")
 
     def queue_depth(self) -> int:
-        """Requests waiting (not counting the one being generated)."""
+        """Requests waiting (not counting the ones being generated)."""
         with self._cond:
             return len(self._queue)
 
-    def busy(self) -> bool:
+    def n_running(self) -> int:
         with self._cond:
-            return self._current is not None
+            return (self._current is not None) + len(self._running)
+
+    def busy(self) -> bool:
+        return self.n_running() > 0
 
     def submit(self, request: GenerationRequest, on_event: Callable[[Event], None], tag: str = "") -> Ticket:
         """Queue a request. Raises ServiceUnavailable (not ready, queue full) or InvalidRequest."""
@@ -186,9 +195,11 @@ class Service:
         with self._cond:
             self._require_ready()
             # Requests in the service (waiting or running), counted the same whether or not the
-            # pipeline thread has taken the first one yet: at most one running plus max_queue waiting.
-            if len(self._queue) + (self._current is not None) >= self.max_queue + 1:
-                raise ServiceUnavailable(f"the queue is full (one request generating, {self.max_queue} waiting: "
+            # pipeline thread has taken them yet: at most `parallel` running plus max_queue waiting.
+            running = (self._current is not None) + len(self._running)
+            if len(self._queue) + running >= self.max_queue + self.parallel:
+                generating = "one request" if self.parallel == 1 else f"{self.parallel} requests (--parallel)"
+                raise ServiceUnavailable(f"the queue is full ({generating} generating, {self.max_queue} waiting: "
                                          f"--queue {self.max_queue}); try again shortly", "queue_full", retry_after=1)
             self._seq += 1
             ticket = Ticket(self._seq, request, on_event, tag)
@@ -209,16 +220,19 @@ class Service:
         cfg = self.cfg
         n_prompt = len(request.prompt)
         margin = spec_margin(cfg, _ModeOnly(mode, self.decode_options(request)))
-        room = cfg.n_ctx - n_prompt - margin  # tokens the context still holds after the prompt
+        n_ctx = cfg.slot_ctx  # each request's share of --ctx (all of it with --parallel 1)
+        context = f"the context of {n_ctx} cells (--ctx)" if cfg.parallel == 1 else \
+            f"a slot's context of {n_ctx} cells (--ctx {cfg.n_ctx} / --parallel {cfg.parallel})"
+        room = n_ctx - n_prompt - margin  # tokens the context still holds after the prompt
         if room < 1:
-            raise RequestTooLong(f"the prompt has {n_prompt} tokens, too many for the context of {cfg.n_ctx} cells "
-                                 f"(--ctx) with room to generate ({margin} cells are kept for speculative runs in "
-                                 f"flight); shorten it to at most {cfg.n_ctx - margin - 1} tokens", "prompt")
+            raise RequestTooLong(f"the prompt has {n_prompt} tokens, too many for {context} with room to generate "
+                                 f"({margin} cells are kept for speculative runs in flight); shorten it to at most "
+                                 f"{n_ctx - margin - 1} tokens", "prompt")
         n = cfg.decode.n_predict if request.n_predict is None else request.n_predict
         if n > room:
             raise RequestTooLong(f"{n} tokens after a prompt of {n_prompt} need {n_prompt + n + margin} KV cells "
-                                 f"(with {margin} for speculative runs in flight), more than the context of "
-                                 f"{cfg.n_ctx} (--ctx); ask for at most {room}", "n_predict")
+                                 f"(with {margin} for speculative runs in flight), more than {context}; ask for at "
+                                 f"most {room}", "n_predict")
 
     def decode_options(self, request: GenerationRequest):
         """The request's speculation settings: the job's, with what its `speculative` dict changes.
@@ -256,14 +270,55 @@ class Service:
         from .job import Request
 
         while (ticket := self._take()) is not None:
-            r = ticket.request
-            req = Request(mode=r.mode or self.default_mode(), label=str(ticket.seq), stop=list(r.stop),
-                          sampling=r.sampling, n_predict=r.n_predict,
-                          decode=self.decode_options(r) if r.speculative else None,
-                          cancelled=lambda t=ticket: t.cancelled or self.status != "ok")
-            yield req, list(r.prompt)
+            yield self.job_request(ticket), list(ticket.request.prompt)
             with self._cond:
                 self._current = None
+
+    def job_request(self, ticket: Ticket):
+        """The job's Request for a ticket."""
+        from .job import Request
+
+        r = ticket.request
+        return Request(mode=r.mode or self.default_mode(), label=str(ticket.seq), stop=list(r.stop),
+                       sampling=r.sampling, n_predict=r.n_predict,
+                       decode=self.decode_options(r) if r.speculative else None,
+                       cancelled=lambda t=ticket: t.cancelled or self.status != "ok")
+
+    # -- what the parallel runner calls (runtime/parallel.py) ---------------------------------------
+    def take_parallel(self, timeout: float) -> Ticket | None:
+        """The next request for a free slot, waiting at most `timeout` s; None if none came (or the
+        service ended)."""
+        return self._take(parallel=True, timeout=timeout)
+
+    def ticket_callbacks(self, ticket: Ticket) -> Callbacks:
+        """One request's callbacks (called from its slot's thread)."""
+        def on_token(_token: int) -> None:
+            ticket.n_tokens += 1
+            if ticket.t_first_token is None:
+                ticket.t_first_token = now()
+
+        return Callbacks(on_token=on_token, on_text=lambda text: ticket.emit(Event("text", text=text)),
+                         on_result=lambda result: self._finish(ticket, result))
+
+    def release(self, ticket: Ticket) -> None:
+        """A parallel request has ended (its result or its error was emitted)."""
+        with self._cond:
+            self._running.pop(ticket.seq, None)
+
+    def slots(self) -> list[dict]:
+        """What every slot does (GET /slots), in llama-server's manner."""
+        cfg = self.cfg
+        n = cfg.parallel if cfg is not None else self.parallel
+        out = []
+        for i in range(n):
+            info = dict(self.slot_info.get(i) or {})
+            ticket = info.pop("ticket", None)
+            busy = ticket is not None and not ticket.finished
+            row = {"id": i, "n_ctx": cfg.slot_ctx if cfg is not None else None, "is_processing": busy}
+            if busy:
+                row.update({"id_task": ticket.seq, "n_decoded": ticket.n_tokens, **info})
+            out.append(row)
+        return out
 
     # -- internals ------------------------------------------------------------------------------
     def _require_ready(self) -> Service:
@@ -273,7 +328,10 @@ class Service:
             raise ServiceUnavailable(self.message, self.status)
         return self
 
-    def _take(self) -> Ticket | None:
+    def _take(self, parallel: bool = False, timeout: float | None = None) -> Ticket | None:
+        """The next live ticket, made current (or one of the running ones, parallel). Waits for one
+        forever, or at most `timeout` s; reads the heartbeats while nothing runs."""
+        deadline = None if timeout is None else now() + timeout
         with self._cond:
             while True:
                 if self.status != "ok":
@@ -286,10 +344,16 @@ class Service:
                     ticket.t_start = now()
                     ticket.run_index = self._runs
                     self._runs += 1
-                    self._current = ticket
+                    if parallel:
+                        self._running[ticket.seq] = ticket
+                    else:
+                        self._current = ticket
                     return ticket
-                self._cond.wait(timeout=0.5)
-                if self.idle_check is not None:
+                left = 0.5 if deadline is None else min(0.5, deadline - now())
+                if left <= 0:
+                    return None
+                self._cond.wait(timeout=left)
+                if self.idle_check is not None and not self._running:
                     self.idle_check()
 
     def _end(self, status: str, message: str) -> None:
@@ -297,7 +361,8 @@ class Service:
             if self.status in ("failed", "stopping"):
                 return
             self.status, self.message = status, message
-            tickets = list(self._queue) + ([self._current] if self._current is not None else [])
+            tickets = list(self._queue) + ([self._current] if self._current is not None else []) + \
+                list(self._running.values())
             self._queue.clear()
             self._cond.notify_all()
         for t in tickets:
@@ -323,17 +388,19 @@ class Service:
             self._current.emit(Event("text", text=text))
 
     def _result(self, result: GenerationResult) -> None:
-        for r in result.ranks:
-            r.pop("trace", None)  # a long-running server keeps no trace events
-        t = self._current
-        if t is not None:
-            result.queue_s, result.request_seq, result.run_index = t.queue_s, t.seq, t.run_index
-            t.emit(Event("done", result=result))
-            for fn in self._observers:
-                fn(t, result)
+        if self._current is not None:
+            self._finish(self._current, result)
         with self._cond:
             self._current = None  # the pipeline is idle until the next request (the caches hold at most the
             # committed tokens, kept for prefix reuse)
+
+    def _finish(self, t: Ticket, result: GenerationResult) -> None:
+        for r in result.ranks:
+            r.pop("trace", None)  # a long-running server keeps no trace events
+        result.queue_s, result.request_seq, result.run_index = t.queue_s, t.seq, t.run_index
+        t.emit(Event("done", result=result))
+        for fn in self._observers:
+            fn(t, result)
 
 
 @dataclass

@@ -52,6 +52,7 @@ def build_app(service: Service, settings: ServerSettings) -> Starlette:
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.prometheus, methods=["GET"]),
+        Route("/slots", api.slots, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -88,6 +89,15 @@ class _Api:
         if (denied := self._denied(request)) is not None:
             return denied
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def slots(self, request: Request) -> Response:
+        """What each slot does (llama-server's GET /slots): id, n_ctx, is_processing, and for a busy
+        slot its request (id_task), mode, prompt tokens, tokens decoded so far, reused tokens, drafter."""
+        if (denied := self._denied(request)) is not None:
+            return denied
+        if self.service.status == "loading":
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse(self.service.slots())
 
     async def models(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..decode.result import GenerationResult
@@ -33,8 +34,9 @@ class ServerMetrics:
                               "request (before the caches are cleared for the next one)", ["rank"], registry=r)
         Gauge("pipeinfer_queue_depth", "Requests waiting behind the one being generated",
               registry=r).set_function(service.queue_depth)
-        Gauge("pipeinfer_requests_running", "Requests being generated (0 or 1)",
-              registry=r).set_function(lambda: int(service.busy()))
+        Gauge("pipeinfer_requests_running", "Requests being generated (at most --parallel)",
+              registry=r).set_function(service.n_running)
+        r.register(_SlotCollector(service))
         Gauge("pipeinfer_ready", "1 once the models are loaded and the service answers",
               registry=r).set_function(lambda: int(service.status == "ok"))
 
@@ -58,3 +60,21 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SlotCollector:
+    """Per-slot gauges, read from the service when scraped (GET /slots has the same)."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def collect(self):
+        busy = GaugeMetricFamily("pipeinfer_slot_processing", "1 while the slot generates a request", labels=["slot"])
+        decoded = GaugeMetricFamily("pipeinfer_slot_decoded_tokens", "Tokens the slot's request has generated so far",
+                                    labels=["slot"])
+        if self.service.cfg is not None:
+            for row in self.service.slots():
+                busy.add_metric([str(row["id"])], int(row["is_processing"]))
+                decoded.add_metric([str(row["id"])], row.get("n_decoded", 0))
+        yield busy
+        yield decoded

@@ -1,0 +1,215 @@
+"""`serve --parallel N`: up to N requests generate at once on one pipeline.
+
+The pipeline thread takes requests off the service's queue while a slot is free and gives each its
+own thread, which runs the request exactly as `Head.run` does, but on its slot's `SlotPipeline`
+(runtime/slot_pipeline.py): its own KV cells and sequences on every stage, its own remembered
+prefix, its runs interleaved with the other slots' in the stages. Speculation beside other
+requests follows the load policy (decode/parallel_policy.py).
+
+The job has one draft model (on the head or on a draft rank) and it drafts for one request at a
+time: the request that finds it free holds it until it ends. Another request that needs a draft
+meanwhile drafts by prompt lookup when the job's draft includes lookup (`lookup`,
+`lookup+MODEL`), else not at all; its tokens are the same either way (verification keeps exactly
+the target's tokens), only its speed differs.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+from ..decode.drafters import AsyncDrafter, Proposal
+from ..decode.hybrid import is_hybrid
+from ..decode.lookup import LookupDrafter
+from ..decode.metrics import now
+from ..decode.modes import needs_draft
+from ..decode.parallel_policy import Slot, SlotTable
+from ..decode.session import CANONICAL_SEQ
+from .head import Head, _trace_commits, assemble_result, run_request
+from .slot_pipeline import MuxFailed, PipelineMux
+
+JOIN_AFTER_FAILURE_S = 5.0  # how long the other slots' threads get to stop once one failed
+
+
+class NoDraft:
+    """The drafter of a request that has none: every proposal is empty (single-token runs)."""
+
+    name = "none"
+
+    def start(self, prompt: list[int], reuse: int = 0) -> None: ...
+
+    def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
+        return Proposal([], [], [])
+
+    def close(self) -> None: ...
+
+
+class _Locked:
+    """A draft rank's proxy whose calls hold the pipeline's lock: its messages share the link with
+    the slots' runs."""
+
+    def __init__(self, drafter, lock):
+        self._drafter, self._lock = drafter, lock
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._drafter, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            with self._lock:
+                return attr(*args, **kwargs)
+
+        return call
+
+
+class DraftLease:
+    """The job's draft model, lent to one request at a time."""
+
+    def __init__(self, drafter, draft_label: str | None, lock):
+        self.drafter, self.lock = drafter, lock
+        self.lookup_only = draft_label == "lookup"
+        self.hybrid = is_hybrid(draft_label)
+        self.holder: int | None = None  # the slot holding it
+        self.last_slot: int | None = None  # the slot whose tokens its cache holds
+        self._mutex = threading.Lock()
+
+    def take(self, slot: int, reuse: int):
+        """(drafter, draft_reuse, held) for a request in `slot` whose target keeps `reuse` tokens."""
+        if self.drafter is None:
+            return None, reuse, False
+        if self.lookup_only:
+            return LookupDrafter(), reuse, False  # stateless: every request may have one
+        with self._mutex:
+            if self.holder is None:
+                self.holder = slot
+                draft_reuse = reuse if self.last_slot == slot else 0
+                self.last_slot = slot
+                drafter = _Locked(self.drafter, self.lock) if isinstance(self.drafter, AsyncDrafter) else self.drafter
+                return drafter, draft_reuse, True
+        return (LookupDrafter() if self.hybrid else NoDraft()), reuse, False
+
+    def give_back(self, slot: int) -> None:
+        with self._mutex:
+            if self.holder == slot:
+                self.holder = None
+
+
+class ParallelRunner:
+    """The pipeline thread's loop over the service, and each slot's request."""
+
+    def __init__(self, head: Head, service):
+        cfg = head.cfg
+        self.head, self.service, self.cfg = head, service, cfg
+        self.mux = PipelineMux(head.pipe, cfg.parallel, cfg.load_policy)
+        self.table = SlotTable(cfg.parallel, cfg.reuse_prefix)
+        self.lease = DraftLease(head.drafter, cfg.draft_label, self.mux.lock)
+        self.threads: dict[int, threading.Thread] = {}
+        self.failure: BaseException | None = None
+        self.freed = threading.Event()
+
+    # -- the pipeline thread -------------------------------------------------------------------
+    def serve(self) -> None:
+        """Start requests while slots are free, until the service stops; raise a slot's failure."""
+        service = self.service
+        last_check = now()
+        while True:
+            if self.failure is not None:
+                self._join(JOIN_AFTER_FAILURE_S)
+                raise self.failure
+            if service.status != "ok":
+                self._join(None)
+                if self.failure is not None:
+                    raise self.failure
+                return
+            if not self.threads and now() - last_check > 0.5:
+                self.mux.idle_check()  # an idle server notices a dead rank too
+                last_check = now()
+            if self.table.n_idle == 0:
+                self.freed.wait(0.1)
+                self.freed.clear()
+                continue
+            ticket = service.take_parallel(timeout=0.1)
+            if ticket is not None:
+                self._start(ticket)
+
+    def _start(self, ticket) -> None:
+        slot = self.table.pick(list(ticket.request.prompt))
+        t = threading.Thread(target=self._work, args=(ticket, slot), name=f"slot-{slot.index}", daemon=True)
+        self.threads[slot.index] = t
+        t.start()
+
+    def _join(self, timeout: float | None) -> None:
+        for t in list(self.threads.values()):
+            t.join(timeout)
+
+    # -- a slot's thread ---------------------------------------------------------------------
+    def _work(self, ticket, slot: Slot) -> None:
+        service = self.service
+        try:
+            req = service.job_request(ticket)
+            self.run(req, list(ticket.request.prompt), slot, service.ticket_callbacks(ticket), ticket)
+        except MuxFailed:
+            pass  # the slot that failed reports it
+        except BaseException as exc:  # noqa: BLE001 - raised on the pipeline thread
+            self.failure = self.failure or exc
+            self.mux.fail(exc)
+        finally:
+            service.slot_info.pop(slot.index, None)
+            self.table.release(slot)
+            service.release(ticket)
+            self.threads.pop(slot.index, None)
+            self.freed.set()
+
+    def run(self, req, prompt: list[int], slot: Slot, cb, ticket=None):
+        """One request in its slot: Head.run's steps on the slot's pipeline."""
+        head, cfg, mux = self.head, self.cfg, self.mux
+        view = mux.views[slot.index]
+        keep, common = slot.prefix.plan(prompt) if cfg.reuse_prefix else (0, 0)
+        if keep:
+            view.seq_rm(CANONICAL_SEQ, keep, -1)
+        elif slot.prefix.tokens:
+            view.seq_rm(CANONICAL_SEQ)
+            slot.prefix.clear()
+        wants_draft = needs_draft(req.mode)
+        drafter, draft_reuse, held = self.lease.take(slot.index, keep) if wants_draft else (None, keep, False)
+        self.service.slot_info[slot.index] = {"ticket": ticket, "mode": req.mode, "n_prompt_tokens": len(prompt),
+                                              "reused_tokens": keep,
+                                              "draft": getattr(drafter, "name", None) if wants_draft else None}
+        with mux.lock:
+            mux.active.add(slot.index)
+        try:
+            s = run_request(view, cfg, head.loaded, req, prompt, drafter, cb, head.trace, reuse=keep,
+                            memory=head.draft_memory, draft_reuse=draft_reuse)
+        finally:
+            with mux.lock:
+                mux.active.discard(slot.index)
+            if held:
+                self.lease.give_back(slot.index)
+        t_end = now()
+        _trace_commits(head.trace, s.metrics.token_times)
+        view.seq_rm(CANONICAL_SEQ, len(s.tokens) - 1, -1)
+        counters = view.take_counters()
+        with mux.lock:
+            reports = head.pipe.report()
+            head.report.busy_s, head.report.kv_at_start = counters.busy_s, counters.kv_at_start
+            head.report.runs = s.metrics.runs.launched
+            ranks = [head.report.take(rows_requested=counters.rows_requested)] + reports
+        if cfg.reuse_prefix:
+            slot.prefix.after_request(prompt, s.tokens, max(r.get("kv_min_resume", 0) for r in ranks))
+        else:
+            view.seq_rm(CANONICAL_SEQ)
+        result = assemble_result(cfg, req, head.topo, head.tokenizer, s, ranks, head.offsets, t_end)
+        result.reused_tokens, result.common_prefix_tokens = keep, common
+        result.draft_vocab = head.loaded.draft_vocab
+        result.slot = slot.index
+        if cb.on_result:
+            cb.on_result(result)
+        return result
+
+
+def serve_parallel(link, cfg, loaded, trace, service, offsets) -> None:
+    """The head of a `serve --parallel N` job (N > 1): serve the service's requests until it stops."""
+    callbacks = service.callbacks()
+    with Head(link, replace(cfg), loaded, trace, offsets, callbacks) as head:
+        ParallelRunner(head, service).serve()
