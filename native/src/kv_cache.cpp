@@ -125,7 +125,7 @@ std::vector<uint32_t> kv_cache::claim(const std::vector<kv_token> & tokens) {
         if (cells_[i].empty()) idxs.push_back(i);
     }
     if (idxs.size() < tokens.size()) {
-        const std::string where = n_slots_ > 1 ? " of KV slot " + std::to_string(slot) : std::string();
+        const std::string where = n_slots_ > 1 ? " (KV slot " + std::to_string(slot) + " of " + std::to_string(n_slots_) + ")" : std::string();
         throw kv_cache_full("batch of " + std::to_string(tokens.size()) + " tokens does not fit in the KV cache" + where +
                             ": " + std::to_string(idxs.size()) + " of " + std::to_string(slot_size_) +
                             " cells are free; remove sequences (seq_rm) or open the engine with a larger n_ctx");

@@ -146,9 +146,11 @@ class ParallelRunner:
     # -- a slot's thread ---------------------------------------------------------------------
     def _work(self, ticket, slot: Slot) -> None:
         service = self.service
+        ended = False
         try:
             req = service.job_request(ticket)
             self.run(req, list(ticket.request.prompt), slot, service.ticket_callbacks(ticket), ticket)
+            ended = True
         except MuxFailed:
             pass  # the slot that failed reports it
         except BaseException as exc:  # noqa: BLE001 - raised on the pipeline thread
@@ -157,7 +159,8 @@ class ParallelRunner:
         finally:
             service.slot_info.pop(slot.index, None)
             self.table.release(slot)
-            service.release(ticket)
+            if ended:  # else the request stays among the running ones: service.fail() gives it its error
+                service.release(ticket)
             self.threads.pop(slot.index, None)
             self.freed.set()
 
