@@ -97,8 +97,7 @@ class PipeInfer:
         return self.opts.p_accept + self.p_adjust
 
     def can_speculate(self) -> bool:
-        """Room for a speculative run: runs in flight, free sequences, and the pipeline's load
-        policy when other requests share it."""
+        """Room for a speculative run (the load policy of a pipeline shared by requests, too)."""
         return self.inflight() < self.opts.max_inflight and self.slots.n_free > 0 and may_speculate(self.pipe)
 
     def draft_window(self, path: list[int]) -> int:

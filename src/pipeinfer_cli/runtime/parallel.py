@@ -211,6 +211,23 @@ class ParallelRunner:
         return result
 
 
+def slot_rows(service) -> list[dict]:
+    """What every slot of a service does (GET /slots, /metrics), in llama-server's manner: id,
+    n_ctx, is_processing, and for a busy slot its request (id_task), mode, prompt tokens, tokens
+    decoded so far, reused tokens and drafter."""
+    cfg = service.cfg
+    out = []
+    for i in range(cfg.parallel if cfg is not None else service.parallel):
+        info = dict(service.slot_info.get(i) or {})
+        ticket = info.pop("ticket", None)
+        busy = ticket is not None and not ticket.finished
+        row = {"id": i, "n_ctx": cfg.slot_ctx if cfg is not None else None, "is_processing": busy}
+        if busy:
+            row.update({"id_task": ticket.seq, "n_decoded": ticket.n_tokens, **info})
+        out.append(row)
+    return out
+
+
 def serve_parallel(link, cfg, loaded, trace, service, offsets) -> None:
     """The head of a `serve --parallel N` job (N > 1): serve the service's requests until it stops."""
     callbacks = service.callbacks()

@@ -305,21 +305,6 @@ class Service:
         with self._cond:
             self._running.pop(ticket.seq, None)
 
-    def slots(self) -> list[dict]:
-        """What every slot does (GET /slots), in llama-server's manner."""
-        cfg = self.cfg
-        n = cfg.parallel if cfg is not None else self.parallel
-        out = []
-        for i in range(n):
-            info = dict(self.slot_info.get(i) or {})
-            ticket = info.pop("ticket", None)
-            busy = ticket is not None and not ticket.finished
-            row = {"id": i, "n_ctx": cfg.slot_ctx if cfg is not None else None, "is_processing": busy}
-            if busy:
-                row.update({"id_task": ticket.seq, "n_decoded": ticket.n_tokens, **info})
-            out.append(row)
-        return out
-
     # -- internals ------------------------------------------------------------------------------
     def _require_ready(self) -> Service:
         if self.status == "loading":

@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from ..decode.result import GenerationResult
 from ..runtime.tokenizer import NoChatTemplateError
+from ..runtime.parallel import slot_rows
 from ..runtime.service import Event, GenerationRequest, InvalidRequest, Service, ServiceUnavailable
 from ..wording import human_bytes
 from ..errors import UsageError
@@ -97,7 +98,7 @@ class _Api:
             return denied
         if self.service.status == "loading":
             return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse(self.service.slots())
+        return JSONResponse(slot_rows(self.service))
 
     async def models(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:

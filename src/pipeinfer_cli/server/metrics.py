@@ -7,6 +7,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..decode.result import GenerationResult
+from ..runtime.parallel import slot_rows
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -73,7 +74,7 @@ class _SlotCollector:
         decoded = GaugeMetricFamily("pipeinfer_slot_decoded_tokens", "Tokens the slot's request has generated so far",
                                     labels=["slot"])
         if self.service.cfg is not None:
-            for row in self.service.slots():
+            for row in slot_rows(self.service):
                 busy.add_metric([str(row["id"])], int(row["is_processing"]))
                 decoded.add_metric([str(row["id"])], row.get("n_decoded", 0))
         yield busy
