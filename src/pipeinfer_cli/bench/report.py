@@ -91,3 +91,34 @@ def markdown_table(summary: dict[str, dict], modes: list[str]) -> str:
         cells.append(f"**differ on {plural(len(s['mismatched_prompts']), 'prompt')}**" if s["mismatched_prompts"] else "same")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def concurrency_table(rows: list[dict], title: str) -> Table:
+    """`bench --concurrency`: one row per (mode, level), in run order (bench/concurrency.summarize)."""
+    t = Table(title=title, title_justify="left")
+    t.add_column("mode")
+    t.add_column("concurrency", justify="right")
+    t.add_column("requests", justify="right")
+    t.add_column("tok/s", justify="right")
+    t.add_column("× level 1", justify="right")
+    t.add_column("req/s", justify="right")
+    t.add_column("TTFT p50/p99 ms", justify="right")
+    t.add_column("ITL p50/p99 ms", justify="right")
+    t.add_column("decode tok/s per request", justify="right")
+    t.add_column("text")
+    for r in rows:
+        failed = f" ({r['n_errors']} failed)" if r["n_errors"] else ""
+        bad = r["mismatched_prompts"]
+        if bad:
+            same = Text(f"DIFFER on {plural(len(bad), 'prompt')}", style="bold red")
+        elif r["identical_to_level_1"]:
+            same = Text("same" if r["concurrency"] != 1 else "reference", style="green")
+        else:
+            same = Text("unchecked", style="yellow")
+        t.add_row(
+            r["mode"], str(r["concurrency"]), f"{r['n_requests']}{failed}", _f(r["tok_per_s"]),
+            _x(r["tok_per_s_vs_level_1"]), _f(r["requests_per_s"]),
+            f"{_f(r['ttft_ms']['p50'], '{:.0f}')}/{_f(r['ttft_ms']['p99'], '{:.0f}')}",
+            f"{_f(r['itl_ms']['p50'], '{:.1f}')}/{_f(r['itl_ms']['p99'], '{:.1f}')}",
+            _f(r["decode_tok_per_s_mean"]), same)
+    return t

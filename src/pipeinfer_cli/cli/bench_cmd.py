@@ -43,6 +43,16 @@ Prompt files are JSONL, one object per line: {"id": "x", "prompt": "raw text"} o
   pipeinfer bench qwen2.5-coder-1.5b-instruct --draft lookup \\
       --prompts grounded -n 96 --ranks 2
 
+Under load: --concurrency 1,2,4 starts one `pipeinfer serve` job with the same models and job
+options on a free localhost port (--parallel P, default the largest level) and, for each mode and
+each level C, sends the prompt set as streaming requests with C in flight at once (when one ends,
+the next starts). The table shows per level aggregate tok/s, requests/s, TTFT and inter-token
+latency p50/p99 and the mean per-request decode tok/s; level 1 is always run, and every text must
+equal its text at level 1 (else the command exits 1):
+
+  pipeinfer bench smollm2-135m-instruct --modes iterative \\
+      --concurrency 1,2,4 --limit 4 -n 64 --json load.json
+
 Modes run interleaved (A, B, C, A, B, C …) on models loaded once. Every mode must produce the same
 tokens: a difference is flagged in the table, on stderr and in the JSON (tokens_identical,
 token_mismatches), and the command then exits with status 1 after writing its outputs (0 with
@@ -111,38 +121,32 @@ def bench(
     trace_out: Annotated[Path | None, typer.Option("--trace", help="Write a Chrome trace-event timeline, one track per rank (Perfetto, chrome://tracing).")] = None,
     plot_out: Annotated[Path | None, typer.Option("--plot", help="Write a PNG: tok/s per mode and per-rank utilisation timelines.")] = None,
     allow_mismatch: Annotated[bool, typer.Option("--allow-mismatch", help="Still flag modes that generated different tokens, but exit 0.")] = False,
+    concurrency: Annotated[str | None, typer.Option("--concurrency", metavar="C[,C...]", show_default=False, help="Measure under load: serve the models with one `pipeinfer serve` job and, for each mode and each level, keep C streaming requests in flight at once (e.g. 1,2,4,8; level 1 is always added). Writes --json only.")] = None,
+    parallel: Annotated[int | None, typer.Option("--parallel", min=1, show_default=False, help="With --concurrency: the server's --parallel (requests it generates at once). Default: the largest level; 1: one at a time, the others wait in its queue.")] = None,
 ) -> None:
     """Compare the decoding modes on the same ranks and prompts: speed, latency, acceptance, timelines.
 
     The table goes to stdout, progress to stderr; --json/--csv/--trace/--plot write files.
     """
-    from ..bench.outputs import check_output_paths
     from ..bench.prompts import load_prompts, resolve_prompts
     from ..bench.schedule import build_schedule
-    from ..transport.launch import relaunch, under_mpi_launcher
+    from ..transport.launch import under_mpi_launcher
 
     # Everything that can be wrong in the input fails here, before a model is pulled or loaded.
     mode_list = parse_modes(modes)
     check_n_predict(job.n_predict)
     prompts_file = resolve_prompts(prompts)
     prompt_set = load_prompts(prompts_file, limit)
-    outputs = {"--json": json_out, "--csv": csv_out, "--trace": trace_out, "--plot": plot_out}
-    check_output_paths(outputs)
-    _check_plot_support(plot_out)
+    levels = _check_outputs(json_out, csv_out, trace_out, plot_out, concurrency, parallel)  # levels: --concurrency
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     inside = under_mpi_launcher()
     target, draft_ref, needs_draft = _bench_models(model, job, mode_list, prompt_set, inside)
     cfg = mark_hybrid(make_job_config(target, draft_ref, job), split_hybrid(job.draft)[0])  # checked by _bench_models
-
-    def relaunch_job() -> int:
-        for stream, var in _TTY_ENV.items():  # the relaunched head cannot see this terminal
-            os.environ.setdefault(var, "1" if getattr(sys, stream).isatty() else "0")
-        if sys.stdout.isatty():
-            os.environ.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
-        return relaunch(want, sys.argv[1:])
-
+    if levels is not None:  # under load: one `pipeinfer serve` job (cli/bench_serve.py)
+        return _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list, levels, parallel,
+                                 prompt_set, prompts_file, repeat, warmup, want, json_out, allow_mismatch)
     prep = PreparedJob(cfg, mode_list[0], want, bool(job.ranks or split_ranks), draft_ref is not None)
-    run_here_or_relaunch(prep, inside, needs_draft, relaunch_job)
+    run_here_or_relaunch(prep, inside, needs_draft, lambda: _relaunch_job(want))
     if not needs_draft:
         cfg.draft_path, cfg.draft_label = None, None  # iterative only: do not load a draft model
     records = _run(cfg, build_schedule(prompt_set, mode_list, repeat, warmup))
@@ -158,6 +162,63 @@ def bench(
     res = collect(records, mode_list, models, config, "pipeinfer " + shlex.join(sys.argv[1:]))
     _report(res, records, mode_list, len(prompt_set) > 1, {"json": json_out, "csv": csv_out, "trace": trace_out,
                                                            "plot": plot_out}, allow_mismatch)
+
+
+def _relaunch_job(want: int) -> int:
+    """Run this bench as an MPI job of `want` ranks, telling it what the terminal is."""
+    from ..transport.launch import relaunch
+
+    for stream, var in _TTY_ENV.items():  # the relaunched head cannot see this terminal
+        os.environ.setdefault(var, "1" if getattr(sys, stream).isatty() else "0")
+    if sys.stdout.isatty():
+        os.environ.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
+    return relaunch(want, sys.argv[1:])
+
+
+def _check_outputs(json_out, csv_out, trace_out, plot_out, concurrency: str | None, parallel: int | None) -> list[int] | None:
+    """The output files checked, and the --concurrency levels (None without it) with the options that
+    go with it."""
+    from ..bench.outputs import check_output_paths
+    from ..transport.launch import under_mpi_launcher
+
+    check_output_paths({"--json": json_out, "--csv": csv_out, "--trace": trace_out, "--plot": plot_out})
+    _check_plot_support(plot_out)
+    if concurrency is None:
+        if parallel is not None:
+            raise UsageError("--parallel sets the server's parallelism of --concurrency; give --concurrency too")
+        return None
+    from ..bench.concurrency import parse_levels
+
+    levels = parse_levels(concurrency)
+    given = [name for name, v in (("--csv", csv_out), ("--trace", trace_out), ("--plot", plot_out)) if v is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} cannot be written with --concurrency (the requests run in a server, "
+                         "not in bench's job); use --json")
+    from .bench_serve import check_parallel
+
+    check_parallel(parallel or max(levels))
+    if under_mpi_launcher():
+        raise UsageError("--concurrency starts its own `pipeinfer serve` job; run bench without mpiexec (use --ranks)")
+    return levels
+
+
+def _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list, levels, parallel, prompt_set,
+                      prompts_file, repeat, warmup, ranks, json_out, allow_mismatch) -> None:
+    """--concurrency: the plan checked here (a split that cannot work fails now), then the load."""
+    from ..registry import load_registry
+    from .bench_serve import run_concurrency
+    from .job_setup import check_plan
+
+    if not needs_draft:
+        cfg.draft_path, cfg.draft_label = None, None  # the server loads no draft model either
+    check_plan(cfg, ranks, needs_draft)
+    pairs = load_registry().pairs
+    # A pair name would make the server load the pair's draft; a mode that needs none gets the target alone.
+    serve_model = pairs[model].target if model in pairs and not needs_draft else model
+    run_concurrency(serve_model=serve_model, job=job, cfg=cfg, target=target, draft_ref=draft_ref,
+                    needs_draft=needs_draft, mode_list=mode_list, levels=levels, parallel=parallel or max(levels),
+                    prompt_set=prompt_set, prompts_file=prompts_file, repeat=repeat, warmup=warmup, ranks=ranks,
+                    json_out=json_out, allow_mismatch=allow_mismatch, consoles=_consoles())
 
 
 def _run(cfg, items) -> list[dict] | None:
