@@ -61,18 +61,13 @@ def _one_error_line(r) -> str:
     (["--concurrency", "two"], "'two' is not an integer"),
     (["--concurrency", "1,2", "--parallel", "0"], "--parallel"),
     (["--parallel", "2"], "give --concurrency too"),
+    (["--load-policy", "yield"], "give --concurrency too"),
+    (["--concurrency", "1,2", "--load-policy", "greedy"], "--load-policy 'greedy' is not one of yield"),
     (["--concurrency", "1,2", "--csv", "x.csv"], "--csv cannot be written with --concurrency"),
     (["--concurrency", "1,2", "--plot", "x.png", "--trace", "t.json"], "--trace, --plot cannot be written"),
 ])
 def test_bad_input_is_one_error_line(no_models, args, message):
     assert message in _one_error_line(runner.invoke(app, ["bench", MODEL, *args]))
-
-
-def test_parallel_needs_a_serve_that_has_it(no_models, monkeypatch):
-    """Until `serve --parallel` exists, a parallel server cannot be asked for (--parallel 1 can)."""
-    monkeypatch.setattr(bench_serve, "serve_params", lambda: {})
-    assert "no --parallel option yet" in _one_error_line(runner.invoke(app, ["bench", MODEL, "--concurrency", "1,4"]))
-    bench_serve.check_parallel(1)
 
 
 def test_help_explains_concurrency_with_an_example():
@@ -89,11 +84,11 @@ def test_serve_gets_the_job_options_bench_was_given():
     assert args == ["m", "--draft=lookup", "--n-predict=-1", "--temp=0.7", "--seed=3", "--ranks=2", "--threads=1,1",
                     "--ctx=1024", "--no-pull", "--queue=8"]
     # no draft when no mode needs one; --parallel forwarded as given when not 1
-    args = bench_serve.serve_args("m", job, needs_draft=False, parallel=4, queue=4)
-    assert "--draft=lookup" not in args and args[-1] == "--parallel=4"
+    args = bench_serve.serve_args("m", job, needs_draft=False, parallel=4, queue=4, load_policy="no-spec")
+    assert "--draft=lookup" not in args and args[-2:] == ["--parallel=4", "--load-policy=no-spec"]
     # every option name it forwards is one serve has
     names = {o for p in bench_serve.serve_params().values() for o in p.opts}
-    assert all(a.split("=")[0] in names for a in args[1:] if a != "--parallel=4")
+    assert all(a.split("=")[0] in names for a in args[1:])
 
 
 # -- statistics on fixed numbers --------------------------------------------------------------------
@@ -156,15 +151,10 @@ def test_identity_check_and_summary():
 
 
 # -- real runs: a served SmolLM2, 2 prompts, 8 tokens -----------------------------------------------
-def _load_args() -> list[str]:
-    # `serve --parallel` is being added separately; until it exists, only the FIFO server (--parallel 1).
-    return [] if "parallel" in bench_serve.serve_params() else ["--parallel", "1"]
-
-
 def _run_bench(out, *extra) -> subprocess.CompletedProcess:
     marker = uuid.uuid4().hex
     cmd = [sys.executable, "-m", "pipeinfer_cli", "bench", MODEL, "--modes", "iterative", "--concurrency", "1,2",
-           "--limit", "2", "-n", "8", "--json", str(out / "load.json"), *_load_args(), *extra]
+           "--limit", "2", "-n", "8", "--json", str(out / "load.json"), *extra]
     try:
         return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=out,
                               env=job_env(marker, PIPEINFER_NO_PULL="1"), start_new_session=True)
@@ -184,7 +174,7 @@ def test_real_load_writes_the_json(smollm2_path, tmp_path, ranks):
     assert doc["identical_to_level_1"] is True and doc["mismatches"] == []
     h = doc["header"]
     assert h["config"]["concurrency"] == [1, 2] and h["config"]["ranks"] == ranks
-    assert h["config"]["parallel"] == (1 if _load_args() else 2)
+    assert h["config"]["parallel"] == 2 and h["config"]["load_policy"] == "yield"
     assert h["server"]["command"].startswith("pipeinfer serve ") and f"{ranks} rank" in " ".join(h["server"]["banner"])
     assert h["server"]["exit_status"] == 0
     assert len(h["models"]["target"]["sha256"]) == 64

@@ -123,6 +123,7 @@ def bench(
     allow_mismatch: Annotated[bool, typer.Option("--allow-mismatch", help="Still flag modes that generated different tokens, but exit 0.")] = False,
     concurrency: Annotated[str | None, typer.Option("--concurrency", metavar="C[,C...]", show_default=False, help="Measure under load: serve the models with one `pipeinfer serve` job and, for each mode and each level, keep C streaming requests in flight at once (e.g. 1,2,4,8; level 1 is always added). Writes --json only.")] = None,
     parallel: Annotated[int | None, typer.Option("--parallel", min=1, show_default=False, help="With --concurrency: the server's --parallel (requests it generates at once). Default: the largest level; 1: one at a time, the others wait in its queue.")] = None,
+    load_policy: Annotated[str | None, typer.Option("--load-policy", metavar="yield|round-robin|no-spec", show_default=False, help="With --concurrency: the server's --load-policy (when a request may speculate beside others). Default: yield.")] = None,
 ) -> None:
     """Compare the decoding modes on the same ranks and prompts: speed, latency, acceptance, timelines.
 
@@ -137,14 +138,15 @@ def bench(
     check_n_predict(job.n_predict)
     prompts_file = resolve_prompts(prompts)
     prompt_set = load_prompts(prompts_file, limit)
-    levels = _check_outputs(json_out, csv_out, trace_out, plot_out, concurrency, parallel)  # levels: --concurrency
+    levels = _check_outputs(json_out, csv_out, trace_out, plot_out, concurrency, parallel, load_policy)  # --concurrency
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     inside = under_mpi_launcher()
     target, draft_ref, needs_draft = _bench_models(model, job, mode_list, prompt_set, inside)
     cfg = mark_hybrid(make_job_config(target, draft_ref, job), split_hybrid(job.draft)[0])  # checked by _bench_models
     if levels is not None:  # under load: one `pipeinfer serve` job (cli/bench_serve.py)
-        return _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list, levels, parallel,
-                                 prompt_set, prompts_file, repeat, warmup, want, json_out, allow_mismatch)
+        return _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list, levels,
+                                 (parallel or max(levels), load_policy), prompt_set, prompts_file, repeat, warmup, want,
+                                 json_out, allow_mismatch)
     prep = PreparedJob(cfg, mode_list[0], want, bool(job.ranks or split_ranks), draft_ref is not None)
     run_here_or_relaunch(prep, inside, needs_draft, lambda: _relaunch_job(want))
     if not needs_draft:
@@ -175,7 +177,8 @@ def _relaunch_job(want: int) -> int:
     return relaunch(want, sys.argv[1:])
 
 
-def _check_outputs(json_out, csv_out, trace_out, plot_out, concurrency: str | None, parallel: int | None) -> list[int] | None:
+def _check_outputs(json_out, csv_out, trace_out, plot_out, concurrency: str | None, parallel: int | None,
+                   load_policy: str | None) -> list[int] | None:
     """The output files checked, and the --concurrency levels (None without it) with the options that
     go with it."""
     from ..bench.outputs import check_output_paths
@@ -184,9 +187,14 @@ def _check_outputs(json_out, csv_out, trace_out, plot_out, concurrency: str | No
     check_output_paths({"--json": json_out, "--csv": csv_out, "--trace": trace_out, "--plot": plot_out})
     _check_plot_support(plot_out)
     if concurrency is None:
-        if parallel is not None:
-            raise UsageError("--parallel sets the server's parallelism of --concurrency; give --concurrency too")
+        if parallel is not None or load_policy is not None:
+            raise UsageError(f"{'--parallel' if parallel is not None else '--load-policy'} sets the server of "
+                             "--concurrency; give --concurrency too")
         return None
+    from ..decode.parallel_policy import LOAD_POLICIES
+
+    if load_policy is not None and load_policy not in LOAD_POLICIES:
+        raise UsageError(f"--load-policy {load_policy!r} is not one of {', '.join(LOAD_POLICIES)}")
     from ..bench.concurrency import parse_levels
 
     levels = parse_levels(concurrency)
@@ -194,17 +202,15 @@ def _check_outputs(json_out, csv_out, trace_out, plot_out, concurrency: str | No
     if given:
         raise UsageError(f"{', '.join(given)} cannot be written with --concurrency (the requests run in a server, "
                          "not in bench's job); use --json")
-    from .bench_serve import check_parallel
-
-    check_parallel(parallel or max(levels))
     if under_mpi_launcher():
         raise UsageError("--concurrency starts its own `pipeinfer serve` job; run bench without mpiexec (use --ranks)")
     return levels
 
 
-def _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list, levels, parallel, prompt_set,
+def _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list, levels, server, prompt_set,
                       prompts_file, repeat, warmup, ranks, json_out, allow_mismatch) -> None:
-    """--concurrency: the plan checked here (a split that cannot work fails now), then the load."""
+    """--concurrency: the plan checked here (a split that cannot work fails now), then the load.
+    server: the server's (--parallel, --load-policy or None)."""
     from ..registry import load_registry
     from .bench_serve import run_concurrency
     from .job_setup import check_plan
@@ -216,7 +222,8 @@ def _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list
     # A pair name would make the server load the pair's draft; a mode that needs none gets the target alone.
     serve_model = pairs[model].target if model in pairs and not needs_draft else model
     run_concurrency(serve_model=serve_model, job=job, cfg=cfg, target=target, draft_ref=draft_ref,
-                    needs_draft=needs_draft, mode_list=mode_list, levels=levels, parallel=parallel or max(levels),
+                    needs_draft=needs_draft, mode_list=mode_list, levels=levels, parallel=server[0],
+                    load_policy=server[1],
                     prompt_set=prompt_set, prompts_file=prompts_file, repeat=repeat, warmup=warmup, ranks=ranks,
                     json_out=json_out, allow_mismatch=allow_mismatch, consoles=_consoles())
 

@@ -37,17 +37,12 @@ def serve_params() -> dict:
     return {p.name: p for p in typer.main.get_command(app).params}
 
 
-def check_parallel(parallel: int) -> None:
-    """--parallel P > 1 needs a serve that has --parallel (until it does, only 1: today's FIFO)."""
-    if parallel != 1 and "parallel" not in serve_params():
-        raise UsageError(f"--parallel {parallel}: this pipeinfer's serve has no --parallel option yet (it generates "
-                         "one request at a time); pass --parallel 1 to measure that server under load")
-
-
-def serve_args(model: str, job: JobOptions, *, needs_draft: bool, parallel: int, queue: int) -> list[str]:
+def serve_args(model: str, job: JobOptions, *, needs_draft: bool, parallel: int, queue: int,
+               load_policy: str | None = None) -> list[str]:
     """The `pipeinfer serve` arguments for bench's model and job options: every shared job option
     that differs from its default, as `--name=value` (the draft only if a mode needs it; --no-pull,
-    as bench resolved the models already), plus --queue and --parallel (given only when not 1)."""
+    as bench resolved the models already), plus --queue, --parallel (given only when not 1) and
+    --load-policy (when given)."""
     params = serve_params()
     out = [model]
     for f in dataclasses.fields(JobOptions):
@@ -63,6 +58,8 @@ def serve_args(model: str, job: JobOptions, *, needs_draft: bool, parallel: int,
     out += ["--no-pull", f"--queue={queue}"]
     if parallel != 1:
         out.append(f"--parallel={parallel}")
+    if load_policy is not None:
+        out.append(f"--load-policy={load_policy}")
     return out
 
 
@@ -158,7 +155,8 @@ def _serve_and_load(args: list[str], progress: _Progress, run) -> tuple:
 
 
 def run_concurrency(*, serve_model: str, job: JobOptions, cfg, target, draft_ref, needs_draft: bool,
-                    mode_list: list[str], levels: list[int], parallel: int, prompt_set, prompts_file: Path | None,
+                    mode_list: list[str], levels: list[int], parallel: int, load_policy: str | None, prompt_set,
+                    prompts_file: Path | None,
                     repeat: int, warmup: int, ranks: int, json_out: Path | None, allow_mismatch: bool,
                     consoles) -> None:
     """Start the server, run the load, stop the server; then the table, the JSON and the checks."""
@@ -173,13 +171,14 @@ def run_concurrency(*, serve_model: str, job: JobOptions, cfg, target, draft_ref
         return cc.run_load(base_url, prompt_set, mode_list, levels, repeat, warmup, sampling, check_server=check_alive,
                            on_level=progress.level, on_record=progress.record, on_level_done=progress.level_done)
 
-    args = serve_args(serve_model, job, needs_draft=needs_draft, parallel=parallel, queue=max(levels))
+    args = serve_args(serve_model, job, needs_draft=needs_draft, parallel=parallel, queue=max(levels),
+                      load_policy=load_policy)
     load, server = _serve_and_load(args, progress, run)
     records = load.records
     mismatches = cc.check_identical(records)
     rows = cc.summarize(records, mode_list, levels, load.walls, load.peaks)
-    header = _header(cfg, target, draft_ref, needs_draft, mode_list, levels, parallel, prompt_set, prompts_file,
-                     repeat, warmup, ranks, job, server)
+    header = _header(cfg, target, draft_ref, needs_draft, mode_list, levels, (parallel, load_policy), prompt_set,
+                     prompts_file, repeat, warmup, ranks, job, server)
     out_console.print(cc_table(rows, header))
     if json_out:
         from ..bench.export import write_json
@@ -227,14 +226,16 @@ def cc_table(rows: list[dict], header: dict):
     return concurrency_table(rows, title)
 
 
-def _header(cfg, target, draft_ref, needs_draft, mode_list, levels, parallel, prompt_set, prompts_file, repeat,
+def _header(cfg, target, draft_ref, needs_draft, mode_list, levels, serving: tuple, prompt_set, prompts_file, repeat,
             warmup, ranks, job, server: dict) -> dict:
+    """serving: the server's (--parallel, --load-policy or None)."""
+    parallel, load_policy = serving
     from ..bench import environment
     from ..bench.results import describe_config
 
     config = describe_config(cfg, mode_list, prompt_set, prompts_file, repeat=repeat, warmup=warmup, ranks=ranks,
                              layer_split=job.layer_split, threads=job.threads)
-    config.update({"concurrency": levels, "parallel": parallel})
+    config.update({"concurrency": levels, "parallel": parallel, "load_policy": load_policy or "yield"})
     return {
         "created_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": "pipeinfer " + shlex.join(sys.argv[1:]),
