@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .metrics import Acceptance, RunCounters
 
 # Set by the service (`pipeinfer serve`) only; in the JSON once it set them.
-SERVICE_FIELDS = ("queue_s", "request_seq", "run_index")
+SERVICE_FIELDS = ("queue_s", "request_seq", "run_index", "slot")
 
 
 @dataclass

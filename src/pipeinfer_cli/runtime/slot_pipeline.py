@@ -103,6 +103,7 @@ class SlotPipeline:
         self.busy_s = 0.0
         self.rows_requested = 0
         self.kv_at_start: int | None = None
+        self._backoff = pipe._backoff(site=f"slot-{index}")
 
     # -- the slot's sequences ----------------------------------------------------------------
     def _seq(self, s: int) -> int:
@@ -162,17 +163,19 @@ class SlotPipeline:
         return self.ready.popleft()
 
     def wait_until(self, cond: Callable[[], bool]) -> None:
-        """Poll under the lock, sleep one backoff step without it, until cond() holds."""
+        """Poll under the lock, sleep one backoff step without it, until cond() holds. The slot's
+        waits are one wait site of the link's history, so a predictable wait is slept through
+        (transport/waits.py) instead of probed every 100 us: on a host whose cores the stages use,
+        probing would take their CPU."""
         mux = self.mux
-        backoff = None
+        backoff = self._backoff
         while True:
             with mux.lock:
                 mux.pump()
                 if cond():
+                    backoff.reset()  # records how long this wait lasted
                     return
                 pipe = mux.pipe
-                if backoff is None:
-                    backoff = pipe._backoff(site="result")
                 link = pipe.link
                 if link is not None:
                     link.raise_reported_error()

@@ -106,7 +106,7 @@ def timings(result: GenerationResult) -> dict:
 
 def extension(result: GenerationResult) -> dict:
     return {"mode": result.mode, "draft": result.draft, "tokens": result.tokens,
-            "request": result.request_seq, "run_index": result.run_index,
+            "request": result.request_seq, "run_index": result.run_index, "slot": result.slot,
             "kv_used_cells": result.kv_used_cells()}
 
 
