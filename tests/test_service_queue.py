@@ -72,3 +72,27 @@ def test_requests_that_cannot_run_are_refused_with_the_field():
         svc.check(GenerationRequest([1] * 70, mode="iterative", n_predict=1))
     assert e.value.field == "prompt"
     svc.check(GenerationRequest([1] * 10, mode="iterative", n_predict=53))  # exactly fits
+
+
+def test_parallel_slots_admission_and_the_slot_context():
+    """--parallel 2 --queue 1: two generate and one waits; a request is checked against its slot's
+    share of --ctx (in whole 256-cell blocks)."""
+    svc = Service(max_queue=1, parallel=2)
+    cfg = JobConfig(Path("target.gguf"), "target", None, "lookup", n_ctx=1100, parallel=2)
+    assert cfg.slot_ctx == 512 and cfg.engine_ctx == 1024
+    svc.attach(cfg, None)
+    svc.callbacks().on_start(None)
+    events = {i: [] for i in range(4)}
+    for i in range(3):
+        svc.submit(GenerationRequest([1, 2, 3], n_predict=4), events[i].append)
+    with pytest.raises(ServiceUnavailable, match=r"2 requests \(--parallel\) generating, 1 waiting"):
+        svc.submit(GenerationRequest([1], n_predict=4), events[3].append)
+    first, second = svc.take_parallel(0.1), svc.take_parallel(0.1)
+    assert (first.seq, second.seq) == (1, 2) and svc.n_running() == 2 and svc.queue_depth() == 1
+    svc.release(first)
+    assert svc.n_running() == 1
+    with pytest.raises(RequestTooLong, match=r"a slot's context of 512 cells \(--ctx 1100 / --parallel 2\)"):
+        svc.check(GenerationRequest([1] * 10, n_predict=600))
+    svc.stop("going away")  # the running and the waiting requests get their error
+    assert [e.kind for e in events[1]] == ["error"] and [e.kind for e in events[2]] == ["error"]
+    assert svc.take_parallel(0.1) is None
