@@ -36,6 +36,8 @@ def run_bench(model: str, args, ranks: int, mode: str, parallel: int, policy: st
             cmd += ["--draft", args.draft]
         if policy is not None:
             cmd += ["--load-policy", policy]
+        if args.prompts:
+            cmd += ["--prompts", args.prompts]
         if ranks in args.layer_split:
             cmd += ["--layer-split", args.layer_split[ranks]]
         print("+ pipeinfer " + " ".join(cmd[3:]), file=sys.stderr, flush=True)
@@ -63,6 +65,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("-n", "--n-predict", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--prompts", help="bench's --prompts (default: its default set)")
     ap.add_argument("--split", action="append", default=[], metavar="RANKS=SPLIT",
                     help="--layer-split for a rank count, e.g. 2=0.65,0.35 (default: pipeinfer's)")
     ap.add_argument("--policies", action="store_true", help="compare the load policies (parallel server only)")
