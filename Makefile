@@ -9,7 +9,7 @@ BUILD  := build/native
 # llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-modes bench-grounded bench-native bench-native-gemma3 bench-network bench-prefix-reuse bench-topologies fault-matrix soak clean help
+.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-modes bench-grounded bench-native bench-native-gemma3 bench-network bench-prefix-reuse bench-parallel bench-topologies fault-matrix soak clean help
 
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
@@ -23,6 +23,7 @@ help:
 	@echo "make bench-grounded grounded prompts (answers copied from the prompt): pipeinfer vs llama.cpp and its prompt lookup"
 	@echo "make bench-native native layer engine vs llama.cpp"
 	@echo "make bench-prefix-reuse  TTFT of a second chat turn with and without prefix reuse"
+	@echo "make bench-parallel serve --parallel against the FIFO server at 1/2/4/8 clients, and the load policies"
 	@echo "make bench-native-gemma3 native layer engine vs llama.cpp on Gemma 3 270M"
 	@echo "make bench-topologies job shapes side by side: BENCH_SUITE=overhead|topologies|threads (Qwen pair)"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
@@ -92,6 +93,14 @@ bench-native: install
 # The same on Gemma 3 270M (sliding-window attention, tied 262,144-row LM head), 1 and 2 threads.
 bench-native-gemma3: install
 	$(PY) scripts/bench_native.py --model gemma3-270m --threads 1,2 --markdown --json build/bench_native_gemma3.json
+
+# serve --parallel against today's FIFO server, the load policies, and batching two rows in one graph
+# (BENCHMARKS.md, "Parallel requests").
+bench-parallel: install
+	@mkdir -p build
+	$(PY) scripts/bench_parallel.py qwen2.5-coder-0.5b-instruct --draft lookup --ranks 2 3 --levels 1,2,4,8 --limit 8 -n 64 --split 2=0.65,0.35 --json build/parallel.json
+	$(PY) scripts/bench_parallel.py qwen2.5-coder-0.5b-instruct --draft lookup --ranks 2 3 --modes pipeinfer --levels 1,2 --policies --prompts grounded --limit 6 -n 64 --split 2=0.65,0.35 --json build/parallel_policies.json
+	$(PY) scripts/bench_parallel_batch.py qwen2.5-coder-0.5b-instruct --ctx 512 --json build/parallel_batch.json
 
 # Time to first token of a second chat turn, with and without prefix reuse (BENCHMARKS.md, "Prefix reuse").
 bench-prefix-reuse: install

@@ -4,7 +4,8 @@ Two requests each need one decode row on a stage. Today the stage computes them 
 other (two one-row graphs). One graph with both rows would be the batch-invariant graph (so both
 rows stay bit-identical): it slices the matmuls back into one-row kernels, so what it could save is
 the graph's fixed cost and, on a node whose weights do not stay in cache, the second read of the
-weights. This script times, on one engine with two sequences at a given context:
+weights. The matmuls are what batching changes, so the two rows here are two positions of one
+sequence (in plain decoding's cell layout, as each slot's rows are), after `--ctx` prompt tokens:
 
   two_graphs       two one-row evals (what serve --parallel does)
   one_invariant    one two-row batch-invariant eval (lossless batching)
@@ -35,19 +36,18 @@ def main() -> None:
     args = ap.parse_args()
     path = str(resolve_model(args.model, load_registry()).path)
     n_layer = LayerEngine(path, 0, 1, n_ctx=256).n_layer
-    eng = LayerEngine(path, 0, n_layer, n_ctx=4 * args.ctx + 1024, n_seq_max=4, n_threads=args.threads)
-    for seq in (0, 1):
-        for b in range(0, args.ctx, 256):
-            n = min(256, args.ctx - b)
-            eng.eval(tokens=[100 + seq] * n, pos=list(range(b, b + n)), seq_ids=[[seq]] * n)
+    eng = LayerEngine(path, 0, n_layer, n_ctx=args.ctx + 512, n_seq_max=2, n_threads=args.threads)
+    for b in range(0, args.ctx, 256):
+        n = min(256, args.ctx - b)
+        eng.eval(tokens=[100] * n, pos=list(range(b, b + n)), seq_ids=[[0]] * n)
     pos = args.ctx
 
     def two_graphs() -> None:
-        for seq in (0, 1):
-            eng.eval(tokens=[7], pos=[pos], seq_ids=[[seq]], output=[True], batch_invariant=True)
+        for p in (pos, pos + 1):
+            eng.eval(tokens=[7], pos=[p], seq_ids=[[0]], output=[True], batch_invariant=True)
 
     def one_graph(invariant: bool):
-        return lambda: eng.eval(tokens=[7, 7], pos=[pos, pos], seq_ids=[[0], [1]], output=[True, True],
+        return lambda: eng.eval(tokens=[7, 7], pos=[pos, pos + 1], seq_ids=[[0], [0]], output=[True, True],
                                 batch_invariant=invariant)
 
     cases = {"two_graphs": two_graphs, "one_invariant": one_graph(True), "one_plain": one_graph(False)}
@@ -57,8 +57,7 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-            for seq in (0, 1):
-                eng.seq_rm(seq, pos, -1)
+            eng.seq_rm(0, pos, -1)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     out = {"model": args.model, "ctx": args.ctx, "threads": args.threads, "reps": args.reps,
            "median_ms": {k: round(v, 2) for k, v in med.items()},
