@@ -30,7 +30,8 @@ EPILOG = epilog("""Examples:
   pipeinfer serve qwen-coder --ranks 2 --port 8081 --queue 4 \\
       --api-key "$(cat key.txt)"
 
-  pipeinfer serve qwen2.5-coder-1.5b-instruct --ranks 2 --parallel 2 --ctx 8192
+  pipeinfer serve qwen2.5-coder-1.5b-instruct --ranks 2 \\
+      --parallel 2 --ctx 8192
 
   curl -N http://127.0.0.1:8080/v1/chat/completions \\
       -H 'Content-Type: application/json' \\
