@@ -50,6 +50,6 @@ def test_hybrid_acceptance_is_counted_per_source():
 
 def test_optional_fields_appear_only_when_set():
     d = _result(debug_diverged=True, queue_s=None, request_seq=4, run_index=2).to_json()
-    assert list(d)[len(KEYS):] == ["debug_diverged", "queue_s", "request_seq", "run_index"]
+    assert list(d)[len(KEYS):] == ["debug_diverged", "queue_s", "request_seq", "run_index", "slot"]
     assert d["queue_s"] is None and d["request_seq"] == 4
     assert _result().kv_used_cells() == {} and _result(ranks=[{"rank": 1, "kv_used_cells": 7}]).kv_used_cells() == {"1": 7}
