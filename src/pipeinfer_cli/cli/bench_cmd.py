@@ -122,7 +122,7 @@ def bench(
     plot_out: Annotated[Path | None, typer.Option("--plot", help="Write a PNG: tok/s per mode and per-rank utilisation timelines.")] = None,
     allow_mismatch: Annotated[bool, typer.Option("--allow-mismatch", help="Still flag modes that generated different tokens, but exit 0.")] = False,
     concurrency: Annotated[str | None, typer.Option("--concurrency", metavar="C[,C...]", show_default=False, help="Measure under load: serve the models with one `pipeinfer serve` job and, for each mode and each level, keep C streaming requests in flight at once (e.g. 1,2,4,8; level 1 is always added). Writes --json only.")] = None,
-    parallel: Annotated[int | None, typer.Option("--parallel", min=1, show_default=False, help="With --concurrency: the server's --parallel (requests it generates at once). Default: the largest level; 1: one at a time, the others wait in its queue.")] = None,
+    parallel: Annotated[int | None, typer.Option("--parallel", "-np", min=1, max=32, show_default=False, help="With --concurrency: the server's --parallel (requests it generates at once). Default: the largest level; 1: one at a time, the others wait in its queue.")] = None,
     load_policy: Annotated[str | None, typer.Option("--load-policy", metavar="yield|round-robin|no-spec", show_default=False, help="With --concurrency: the server's --load-policy (when a request may speculate beside others). Default: yield.")] = None,
 ) -> None:
     """Compare the decoding modes on the same ranks and prompts: speed, latency, acceptance, timelines.
@@ -145,7 +145,7 @@ def bench(
     cfg = mark_hybrid(make_job_config(target, draft_ref, job), split_hybrid(job.draft)[0])  # checked by _bench_models
     if levels is not None:  # under load: one `pipeinfer serve` job (cli/bench_serve.py)
         return _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list, levels,
-                                 (parallel or max(levels), load_policy), prompt_set, prompts_file, repeat, warmup, want,
+                                 (parallel or min(max(levels), 32), load_policy), prompt_set, prompts_file, repeat, warmup, want,
                                  json_out, allow_mismatch)
     prep = PreparedJob(cfg, mode_list[0], want, bool(job.ranks or split_ranks), draft_ref is not None)
     run_here_or_relaunch(prep, inside, needs_draft, lambda: _relaunch_job(want))

@@ -74,7 +74,7 @@ def serve(
                                                   "round-robin: as if alone; no-spec: never while two or more "
                                                   "run.")] = "yield",
     api_key: Annotated[str | None, typer.Option("--api-key", envvar=API_KEY_ENV, show_default=False,
-                                                help=f"Require `Authorization: Bearer KEY` on /v1/* and /metrics "
+                                                help=f"Require `Authorization: Bearer KEY` on /v1/*, /metrics and /slots "
                                                      f"(or set {API_KEY_ENV}).")] = None,
     prefix_reuse: Annotated[bool, typer.Option("--prefix-reuse/--no-prefix-reuse",
                                                help="Keep the KV cells a request shares with the previous one "
@@ -94,6 +94,9 @@ def serve(
             raise OptionValueError(f"--api-key (or {API_KEY_ENV}) is empty; give a key or leave it unset")
         if load_policy not in LOAD_POLICIES:
             raise OptionValueError(f"--load-policy {load_policy!r} is not one of {', '.join(LOAD_POLICIES)}")
+        if load_policy != "yield" and parallel == 1:
+            raise OptionValueError(f"--load-policy {load_policy} applies to parallel requests; give --parallel N "
+                                   "(N > 1) too")
 
     start = begin_job(model, model_opt, mode, job, check_api_key)
     prep = start.prep
@@ -120,11 +123,13 @@ def check_parallel(cfg) -> None:
     if cfg.slot_ctx < 256:
         raise OptionValueError(f"--parallel {n} splits --ctx {cfg.n_ctx} into slots of fewer than 256 cells; "
                                f"raise --ctx to at least {256 * n} or lower --parallel")
-    per = seqs_per_slot(cfg.decode)
+    per = seqs_per_slot(cfg)
     if per * n > MAX_SEQUENCES:
+        most = max(1, (MAX_SEQUENCES // n - 2) // max(1, cfg.decode.max_branches))
         raise OptionValueError(f"--parallel {n} needs {per * n} KV sequences ({per} per request: --max-inflight "
                                f"{cfg.decode.max_inflight} x --max-branches {cfg.decode.max_branches} + 2), more "
-                               f"than {MAX_SEQUENCES}; lower --parallel to {MAX_SEQUENCES // per} or --max-inflight")
+                               f"than {MAX_SEQUENCES}; lower --parallel to {MAX_SEQUENCES // per}, or --max-inflight "
+                               f"to {most}")
 
 
 def _serve_on_this_rank(cfg, mode: str, host: str, port: int, queue: int, api_key: str | None) -> None:

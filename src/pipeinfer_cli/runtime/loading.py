@@ -28,9 +28,13 @@ class Loaded:
 MAX_SEQUENCES = 64  # the engine's sequence ids
 
 
-def seqs_per_slot(decode) -> int:
+def seqs_per_slot(cfg) -> int:
     """KV sequences one request uses: the canonical one, one per in-flight run and tree branch, and
-    a spare; one slot's share of the engine's MAX_SEQUENCES."""
+    a spare; one slot's share of the engine's MAX_SEQUENCES. A parallel server without a draft only
+    decodes iteratively: the canonical sequence and a spare."""
+    if getattr(cfg, "parallel", 1) > 1 and cfg.draft_label is None:
+        return 2
+    decode = cfg.decode
     return min(MAX_SEQUENCES, 2 + decode.max_inflight * max(1, decode.max_branches))
 
 
@@ -94,7 +98,7 @@ def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool)
         return out
     # Sequences: the canonical one, plus one per in-flight run and tree branch (pipeinfer), per slot.
     parallel = getattr(cfg, "parallel", 1)
-    n_seq = seqs_per_slot(cfg.decode) * parallel
+    n_seq = seqs_per_slot(cfg) * parallel
     try:
         out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=cfg.engine_ctx,
                                  n_threads=me.threads, n_seq_max=n_seq, n_slots=parallel, slowdown=slowdown_for(rank))

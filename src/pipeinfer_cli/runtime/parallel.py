@@ -220,6 +220,9 @@ def slot_rows(service) -> list[dict]:
     for i in range(cfg.parallel if cfg is not None else service.parallel):
         info = dict(service.slot_info.get(i) or {})
         ticket = info.pop("ticket", None)
+        if ticket is None and cfg is not None and cfg.parallel == 1 and (ticket := service.current) is not None:
+            info = {"mode": ticket.request.mode or service.default_mode(),
+                    "n_prompt_tokens": len(ticket.request.prompt)}  # the FIFO server's one slot
         busy = ticket is not None and not ticket.finished
         row = {"id": i, "n_ctx": cfg.slot_ctx if cfg is not None else None, "is_processing": busy}
         if busy:

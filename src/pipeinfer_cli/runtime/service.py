@@ -188,6 +188,10 @@ class Service:
     def busy(self) -> bool:
         return self.n_running() > 0
 
+    @property
+    def current(self) -> Ticket | None:  # --parallel 1: the request being generated
+        return self._current
+
     def submit(self, request: GenerationRequest, on_event: Callable[[Event], None], tag: str = "") -> Ticket:
         """Queue a request. Raises ServiceUnavailable (not ready, queue full) or InvalidRequest."""
         self._require_ready()

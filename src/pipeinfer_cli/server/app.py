@@ -66,7 +66,7 @@ def build_app(service: Service, settings: ServerSettings) -> Starlette:
 
 
 async def _http_error(_request: Request, exc: HTTPException) -> Response:
-    what = {404: "no such endpoint; see /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics",
+    what = {404: "no such endpoint; see /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics, /slots",
             405: "method not allowed on this endpoint"}.get(exc.status_code, exc.detail)
     return ApiError(exc.status_code, what, code="not_found" if exc.status_code == 404 else None).response()
 

@@ -33,7 +33,7 @@ class ServerMetrics:
                                     buckets=TTFT_BUCKETS, registry=r)
         self.kv_cells = Gauge("pipeinfer_kv_cells_used", "KV cells in use on each rank at the end of the last "
                               "request (before the caches are cleared for the next one)", ["rank"], registry=r)
-        Gauge("pipeinfer_queue_depth", "Requests waiting behind the one being generated",
+        Gauge("pipeinfer_queue_depth", "Requests waiting behind the ones being generated",
               registry=r).set_function(service.queue_depth)
         Gauge("pipeinfer_requests_running", "Requests being generated (at most --parallel)",
               registry=r).set_function(service.n_running)
