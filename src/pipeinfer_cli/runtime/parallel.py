@@ -16,7 +16,6 @@ the target's tokens), only its speed differs.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 
 from ..decode.drafters import AsyncDrafter, Proposal
 from ..decode.hybrid import is_hybrid
@@ -234,5 +233,5 @@ def slot_rows(service) -> list[dict]:
 def serve_parallel(link, cfg, loaded, trace, service, offsets) -> None:
     """The head of a `serve --parallel N` job (N > 1): serve the service's requests until it stops."""
     callbacks = service.callbacks()
-    with Head(link, replace(cfg), loaded, trace, offsets, callbacks) as head:
+    with Head(link, cfg, loaded, trace, offsets, callbacks) as head:
         ParallelRunner(head, service).serve()
