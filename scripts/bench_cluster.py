@@ -18,8 +18,8 @@ configuration (--configs) through `pipeinfer bench` as a user runs it, with the 
 DRAFT is a model name, `lookup`, or `lookup+MODEL`. Per row it reports tok/s (end to end), decode
 tok/s, TTFT, acceptance, each host's CPU time and throttled time (from its cgroup), and checks that
 every text equals the reference (the first iterative record of its prompt, on the fewest hosts):
-any difference makes the run fail (exit 1). --mem-row SIZE adds the rows of a model too large for
-one host: N hosts each limited to SIZE of memory, where one host refuses the job and a split runs.
+any difference makes the run fail (exit 1). --mem SIZE limits every host's memory: the rows of a
+model too large for one host, where one host refuses the job and a split runs.
 
 Needs root (namespaces, tc, cgroups). Prints a table on stdout, progress on stderr, and writes every
 figure and the raw bench documents to --json.
@@ -95,14 +95,16 @@ def run_one(a, c: Cluster, n_hosts: int, rate: str, cfg: dict, mem: str | None) 
     cmd = bench_cmd(a, n_hosts, cfg, out)
     shown = shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
     log(f"[{n_hosts} hosts x {c.cpus[0]:g} CPU, {rate}{', mem ' + mem if mem else ''}] {cfg['label']}: {shown}")
+    # One host: the job runs in the launching process (no MPI relaunch), so it must start on host 0.
+    run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if n_hosts == 1 else cmd
     before = c.usage()
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env={**os.environ, **c.env()}, capture_output=True, text=True, check=False)
+    proc = subprocess.run(run, env={**os.environ, **c.env()}, capture_output=True, text=True, check=False)
     wall = time.monotonic() - t0
     after = c.usage()
     row = {"hosts": n_hosts, "cpus_per_host": c.cpus[0], "rate": rate, "mem_per_host": mem, **cfg,
            "command": f"scripts/emulate-cluster.sh up {n_hosts} --rate {rate} --cpus {c.cpus[0]:g}"
-                      f"{' --mem ' + mem if mem else ''}; scripts/emulate-cluster.sh exec -- {shown}",
+                      f"{' --mem ' + mem if mem else ''}; scripts/emulate-cluster.sh {'on 0' if n_hosts == 1 else 'exec'} -- {shown}",
            "returncode": proc.returncode, "wall_s": round(wall, 1),
            "host_cpu_s": {h: round(after[h]["cpu_s"] - before[h]["cpu_s"], 2) for h in after},
            "host_throttled_s": {h: round(after[h]["throttled_s"] - before[h]["throttled_s"], 2) for h in after},
@@ -216,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", default="default", help="bench prompt set: default, grounded or a .jsonl")
     p.add_argument("--limit", type=int, default=2, help="prompts of the set (default 2)")
     p.add_argument("-n", "--n-predict", type=int, default=32)
-    p.add_argument("--mem-row", metavar="SIZE", help="also run iterative and the first pipeinfer config with each host "
-                                                     "limited to SIZE of memory, on 1 host and on 2 and 4")
+    p.add_argument("--mem", metavar="SIZE", help="a memory limit per host (e.g. 800m): the rows of a model too large "
+                                                 "for one host, where one host refuses the job and a split runs")
     p.add_argument("--bench-arg", action="append", default=[], help="extra argument for pipeinfer bench (repeatable)")
     p.add_argument("--prefix", default="pi-cl")
     p.add_argument("--subnet", default="10.214.0.0/24")
@@ -238,11 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = [parse_config(x) for x in a.configs.split(",") if x]
         for rate in a.rates.split(","):
             for n in (int(x) for x in a.hosts.split(",")):
-                rows += run_cluster(a, n, rate, configs)
-        if a.mem_row:
-            mem_configs = [configs[0]] + [c for c in configs if c["mode"] == "pipeinfer"][:1]
-            for n in (1, 2, 4):
-                rows += run_cluster(a, n, a.rates.split(",")[0], mem_configs, a.mem_row)
+                rows += run_cluster(a, n, rate, configs, a.mem)
     except KeyboardInterrupt:
         log("Error: interrupted")
         return 130
