@@ -286,7 +286,7 @@ def counts_from_pipeinfer(result: dict) -> list[int] | None:
 def run_pipeinfer(args, cluster: ec.Cluster, procs: Procs, p: dict, tmp: Path) -> dict:
     """`pipeinfer generate --ranks N --threads 1` on the hosts (the environment of
     `emulate-cluster.sh exec`), iterative unless --pipeinfer-mode says otherwise, --json."""
-    cmd = [str(ROOT / ".venv" / "bin" / "pipeinfer"), "generate", args.model, "--ranks", str(cluster.n_hosts),
+    cmd = [os.environ.get("PIPEINFER", str(Path(sys.executable).parent / "pipeinfer")), "generate", args.model, "--ranks", str(cluster.n_hosts),
            "--threads", str(args.threads), "-M", args.pipeinfer_mode, "--temp", "0", "-n", str(args.n_predict),
            "--json", "--no-pull"]
     if args.pipeinfer_mode != "iterative" and args.draft:
