@@ -275,6 +275,8 @@ def even_counts(n_layer: int, n_hosts: int) -> list[int]:
 
 def counts_from_pipeinfer(result: dict) -> list[int] | None:
     """Layers per target stage (in rank order) from a pipeinfer JSON object's `ranks`."""
+    if result.get("layers_per_host"):  # as this script records it
+        return list(result["layers_per_host"])
     ranks = [r for r in result.get("ranks") or [] if r.get("role") in ("head", "stage") and r.get("layers")]
     if not ranks:
         return None
@@ -310,11 +312,15 @@ def load_compare(path: Path) -> list[dict]:
     """pipeinfer results from a file: `generate --json` (one object, or one per line) or
     `bench --json` (its `records`, warmups left out)."""
     text = path.read_text()
+    data = None
     try:
         data = json.loads(text)
         items = data.get("records", [data]) if isinstance(data, dict) else data
     except json.JSONDecodeError:
         items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if isinstance(data, dict) and data.get("schema", "").startswith("pipeinfer-bench-rpc/"):
+        # an earlier run of this script: the pipeinfer results it recorded
+        return [{**r["pipeinfer"], "prompt_id": r["prompt_id"]} for r in items if r.get("pipeinfer")]
     return [r for r in items if isinstance(r, dict) and "text" in r and not r.get("warmup")]
 
 
@@ -390,6 +396,42 @@ def run_llamacpp(args, cluster: ec.Cluster, procs: Procs, servers: list[dict], p
     return rec
 
 
+def summarize(records: list[dict]) -> dict:
+    """Means over the prompts: llama.cpp's and (where known) pipeinfer's decode tok/s and TTFT."""
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return round(sum(xs) / len(xs), 3) if xs else None
+
+    both = [r for r in records if r.get("pipeinfer")]
+    out = {"n_prompts": len(records),
+           "llamacpp_decode_tok_per_s": mean(r["decode_tok_per_s"] for r in records),
+           "llamacpp_ttft_ms": mean(r["ttft_ms"] for r in records),
+           "wire_bytes_per_token": mean(sum(w["sent"] for w in r["wire"].values()) / r["n_gen"]
+                                        for r in records if r.get("n_gen"))}
+    if records and "acceptance" in records[0]:
+        drafted = sum(r["acceptance"]["drafted"] or 0 for r in records)
+        out["acceptance_rate"] = round(sum(r["acceptance"]["accepted"] or 0 for r in records) / drafted, 3) if drafted else None
+    if both:
+        out.update(pipeinfer_decode_tok_per_s=mean(r["pipeinfer"]["decode_tok_per_s"] for r in both),
+                   pipeinfer_ttft_ms=mean((r["pipeinfer"]["ttft_s"] or 0) * 1000 for r in both),
+                   texts_equal=sum(bool(r["text_matches_pipeinfer"]) for r in both), texts_compared=len(both))
+        if out["pipeinfer_decode_tok_per_s"] and out["llamacpp_decode_tok_per_s"]:
+            out["llamacpp_over_pipeinfer_decode"] = round(out["llamacpp_decode_tok_per_s"] / out["pipeinfer_decode_tok_per_s"], 3)
+    return out
+
+
+def summary_line(s: dict) -> str:
+    line = (f"mean over {s['n_prompts']} prompts: llama.cpp rpc {s['llamacpp_decode_tok_per_s']} tok/s decode, "
+            f"TTFT {s['llamacpp_ttft_ms']} ms, {s['wire_bytes_per_token']:.0f} B through the links per token")
+    if "acceptance_rate" in s:
+        line += f", acceptance {s['acceptance_rate']}"
+    if "texts_compared" in s:
+        line += (f" | pipeinfer {s['pipeinfer_decode_tok_per_s']} tok/s decode, TTFT {s['pipeinfer_ttft_ms']} ms"
+                 f" | llama.cpp/pipeinfer decode {s.get('llamacpp_over_pipeinfer_decode')}"
+                 f" | texts equal {s['texts_equal']}/{s['texts_compared']}")
+    return line
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,26 +496,27 @@ def main(argv: list[str] | None = None) -> int:
         procs = Procs(cluster)
         records = []
         with tempfile.TemporaryDirectory(prefix="bench-rpc-") as tmp:
-            # pipeinfer first (its split, unless --layers, decides llama.cpp's); no rpc-server is up meanwhile
-            theirs: dict[str, dict] = {}
+            # Per prompt, pipeinfer (when --pipeinfer) then llama.cpp, so that both see the same load on
+            # the machine. The first pipeinfer result decides llama.cpp's split (unless --layers); an
+            # idle rpc-server waits in accept() and costs pipeinfer nothing.
+            servers: list[dict] = []
+            ngl, ts = 0, []
             for p in prompts:
-                got = run_pipeinfer(args, cluster, procs, p, Path(tmp)) if args.pipeinfer else \
+                ref = run_pipeinfer(args, cluster, procs, p, Path(tmp)) if args.pipeinfer else \
                     compare_for(compare, p["id"], len(prompts))
-                if got is not None:
-                    theirs[p["id"]] = got
-            if args.counts is None:
-                args.counts = next((c for c in map(counts_from_pipeinfer, theirs.values())
-                                    if c and len(c) == cluster.n_hosts), None) or even_counts(n_layer, cluster.n_hosts)
-            ngl, ts = layer_placement(n_layer, list(args.counts))
-            servers = start_rpc_servers(args, cluster, procs, args.log_dir)
-            print(f"rpc-server on {', '.join(s['host'] + ' ' + s['addr'] + ':' + str(s['port']) for s in servers)}; "
-                  f"layers per host {args.counts} (-ngl {ngl} -ts {','.join(map(str, ts))})", file=sys.stderr, flush=True)
-            for p in prompts:
+                if not servers:
+                    if args.counts is None:
+                        args.counts = next((c for c in map(counts_from_pipeinfer, [ref] if ref else compare)
+                                            if c and len(c) == cluster.n_hosts), None) or even_counts(n_layer, cluster.n_hosts)
+                    ngl, ts = layer_placement(n_layer, list(args.counts))
+                    servers = start_rpc_servers(args, cluster, procs, args.log_dir)
+                    print(f"rpc-server on {', '.join(s['host'] + ' ' + s['addr'] + ':' + str(s['port']) for s in servers)}; "
+                          f"layers per host {args.counts} (-ngl {ngl} -ts {','.join(map(str, ts))})", file=sys.stderr, flush=True)
                 rec = {"prompt_id": p["id"], "kind": p["kind"], **run_llamacpp(args, cluster, procs, servers, p, ngl, ts)}
-                ref = theirs.get(p["id"])
                 if ref is not None:
                     rec["pipeinfer"] = {k: ref.get(k) for k in ("mode", "text", "n_prompt", "n_gen", "ttft_s", "tok_per_s",
                                                                 "decode_tok_per_s", "layer_split", "finish_reason")}
+                    rec["pipeinfer"]["layers_per_host"] = counts_from_pipeinfer(ref)
                     rec["text_matches_pipeinfer"] = rec["text"] == ref["text"]
                     rec["first_diff_char"] = first_diff(rec["text"], ref["text"])
                     rec["prompt_tokens_match_pipeinfer"] = ref.get("n_prompt") in (None, len(p["prompt_tokens"]))
@@ -483,11 +526,13 @@ def main(argv: list[str] | None = None) -> int:
                 if args.draft:
                     line += f", acceptance {rec['acceptance']['rate']}"
                 if ref is not None:
-                    line += (f" | pipeinfer {ref.get('mode')} {ref.get('decode_tok_per_s', 0):.2f} tok/s decode, TTFT "
+                    line += (f" | pipeinfer {ref.get('mode')} {ref.get('decode_tok_per_s') or 0:.2f} tok/s decode, TTFT "
                              f"{(ref.get('ttft_s') or 0) * 1000:.0f} ms | texts "
                              f"{'equal' if rec['text_matches_pipeinfer'] else 'DIFFER at char ' + str(rec['first_diff_char'])}")
                 print(line, flush=True)
                 print("  " + json.dumps(rec["text"])[:300], flush=True)
+            summary = summarize(records)
+            print(summary_line(summary), flush=True)
             build_info = (args.bin_dir / "build-info.txt")
             result = {
                 "schema": "pipeinfer-bench-rpc/1",
@@ -501,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
                 "layers_per_host": args.counts, "ngl": ngl, "tensor_split": ts,
                 "rpc_servers": [{k: v for k, v in s.items() if k != "proc"} for s in servers],
                 "build_info": build_info.read_text() if build_info.exists() else None,
+                "summary": summary,
                 "records": records,
                 "all_texts_match_pipeinfer": all(r.get("text_matches_pipeinfer") for r in records)
                 if all("pipeinfer" in r for r in records) and records else None,
