@@ -346,7 +346,9 @@ def run_llamacpp(args, cluster: ec.Cluster, procs: Procs, servers: list[dict], p
     rpc = ",".join(f"{s['addr']}:{s['port']}" for s in servers)
     common = ["-m", str(args.model_path), "--rpc", rpc, "-ngl", str(ngl), "-ts", ",".join(map(str, ts)),
               "-t", str(args.threads), "-tb", str(args.threads), "--temp", "0", "--seed", "0", "-n", str(args.n_predict),
-              "-c", str(args.ctx), "-fit", "off", "--no-escape", "-p", p["text"]]
+              "-c", str(args.ctx), "-fit", "off", "-fa", args.flash_attn, "--no-escape", "-p", p["text"]]
+    if args.no_repack:
+        common.append("--no-repack")
     if args.draft:
         # the draft on host 0's own CPU (-ngld 0), 1 thread, as pipeinfer's draft on the head
         argv = [str(args.bin_dir / "llama-speculative"), *common, "-md", str(args.draft_path), "-ngld", "0",
@@ -393,6 +395,8 @@ def run_llamacpp(args, cluster: ec.Cluster, procs: Procs, servers: list[dict], p
     rec["prompt_tokens_match"] = rec["n_prompt"] == len(p["prompt_tokens"])
     rec["wire"] = {h: {"sent": after[h]["tx_by_host"] - before[h]["tx_by_host"],
                        "received": after[h]["rx_by_host"] - before[h]["rx_by_host"]} for h in after}
+    head = cluster.host(0)
+    rec["wire_head_received_per_token"] = round(rec["wire"][head]["received"] / rec["n_gen"]) if rec.get("n_gen") else None
     return rec
 
 
@@ -406,8 +410,9 @@ def summarize(records: list[dict]) -> dict:
     out = {"n_prompts": len(records),
            "llamacpp_decode_tok_per_s": mean(r["decode_tok_per_s"] for r in records),
            "llamacpp_ttft_ms": mean(r["ttft_ms"] for r in records),
-           "wire_bytes_per_token": mean(sum(w["sent"] for w in r["wire"].values()) / r["n_gen"]
-                                        for r in records if r.get("n_gen"))}
+           # bytes into host 0 during a client run, per generated token: what the RPC hosts send back
+           # (the last one the logits of every evaluated row); the weights go the other way
+           "head_received_bytes_per_token": mean(r["wire_head_received_per_token"] for r in records)}
     if records and "acceptance" in records[0]:
         drafted = sum(r["acceptance"]["drafted"] or 0 for r in records)
         out["acceptance_rate"] = round(sum(r["acceptance"]["accepted"] or 0 for r in records) / drafted, 3) if drafted else None
@@ -422,7 +427,7 @@ def summarize(records: list[dict]) -> dict:
 
 def summary_line(s: dict) -> str:
     line = (f"mean over {s['n_prompts']} prompts: llama.cpp rpc {s['llamacpp_decode_tok_per_s']} tok/s decode, "
-            f"TTFT {s['llamacpp_ttft_ms']} ms, {s['wire_bytes_per_token']:.0f} B through the links per token")
+            f"TTFT {s['llamacpp_ttft_ms']} ms, host 0 received {s['head_received_bytes_per_token'] or 0:.0f} B per token")
     if "acceptance_rate" in s:
         line += f", acceptance {s['acceptance_rate']}"
     if "texts_compared" in s:
@@ -443,10 +448,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-max", type=int, help="llama-speculative's --draft-max (default: llama.cpp's)")
     ap.add_argument("--prompts", default="default", help="pipeinfer prompt set: a shipped name or a JSONL file (default: default)")
     ap.add_argument("--limit", type=int, help="first N prompts")
+    ap.add_argument("--only", help="only these prompt ids (comma-separated)")
     ap.add_argument("-n", "--n-predict", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1, help="threads of every process (client, rpc-server, pipeinfer rank)")
     ap.add_argument("--layers", help="layers per host, host 0 first (e.g. 14,14); default: as pipeinfer split them, else even")
+    ap.add_argument("--flash-attn", "-fa", default="off", choices=["off", "on", "auto"],
+                    help="llama.cpp's -fa (default off: the attention path of llama-cpp-python's default and pipeinfer's; "
+                         "llama.cpp's own default, auto, turns it on for CPUs and changes greedy near-ties)")
+    ap.add_argument("--no-repack", action="store_true",
+                    help="host 0's weights in plain CPU buffers too (rpc-server never repacks: its layers use the plain "
+                         "Q4_K kernels, host 0's the repacked ones unless this is given)")
     ap.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"rpc-server port on every host (default {DEFAULT_PORT})")
     ap.add_argument("--rpc-cache", type=Path, nargs="?", const=ROOT / "build" / "llama-rpc" / "cache",
                     help="rpc-server -c: each host keeps received tensors in DIR/HOST (default build/llama-rpc/cache)")
@@ -490,7 +502,14 @@ def main(argv: list[str] | None = None) -> int:
         args.counts = [int(x) for x in args.layers.split(",")] if args.layers else None
         if args.counts and len(args.counts) != cluster.n_hosts:
             raise Failure(f"--layers gives {len(args.counts)} counts for {cluster.n_hosts} hosts")
-        prompts = prompt_texts(args.model_path, load_prompts(resolve_prompts(args.prompts), args.limit))
+        chosen = load_prompts(resolve_prompts(args.prompts), None if args.only else args.limit)
+        if args.only:
+            wanted = args.only.split(",")
+            unknown = set(wanted) - {p.id for p in chosen}
+            if unknown:
+                raise Failure(f"--only: no prompt {', '.join(sorted(unknown))} in the set")
+            chosen = [p for p in chosen if p.id in wanted][: args.limit]
+        prompts = prompt_texts(args.model_path, chosen)
         compare = load_compare(args.compare) if args.compare else []
         args.log_dir.mkdir(parents=True, exist_ok=True)
         procs = Procs(cluster)
