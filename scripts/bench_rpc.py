@@ -220,7 +220,7 @@ def parse_perf(stderr: str, section: str | None = None) -> dict:
     out: dict = {}
     for m in _PERF.finditer(stderr):
         key = m.group(1).replace(" ", "_")
-        if key in out:
+        if f"{key}_ms" in out:  # the first line of each kind counts
             continue
         out[f"{key}_ms"] = float(m.group(2))
         if m.group(3):
