@@ -292,7 +292,7 @@ def run_pipeinfer(args, cluster: ec.Cluster, procs: Procs, p: dict, tmp: Path) -
            "--threads", str(args.threads), "-M", args.pipeinfer_mode, "--temp", "0", "-n", str(args.n_predict),
            "--json", "--no-pull"]
     if args.pipeinfer_mode != "iterative" and args.draft:
-        cmd += ["--draft", args.draft]
+        cmd += ["--draft", args.draft, "--n-draft", str(args.draft_max)]
     if args.counts:
         cmd += ["--layer-split", ",".join(str(c / sum(args.counts)) for c in args.counts)]
     if p["kind"] == "chat":
@@ -353,8 +353,7 @@ def run_llamacpp(args, cluster: ec.Cluster, procs: Procs, servers: list[dict], p
         # the draft on host 0's own CPU (-ngld 0), 1 thread, as pipeinfer's draft on the head
         argv = [str(args.bin_dir / "llama-speculative"), *common, "-md", str(args.draft_path), "-ngld", "0",
                 "-td", str(args.threads), "-tbd", str(args.threads)]
-        if args.draft_max:
-            argv += ["--draft-max", str(args.draft_max)]
+        argv += ["--draft-max", str(args.draft_max)]
     else:
         argv = [str(args.bin_dir / "llama-completion"), *common, "-no-cnv", "--no-display-prompt"]
     before = cluster.counters()
@@ -445,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"registry name or .gguf (default {DEFAULT_MODEL})")
     ap.add_argument("--draft", help="draft model (registry name or .gguf): llama-speculative with -md, the draft on host 0's CPU")
-    ap.add_argument("--draft-max", type=int, help="llama-speculative's --draft-max (default: llama.cpp's)")
+    ap.add_argument("--draft-max", type=int, default=4,
+                    help="draft tokens per step: llama-speculative's --draft-max and pipeinfer's --n-draft "
+                         "(default 4, pipeinfer's; llama-speculative's own is 3)")
     ap.add_argument("--prompts", default="default", help="pipeinfer prompt set: a shipped name or a JSONL file (default: default)")
     ap.add_argument("--limit", type=int, help="first N prompts")
     ap.add_argument("--only", help="only these prompt ids (comma-separated)")
