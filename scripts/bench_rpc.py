@@ -353,7 +353,7 @@ def run_llamacpp(args, cluster: ec.Cluster, procs: Procs, servers: list[dict], p
         # the draft on host 0's own CPU (-ngld 0), 1 thread, as pipeinfer's draft on the head
         argv = [str(args.bin_dir / "llama-speculative"), *common, "-md", str(args.draft_path), "-ngld", "0",
                 "-td", str(args.threads), "-tbd", str(args.threads)]
-        argv += ["--draft-max", str(args.draft_max)]
+        argv += ["--spec-draft-n-max", str(args.draft_max)]
     else:
         argv = [str(args.bin_dir / "llama-completion"), *common, "-no-cnv", "--no-display-prompt"]
     before = cluster.counters()
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"registry name or .gguf (default {DEFAULT_MODEL})")
     ap.add_argument("--draft", help="draft model (registry name or .gguf): llama-speculative with -md, the draft on host 0's CPU")
     ap.add_argument("--draft-max", type=int, default=4,
-                    help="draft tokens per step: llama-speculative's --draft-max and pipeinfer's --n-draft "
+                    help="draft tokens per step: llama-speculative's --spec-draft-n-max and pipeinfer's --n-draft "
                          "(default 4, pipeinfer's; llama-speculative's own is 3)")
     ap.add_argument("--prompts", default="default", help="pipeinfer prompt set: a shipped name or a JSONL file (default: default)")
     ap.add_argument("--limit", type=int, help="first N prompts")
