@@ -206,13 +206,21 @@ def abnormal_end(reason: str | None, rc: int, launcher_said: list[str] | None = 
     how = f"{reason}, " if reason else ""
     if who:
         how = f"{who} ended first; {how}"
-    if reason and "signal 9" in reason:
-        why = "a rank was killed (SIGKILL), for example by the out-of-memory killer"
-    elif reason and ("Segmentation" in reason or "signal 11" in reason or "Aborted" in reason):
-        why = "a rank crashed; run again with PIPEINFER_DEBUG=1 and report it with the command"
-    else:
-        why = "a rank crashed or was killed, for example by the out-of-memory killer"
+    why = killed_why(reason)
     return f"the MPI job ended abnormally ({how}mpiexec exit status {rc}): {why}"
+
+
+def killed_why(reason: str | None) -> str:
+    """Why a rank ended by a signal, from the launcher's exit string ("Killed (signal 9)")."""
+    if reason and ("signal 9" in reason or "Killed" in reason):
+        return "a rank was killed (SIGKILL), for example by the out-of-memory killer"
+    if reason and ("signal 15" in reason or "Terminated" in reason):
+        return ("a rank was stopped (SIGTERM) by someone or something: a scheduler, a `kill`, a shutdown of its "
+                "host")
+    if reason and ("Segmentation" in reason or "signal 11" in reason or "Aborted" in reason):
+        return "a rank crashed; run again with PIPEINFER_DEBUG=1 and report it with the command"
+    return ("a rank crashed or was killed (SIGKILL: for example the out-of-memory killer) or stopped (SIGTERM: a "
+            "scheduler, a `kill`, a shutdown)")
 
 
 def _report(msg: str) -> None:
