@@ -43,6 +43,24 @@ def marked_pids(marker: str) -> list[int]:
     return pids
 
 
+def rank_process(marker: str, rank: int) -> int:
+    """The pid of an MPI rank's own process in a marked job: not its guard (`serve --ranks N`,
+    transport/rank_guard.py) nor its start watchdog, which carry the rank's variables too."""
+    want = f"PMI_RANK={rank}\0".encode()
+    found = [p for p in marked_pids(marker)
+             if want in _read(f"/proc/{p}/environ") and _read(f"/proc/{p}/comm").strip() not in
+             (b"pipeinfer-guard", b"pipeinfer-start")]
+    assert len(found) == 1, f"rank {rank}: {found}"
+    return found[0]
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
 def assert_no_survivors(marker: str, grace_s: float = 5.0) -> None:
     deadline = time.monotonic() + grace_s
     while (left := marked_pids(marker)) and time.monotonic() < deadline:

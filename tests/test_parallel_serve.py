@@ -16,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 
+from jobprocs import rank_process
 from serving import read_events, start_server
 
 from pipeinfer_cli.decode.parallel_policy import SlotTable, may_speculate
@@ -232,3 +233,57 @@ def test_a_rank_failure_with_requests_in_flight_ends_every_request_and_the_serve
     assert rc not in (0, None)
     log = server.stderr()
     assert "Error: rank 1: " in log and "injected fault" in log and "Traceback" not in log, log
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("signum, how", [(9, "killed by SIGKILL"), (15, "killed by SIGTERM")], ids=["SIGKILL", "SIGTERM"])
+def test_a_rank_killed_from_outside_gives_every_client_an_error(smollm2_path, tmp_path, signum, how):
+    """Rank 1's process killed while a streamed, an unstreamed and a queued request are in flight:
+    each client reads an error (an `error` event then the end of the stream; a 503 JSON), the server
+    exits non-zero well within the rank timeout, and nothing of the job is left."""
+    import os
+    import time
+
+    server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 1024, "--parallel", 2,
+                          "--queue", 2, "--rank-timeout", 60, log_dir=tmp_path)
+    results: dict = {}
+    try:
+        conn, resp = server.open_stream("/v1/completions", {"prompt": COUNT, "max_tokens": 400})
+
+        def ask(name: str) -> None:
+            results[name] = server.post_json("/v1/completions", {"prompt": COUNT, "max_tokens": 400}, timeout=120)
+
+        threads = [threading.Thread(target=ask, args=(name,)) for name in ("unstreamed", "queued")]
+        threads[0].start()
+        read_events(resp, 3)
+        threads[1].start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # both slots busy, the third request waiting
+            _, _, raw = server.request("GET", "/metrics")
+            gauges = dict(ln.split(" ", 1) for ln in raw.decode().splitlines() if ln and not ln.startswith("#"))
+            if float(gauges["pipeinfer_queue_depth"]) == 1 and float(gauges["pipeinfer_requests_running"]) == 2:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the queued request never queued")
+        killed_at = time.monotonic()
+        os.kill(rank_process(server.marker, 1), signum)
+        rest = read_events(resp)  # until the stream ends
+        for t in threads:
+            t.join(60)
+        rc = server.proc.wait(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        server.stop()
+    assert rest and rest[-1] != "[DONE]", rest[-3:]
+    last = json.loads(rest[-1])
+    assert "error" in last, rest[-3:]
+    error = last["error"]
+    want = f"rank 1 (stage 2 of 2, host "
+    assert "the job failed" in error["message"] and want in error["message"] and how in error["message"], error
+    for name in ("unstreamed", "queued"):
+        status, body = results[name]
+        assert status == 503 and want in body["error"]["message"] and how in body["error"]["message"], (name, body)
+    assert rc == 1 and took < 30, (rc, took)  # the rank timeout is 60 s: this was noticed, not timed out
+    errors = [ln for ln in server.stderr().splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 1 and how in errors[0] and "Traceback" not in server.stderr(), server.stderr()

@@ -8,11 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from jobprocs import marked_pids
+from jobprocs import rank_process
 from serving import start_server
 
 pytestmark = pytest.mark.mpi
@@ -47,7 +46,7 @@ def test_a_rank_stopped_while_the_server_is_idle_ends_it(smollm2_path, tmp_path)
     try:
         status, _ = server.post_json("/v1/completions", {"prompt": "Hi", "max_tokens": 4})
         assert status == 200
-        stopped = next(p for p in marked_pids(server.marker) if b"PMI_RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes())
+        stopped = rank_process(server.marker, 1)
         os.kill(stopped, signal.SIGSTOP)
         rc = server.proc.wait(timeout=60)
     finally:
