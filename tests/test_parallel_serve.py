@@ -287,3 +287,42 @@ def test_a_rank_killed_from_outside_gives_every_client_an_error(smollm2_path, tm
     assert rc == 1 and took < 30, (rc, took)  # the rank timeout is 60 s: this was noticed, not timed out
     errors = [ln for ln in server.stderr().splitlines() if ln.startswith("Error: ")]
     assert len(errors) == 1 and how in errors[0] and "Traceback" not in server.stderr(), server.stderr()
+
+
+@pytest.mark.mpi
+def test_slots_say_who_holds_the_draft_model_and_only_the_holder_drafts(smollm2_path, tmp_path):
+    """The job's draft model drafts for one request at a time: the other request's row names the
+    holder, and under round-robin (every request runs its mode as if alone) only the holder drafts."""
+    import time
+
+    server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 2048, "--draft", smollm2_path,
+                          "--parallel", 2, "--load-policy", "round-robin", log_dir=tmp_path)
+    try:
+        results: list = [None, None]
+
+        def ask(i: int) -> None:
+            results[i] = server.post_json("/v1/completions", {"prompt": COUNT, "max_tokens": 48, "mode": "pipeinfer"})
+
+        first = threading.Thread(target=ask, args=(0,))
+        first.start()
+        deadline = time.monotonic() + 60
+        while not any(s.get("draft") == "model" for s in json.loads(server.request("GET", "/slots")[2])):
+            assert time.monotonic() < deadline, "the first request never took the draft model"
+            time.sleep(0.05)
+        second = threading.Thread(target=ask, args=(1,))
+        second.start()
+        rows = []
+        while time.monotonic() < deadline and len([r for r in rows if r["is_processing"]]) < 2:
+            rows = json.loads(server.request("GET", "/slots")[2])
+            time.sleep(0.05)
+        first.join(120)
+        second.join(120)
+    finally:
+        server.stop()
+    holder = next(r for r in rows if r.get("draft") == "model")
+    other = next(r for r in rows if r is not holder)
+    assert "draft_model_held_by" not in holder, holder
+    assert other["draft"] == "none" and other["draft_model_held_by"] == {"slot": holder["id"], "id_task": holder["id_task"]}, rows
+    (s0, b0), (s1, b1) = results
+    assert s0 == 200 and s1 == 200
+    assert b0["timings"]["draft_n"] > 0 and b1["timings"]["draft_n"] == 0, (b0["timings"], b1["timings"])
