@@ -54,6 +54,20 @@ def rank_process(marker: str, rank: int) -> int:
     return found[0]
 
 
+def zombie_children(marker: str) -> list[tuple[int, str]]:
+    """(pid, name) of every zombie whose parent is a process of the job: a child it never reaped."""
+    parents = set(marked_pids(marker))
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _read(f"/proc/{entry}/stat").decode(errors="replace")
+            name, _, rest = stat.rpartition(")")
+            fields = rest.split()
+            if len(fields) > 1 and fields[0] == "Z" and int(fields[1]) in parents:
+                found.append((int(entry), name.partition("(")[2]))
+    return found
+
+
 def _read(path: str) -> bytes:
     try:
         return Path(path).read_bytes()

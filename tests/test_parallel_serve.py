@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from jobprocs import rank_process
+from jobprocs import rank_process, zombie_children
 from serving import read_events, start_server
 
 from pipeinfer_cli.decode.parallel_policy import SlotTable, may_speculate
@@ -266,6 +266,7 @@ def test_a_rank_killed_from_outside_gives_every_client_an_error(smollm2_path, tm
             time.sleep(0.05)
         else:
             pytest.fail("the queued request never queued")
+        assert zombie_children(server.marker) == []  # e.g. a start watchdog left unreaped under a rank
         killed_at = time.monotonic()
         os.kill(rank_process(server.marker, 1), signum)
         rest = read_events(resp)  # until the stream ends
