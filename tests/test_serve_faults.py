@@ -87,3 +87,23 @@ def test_sigterm_is_a_clean_stop_on_one_rank_or_many(smollm2_path, tmp_path, ran
     assert rc == 0, log
     assert log.splitlines()[-1] == "pipeinfer serve: stopped by SIGTERM", log
     assert "Error" not in log and "Traceback" not in log, log
+
+
+def test_the_head_killed_ends_the_job_with_one_line_naming_it(smollm2_path, tmp_path):
+    """Rank 0 killed by SIGKILL: its clients' connections drop (nothing can answer them), and the
+    other ranks learn it from its guard at once, not after --rank-timeout: one line, status 1."""
+    import time
+
+    server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 512, "--rank-timeout", 60,
+                          log_dir=tmp_path)
+    try:
+        killed_at = time.monotonic()
+        os.kill(rank_process(server.marker, 0), signal.SIGKILL)
+        rc = server.proc.wait(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        server.stop()
+    errors = [ln for ln in server.stderr().splitlines() if ln.startswith("Error: ")]
+    assert rc == 1 and took < 30, (rc, took)
+    assert len(errors) == 1 and errors[0].startswith("Error: rank 0 (the head") and "killed by SIGKILL" in errors[0], \
+        server.stderr()

@@ -94,7 +94,7 @@ class Liveness:
         self._pending: list[tuple[MPI.Request, np.ndarray]] = []  # the heartbeat thread's own sends
         self._thread = threading.Thread(target=self._beat_loop, daemon=True, name="heartbeat")
         # A `serve --ranks N` job: where each rank's guard says how its rank ended (rank_guard.py).
-        self.ends_dir = os.environ.get(ENDS_ENV) if link.rank == 0 else None
+        self.ends_dir = os.environ.get(ENDS_ENV)
 
     def start(self) -> "Liveness":
         self.link.liveness = self
@@ -197,7 +197,8 @@ class Liveness:
                 f"network is only slow)")
 
     def _check_ended(self) -> None:
-        """Head: raise if the guard of a rank of this host said that its rank has ended."""
+        """Raise if the guard of a rank this rank watches (the head: every rank; the others: the
+        head) said that its rank has ended."""
         try:
             names = os.listdir(self.ends_dir)
         except OSError:
@@ -211,7 +212,10 @@ class Liveness:
                     how = f.read().strip()
             except OSError:
                 continue
-            raise RankUnresponsiveError(f"{self.link.names[int(rank)]} ended: {how}; {ended_why(how)}")
+            if self.link.rank != 0 and not how.startswith("killed by"):
+                continue  # a head that exited by itself told the ranks first (ABORT or SHUTDOWN)
+            msg = f"{self.link.names[int(rank)]} ended: {how}; {ended_why(how)}"
+            raise RankUnresponsiveError(msg) if self.link.rank == 0 else HeadUnresponsiveError(msg)
 
     def _while(self, rank: int, awaiting: tuple[int, Tag] | None) -> str:
         """What the head was waiting for, as the end of an error message."""
