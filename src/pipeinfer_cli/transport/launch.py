@@ -112,17 +112,7 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
     The head prints its own errors; an abnormal end it could not report (a rank killed or
     crashed) is reported here, in one line.
     """
-    rank_cmd = [sys.executable, "-m", "pipeinfer_cli", *argv]
-    env = {**os.environ, RELAUNCHED: "1"}
-    ends = None
-    if clean_stop is not None:
-        # A server outlives a rank killed by a signal, to tell its clients (transport/rank_guard.py).
-        ends = tempfile.mkdtemp(prefix="pipeinfer-rank-ends-")
-        env[ENDS_ENV] = ends
-        cmd = [find_mpiexec(), "-disable-auto-cleanup", "-n", str(n_ranks),
-               sys.executable, "-m", "pipeinfer_cli.transport.rank_guard", *rank_cmd]
-    else:
-        cmd = [find_mpiexec(), "-n", str(n_ranks), *rank_cmd]
+    cmd, env, ends = _job_command(n_ranks, argv, guarded=clean_stop is not None)
     debug = debug_enabled()
     stop = _StopRequest(clean_stop is not None)
     # The handlers come first: a stop that arrives while mpiexec starts stops it right after.
@@ -161,6 +151,21 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
         if ends is not None:
             shutil.rmtree(ends, ignore_errors=True)
     return _job_status(rc, pumps, job, stop.signum, clean_stop)
+
+
+def _job_command(n_ranks: int, argv: list[str], guarded: bool) -> tuple[list[str], dict, str | None]:
+    """(mpiexec command, environment, directory of the guards' reports or None). guarded: each rank
+    runs under transport/rank_guard.py, without the launcher's cleanup, so that a server outlives a
+    rank killed by a signal and can tell its clients."""
+    mpiexec = find_mpiexec()
+    rank_cmd = [sys.executable, "-m", "pipeinfer_cli", *argv]
+    env = {**os.environ, RELAUNCHED: "1"}
+    if not guarded:
+        return [mpiexec, "-n", str(n_ranks), *rank_cmd], env, None
+    ends = tempfile.mkdtemp(prefix="pipeinfer-rank-ends-")
+    env[ENDS_ENV] = ends
+    return ([mpiexec, "-disable-auto-cleanup", "-n", str(n_ranks),
+             sys.executable, "-m", "pipeinfer_cli.transport.rank_guard", *rank_cmd], env, ends)
 
 
 class _StopRequest:
