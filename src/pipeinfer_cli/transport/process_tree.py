@@ -146,6 +146,10 @@ class JobProcesses:
             if not self.first_ended:
                 continue
             now = time.monotonic()
+            if first_gone is None:
+                with self._lock:  # the shared memory the ranks still map, removed once all are gone
+                    if not self._reaped:
+                        self._refresh()
             first_gone = first_gone or now
             if head_gone is None and (0 in self.first_ended or not self._head_alive()):
                 head_gone = now
@@ -243,7 +247,7 @@ class JobProcesses:
                 self._timer.cancel()
             rc = self.proc.wait()
             self._reaped = True
-            if stop_at is not None and not self._alive(_process_table()):
+            if (stop_at is not None or self.first_ended) and not self._alive(_process_table()):
                 for path in self._shm:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
