@@ -14,8 +14,8 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
 	@echo "make demo         install, pull the default model, run the main job"
-	@echo "make test         run the test suite (pulls smollm2-135m-instruct once)"
-	@echo "make test-slow    run the slow tests on the Qwen pair"
+	@echo "make test         run the test suite (pulls smollm2-135m-instruct and gemma3-270m once, 351 MB)"
+	@echo "make test-slow    run the slow tests on the Qwen pair (pulls qwen-coder once, 1.6 GB)"
 	@echo "make fuzz         fuzz every GGUF reader, FUZZ_RUNS inputs each (default 100000: about 25 minutes for all three on 2 quiet cores)"
 	@echo "make asan         native extension with ASan+UBSan: native tests, fuzz replay, 2-rank generate"
 	@echo "make test-properties  200 random generate command lines (hypothesis), each success or one Error: line"
