@@ -20,8 +20,10 @@ else ~/.cache/pipeinfer); the key covers the pinned version, the Python tag, the
 for a native build, the CPU's flags. pip's own wheel cache is not used: its key ignores CMAKE_ARGS,
 so a rebuild with other flags would silently reinstall the old wheel.
 
-If the probe dies of a signal with the native build, the helper records that (<venv>/.ggml-native-failed),
-rebuilds portable and probes again; if that fails too it prints one `Error:` line and exits 1.
+`PIPEINFER_GGML_PORTABLE=1` is remembered in the venv (<venv>/.ggml-portable), so a later plain
+`make install` keeps the portable build; `PIPEINFER_GGML_PORTABLE=0` forgets it and builds native
+(even on an AMX CPU, for one where AMX works). If the probe dies of a signal with the native build,
+the helper records that the same way, rebuilds portable and probes again; if that fails too it prints one `Error:` line and exits 1.
 `--dry-run` prints what it would do and changes nothing. `PIPEINFER_DEBUG_PROBE_SIGILL=1` makes
 the probe's child raise SIGILL on itself (`=native`: only with a native build), so the rebuild path
 can be tried on a CPU without AMX.
@@ -112,26 +114,35 @@ class Build:
         return f"{self.kind} {self.key} {' '.join(self.cmake_args + self.extra)}\n"
 
 
+FALSY = ("0", "false", "no", "off")
+
+
 def truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def decide(cpuinfo: str, env: dict, machine: str, native_failed: str | None = None,
+def decide(cpuinfo: str, env: dict, machine: str, sticky: str | None = None,
            requirement: str = "llama-cpp-python==0.3.36", py_tag: str = "") -> Build:
-    """The build this CPU gets, and why. native_failed: the key of a native build that died in the
-    probe on this venv's machine before (then the portable build, without trying native again)."""
+    """The build this CPU gets, and why. sticky: why this venv was made portable before
+    (PIPEINFER_GGML_PORTABLE=1 once, or a native build that died in the probe), kept until
+    PIPEINFER_GGML_PORTABLE=0 asks for the native build again."""
     flags = cpu_flags(cpuinfo)
     amx = sorted(f for f in flags if f.startswith("amx"))
     extra = (env.get("CMAKE_ARGS") or "").split()
+    switch = (env.get("PIPEINFER_GGML_PORTABLE") or "").strip().lower()
     native = Build("native", ["-DGGML_NATIVE=ON"], "the default: ggml tuned to this CPU", extra=extra)
+    if switch in FALSY:
+        native.reason = f"PIPEINFER_GGML_PORTABLE={switch}"
     native.key = build_key(native, flags, requirement, py_tag)
-    if truthy(env.get("PIPEINFER_GGML_PORTABLE")):
-        reason = "PIPEINFER_GGML_PORTABLE=1"
+    if truthy(switch):
+        reason = f"PIPEINFER_GGML_PORTABLE={switch}"
+    elif switch in FALSY:
+        return native
+    elif sticky:
+        reason = f"{sticky}; PIPEINFER_GGML_PORTABLE=0 builds native again"
     elif amx:
         reason = (f"this CPU reports {' '.join(amx)}: ggml's AMX kernels die of SIGILL where a hypervisor "
                   "does not enable AMX, so AMX is left out")
-    elif native_failed and native_failed == native.key:
-        reason = "the native build died of a signal in the install probe on this machine"
     else:
         return native
     if machine.lower() not in X86_MACHINES:
@@ -175,18 +186,17 @@ class Helper:
         return self.state / ".ggml-build.json"
 
     @property
-    def failed_path(self) -> Path:
-        return self.state / ".ggml-native-failed"
+    def sticky_path(self) -> Path:
+        return self.state / ".ggml-portable"
 
-    def native_failed(self) -> str | None:
+    def sticky(self) -> str | None:
         try:
-            return self.failed_path.read_text().strip() or None
+            return self.sticky_path.read_text().strip() or None
         except OSError:
             return None
 
-    def decide(self, native_failed: str | None = None) -> Build:
-        return decide(self.cpuinfo, self.env, self.machine, native_failed or self.native_failed(),
-                      self.requirement, python_tag())
+    def decide(self, sticky: str | None = None) -> Build:
+        return decide(self.cpuinfo, self.env, self.machine, sticky or self.sticky(), self.requirement, python_tag())
 
     def installed(self) -> dict:
         try:
@@ -219,6 +229,8 @@ class Helper:
 
     def install(self, build: Build | None = None) -> int:
         build = build or self.decide()
+        if not self.args.dry_run:
+            self.remember_choice(build)
         rec = self.installed()
         if rec.get("key") == build.key and self.llama_cpp_present():
             return 0
@@ -241,6 +253,15 @@ class Helper:
                         str(wheel)], check=True)
         self.record(build)
         return 0
+
+    def remember_choice(self, build: Build) -> None:
+        """PIPEINFER_GGML_PORTABLE=1 stays chosen for this venv (a later plain `make install` must not
+        go back to a build that crashed); =0 forgets it."""
+        switch = (self.env.get("PIPEINFER_GGML_PORTABLE") or "").strip().lower()
+        if build.kind == "portable" and truthy(switch):
+            self.sticky_path.write_text("PIPEINFER_GGML_PORTABLE=1 was given for this venv before\n")
+        elif switch in FALSY:
+            self.sticky_path.unlink(missing_ok=True)
 
     def llama_cpp_present(self) -> bool:
         from importlib import metadata
@@ -301,15 +322,15 @@ class Helper:
             self.say(f"Error: the portable ggml build also dies of {what} on a {PROBE_TOKENS}-token prompt on this CPU; "
                      "report it with /proc/cpuinfo's flags line (CMAKE_ARGS=... make install builds with flags of your own)")
             return 1
-        native_key = rec.get("key") or self.decide().key
-        portable = self.decide(native_failed=native_key)
+        why = f"the native build died of {what.split()[0]} in the install probe on this machine"
+        portable = self.decide(sticky=why)
         self.say(f"llama-cpp-python: the native ggml build died of {what} on a {PROBE_TOKENS}-token prompt; "
                  "rebuilding it portable (GGML_NATIVE=OFF, this CPU's features named, no AMX)")
         if self.args.dry_run:
             self.say(portable.describe())
             self.say(f"dry run: would build it into {self.wheel_dir(portable)}, install it and probe again")
             return 0
-        self.failed_path.write_text(native_key + "\n")
+        self.sticky_path.write_text(why + "\n")
         self.install(portable)
         r = self.run_probe(portable.kind)
         if r.returncode != 0:

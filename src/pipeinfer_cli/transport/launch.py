@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import UsageError, debug_enabled, error_line
+from ..errors import UsageError, debug_enabled, error_line, illegal_instruction
 from .job_output import BannerFilter, LauncherFilter, OutputPump  # noqa: F401 - the filters are part of this module's API
 from .process_tree import JobProcesses
 
@@ -208,6 +208,8 @@ def abnormal_end(reason: str | None, rc: int, launcher_said: list[str] | None = 
         how = f"{who} ended first; {how}"
     if reason and "signal 9" in reason:
         why = "a rank was killed (SIGKILL), for example by the out-of-memory killer"
+    elif reason and ("Illegal instruction" in reason or "(signal 4)" in reason):
+        why = illegal_instruction()
     elif reason and ("Segmentation" in reason or "signal 11" in reason or "Aborted" in reason):
         why = "a rank crashed; run again with PIPEINFER_DEBUG=1 and report it with the command"
     else:
