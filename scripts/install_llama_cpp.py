@@ -48,6 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE_TOKENS = 320
+PROBE_TIMEOUT_S = 600
 
 # /proc/cpuinfo flag(s) -> ggml's CMake option. AVX512 needs every flag ggml compiles it with
 # (-mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw).
@@ -300,31 +301,42 @@ class Helper:
         return self.wheel(build)
 
     # -- probe
-    def run_probe(self, build_kind: str) -> subprocess.CompletedProcess:
+    def run_probe(self, build_kind: str) -> tuple[int, str]:
+        """(exit status, its line) of the probe child; a negative status: killed by that signal."""
         env = dict(self.env, PIPEINFER_PROBE_BUILD=build_kind)
-        return subprocess.run([sys.executable, str(Path(__file__).resolve()), "probe-child"], env=env,
-                              capture_output=True, text=True, timeout=600)
+        try:
+            r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "probe-child"], env=env,
+                               capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return 1, f"no answer in {PROBE_TIMEOUT_S} s"
+        if r.returncode == 0:
+            return 0, r.stdout.strip() or "ggml probe: ok"
+        return r.returncode, (r.stderr.strip().splitlines() or ["no output"])[-1]
+
+    def probe_error(self, rc: int, line: str, kind: str) -> str:
+        """The Error: line for a probe that failed other than by the SIGILL a rebuild may cure."""
+        if rc > 0:  # an error of its own, not a crash
+            return (f"Error: the ggml install probe failed ({line}); run `{sys.executable} "
+                    f"{Path(__file__).resolve()} probe-child` to see it whole")
+        fix = ("report it with /proc/cpuinfo's flags line (CMAKE_ARGS=... make install adds flags of your own)"
+               if kind != "native" else "try `PIPEINFER_GGML_PORTABLE=1 make install`, else report it")
+        also = "also " if kind != "native" else ""
+        return (f"Error: the {kind} ggml build {also}dies of {died_of(rc)} on a {PROBE_TOKENS}-token prompt "
+                f"on this CPU; {fix}")
 
     def probe(self) -> int:
         rec = self.installed()
         kind = rec.get("kind") or self.decide().kind
-        r = self.run_probe(kind)
-        if r.returncode == 0:
-            self.say(r.stdout.strip() or "ggml probe: ok")
+        rc, line = self.run_probe(kind)
+        if rc == 0:
+            self.say(line)
             return 0
-        what = died_of(r.returncode)
-        if r.returncode > 0:  # an error of its own, not a crash: say it, do not rebuild
-            detail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-            self.say(f"Error: the ggml install probe failed ({detail}); run `{sys.executable} "
-                     f"{Path(__file__).resolve()} probe-child` to see it whole")
+        if rc != -signal.SIGILL or kind != "native":  # a rebuild cures an illegal instruction only
+            self.say(self.probe_error(rc, line, kind))
             return 1
-        if kind != "native":
-            self.say(f"Error: the portable ggml build also dies of {what} on a {PROBE_TOKENS}-token prompt on this CPU; "
-                     "report it with /proc/cpuinfo's flags line (CMAKE_ARGS=... make install builds with flags of your own)")
-            return 1
-        why = f"the native build died of {what.split()[0]} in the install probe on this machine"
+        why = "the native build died of SIGILL in the install probe on this machine"
         portable = self.decide(sticky=why)
-        self.say(f"llama-cpp-python: the native ggml build died of {what} on a {PROBE_TOKENS}-token prompt; "
+        self.say(f"llama-cpp-python: the native ggml build died of {died_of(rc)} on a {PROBE_TOKENS}-token prompt; "
                  "rebuilding it portable (GGML_NATIVE=OFF, this CPU's features named, no AMX)")
         if self.args.dry_run:
             self.say(portable.describe())
@@ -332,12 +344,11 @@ class Helper:
             return 0
         self.sticky_path.write_text(why + "\n")
         self.install(portable)
-        r = self.run_probe(portable.kind)
-        if r.returncode != 0:
-            self.say(f"Error: the portable ggml build also dies ({died_of(r.returncode)}) on a {PROBE_TOKENS}-token "
-                     "prompt on this CPU; report it with /proc/cpuinfo's flags line")
+        rc, line = self.run_probe(portable.kind)
+        if rc != 0:
+            self.say(self.probe_error(rc, line, portable.kind))
             return 1
-        self.say(r.stdout.strip() or "ggml probe: ok")
+        self.say(line)
         return 0
 
 
