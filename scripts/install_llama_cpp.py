@@ -250,8 +250,11 @@ class Helper:
             wheel = self.build_wheel(build)
         else:
             self.say(f"llama-cpp-python: reusing {wheel}")
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall",
-                        str(wheel)], check=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall",
+                            str(wheel)])
+        if r.returncode != 0:
+            raise SystemExit(f"Error: installing {wheel} failed (pip exit status {r.returncode}, its output above); "
+                             f"delete {wheel.parent} and run make install again to rebuild it")
         self.record(build)
         return 0
 
