@@ -215,6 +215,8 @@ class Helper:
         text = build.flags_file_text()
         if self.args.print:
             print(build.describe())
+        if not self.args.dry_run:
+            self.remember_choice(build)
         old = path.read_text() if path.exists() else None
         if old != text and not self.args.dry_run:
             path.write_text(text)
