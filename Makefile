@@ -43,7 +43,7 @@ $(VENV)/.ggml-flags: FORCE | $(PY)
 # A stamp keeps the second `make install` from touching pip at all when nothing changed.
 # llama-cpp-python is built (once per set of flags, kept in ~/.cache/pipeinfer/wheels) and installed
 # first, so pip never builds it from its own cache; the probe then runs a 320-token prompt on
-# quantized weights through it and rebuilds it portable if it dies of a signal (SIGILL).
+# quantized weights through it and rebuilds it portable if it dies of SIGILL.
 $(VENV)/.deps-stamp: pyproject.toml scripts/install_llama_cpp.py $(VENV)/.ggml-flags | $(PY)
 	$(PY) scripts/install_llama_cpp.py install
 	$(PIP) install --quiet -e ".[dev]"
