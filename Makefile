@@ -1,12 +1,12 @@
 # pipeinfer — install, build, test and benchmark entry points.
-# `make install` is idempotent: a second run reuses the venv, pip's wheel cache and the CMake build.
+# `make install` is idempotent: a second run reuses the venv, the llama-cpp-python wheel and the CMake build.
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 BUILD  := build/native
-# llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
+# llama-cpp-python is built from source once per set of ggml flags (about 7 minutes on 2 cores).
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
 .PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-modes bench-grounded bench-native bench-native-gemma3 bench-network bench-cluster bench-prefix-reuse bench-parallel bench-topologies fault-matrix soak llama-rpc bench-rpc clean help
@@ -37,9 +37,20 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade "pip>=24"
 
+# ggml's build for this CPU (scripts/install_llama_cpp.py): native, or portable (GGML_NATIVE=OFF, the
+# CPU's features named, no AMX) on a CPU that reports AMX or with PIPEINFER_GGML_PORTABLE=1. The file
+# is rewritten only when that choice changes, so the stamp below reruns only then.
+$(VENV)/.ggml-flags: FORCE | $(PY)
+	@$(PY) scripts/install_llama_cpp.py flags
+
 # A stamp keeps the second `make install` from touching pip at all when nothing changed.
-$(VENV)/.deps-stamp: pyproject.toml | $(PY)
+# llama-cpp-python is built (once per set of flags, kept in ~/.cache/pipeinfer/wheels) and installed
+# first, so pip never builds it from its own cache; the probe then runs a 320-token prompt on
+# quantized weights through it and rebuilds it portable if it dies of SIGILL.
+$(VENV)/.deps-stamp: pyproject.toml scripts/install_llama_cpp.py $(VENV)/.ggml-flags | $(PY)
+	$(PY) scripts/install_llama_cpp.py install
 	$(PIP) install --quiet -e ".[dev]"
+	$(PY) scripts/install_llama_cpp.py probe
 	@touch $@
 
 deps: $(VENV)/.deps-stamp
@@ -87,6 +98,8 @@ test-properties: install
 
 clean:
 	rm -rf build $(VENV) src/pipeinfer_cli/_native*.so
+
+FORCE:
 
 # Native layer engine vs llama-cpp-python on the Qwen pair, 1 and 2 threads (prints a table + JSON).
 BENCH_NATIVE_ARGS ?= --model qwen2.5-coder-0.5b-instruct --model qwen2.5-coder-1.5b-instruct --threads 1,2

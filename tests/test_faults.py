@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_fault_spec_is_parsed():
-    assert parse_faults("2:result:4:dup, 0:STREAM:1:delay=0.5, 1:raise:3") == [
-        Fault(2, Tag.RESULT, 4, "dup"), Fault(0, Tag.STREAM, 1, "delay", 0.5), Fault(1, None, 3, "raise")]
+    assert parse_faults("2:result:4:dup, 0:STREAM:1:delay=0.5, 1:raise:3, 1:payload:2:sigill") == [
+        Fault(2, Tag.RESULT, 4, "dup"), Fault(0, Tag.STREAM, 1, "delay", 0.5), Fault(1, None, 3, "raise"),
+        Fault(1, Tag.PAYLOAD, 2, "sigill")]
 
 
 @pytest.mark.parametrize("spec", ["2:result:4", "x:result:1:drop", "1:nosuchtag:1:drop", "1:stream:0:drop",

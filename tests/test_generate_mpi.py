@@ -329,6 +329,19 @@ def test_a_killed_rank_ends_the_job(tiny_files, victim):
     assert f"rank {victim[-1]} ended first" in lines[0], lines[0]
 
 
+def test_a_rank_dead_of_sigill_says_the_build_does_not_run_here(tiny_files):
+    """As ggml's AMX kernels on a VM that does not enable AMX: the last stage raises SIGILL on itself
+    (PIPEINFER_DEBUG_FAULT=1:result:2:sigill) after the first token."""
+    proc, marker = start_job(tiny_files["target"], "--ranks", 2, PIPEINFER_DEBUG_FAULT="1:result:2:sigill")
+    rc, _, stderr = finish_job(proc, marker, within_s=30)
+    assert rc != 0
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    # (which rank is named as ending first is the launcher's view, as in test_a_killed_rank_ends_the_job)
+    assert lines[0].startswith("Error: the MPI job ended abnormally (") and "Illegal instruction (signal 4)" in lines[0], lines[0]
+    assert "died of SIGILL" in lines[0] and "PIPEINFER_GGML_PORTABLE=1 make install" in lines[0]
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "sigint-parent", "sigterm-parent"])
 def test_interrupt_stops_the_whole_job(tiny_files, how):
     proc, marker = start_job(tiny_files["target"], "--ranks", 2)

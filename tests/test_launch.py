@@ -238,6 +238,31 @@ def test_the_cause_named_fits_the_signal(reason, want, not_want):
     assert want in msg and not_want not in msg and reason in msg, msg
 
 
+def test_a_rank_dead_of_sigill_is_told_to_rebuild_ggml_portable():
+    from pipeinfer_cli.transport.launch import abnormal_end
+
+    msg = abnormal_end("Illegal instruction (signal 4)", 132, None, "rank 1")
+    assert msg.startswith("the MPI job ended abnormally (rank 1 ended first; Illegal instruction (signal 4), "
+                          "mpiexec exit status 132): a rank died of SIGILL (illegal instruction)")
+    assert "AMX" in msg and msg.endswith("`PIPEINFER_GGML_PORTABLE=1 make install` in the pipeinfer checkout")
+    assert "SIGILL" not in abnormal_end("Killed (signal 9)", 9) and "SIGILL" not in abnormal_end("Killed (signal 40)", 9)
+
+
+def test_a_process_dead_of_sigill_says_so_in_one_line():
+    """A 1-rank job runs in the `pipeinfer` process: its SIGILL handler (native, async-signal-safe)
+    writes the Error: line, then the process dies of SIGILL as it would have."""
+    code = ("import os, signal; from pipeinfer_cli.cli.app import report_sigill; report_sigill({}); "
+            "os.kill(os.getpid(), signal.SIGILL); print('survived')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PIPEINFER_RELAUNCHED", "OMPI_"))}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == -signal.SIGILL and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        "Error: pipeinfer died of SIGILL (illegal instruction): llama-cpp-python's ggml, which the native engine "
+        "shares, was built with instructions this CPU does not run (ggml's AMX kernels, where AMX is reported but "
+        "not enabled, as in some VMs); rebuild it portable with `PIPEINFER_GGML_PORTABLE=1 make install` in the "
+        "pipeinfer checkout"]
+
+
 # -- Ctrl-C on a real job (mpiexec of the mpich wheel, SmolLM2 on 2 ranks) --------------------------
 
 def rank_pids(marker: str) -> list[int]:

@@ -9,6 +9,10 @@ on models loaded once; bench itself exits 1 when modes disagree, and the tests c
   drafts are partly accepted and partly rolled back), where 3000-token prompts cost little.
 - SmolLM2 (a real model) runs every length in every mode on 2 ranks against llama.cpp; its whole
   matrix, about 20 minutes on 2 cores, is `make test-slow` (marker `slow`).
+- `make test` keeps these long prompts on SmolLM2's Q4_1 weights, through the native engine and
+  llama_cpp (not marked slow): batches of hundreds of rows on a quantized type are what ggml's AMX
+  kernels take, the ones that die of SIGILL where AMX is not enabled (issue 35; `make install`'s
+  probe, scripts/install_llama_cpp.py, runs such a prompt too).
 """
 
 from __future__ import annotations

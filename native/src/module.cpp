@@ -15,6 +15,10 @@
 #include "ggml.h"
 #include "ggml-cpu.h"
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cctype>
 #include <cstring>
 #include <map>
@@ -26,6 +30,20 @@ namespace py = pybind11;
 using namespace pipeinfer;
 
 namespace {
+
+// report_sigill(): the line written to stderr when the process dies of SIGILL. A fixed buffer and
+// write(2): all the handler does is async-signal-safe; it then dies of SIGILL as it would have.
+char g_sigill_line[1024];
+size_t g_sigill_len = 0;
+
+void on_sigill(int sig) {
+    if (g_sigill_len > 0) {
+        ssize_t r = write(STDERR_FILENO, g_sigill_line, g_sigill_len);
+        (void) r;
+    }
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
 
 // Arrays arrive C-contiguous in the C++ type (pybind11 converts when it must); checking their
 // shapes and values is layer_engine::validate's job.
@@ -130,6 +148,18 @@ py::dict gguf_metadata(const std::string & path) {
 }
 
 void bind_functions(py::module_ & m) {
+    m.def("report_sigill", [](const std::string & line) {
+        g_sigill_len = std::min(line.size(), sizeof(g_sigill_line));
+        std::memcpy(g_sigill_line, line.data(), g_sigill_len);
+        struct sigaction sa {};
+        sa.sa_handler = on_sigill;
+        sigemptyset(&sa.sa_mask);
+        sa.sa_flags = SA_NODEFER;
+        sigaction(SIGILL, &sa, nullptr);
+    }, py::arg("line"),
+          "On SIGILL (an instruction this CPU does not run, e.g. ggml's AMX kernels where AMX is not "
+          "enabled), write `line` to stderr, then die of SIGILL as before.");
+
     m.def("ggml_version", []() { return std::string(ggml_version()); },
           "Version string of the ggml library this extension is linked against.");
 

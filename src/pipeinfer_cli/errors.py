@@ -30,6 +30,15 @@ def error_line(msg: str) -> str:
     return f"Error: {msg}"
 
 
+def illegal_instruction(who: str = "a rank") -> str:
+    """Why a process died of SIGILL, and the fix: ggml was built for instructions this CPU does not
+    run (typically `-march=native` AMX kernels on a machine whose hypervisor does not enable AMX)."""
+    return (f"{who} died of SIGILL (illegal instruction): llama-cpp-python's ggml, which the native engine "
+            "shares, was built with instructions this CPU does not run (ggml's AMX kernels, where AMX is "
+            "reported but not enabled, as in some VMs); rebuild it portable with "
+            "`PIPEINFER_GGML_PORTABLE=1 make install` in the pipeinfer checkout")
+
+
 class PipeinferError(Exception):
     """Base class: the message is shown to the user as is, so it names the problem and the fix."""
 

@@ -129,6 +129,24 @@ def omp_wait_policy(environ=os.environ) -> str | None:
 JOB_COMMANDS = ("generate", "chat", "serve", "bench", "calibrate")
 
 
+def report_sigill(environ=os.environ) -> None:
+    """A process that dies of SIGILL (ggml built with instructions this CPU does not run) says so in
+    one line first. Not in the ranks of a job this command started: there the launching process
+    reports the rank's signal (transport/launch.py, abnormal_end), once."""
+    from ..errors import error_line, illegal_instruction
+    from ..transport.launch import RELAUNCHED, under_mpi_launcher
+
+    if environ.get(RELAUNCHED):
+        return
+    try:
+        from .. import _native
+
+        who = "a rank of this job" if under_mpi_launcher() else "pipeinfer"
+        _native.report_sigill(error_line(illegal_instruction(who)) + "\n")
+    except (ImportError, AttributeError):  # not built yet, or built before report_sigill existed
+        pass
+
+
 def main() -> None:
     # Decided before libgomp loads (it reads the variable once).
     if (policy := omp_wait_policy()) is not None:
@@ -141,6 +159,8 @@ def main() -> None:
         sleep_while_starting()  # before MPI starts: its start-up waits must not spin
         if len(sys.argv) > 1 and sys.argv[1] in JOB_COMMANDS:
             arm_start_watchdog()  # a rank that never starts must not hang the job
+    if len(sys.argv) > 1 and sys.argv[1] in JOB_COMMANDS:
+        report_sigill()
     signal.signal(signal.SIGINT, _on_interrupt)
     try:
         app()

@@ -9,6 +9,8 @@ draft_rep, clock, heartbeat) that rank RANK sends. MODE is one of
 - `delay=S`: the rank sleeps S seconds (default 1) before sending it, so it arrives late;
 - `dup`: the message is sent twice;
 - `kill`: the rank kills itself (SIGKILL) instead of sending it;
+- `sigill`: the rank raises SIGILL on itself instead of sending it, as ggml built with instructions
+  the CPU does not run would (AMX on a VM that does not enable it);
 - `stall`: the rank never sends it and stops making progress while it says it is computing, as a
   rank stuck in a compute would (its heartbeats continue).
 
@@ -45,7 +47,7 @@ FAULT_ENV = "PIPEINFER_DEBUG_FAULT"
 LOG_ENV = "PIPEINFER_DEBUG_FAULT_LOG"  # a file: one line per fault that fired (time, rank, tag, n, mode)
 SLOW_ENV = "PIPEINFER_DEBUG_SLOW"  # RANK:FACTOR[,…]: that rank's engine computes FACTOR times as slowly
 FAIL_ENV = "PIPEINFER_DEBUG_FAIL"  # deprecated: RANK:N means PIPEINFER_DEBUG_FAULT=RANK:raise:N
-MODES = ("drop", "delay", "dup", "kill", "stall")
+MODES = ("drop", "delay", "dup", "kill", "sigill", "stall")
 RAISE = "raise"  # not a message fault: the rank raises at its N-th run, draft proposal or token
 
 
@@ -79,7 +81,7 @@ def parse_faults(spec: str) -> list[Fault]:
                 or fault.rank < 0):
             raise UsageError(f"{FAULT_ENV}: cannot read {part!r}; write RANK:TAG:N:MODE with TAG one of "
                              f"{', '.join(t.name.lower() for t in Tag)} and MODE one of drop, delay=S, dup, kill, "
-                             "stall, or RANK:raise:N")
+                             "sigill, stall, or RANK:raise:N")
         faults.append(fault)
     return faults
 
@@ -135,6 +137,8 @@ class FaultInjector:
             time.sleep(fault.delay_s)
         elif fault.mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.mode == "sigill":
+            os.kill(os.getpid(), signal.SIGILL)
         elif fault.mode == "stall":
             on_stall()
             while True:

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import UsageError, debug_enabled, error_line
+from ..errors import UsageError, debug_enabled, error_line, illegal_instruction
 from .job_output import BannerFilter, LauncherFilter, OutputPump  # noqa: F401 - the filters are part of this module's API
 from .deadlines import DEFAULT_RANK_TIMEOUT_S
 from .process_tree import JobProcesses
@@ -248,6 +248,8 @@ def killed_why(reason: str | None) -> str:
     """Why a rank ended by a signal, from the launcher's exit string ("Killed (signal 9)")."""
     if reason and ("signal 9" in reason or "Killed" in reason):
         return "a rank was killed (SIGKILL), for example by the out-of-memory killer"
+    if reason and ("Illegal instruction" in reason or "(signal 4)" in reason):
+        return illegal_instruction()
     if reason and ("signal 15" in reason or "Terminated" in reason):
         return ("a rank was stopped (SIGTERM) by someone or something: a scheduler, a `kill`, a shutdown of its "
                 "host")
