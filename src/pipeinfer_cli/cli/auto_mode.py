@@ -1,9 +1,10 @@
 """`-M auto`: the mode and settings the plan predicts fastest for this job's ranks and draft.
 
 The prediction runs the real policies in virtual time (planner/) on the profile of these ranks.
-Before a request has run, what the draft will get right is not known: it is assumed to be the
-profile's measured acceptance (`draft.acceptance`, if calibrate measured one) or DEFAULT_ACCEPTANCE,
-and the summary line shows the prediction beside the measured speed. Every process of the job
+Before a request has run, what the draft will get right is not known: every draft (a model of any
+size, prompt lookup) is assumed right DEFAULT_ACCEPTANCE of the time (calibrate does not measure
+acceptance: it depends on the prompts), and the job says so on stderr when it starts and on its
+summary line, beside the measured speed. Every process of the job
 makes the same choice (the simulation is deterministic), so no message is needed.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, replace
 from ..errors import UsageError
 
 AUTO = "auto"
-DEFAULT_ACCEPTANCE = 0.6
+DEFAULT_ACCEPTANCE = 0.6  # assumed for every draft; -M's help and docs/plan.md state it
 AUTO_PROMPT = 128  # tokens of the typical request the choice is made for
 AUTO_GEN = 96
 # A small grid: the choice is made at every start.
@@ -38,6 +39,11 @@ class AutoChoice:
         pred = "" if self.predicted_tok_per_s is None else f", predicted {self.predicted_tok_per_s:.2f} tok/s"
         return f"auto chose {self.mode}{' (' + knobs.strip() + ')' if knobs else ''}{pred}"
 
+    def announce(self) -> str:
+        """The job's start-up line: what auto chose and on what acceptance."""
+        return (f"pipeinfer: -M {self.describe()}, on an assumed acceptance of {self.acceptance:.0%} (not measured: "
+                "`pipeinfer plan --trace` replays a real draft's)")
+
 
 def choose(cfg, n_ranks: int, has_draft: bool) -> AutoChoice:
     """The fastest predicted mode and settings for this job (cfg: a JobConfig with a profile)."""
@@ -59,7 +65,7 @@ def choose(cfg, n_ranks: int, has_draft: bool) -> AutoChoice:
     lookup = cfg.draft_label == "lookup"
     if lookup:  # prompt lookup: a free drafter whose hits are assumed, like a model's
         prof = replace(prof, draft=DraftCosts("model", "lookup", 0, 1, 2e-5, 0.0))
-    acceptance = getattr(prof.draft, "acceptance", None) or DEFAULT_ACCEPTANCE
+    acceptance = DEFAULT_ACCEPTANCE
     n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < AUTO_GEN else AUTO_GEN
     pt = PromptTrace("auto", list(range(1000, 1000 + AUTO_PROMPT)), [2000 + i for i in range(n_gen)], "length")
     replay = Replay([pt], acceptance)

@@ -69,6 +69,8 @@ class RankCosts:
     output_row_s: float  # LM head + sampling of one output row
     run_overhead_s: float  # this rank's fixed cost per run (Python, MPI, the stream's bookkeeping)
     probe_layers: list[int] = field(default_factory=list)  # [begin, end): the layers timed
+    usable_cpus: float | None = None  # the CPU the rank's process may use (cpuset, quota); None: an older profile
+    ranks_per_host: int | None = None  # ranks of the job on its host, sharing its cores and memory
 
 
 @dataclass

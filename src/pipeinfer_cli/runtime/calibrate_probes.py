@@ -303,8 +303,14 @@ def _lookup_costs(spec: ProbeSpec, rank: int) -> DraftCosts:
     return DraftCosts("lookup", "lookup", rank, 1, token_s, 0.0)
 
 
+def usable_cpus() -> float:
+    """The CPU this process may use (placeholder until runtime/cpu_share.py: the affinity count)."""
+    return float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
 def host_facts() -> dict:
-    """This host: name, CPU model, logical CPUs, total and available memory (bytes)."""
+    """This host: name, CPU model, logical CPUs, the CPU this process may use, total and available
+    memory (bytes)."""
     cpu = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -322,6 +328,7 @@ def host_facts() -> dict:
     except (OSError, ValueError, IndexError):
         pass
     return {"host": socket.gethostname(), "cpu": cpu or "unknown", "cores": os.cpu_count() or 1,
+            "usable_cpus": usable_cpus(),
             "mem_total_bytes": mem.get("MemTotal", 0), "mem_available_bytes": mem.get("MemAvailable", 0)}
 
 
