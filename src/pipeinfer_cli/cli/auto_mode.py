@@ -58,7 +58,10 @@ def choose(cfg, n_ranks: int, has_draft: bool) -> AutoChoice:
         raise UsageError("-M auto needs a profile of the ranks: run `pipeinfer calibrate MODEL --ranks N --out "
                          "profile.json` (with the draft), then pass --profile profile.json")
     prof = Profile.load(cfg.profile)
-    prof.check_model(cfg.model_label, cfg.model_path.stat().st_size, f"the profile {cfg.profile}")
+    from ..planner.identity import model_sha256
+
+    prof.check_model(cfg.model_label, cfg.model_path.stat().st_size, f"the profile {cfg.profile}",
+                     model_sha256(cfg.model_path, cfg.model_sha256, cfg.model_size))
     if len(prof.ranks) < n_ranks:
         raise UsageError(f"-M auto: the profile measured {len(prof.ranks)} rank(s) but the job has {n_ranks}; "
                          "calibrate with as many ranks as the job runs")

@@ -132,7 +132,7 @@ class _Setup:
 
         t = plan_job(self.path, self.label, self.n_ranks, self.n_ranks, self.layer_split, None, self.draft_path,
                      self.job_drafts, has_draft=self.draft_label is not None, profile_path=self.profile_path,
-                     n_ctx=self.n_ctx)
+                     n_ctx=self.n_ctx, identity_checked=True)
         stages = [r for r in t.ranks if r.role != "draft"]
         draft = None
         if needs_draft(mode):

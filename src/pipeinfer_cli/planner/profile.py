@@ -185,11 +185,21 @@ class Profile:
         return (f"rank {rank} runs on {host} ({cpu}) but {where} measured it on {rc.host} ({rc.cpu}); "
                 "its split and predictions assume that machine: run `pipeinfer calibrate` with these ranks")
 
-    def check_model(self, name: str, file_bytes: int, where: str = "the profile") -> None:
-        """Refuse a profile measured for another model (same name and file size, or the same file)."""
+    def check_model(self, name: str, file_bytes: int, where: str = "the profile", sha256: str | None = None) -> None:
+        """Refuse a profile measured for another model: another file size, or (sha256 given) another
+        file, or no identity at all (a profile of an older pipeinfer)."""
         if self.model.file_bytes != file_bytes:
             raise ProfileError(f"{where} was measured for {self.model.name} ({self.model.file_bytes:,} bytes), not "
                                f"{name} ({file_bytes:,} bytes); run `pipeinfer calibrate` with this model")
+        if sha256 is None:
+            return
+        if self.model.sha256 is None:
+            raise ProfileError(f"{where} was made by an older pipeinfer, without the model's identity; run "
+                               f"`pipeinfer calibrate {name}` again")
+        if self.model.sha256 != sha256:
+            raise ProfileError(f"{where} was measured for another file of {self.model.name} (sha256 "
+                               f"{self.model.sha256[:12]}, this one is {sha256[:12]}); run `pipeinfer calibrate` "
+                               "with this model")
 
 
 def _positive(v) -> bool:

@@ -244,12 +244,14 @@ def plan_config(cfg, world_size: int, ranks_per_host: int, needs_draft: bool) ->
 
 def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host: int, layer_split: str | None,
              threads: str | None, draft_path: Path | None = None, needs_draft: bool = False,
-             has_draft: bool = True, profile_path: Path | None = None, n_ctx: int = 0) -> Topology:
+             has_draft: bool = True, profile_path: Path | None = None, n_ctx: int = 0,
+             identity_checked: bool = False) -> Topology:
     """The topology of a job on this model, from its GGUF header alone (well under a second, no MPI):
     the relaunching command checks it before it starts any process.
 
     has_draft: a draft was given (a model or lookup); a draft rank ('/1') needs one. n_ctx: the
-    job's KV cells, which --layer-split auto fits in each rank's memory with the weights."""
+    job's KV cells, which --layer-split auto fits in each rank's memory with the weights.
+    identity_checked: the caller matched the profile to the model (plan, which --force may override)."""
     if layer_split and "/" in layer_split and not has_draft:
         raise UsageError(f"--layer-split {layer_split!r} has a draft rank ('/1'), which needs a draft: "
                          "pass --draft MODEL (or lookup), or drop '/1'")
@@ -268,7 +270,11 @@ def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host
         from ..planner.profile import Profile
 
         profile = Profile.load(profile_path)
-        profile.check_model(model_label, Path(model_path).stat().st_size, f"the profile {profile_path}")
+        from ..planner.identity import model_sha256
+
+        if not identity_checked:
+            profile.check_model(model_label, Path(model_path).stat().st_size, f"the profile {profile_path}",
+                                model_sha256(Path(model_path)))
         memory = job_memory(info, n_ctx, draft_path if needs_draft else None, world_size, "/" in layer_split)
     return plan_topology(world_size, layer_split, info.layer_bytes, info.output_bytes, threads, ranks_per_host,
                          head_extra=head_extra, profile=profile, memory=memory)
