@@ -160,17 +160,25 @@ def test_the_kv_cache_and_ranks_sharing_a_host_count(smollm2_path):
     prof = make_profile(2, n_layer=info.n_layer, sha256="a" * 64)
     prof.model.layer_bytes, prof.model.output_bytes = info.layer_bytes, info.output_bytes
     weights = sum(info.layer_bytes) + info.output_bytes
-    for rc in prof.ranks:  # each rank's host could hold all the weights, but not with the KV cache at 32k
-        rc.mem_available_bytes = int(weights / 0.9 * 1.05)
-    assert auto_split(prof, [0, 1]) == [(0, 15), (15, 30)]
-    big = JobMemory(32768, info.kv_bytes_per_cell)
-    assert auto_split(prof, [0, 1], mem=big) == [(0, 15), (15, 30)]  # half the layers each: fits
+    kv = JobMemory(4096, info.kv_bytes_per_cell)
+    total = weights + kv.kv_bytes(info.n_layer)
+
+    def hosts_hold(n_bytes: float) -> None:
+        for rc in prof.ranks:
+            rc.mem_available_bytes = int(n_bytes / 0.9)
+
+    hosts_hold(0.6 * weights)  # the weights fit on two hosts, not with their KV cache at 4096 cells
+    assert auto_split(prof, [0, 1])[-1][1] == info.n_layer
+    with pytest.raises(UsageError, match=r"rank 1 \(host node1\) cannot hold layers \d+-29, KV cache at --ctx 4096"):
+        auto_split(prof, [0, 1], mem=kv)
+    hosts_hold(0.6 * total)  # with it, they do
+    assert auto_split(prof, [0, 1], mem=kv)[-1][1] == info.n_layer
     for rc in prof.ranks:  # both ranks on one host: each has half of it
         rc.host, rc.ranks_per_host = "node0", 2
     with pytest.raises(UsageError) as e:
-        auto_split(prof, [0, 1], mem=big)
+        auto_split(prof, [0, 1], mem=kv)
     msg = str(e.value)
-    assert "rank 0 (host node0) cannot hold layers 0-" in msg and "KV cache at --ctx 32768" in msg
+    assert msg.startswith("--layer-split auto: rank 1 (host node0) cannot hold layers ") and "it needs" in msg
     assert "shared by 2 ranks" in msg and "smaller --ctx" in msg and "auto/1" in msg
 
 

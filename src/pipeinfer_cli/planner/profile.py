@@ -44,6 +44,8 @@ class ModelFacts:
     n_vocab: int
     layer_bytes: list[int]  # weights of each layer
     output_bytes: int  # the LM head (and final norm): only the last stage holds them
+    sha256: str | None = None  # the file's identity (model_identity.file_sha256); None: an older profile
+    kv_bytes_per_cell: int = 0  # K and V of one layer for one KV cell (f16, as the engine allocates them)
 
 
 @dataclass
