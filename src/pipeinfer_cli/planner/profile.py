@@ -83,6 +83,7 @@ class DraftCosts:
     threads: int
     token_s: float  # seconds per proposed token (one draft eval)
     prompt_token_s: float  # seconds per prompt token of its prompt pass (0 for lookup)
+    sha256: str | None = None  # a draft model's file identity (None for lookup, or an older profile)
 
 
 @dataclass
