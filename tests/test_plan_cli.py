@@ -71,6 +71,7 @@ def test_layer_split_auto_gives_the_slow_rank_fewer_layers(smollm2_path, profile
     (["--ranks", "3", "-p", "Hi"], "the plan has 3 ranks but the profile measured 2 ranks"),
     (["-p", "Hi", "--modes", "fast"], "unknown --modes 'fast'"),
     ([], "nothing to predict for"),
+    (["-p", "Hi", "--modes", "iterative,speculative"], "--modes speculative needs a draft: pass --draft MODEL"),
     (["-p", "Hi", "--draft", "gemma3-270m", "--record", "t.trace"], "cannot record the chains of gemma3-270m, a draft of "
                                                                   "another vocabulary, yet"),
 ])

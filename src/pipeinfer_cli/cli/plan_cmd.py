@@ -50,7 +50,7 @@ TraceOption = Annotated[Path | None, typer.Option("--trace", help="A trace recor
 RecordOption = Annotated[Path | None, typer.Option("--record", help="Record the trace (target tokens and draft chains) and save it here.")]
 PromptsOption = Annotated[str | None, typer.Option("--prompts", help="A shipped prompt set ('default', 'grounded') or a JSONL file, as `bench` takes it.")]
 LimitOption = Annotated[int | None, typer.Option("--limit", min=1, help="Use only the first N prompts.")]
-ModesOption = Annotated[str, typer.Option("--modes", help="Comma-separated modes to predict.")]
+ModesOption = Annotated[str | None, typer.Option("--modes", show_default=False, help="Comma-separated modes to predict (default: every mode with a draft, else iterative).")]
 AcceptanceOption = Annotated[float | None, typer.Option("--acceptance", min=0.0, max=1.0, help="A synthetic draft, right with this probability per token (no draft chains needed).")]
 SearchFlag = Annotated[bool, typer.Option("--search", help="Also search n_draft, p_accept and max_inflight for the fastest predicted settings per mode.")]
 ForceFlag = Annotated[bool, typer.Option("--force", help="Plan even when the profile or the trace was made for another job (model file, threads, ranks per host, machine): one warning line instead of the error.")]
@@ -68,7 +68,7 @@ def plan(
     record: RecordOption = None,
     acceptance: AcceptanceOption = None,
     n_predict: NPredictOption = 128,
-    modes: ModesOption = ",".join(MODE_NAMES),
+    modes: ModesOption = None,
     ranks: PlanRanksOption = None,
     layer_split: LayerSplitOption = None,
     n_draft: NDraftOption = 4,
@@ -89,9 +89,9 @@ def plan(
     from ..planner.plan import Replay, plan_modes, search_settings
     from ..planner.profile import Profile
 
-    mode_list = _modes(modes)
     prof = Profile.load(profile)
     setup = _setup(model, draft, prof, profile, ranks, layer_split, ctx)
+    mode_list = _modes(modes, setup.draft_label, prof)
     setup.job_drafts = any(needs_draft(m) for m in mode_list)
     check_job(setup, mode_list, threads, force, _warn)
     setup.force = force
@@ -170,11 +170,21 @@ def _warn(text: str) -> None:
     err.print(f"pipeinfer plan: {text}", markup=False, highlight=False)
 
 
-def _modes(text: str) -> list[str]:
+def _modes(text: str | None, draft_label: str | None, prof) -> list[str]:
+    """The modes to plan: those asked for, each checked against the draft and the profile's costs."""
+    if text is None:
+        return list(MODE_NAMES) if draft_label is not None else ["iterative"]
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise UsageError("--modes is empty; give one or more of " + ", ".join(MODE_NAMES))
-    return [get_mode(m, "--modes").name for m in names]
+    modes = [get_mode(m, "--modes").name for m in names]
+    drafting = [m for m in modes if needs_draft(m)]
+    if drafting and draft_label is None:
+        raise UsageError(f"--modes {','.join(drafting)} needs a draft: pass --draft MODEL (or lookup)")
+    if drafting and draft_label != "lookup" and (prof.draft is None or prof.draft.kind != "model"):
+        raise UsageError(f"the profile has no draft model's costs for --modes {','.join(drafting)}: calibrate with "
+                         f"--draft {draft_label}")
+    return modes
 
 
 def _progress(what: str, i: int, n: int) -> None:
