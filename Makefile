@@ -9,7 +9,7 @@ BUILD  := build/native
 # llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-modes bench-grounded bench-native bench-native-gemma3 bench-network bench-prefix-reuse bench-parallel bench-topologies fault-matrix soak clean help
+.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-modes bench-grounded bench-native bench-native-gemma3 bench-network bench-cluster bench-prefix-reuse bench-parallel bench-topologies fault-matrix soak clean help
 
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
@@ -27,6 +27,7 @@ help:
 	@echo "make bench-native-gemma3 native layer engine vs llama.cpp on Gemma 3 270M"
 	@echo "make bench-topologies job shapes side by side: BENCH_SUITE=overhead|topologies|threads (Qwen pair)"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
+	@echo "make bench-cluster the scaling curve: 1-8 emulated hosts with their own CPU (2/N cores each), every mode and draft (root)"
 	@echo "make fault-matrix every message tag x drop/delay/dup/kill/stall in real jobs (about 20 minutes)"
 	@echo "make soak         one job serving 1,000 requests: no KV, memory, fd or thread leak (about 20 minutes)"
 
@@ -120,6 +121,24 @@ bench-topologies: install
 # pooled; prints a table + JSON (about 7 minutes on 2 cores).
 bench-network: install
 	$(PY) scripts/bench_network.py --rates none,1gbit,100mbit,10mbit --limit 2 --rounds 3 --json build/bench_network.json
+
+# The scaling curve (BENCHMARKS.md, "Scaling on nodes with their own CPU"): Qwen2.5-Coder-1.5B on 1, 2, 4
+# and 8 emulated hosts holding the machine's 2 cores fixed (2/N CPUs each, a cgroup quota; 1 thread
+# per rank), iterative, speculative and pipeinfer with every draft, on the default and grounded
+# prompts at 1 Gbit/s, iterative and pipeinfer at 100 Mbit/s, and the model on hosts too small for it.
+# Fails if any text differs. Needs root; the machine must be otherwise idle. CLUSTER_ARGS narrows it.
+CLUSTER_HOSTS ?= 1,2,4,8
+CLUSTER_ARGS  ?= --limit 1 -n 32
+bench-cluster: install
+	@mkdir -p build
+	$(VENV)/bin/pipeinfer models pull qwen2.5-coder-1.5b-instruct
+	$(VENV)/bin/pipeinfer models pull qwen2.5-coder-0.5b-instruct
+	$(VENV)/bin/pipeinfer models pull smollm2-135m-instruct
+	$(PY) scripts/bench_cluster.py --hosts $(CLUSTER_HOSTS) --rates 1gbit --prompts default $(CLUSTER_ARGS) --json build/cluster_default.json | tee build/cluster_default.md
+	$(PY) scripts/bench_cluster.py --hosts $(CLUSTER_HOSTS) --rates 1gbit --prompts grounded $(CLUSTER_ARGS) --json build/cluster_grounded.json | tee build/cluster_grounded.md
+	$(PY) scripts/bench_cluster.py --hosts $(CLUSTER_HOSTS) --rates 100mbit --prompts default --configs iterative,pipeinfer:smollm2-135m-instruct $(CLUSTER_ARGS) --json build/cluster_100mbit.json | tee build/cluster_100mbit.md
+	$(PY) scripts/bench_cluster.py --hosts 1,2,4 --configs iterative,pipeinfer:smollm2-135m-instruct --mem 800m $(CLUSTER_ARGS) --json build/cluster_mem.json | tee build/cluster_mem.md
+	$(PY) scripts/cluster_plot.py build/cluster_default.json build/cluster_grounded.json build/cluster_100mbit.json --out docs/cluster.png
 
 # Standard comparison on the Qwen pair (pulled if needed), greedy: llama.cpp's own decoding at the
 # same total threads first, then every mode interleaved over the shipped prompts on BENCH_RANKS

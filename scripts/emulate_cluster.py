@@ -4,10 +4,13 @@ joined by veth pairs to a bridge, every link rate-limited with tc tbf (both dire
 run one rank per host through the bundled Hydra mpiexec, over TCP through the shaped links.
 
 Usage (as root; scripts/emulate-cluster.sh is the same with the checkout's Python):
-  emulate-cluster.sh up N [--rate RATE]        make hosts PREFIX-h0 .. PREFIX-h{N-1}
+  emulate-cluster.sh up N [--rate RATE] [--cpus C] [--mem SIZE]
+                                               make hosts PREFIX-h0 .. PREFIX-h{N-1}
   emulate-cluster.sh run N [--rate RATE] -- GENERATE-ARGS...
                                                up, one `pipeinfer generate` job, down
   emulate-cluster.sh mpiexec [-n N] -- CMD...  run CMD under Hydra's mpiexec, one rank per host
+  emulate-cluster.sh on K -- CMD...            run CMD on host K (its namespace, hostname and cgroups),
+                                               e.g. a server that a job on the hosts talks to
   emulate-cluster.sh exec -- CMD...            run CMD with the environment that makes
                                                `pipeinfer generate/bench --ranks N` use the hosts
   emulate-cluster.sh env                       print that environment as `export` lines
@@ -21,6 +24,18 @@ Options (before or after the subcommand's own arguments):
                  are ever touched, so several clusters may coexist with distinct prefixes and subnets.
   --subnet A.B.C.0/24   the bridge is A.B.C.1, host k is A.B.C.(k+2) (default 10.213.0.0/24)
   RATE           a tc rate: 10mbit, 100mbit, 1gbit, 500kbit ... or `none` (no shaping).
+  --cpus C       CPU bandwidth of each host, in CPUs: 0.5 = half a core (a CFS quota of 5 ms every
+                 10 ms), or one value per host for unequal nodes (1,0.5,0.5); none = unlimited.
+  --mem SIZE     memory limit of each host (512m, 2g; one per host allowed), swap off. A host that
+                 exceeds it has a process ended by the OOM killer, and the job's end names the host.
+
+CPU and memory (--cpus, --mem): each host gets its own cgroups (v1: cpu, cpuacct, memory; or v2)
+under this process's cgroup, PATH/PREFIX/hK; every process started on the host through the
+cluster's launcher joins them. `status` shows each host's CPU time, throttled time and peak memory;
+`down` removes the groups. Without --cpus every host shares all of this machine's cores, so an
+`iterative` job borrows the idle hosts' cores, which no real cluster allows: use --cpus for any
+comparison of modes. The CFS period is 10 ms, so that a quarter core is held back at most 7.5 ms
+at a time (the kernel's 100 ms default would stall a 20 ms layer evaluation for 75 ms).
 
 What is emulated: bandwidth (a token bucket on egress of both ends of each host's veth, so each host
 has RATE up and RATE down), separate hostnames, TCP between hosts. What is NOT: latency. The kernel
@@ -60,6 +75,8 @@ import sys
 import time
 from pathlib import Path
 
+from emulate_cgroups import CgroupError, Cgroups, human, parse_cpus, parse_mem
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PREFIX = "pi-emu"
 DEFAULT_SUBNET = "10.213.0.0/24"
@@ -88,9 +105,14 @@ case $host in
     {prefix}-h[0-9]*) ;;
     *) echo "emulate-cluster: $host is not a host of the emulated cluster {prefix}" >&2; exit 255 ;;
 esac
-exec ip netns exec "$host" unshare --uts --mount sh -c '
+# The host's CPU and memory (--cpus, --mem): this shell joins its cgroups, and everything it execs
+# and starts stays in them.
+for file in {cgroup_procs}; do
+    echo $$ > "$(echo "$file" | sed "s/@K@/${{host##*-h}}/")" || exit 255
+done
+exec ip netns exec "$host" unshare --uts --mount{unshare_cgroup} sh -c '
 hostname "$0" || exit 255
-case $0 in
+{cgroup_mounts}case $0 in
     *-h0) ;;
     *) IFS=:
        for dir in $PIPEINFER_EMU_NODE_LOCAL; do
@@ -171,10 +193,15 @@ class Cluster:
         self.bridge = f"{prefix}-br"
         self.n_hosts = 0
         self.rate: str | None = None
+        self.cpus: list[float | None] = []  # per host; None = unlimited
+        self.mem: list[int | None] = []
+        self.cgroup_bases: dict[str, str] = {}  # controller -> the cluster's group ('' for v2); empty = none
         if (self.dir / "state.json").exists():
             st = json.loads((self.dir / "state.json").read_text())
             self.net = ipaddress.ip_network(st["subnet"])
             self.n_hosts, self.rate = st["n_hosts"], st["rate"]
+            self.cpus, self.mem = st.get("cpus", []), st.get("mem", [])
+            self.cgroup_bases = st.get("cgroup_bases", {})
 
     # names and addresses
     def host(self, k: int) -> str:
@@ -210,15 +237,30 @@ class Cluster:
     def _save(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         state = {"prefix": self.prefix, "subnet": str(self.net), "n_hosts": self.n_hosts, "rate": self.rate,
-                 "bridge": self.bridge, "hosts": {self.host(k): self.addr(k) for k in range(self.n_hosts)}}
+                 "bridge": self.bridge, "hosts": {self.host(k): self.addr(k) for k in range(self.n_hosts)},
+                 "cpus": self.cpus, "mem": self.mem, "cgroup_bases": self.cgroup_bases}
         (self.dir / "state.json").write_text(json.dumps(state, indent=1) + "\n")
 
     # up / down
-    def up(self, n: int, rate: str = DEFAULT_RATE) -> None:
+    @property
+    def cgroups(self) -> Cgroups | None:
+        """The hosts' cgroups, when --cpus or --mem made them."""
+        if not self.cgroup_bases:
+            return None
+        cg = Cgroups.__new__(Cgroups)
+        cg.prefix, cg.bases = self.prefix, {k: Path(v) for k, v in self.cgroup_bases.items()}
+        cg.version = 2 if "" in cg.bases else 1
+        return cg
+
+    def up(self, n: int, rate: str = DEFAULT_RATE, cpus: str | None = None, mem: str | None = None) -> None:
         require_root()
         if not 1 <= n <= 100:
             raise Failure("the number of hosts must be between 1 and 100")
         bits = parse_rate(rate)
+        self.cpus = parse_cpus(cpus, n) if cpus else [None] * n
+        self.mem = parse_mem(mem, n) if mem else [None] * n
+        limited = any(c is not None for c in self.cpus) or any(m is not None for m in self.mem)
+        cg = Cgroups(self.prefix) if limited else None  # says in one line when there is no cgroup hierarchy
         if self.is_up or self._leftovers():
             raise Failure(f"an emulated cluster {self.prefix} exists already; run `down` first "
                           f"(or choose another --prefix and --subnet)")
@@ -233,8 +275,15 @@ class Cluster:
                 raise Failure(f"the subnet {self.net} overlaps a route of this machine ({line.strip()}); "
                               f"choose another --subnet")
         self.n_hosts, self.rate = n, rate
+        if cg is not None:
+            if cg.exists():
+                raise Failure(f"cgroups of an emulated cluster {self.prefix} exist already ({', '.join(map(str, cg.bases.values()))}); "
+                              f"run `down` first")
+            self.cgroup_bases = {k: str(v) for k, v in cg.bases.items()}
         try:
             self._save()  # first: a failure half-way leaves a state that `down` understands
+            if cg is not None:
+                cg.create(n, self.cpus, self.mem)
             # A fixed address: by default a bridge takes the lowest of its ports' addresses, which
             # changes as hosts join and leaves the hosts that joined before with a stale ARP entry.
             sh("ip", "link", "add", self.bridge, "address", self._mac(0xFF), "type", "bridge")
@@ -254,7 +303,10 @@ class Cluster:
             self.set_rate(rate, bits)
             self._add_hosts_entries()
             self.hostfile.write_text("".join(f"{h}:1\n" for h in self.hosts()))
-            self.wrapper.write_text(SSH_WRAPPER.format(prefix=self.prefix))
+            procs = " ".join(shlex.quote(str(f).replace("/h0/", "/h@K@/")) for f in cg.procs_files(0)) if cg else ""
+            self.wrapper.write_text(SSH_WRAPPER.format(
+                prefix=self.prefix, cgroup_procs=procs, unshare_cgroup=" --cgroup" if cg else "",
+                cgroup_mounts=cg.namespace_mounts() if cg else ""))
             self.wrapper.chmod(0o755)
             self._wait_reachable()
         except BaseException:
@@ -342,8 +394,9 @@ class Cluster:
     def down(self) -> None:
         """Remove whatever this cluster's prefix names: processes in its namespaces, namespaces,
         links, /etc/hosts lines, state. Safe to call twice, or after a half-done `up`."""
+        cg = self.cgroups
         for _ in range(50):
-            pids = self.pids()
+            pids = self.pids() + (cg.pids() if cg else [])
             if not pids:
                 break
             for pid in pids:
@@ -357,8 +410,12 @@ class Cluster:
             sh("ip", "netns", "del", ns, check=False)
         if self._hosts_entries():
             self._rewrite_hosts(lambda old: [line for line in old if not line.rstrip("\n").endswith(self.marker)])
+        left_groups = cg.remove() if cg else []
+        if left_groups:
+            raise Failure(f"could not remove the cgroups {', '.join(left_groups)} (a process is still inside); "
+                          f"end it and run `down` again")
         shutil.rmtree(self.dir, ignore_errors=True)
-        self.n_hosts = 0
+        self.n_hosts, self.cgroup_bases = 0, {}
         deadline = time.monotonic() + 5
         while (left := self._leftovers()) and time.monotonic() < deadline:
             time.sleep(0.1)  # the kernel removes a deleted namespace's devices asynchronously
@@ -397,6 +454,46 @@ class Cluster:
             out[h] = {"tx_by_host": int((stats / "rx_bytes").read_text()),
                       "rx_by_host": int((stats / "tx_bytes").read_text())}
         return out
+
+
+    def share(self, k: int) -> str:
+        """Host k's CPU and memory limits, as `up` and `status` print them."""
+        cpus = self.cpus[k] if k < len(self.cpus) else None
+        mem = self.mem[k] if k < len(self.mem) else None
+        return f"{'all CPUs' if cpus is None else f'{cpus:g} CPU'}, {'all memory' if mem is None else human(mem)}"
+
+    def usage(self) -> dict:
+        """Per host: CPU time, throttled time, peak memory and OOM kills (hosts with cgroups only)."""
+        cg = self.cgroups
+        if cg is None:
+            return {}
+        out = {}
+        for k in range(self.n_hosts):
+            u = cg.usage(k)
+            out[self.host(k)] = {"cpus": self.cpus[k], "mem_limit": self.mem[k], "cpu_s": round(u.cpu_s, 3),
+                                 "throttled_s": round(u.throttled_s, 3), "n_throttled": u.n_throttled,
+                                 "mem_peak": u.mem_peak, "oom_kills": u.oom_kills}
+        return out
+
+    def memory_failures(self, before: dict) -> list[str]:
+        """One line per host whose memory limit made the OOM killer end a process since `before`."""
+        lines = []
+        for h, u in self.usage().items():
+            killed = u["oom_kills"] - before.get(h, {}).get("oom_kills", 0)
+            if killed > 0 and u["mem_limit"] is not None:
+                lines.append(f"host {h} reached its memory limit of {human(u['mem_limit'])} (--mem): the out-of-memory "
+                             f"killer ended {killed} process{'es' if killed > 1 else ''} there; give the hosts more "
+                             f"memory or split the model over more hosts")
+        return lines
+
+
+def run_on_cluster(c: Cluster, cmd: list[str]) -> int:
+    """run_child on the cluster; a host that ran out of memory during it is named in one line."""
+    before = c.usage()
+    rc = run_child(cmd, c.env())
+    for line in c.memory_failures(before):
+        print(f"Error: {line}", file=sys.stderr)
+    return rc
 
 
 # -- command line -------------------------------------------------------------------------------
@@ -438,12 +535,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="emulate-cluster.sh", description=__doc__.split("\n\n")[0],
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["up", "down", "run", "mpiexec", "exec", "env", "rate", "status"])
+    p.add_argument("command", choices=["up", "down", "run", "mpiexec", "exec", "on", "env", "rate", "status"])
     p.add_argument("arg", nargs="?", help="N for up/run, RATE for rate")
     p.add_argument("--rate", default=DEFAULT_RATE, help=f"link rate for up/run (default {DEFAULT_RATE})")
     p.add_argument("--prefix", default=os.environ.get("PIPEINFER_EMU_PREFIX", DEFAULT_PREFIX))
     p.add_argument("--subnet", default=os.environ.get("PIPEINFER_EMU_SUBNET", DEFAULT_SUBNET))
     p.add_argument("-n", type=int, help="ranks for mpiexec (default: one per host)")
+    p.add_argument("--cpus", help="CPUs per host for up/run: 0.5, or one per host (1,0.5,0.5); default: all, shared")
+    p.add_argument("--mem", help="memory limit per host for up/run: 512m, 2g, or one per host; default: none")
+    p.add_argument("--json", action="store_true", help="status: also print the figures as one JSON line")
     a = p.parse_args(own)
 
     def interrupted(signum, _frame):
@@ -459,9 +559,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise Failure(f"`{a.command}` needs the number of hosts: {a.command} N [--rate RATE]")
             n = int(a.arg)
         if a.command == "up":
-            c.up(n, a.rate)
+            c.up(n, a.rate, a.cpus, a.mem)
+            shares = sorted({c.share(k) for k in range(n)}, key=[c.share(k) for k in range(n)].index)
             print(f"up: {n} hosts {c.host(0)}..{c.host(n - 1)} ({c.addr(0)}..{c.addr(n - 1)}), "
-                  f"links at {a.rate} each way, bridge {c.bridge} {c.bridge_addr}; no added latency")
+                  f"links at {a.rate} each way, bridge {c.bridge} {c.bridge_addr}; no added latency; "
+                  f"each host {' / '.join(shares)}" + ("" if c.cgroups else " (shared with every other host)"))
             return 0
         if a.command == "down":
             require_root()
@@ -478,9 +580,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{c.prefix}: not up" + (f" (leftovers: {', '.join(c._leftovers())})" if c._leftovers() else ""))
                 return 0
             print(f"{c.prefix}: {c.n_hosts} hosts, links at {c.rate}, bridge {c.bridge} {c.bridge_addr}")
+            usage = c.usage()
             for h, cnt in c.counters().items():
-                print(f"  {h} {c.addr(int(h.rsplit('h', 1)[1]))}  sent {cnt['tx_by_host']} B  "
-                      f"received {cnt['rx_by_host']} B")
+                k = int(h.rsplit('h', 1)[1])
+                print(f"  {h} {c.addr(k)}  sent {cnt['tx_by_host']} B  received {cnt['rx_by_host']} B")
+                if h in usage:
+                    u = usage[h]
+                    print(f"    {c.share(k)}: CPU {u['cpu_s']:.2f} s, throttled {u['throttled_s']:.2f} s "
+                          f"({u['n_throttled']} periods), peak memory {human(u['mem_peak'])}"
+                          + (f", {u['oom_kills']} killed by the OOM killer" if u["oom_kills"] else ""))
+            if a.json:
+                print(json.dumps({"hosts": c.n_hosts, "rate": c.rate, "links": c.counters(), "usage": usage}))
             return 0
         if a.command == "env":
             for k, v in c.env().items():
@@ -489,11 +599,18 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "exec":
             if not rest:
                 raise Failure("`exec` needs a command after --")
-            return run_child(rest, c.env())
+            return run_on_cluster(c, rest)
+        if a.command == "on":
+            if not (a.arg or "").isdigit() or not rest:
+                raise Failure("`on` needs a host number and a command: on K -- CMD...")
+            c.env()  # must be up
+            if int(a.arg) >= c.n_hosts:
+                raise Failure(f"host {a.arg} does not exist: the cluster has hosts 0..{c.n_hosts - 1}")
+            return run_on_cluster(c, [str(c.wrapper), c.host(int(a.arg)), shlex.join(rest)])
         if a.command == "mpiexec":
             if not rest:
                 raise Failure("`mpiexec` needs a command after --")
-            return run_child(c.mpiexec_cmd(a.n, rest), c.env())
+            return run_on_cluster(c, c.mpiexec_cmd(a.n, rest))
         # run: up, one generate job with one rank per host, down (always)
         if not rest:
             raise Failure("`run` needs the arguments of `pipeinfer generate` after --")
@@ -502,8 +619,8 @@ def main(argv: list[str] | None = None) -> int:
             raise Failure(f"an emulated cluster {c.prefix} exists already; use `exec` on it, "
                           f"or `down` first, or another --prefix and --subnet")
         try:
-            c.up(n, a.rate)  # removes what it made if it fails
-            return run_child([pipeinfer, "generate", "--ranks", str(n), *rest], c.env())
+            c.up(n, a.rate, a.cpus, a.mem)  # removes what it made if it fails
+            return run_on_cluster(c, [pipeinfer, "generate", "--ranks", str(n), *rest])
         finally:
             for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 signal.signal(s, signal.SIG_IGN)
@@ -511,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("Error: interrupted", file=sys.stderr)
         return 130
-    except Failure as e:
+    except (Failure, CgroupError) as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1
 

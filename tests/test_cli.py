@@ -105,17 +105,15 @@ def test_omp_wait_policy_is_passive_only_where_ranks_share_a_host():
 def test_iterative_ranks_on_one_machine_get_every_core(monkeypatch):
     """`--ranks N` in iterative mode: one stage computes at a time, so each rank gets all the cores
     (with a bounded spin); the speculative modes, an explicit --threads or OMP_WAIT_POLICY keep theirs."""
-    import os
-
     from pipeinfer_cli.cli.generate_cmd import whole_host_threads
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert whole_host_threads("iterative", None) == os.cpu_count()
-    assert whole_host_threads("pipeinfer", None) is None
-    assert whole_host_threads("speculative", None) is None
-    assert whole_host_threads("iterative", "1") is None
+    assert whole_host_threads("iterative", None) is True
+    assert whole_host_threads("pipeinfer", None) is False
+    assert whole_host_threads("speculative", None) is False
+    assert whole_host_threads("iterative", "1") is False
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
-    assert whole_host_threads("iterative", None) is None
+    assert whole_host_threads("iterative", None) is False
 
 
 @pytest.mark.mpi

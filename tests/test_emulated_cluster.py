@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -390,3 +391,108 @@ def test_an_interrupted_run_removes_everything(tiny_long, sig):
     assert rc == 128 + sig
     assert len(lines) == 1 and lines[0].startswith("Error: "), lines
     assert leftovers(prefix) == []
+
+
+# -- hosts with their own CPU and memory (--cpus, --mem) -------------------------------------------
+
+def _cgroups_unusable() -> str | None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from emulate_cgroups import CgroupError, Cgroups
+
+    try:
+        Cgroups("probe")
+    except CgroupError as e:
+        return str(e)
+    return None
+
+
+@pytest.fixture(scope="module")
+def capped2():
+    """2 hosts of half a core each (a CFS quota of 5 ms every 10 ms), 1 GiB of memory each."""
+    if (why := _cgroups_unusable()) is not None:
+        pytest.skip(why)
+    emu = Emu(2, f"pt{_ID}c", free_subnet())
+    subprocess.run(emu.cmd("down"), capture_output=True, timeout=60)
+    r = subprocess.run(emu.cmd("up", 2, "--rate", "1gbit", "--cpus", "0.5", "--mem", "1g"), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "0.5 CPU, 1 GiB" in r.stdout
+    try:
+        yield emu
+    finally:
+        r = subprocess.run(emu.cmd("down"), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert leftovers(emu.prefix) == []
+        assert not list(Path("/sys/fs/cgroup/cpu").glob(f"**/{emu.prefix}")), "a cgroup was left"
+
+
+def _usage(emu: Emu) -> dict:
+    r = subprocess.run(emu.cmd("status", "--json"), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])["usage"]
+
+
+BUSY = "import threading, time\ndef spin():\n    t = time.monotonic()\n    while time.monotonic() - t < 1.5: pass\n" \
+       "ts = [threading.Thread(target=spin) for _ in range(2)]\n[t.start() for t in ts]\n[t.join() for t in ts]\n" \
+       "import os; print(os.sched_getaffinity(0).__len__())"
+
+
+def test_a_capped_host_gets_no_cpu_beyond_its_quota(capped2):
+    """Two busy threads on a host capped at half a core: its cgroup counts at most half a core of
+    CPU time over the wall time (plus one period), though the machine has 2 cores free to them."""
+    emu = capped2
+    before = _usage(emu)[emu.host(1)]
+    t0 = time.monotonic()
+    r = subprocess.run(emu.cmd("on", 1, "--", sys.executable, "-c", BUSY), capture_output=True, text=True, timeout=60)
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    after = _usage(emu)[emu.host(1)]
+    used = after["cpu_s"] - before["cpu_s"]
+    assert 0.05 < used <= 0.5 * wall + 0.05, (used, wall)  # the kernel enforces it, whatever else runs
+    assert after["cpus"] == 0.5 and after["n_throttled"] >= before["n_throttled"]
+    assert _usage(emu)[emu.host(0)]["cpu_s"] < 0.5, "host 0 ran nothing of it"
+
+
+def test_a_capped_job_follows_its_share_and_gives_the_tokens_of_shared_memory(smollm2_path, capped2):
+    """pipeinfer on 2 hosts of half a core, threads chosen by the ranks (no --threads): each rank
+    runs 1 thread, every host's cgroup counted its rank's CPU, and the tokens equal the same job's
+    over shared memory."""
+    emu = capped2
+    args = [sys.executable, "-m", "pipeinfer_cli", "generate", smollm2_path, "-p", PROMPT, "-n", 16, "--ctx", 256,
+            "--json", "--ranks", 2, "--mode", "pipeinfer", "--draft", "lookup"]
+    args = list(map(str, args))
+    before = _usage(emu)
+    marker = uuid.uuid4().hex
+    try:
+        r = subprocess.run(emu.cmd("exec", "--", *args), capture_output=True, text=True, timeout=300, env=job_env(marker))
+    finally:
+        assert_no_survivors(marker)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    after = _usage(emu)
+    assert [rk["threads"] for rk in got["ranks"]] == [1, 1], got["ranks"]
+    for k in range(2):
+        assert after[emu.host(k)]["cpu_s"] - before[emu.host(k)]["cpu_s"] > 0.1, (k, before, after)
+    shm = subprocess.run(args + ["--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert shm.returncode == 0, shm.stderr
+    assert got["tokens"] == json.loads(shm.stdout)["tokens"]
+
+
+def test_a_rank_over_its_host_memory_refuses_in_one_line(smollm2_path, capped2):
+    """--ctx 131072 needs about 1.5 GiB of KV cache on each of SmolLM2's 2 ranks, on hosts of 1 GiB:
+    the ranks refuse before loading, with one Error line that names a host and its limit, and
+    nothing hangs."""
+    emu = capped2
+    args = [sys.executable, "-m", "pipeinfer_cli", "generate", smollm2_path, "-p", PROMPT, "-n", 4,
+            "--ctx", 131072, "--ranks", 2]
+    marker = uuid.uuid4().hex
+    try:
+        r = subprocess.run(emu.cmd("exec", "--", *map(str, args)), capture_output=True, text=True, timeout=120,
+                           env=job_env(marker))
+    finally:
+        assert_no_survivors(marker)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error: ")]
+    assert r.returncode != 0
+    assert len(errors) == 1, r.stderr
+    assert "memory limit is 1.1 GB (cgroup)" in errors[0] and f"(host {emu.prefix}-h" in errors[0], errors
+    assert "Traceback" not in r.stderr

@@ -106,12 +106,20 @@ def omp_wait_policy(environ=os.environ) -> str | None:
     Ranks that share a host must not spin: a spinning team steals the core from the rank that
     computes next. A rank alone on its host, the cluster case, keeps the brief spin: with `passive`
     every one of the hundreds of barriers per token becomes a futex wake, which costs a rank with
-    several threads much of its speed. An explicit OMP_WAIT_POLICY always wins. (BENCHMARKS.md,
+    several threads much of its speed. A rank held to less than its CPUs by a cgroup quota (a
+    container's or an emulated host's --cpus) never spins. An explicit OMP_WAIT_POLICY always wins. (BENCHMARKS.md,
     "OpenMP wait policy per rank" and "Figures formerly quoted in source comments".)"""
+    from ..runtime.cpu_share import cpu_share
+    from ..runtime.topology import WHOLE_HOST_ENV
     from ..transport.launch import RELAUNCHED, local_rank_count
 
     if "OMP_WAIT_POLICY" in environ:
         return None
+    share = cpu_share()
+    if share.quota_cpus is not None and share.quota_cpus < share.affinity_cpus:
+        return "passive"  # held by a CPU quota: every spun cycle comes out of its own compute
+    if environ.get(WHOLE_HOST_ENV) == "1":
+        return "active"  # an iterative job's rank with its host's CPUs: GOMP_SPINCOUNT bounds the spin
     if local_rank_count(environ) > 1 or (environ.get(RELAUNCHED) and not environ.get("MPI_LOCALNRANKS")):
         return "passive"
     return None

@@ -98,32 +98,33 @@ def generate(
     _run_and_print(cfg, request, as_json, prep.auto)
 
 
-# In `iterative` mode one stage computes at a time, so the ranks that `--ranks N` starts on this
-# machine may each use all its cores, their OpenMP threads spinning briefly between graphs and then
-# sleeping, which beats one thread per rank with passive waiting. The speculative modes compute on
-# several stages at once: there, oversubscribed spinning threads slow every stage down, so they keep
-# their share (BENCHMARKS.md, "Threads per rank").
+# In `iterative` mode one stage computes at a time, so the ranks that `--ranks N` starts may each
+# use every CPU their host grants them (runtime/topology.py, WHOLE_HOST_ENV), their OpenMP threads
+# spinning briefly between graphs and then sleeping, which beats one thread per rank with passive
+# waiting. Each rank counts its own CPUs: on a capped host (a container's or an emulated host's
+# --cpus) that is its quota, and it never spins into it (cli/app.py). The speculative modes compute
+# on several stages at once: there, oversubscribed spinning threads slow every stage down, so they
+# keep their share (BENCHMARKS.md, "Threads per rank").
 ITERATIVE_SPIN_COUNT = "10000"
 
 
-def whole_host_threads(mode: str, threads: str | None) -> int | None:
-    """Threads per rank for a job this command starts on this machine, when the default should be
-    all the cores (iterative mode, no --threads, no OMP_WAIT_POLICY of the user's); else None."""
-    if needs_draft(mode) or threads is not None or "OMP_WAIT_POLICY" in os.environ:
-        return None
-    return os.cpu_count() or 1
+def whole_host_threads(mode: str, threads: str | None) -> bool:
+    """Whether the ranks of a job this command starts should each take every CPU their host grants
+    (iterative mode, no --threads, no OMP_WAIT_POLICY of the user's)."""
+    return not (needs_draft(mode) or threads is not None or "OMP_WAIT_POLICY" in os.environ)
 
 
-def _relaunch(n_ranks: int, given, threads: int | None = None) -> int:
+def _relaunch(n_ranks: int, given, whole_host: bool = False) -> int:
     """This command again as an MPI job of n_ranks; standard input, already read here, reaches
-    the job as a private temporary file. threads: every rank's thread count, with a brief spin."""
+    the job as a private temporary file. whole_host: every rank takes its host's CPUs, with a
+    brief spin where no quota holds it."""
+    from ..runtime.topology import WHOLE_HOST_ENV
     from ..transport.launch import relaunch
 
     argv = sys.argv[1:]
-    if threads is not None:
-        os.environ["OMP_WAIT_POLICY"] = "active"  # inherited by the ranks; GOMP_SPINCOUNT bounds the spin
+    if whole_host:
+        os.environ[WHOLE_HOST_ENV] = "1"  # inherited by the ranks, which read their own CPU share
         os.environ.setdefault("GOMP_SPINCOUNT", ITERATIVE_SPIN_COUNT)
-        argv = [*argv, f"--threads={threads}"]
     if given.stdin_text is None:
         return relaunch(n_ranks, argv)
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", prefix="pipeinfer-stdin-", suffix=".txt") as f:

@@ -99,6 +99,7 @@ def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool)
     # Sequences: the canonical one, plus one per in-flight run and tree branch (pipeinfer), per slot.
     parallel = getattr(cfg, "parallel", 1)
     n_seq = seqs_per_slot(cfg) * parallel
+    check_memory_limit(cfg, me, rank, topo.n_stages)
     try:
         out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=cfg.engine_ctx,
                                  n_threads=me.threads, n_seq_max=n_seq, n_slots=parallel, slowdown=slowdown_for(rank))
@@ -111,6 +112,34 @@ def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool)
     if me.role == "head":
         _load_head(cfg, out, requests, needs_draft)
     return out
+
+
+def check_memory_limit(cfg, me, rank: int, n_stages: int) -> None:
+    """Refuse, before loading, a rank whose weights and KV cache cannot fit the memory limit that its
+    cgroup sets (a container's --memory, an emulated host's --mem, a Slurm job's): otherwise the
+    out-of-memory killer ends it half-way through loading, and the job can only say "killed".
+    The weights counted are those the rank copies into its own memory (its layers, repacked, and
+    the LM head on the last stage); the embedding table stays in the file's pages."""
+    from ..gguf_info import read_model_info
+    from .cpu_share import memory_limit_bytes
+
+    limit = memory_limit_bytes()
+    if limit is None:
+        return
+    info = read_model_info(cfg.model_path)
+    b, e = me.layers
+    weights = sum(info.layer_bytes[b:e]) + (info.output_bytes if rank == n_stages - 1 else 0)
+    n_embd_kv = info.n_embd // max(1, info.n_head) * info.n_head_kv
+    kv = 2 * 2 * n_embd_kv * (e - b) * cfg.engine_ctx  # K and V, f16, every layer of the range
+    if weights + kv > limit:
+        import socket
+
+        from ..wording import human_bytes
+
+        raise UsageError(f"rank {rank} (host {socket.gethostname()}) needs about {human_bytes(weights + kv)} for layers "
+                         f"{b}-{e - 1} and their KV cache at --ctx {cfg.n_ctx}, but its memory limit is "
+                         f"{human_bytes(limit)} (cgroup); split the model over more hosts (--ranks), "
+                         f"lower --ctx, or raise the host's memory limit")
 
 
 def _load_head(cfg, out: Loaded, requests: list, needs_draft: bool) -> None:

@@ -7,6 +7,7 @@ the head (rank 0). Without `--layer-split`, the layers are balanced by bytes of 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..layer_split import balanced_split, fractions_of
+from .cpu_share import cpu_share
 
 
 @dataclass(frozen=True)
@@ -134,27 +136,38 @@ def parse_threads(text: str | None, world_size: int, ranks_per_host: int) -> lis
         if len(values) != world_size:
             raise UsageError(f"--threads {text!r}: give one value, or one per rank ({world_size} ranks)")
         return values
-    total, mine = host_cpus()
-    if mine < total:
-        # The launcher bound this rank to its own CPUs (Slurm, mpirun --bind-to): use them all.
-        return [mine] * world_size
-    return [max(1, total // max(1, ranks_per_host))] * world_size
+    return [default_threads(ranks_per_host)] * world_size
 
 
-def host_cpus() -> tuple[int, int]:
-    """The host's CPUs, and those this process may run on (fewer when a launcher bound it)."""
-    total = os.cpu_count() or 1
-    return total, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+# Set by `generate --ranks N` for an iterative job on one machine (cli/generate_cmd.py): one stage
+# computes at a time there, so each rank may use every CPU its host grants it, not a share of them.
+WHOLE_HOST_ENV = "PIPEINFER_WHOLE_HOST_THREADS"
+
+
+def default_threads(ranks_per_host: int, environ=os.environ) -> int:
+    """This rank's thread count when --threads is not given, from the CPU it may actually use
+    (runtime/cpu_share.py): a launcher's binding (affinity) is this rank's own; a cgroup quota (a
+    container's --cpus, an emulated host's --cpus) is shared by the ranks on the host; otherwise
+    the host's CPUs are divided among the ranks that share its name."""
+    share = cpu_share()
+    if environ.get(WHOLE_HOST_ENV) == "1":
+        return share.threads
+    if share.affinity_cpus < share.host_cpus:
+        return share.threads  # the launcher bound this rank to its own CPUs (Slurm, mpirun --bind-to)
+    if share.quota_cpus is not None:
+        return max(1, math.ceil(share.cpus / max(1, ranks_per_host) - 1e-9))
+    return max(1, share.host_cpus // max(1, ranks_per_host))
 
 
 def alone_on_cores(threads_here: int, threads_mine: int) -> bool:
     """Whether a rank's threads have cores of their own: those of every process on its host
-    (threads_here, a draft model's included) fit in the host's CPUs, or, for a rank the launcher
-    bound to its own CPUs, its own threads (threads_mine) fit in them."""
-    total, mine = host_cpus()
-    if mine < total:
-        return threads_mine <= mine
-    return threads_here <= total
+    (threads_here, a draft model's included) fit in the CPUs the host grants, or, for a rank the
+    launcher bound to its own CPUs, its own threads (threads_mine) fit in them. Under a CPU quota
+    only whole cores count: a rank held to half a core pays for every cycle it spins."""
+    share = cpu_share()
+    if share.affinity_cpus < share.host_cpus:
+        return threads_mine <= math.floor(share.cpus + 1e-9)
+    return threads_here <= math.floor(share.cpus + 1e-9)
 
 
 def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[int], output_bytes: int,

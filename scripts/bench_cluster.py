@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""The scaling curve: one request on N emulated hosts that each have their own CPU and memory.
+
+The machine's CPU is held fixed (--total-cpus, default 2) and divided among the hosts (N hosts x
+total/N CPUs, a cgroup quota each: scripts/emulate-cluster.sh up N --cpus C), so that adding a host
+adds a node, not cores: `iterative` computes on one host at a time, as on a real cluster, and
+cannot borrow the idle hosts' cores. Every rank runs 1 thread (--threads 1).
+
+For each link rate (--rates) and host count (--hosts) it brings a cluster up, then runs each
+configuration (--configs) through `pipeinfer bench` as a user runs it, with the same prompts:
+
+    iterative                   plain pipelined decoding
+    speculative:DRAFT           synchronous draft-then-verify, the draft on the head
+    pipeinfer:DRAFT             asynchronous pipelined speculation, the draft on the head
+    pipeinfer:DRAFT@own         the draft on a host of its own: N-1 target stages + 1 draft rank
+                                (the PipeInfer paper's 8-node shape is 7 + 1)
+
+DRAFT is a model name, `lookup`, or `lookup+MODEL`. Per row it reports tok/s (end to end), decode
+tok/s, TTFT, acceptance, each host's CPU time and throttled time (from its cgroup), and checks that
+every text equals the reference (the first iterative record of its prompt, on the fewest hosts):
+any difference makes the run fail (exit 1). --mem SIZE limits every host's memory: the rows of a
+model too large for one host, where one host refuses the job and a split runs.
+
+Needs root (namespaces, tc, cgroups). Prints a table on stdout, progress on stderr, and writes every
+figure and the raw bench documents to --json.
+
+    sudo .venv/bin/python scripts/bench_cluster.py --hosts 1,2,4,8 --rates 1gbit --json build/cluster.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from emulate_cluster import Cluster, Failure, require_root  # noqa: E402
+
+DEFAULT_CONFIGS = ("iterative,speculative:qwen2.5-coder-0.5b-instruct,pipeinfer:qwen2.5-coder-0.5b-instruct,"
+                   "pipeinfer:smollm2-135m-instruct,pipeinfer:lookup,pipeinfer:lookup+qwen2.5-coder-0.5b-instruct,"
+                   "pipeinfer:smollm2-135m-instruct@own")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_config(text: str) -> dict:
+    mode, _, rest = text.partition(":")
+    draft, _, place = rest.partition("@")
+    if mode not in ("iterative", "speculative", "pipeinfer"):
+        raise Failure(f"config {text!r}: the mode must be iterative, speculative or pipeinfer")
+    if mode != "iterative" and not draft:
+        raise Failure(f"config {text!r}: {mode} needs a draft (MODE:DRAFT)")
+    if place not in ("", "head", "own"):
+        raise Failure(f"config {text!r}: the placement after @ is head or own")
+    return {"label": text, "mode": mode, "draft": draft or None, "placement": place or ("head" if draft else None)}
+
+
+def balanced_fractions(model: str, n_stages: int) -> str:
+    """--layer-split fractions of the default (byte-balanced) split of n_stages stages."""
+    from pipeinfer_cli.gguf_info import read_model_info
+    from pipeinfer_cli.layer_split import balanced_split, fractions_of
+    from pipeinfer_cli.model_files import resolve_model
+    from pipeinfer_cli.registry import load_registry
+
+    info = read_model_info(resolve_model(model, load_registry()).path)
+    ranges = balanced_split(info.layer_bytes, n_stages, last_extra=info.output_bytes)
+    return ",".join(f"{f:.4f}" for f in fractions_of(ranges, info.n_layer))
+
+
+def bench_cmd(a, n_hosts: int, cfg: dict, out: Path) -> list[str]:
+    cmd = [a.pipeinfer, "bench", a.model, "--modes", cfg["mode"], "--ranks", str(n_hosts), "--threads", "1",
+           "-n", str(a.n_predict), "--prompts", a.prompts, "--limit", str(a.limit), "--warmup", "0",
+           "--repeat", "1", "--temp", "0", "--json", str(out)]
+    if cfg["draft"]:
+        cmd += ["--draft", cfg["draft"]]
+    if cfg["placement"] == "own":
+        cmd += ["--layer-split", balanced_fractions(a.model, n_hosts - 1) + "/1"]
+    return cmd + list(a.bench_arg)
+
+
+def run_one(a, c: Cluster, n_hosts: int, rate: str, cfg: dict, mem: str | None) -> dict:
+    out = a.work_dir / f"{rate}_h{n_hosts}_{cfg['label'].replace(':', '_').replace('@', '_').replace('+', '_')}" \
+                       f"{'_mem' if mem else ''}.json"
+    out.unlink(missing_ok=True)
+    cmd = bench_cmd(a, n_hosts, cfg, out)
+    shown = shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
+    log(f"[{n_hosts} hosts x {c.cpus[0]:g} CPU, {rate}{', mem ' + mem if mem else ''}] {cfg['label']}: {shown}")
+    # One host: the job runs in the launching process (no MPI relaunch), so it must start on host 0.
+    run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if n_hosts == 1 else cmd
+    before = c.usage()
+    t0 = time.monotonic()
+    proc = subprocess.run(run, env={**os.environ, **c.env()}, capture_output=True, text=True, check=False)
+    wall = time.monotonic() - t0
+    after = c.usage()
+    row = {"hosts": n_hosts, "cpus_per_host": c.cpus[0], "rate": rate, "mem_per_host": mem, **cfg,
+           "command": f"scripts/emulate-cluster.sh up {n_hosts} --rate {rate} --cpus {c.cpus[0]:g}"
+                      f"{' --mem ' + mem if mem else ''}; scripts/emulate-cluster.sh {'on 0' if n_hosts == 1 else 'exec'} -- {shown}",
+           "returncode": proc.returncode, "wall_s": round(wall, 1),
+           "host_cpu_s": {h: round(after[h]["cpu_s"] - before[h]["cpu_s"], 2) for h in after},
+           "host_throttled_s": {h: round(after[h]["throttled_s"] - before[h]["throttled_s"], 2) for h in after},
+           "host_mem_peak": {h: after[h]["mem_peak"] for h in after},
+           "oom": c.memory_failures(before)}
+    if out.exists():
+        doc = json.loads(out.read_text())
+        row["records"] = [{k: r.get(k) for k in ("prompt_id", "mode", "tokens", "n_prompt", "n_gen", "tok_per_s",
+                                                  "decode_tok_per_s", "ttft_s", "acceptance", "ranks")}
+                          for r in doc["records"]]
+    else:
+        lines = [x for x in (proc.stderr or proc.stdout).strip().splitlines() if x.startswith("Error")]
+        row["error"] = lines[0] if lines else "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        log(f"  no result (exit {proc.returncode}): {row['error']}")
+    figures(row)
+    if "records" in row:
+        log(f"  {wall:.0f} s: {row['tok_per_s']:.2f} tok/s, TTFT {row['ttft_s']:.2f} s, "
+            f"acceptance {row['acceptance'] if row['acceptance'] is not None else '-'}; "
+            f"throttled {sum(row['host_throttled_s'].values()):.1f} s over the hosts")
+    return row
+
+
+def figures(row: dict) -> None:
+    """Per row: medians over prompts of tok/s, decode tok/s and TTFT; acceptance pooled."""
+    recs = row.get("records") or []
+    med = (lambda k: statistics.median([r[k] for r in recs if r.get(k)]) if any(r.get(k) for r in recs) else None)
+    row["tok_per_s"], row["decode_tok_per_s"], row["ttft_s"] = med("tok_per_s"), med("decode_tok_per_s"), med("ttft_s")
+    drafted = sum((r.get("acceptance") or {}).get("drafted", 0) for r in recs)
+    accepted = sum((r.get("acceptance") or {}).get("accepted", 0) for r in recs)
+    row["acceptance"] = round(accepted / drafted, 3) if drafted else None
+
+
+def check_texts(rows: list[dict]) -> list[str]:
+    """Every record's tokens against the reference of its prompt: the first iterative record on the
+    fewest hosts (else the first record). Returns one line per difference."""
+    ref: dict[str, tuple[list[int], str]] = {}
+    ordered = sorted((r for r in rows if "records" in r), key=lambda r: (r["mode"] != "iterative", r["hosts"]))
+    for r in ordered:
+        for rec in r["records"]:
+            ref.setdefault(rec["prompt_id"], (rec["tokens"], f"{r['label']} on {r['hosts']} hosts"))
+    bad = []
+    for r in rows:
+        for rec in r.get("records", []):
+            tokens, where = ref[rec["prompt_id"]]
+            if rec["tokens"] != tokens:
+                first = next((i for i, (x, y) in enumerate(zip(rec["tokens"], tokens)) if x != y), min(len(rec["tokens"]), len(tokens)))
+                bad.append(f"{r['label']} on {r['hosts']} hosts at {r['rate']}: prompt {rec['prompt_id']} differs from "
+                           f"{where} at token {first}")
+        r["texts_identical"] = not any(f" on {r['hosts']} hosts at {r['rate']}:" in b and b.startswith(r["label"] + " ") for b in bad)
+    return bad
+
+
+def speedups(rows: list[dict]) -> None:
+    """Each row's tok/s over iterative and over the best speculative row of the same hosts and link."""
+    for r in rows:
+        same = [x for x in rows if x["hosts"] == r["hosts"] and x["rate"] == r["rate"] and x.get("mem_per_host") == r.get("mem_per_host")
+                and x.get("tok_per_s")]
+        it = next((x["tok_per_s"] for x in same if x["mode"] == "iterative"), None)
+        spec = max((x["tok_per_s"] for x in same if x["mode"] == "speculative"), default=None)
+        r["x_iterative"] = round(r["tok_per_s"] / it, 3) if r.get("tok_per_s") and it else None
+        r["x_speculative"] = round(r["tok_per_s"] / spec, 3) if r.get("tok_per_s") and spec else None
+
+
+def fmt(v, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def table(rows: list[dict]) -> str:
+    head = ["link", "hosts", "CPU/host", "mem/host", "config", "draft at", "tok/s", "decode", "TTFT s", "accept",
+            "× iter", "× spec", "CPU s (max host)", "throttled s (sum)", "texts"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 6 + ["---:"] * (len(head) - 7) + ["---"]) + "|"]
+    for r in rows:
+        cells = [r["rate"], str(r["hosts"]), f"{r['cpus_per_host']:g}", r.get("mem_per_host") or "–", f"`{r['label'].split('@')[0]}`",
+                 r["placement"] or "–"]
+        if "records" not in r:
+            out.append("| " + " | ".join(cells + [f"cannot run: {r.get('error', '')}"] + [""] * (len(head) - 8)) + " |")
+            continue
+        cells += [fmt(r["tok_per_s"], ".2f"), fmt(r["decode_tok_per_s"], ".2f"), fmt(r["ttft_s"], ".2f"),
+                  fmt(r["acceptance"], ".2f"), fmt(r.get("x_iterative"), ".2f"), fmt(r.get("x_speculative"), ".2f"),
+                  f"{max(r['host_cpu_s'].values()):.1f}", f"{sum(r['host_throttled_s'].values()):.1f}",
+                  "same" if r.get("texts_identical") else "DIFFER"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def run_cluster(a, n: int, rate: str, configs: list[dict], mem: str | None = None) -> list[dict]:
+    c = Cluster(a.prefix, a.subnet)
+    if c.is_up or c._leftovers():
+        raise Failure(f"an emulated cluster {a.prefix} exists already; run `scripts/emulate-cluster.sh down` first")
+    cpus = a.total_cpus / n
+    rows = []
+    try:
+        c.up(n, rate, f"{cpus:g}", mem)
+        for cfg in configs:
+            if cfg["placement"] == "own" and n < 2:
+                continue  # a draft host needs a target host beside it
+            rows.append(run_one(a, c, n, rate, cfg, mem))
+    finally:
+        c.down()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--hosts", default="1,2,4,8", help="host counts (default 1,2,4,8)")
+    p.add_argument("--rates", default="1gbit", help="link rates, e.g. 1gbit,100mbit")
+    p.add_argument("--total-cpus", type=float, default=2.0, help="the CPUs divided among the hosts (default 2)")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="MODE[:DRAFT[@own]],... (default: every mode and draft)")
+    p.add_argument("--prompts", default="default", help="bench prompt set: default, grounded or a .jsonl")
+    p.add_argument("--limit", type=int, default=2, help="prompts of the set (default 2)")
+    p.add_argument("-n", "--n-predict", type=int, default=32)
+    p.add_argument("--mem", metavar="SIZE", help="a memory limit per host (e.g. 800m): the rows of a model too large "
+                                                 "for one host, where one host refuses the job and a split runs")
+    p.add_argument("--bench-arg", action="append", default=[], help="extra argument for pipeinfer bench (repeatable)")
+    p.add_argument("--prefix", default="pi-cl")
+    p.add_argument("--subnet", default="10.214.0.0/24")
+    p.add_argument("--json", type=Path, help="write every figure and row here")
+    p.add_argument("--pipeinfer", default=str(ROOT / ".venv" / "bin" / "pipeinfer"))
+    a = p.parse_args(argv)
+    a.work_dir = ROOT / "build" / "cluster"
+    a.work_dir.mkdir(parents=True, exist_ok=True)
+
+    def interrupted(_signum, _frame):
+        raise KeyboardInterrupt
+
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, interrupted)
+    rows: list[dict] = []
+    try:
+        require_root()
+        configs = [parse_config(x) for x in a.configs.split(",") if x]
+        for rate in a.rates.split(","):
+            for n in (int(x) for x in a.hosts.split(",")):
+                rows += run_cluster(a, n, rate, configs, a.mem)
+    except KeyboardInterrupt:
+        log("Error: interrupted")
+        return 130
+    except Failure as e:
+        log(f"Error: {e}")
+        return 1
+    finally:
+        bad = check_texts(rows)
+        speedups(rows)
+        print(table(rows))
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps({"prompts": a.prompts, "limit": a.limit, "n_predict": a.n_predict,
+                                          "total_cpus": a.total_cpus, "rows": rows, "text_differences": bad}, indent=1))
+    for line in bad:
+        log(f"Error: texts differ: {line}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

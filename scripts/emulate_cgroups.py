@@ -1,0 +1,270 @@
+"""CPU and memory of the emulated cluster's hosts (scripts/emulate_cluster.py): one cgroup per host,
+with a CFS bandwidth quota (`--cpus`) and a memory limit without swap (`--mem`), in the manner of
+Mininet's CPU-limited hosts. Every process the cluster's launcher starts on a host joins its
+groups, so each rank, its Hydra proxy and any child are held to the host's share.
+
+cgroup v1 (the cpu, cpuacct and memory controllers, each mounted under /sys/fs/cgroup/NAME) and v2
+(one hierarchy with cpu and memory enabled) are both handled; the groups are made under this
+process's own cgroup (PATH/PREFIX/hK), so a job's limits stack under whatever holds the caller.
+
+Why a 10 ms CFS period: the kernel's default of 100 ms lets a host capped at 0.25 core run 25 ms,
+then stall 75 ms; a 20 ms layer evaluation that straddles a period boundary then waits far longer
+than its fair share, and the stall lands on one token of a pipeline. With 10 ms the longest stall
+at 0.25 core is 7.5 ms and every token sees the same smooth quarter of a core. Shorter periods
+cannot express small shares (the kernel's smallest quota is 1 ms: 0.1 core at 10 ms) and cost
+more accounting, so 10 ms is the shortest period that keeps `--cpus 0.1` valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_ROOT = Path(os.environ.get("PIPEINFER_EMU_CGROUP_ROOT", "/sys/fs/cgroup"))
+CFS_PERIOD_US = 10_000
+MIN_QUOTA_US = 1_000
+
+
+class CgroupError(Exception):
+    """A cgroup could not be made or read; the message names the file and the fix."""
+
+
+def parse_cpus(text: str, n_hosts: int) -> list[float | None]:
+    """`--cpus 0.5` (every host) or `--cpus 1,0.5,0.5` (one per host); `none` = unlimited."""
+    values: list[float | None] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part in ("none", "max", ""):
+            values.append(None)
+            continue
+        try:
+            v = float(part)
+        except ValueError:
+            raise CgroupError(f"--cpus {text!r}: expected CPUs per host such as 0.5, or one value per host such as 1,0.5,0.5") from None
+        if not v * CFS_PERIOD_US >= MIN_QUOTA_US:
+            raise CgroupError(f"--cpus {part}: at least {MIN_QUOTA_US / CFS_PERIOD_US:g} CPU per host "
+                              f"(the kernel's smallest quota is 1 ms of a {CFS_PERIOD_US // 1000} ms period)")
+        values.append(v)
+    if len(values) == 1:
+        return values * n_hosts
+    if len(values) != n_hosts:
+        raise CgroupError(f"--cpus {text!r} gives {len(values)} values for {n_hosts} hosts: give one, or one per host")
+    return values
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_mem(text: str, n_hosts: int) -> list[int | None]:
+    """`--mem 1g` (every host) or `--mem 2g,512m` (one per host); `none` = unlimited."""
+    values: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part in ("none", "max", ""):
+            values.append(None)
+            continue
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", part)
+        if not m or m.group(2) not in _UNITS:
+            raise CgroupError(f"--mem {text!r}: expected a size such as 512m, 1.5g or 2gib per host")
+        size = int(float(m.group(1)) * _UNITS[m.group(2)])
+        if size < 16 << 20:
+            raise CgroupError(f"--mem {part}: at least 16m per host")
+        values.append(size)
+    if len(values) == 1:
+        return values * n_hosts
+    if len(values) != n_hosts:
+        raise CgroupError(f"--mem {text!r} gives {len(values)} values for {n_hosts} hosts: give one, or one per host")
+    return values
+
+
+def human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
+def _own_paths(proc_cgroup: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            for name in parts[1].split(",") if parts[1] else [""]:
+                out[name] = parts[2]
+    return out
+
+
+@dataclass
+class HostUsage:
+    """What `status` shows of a host's groups."""
+
+    cpu_s: float  # CPU time used by every process of the host
+    throttled_s: float  # time its processes were held back by the quota
+    n_throttled: int  # periods in which they were
+    mem_peak: int  # the largest memory use seen (bytes)
+    oom_kills: int  # processes the OOM killer ended because the host's limit was reached
+
+
+class Cgroups:
+    """The groups of one emulated cluster: v1 or v2, found from the mounted hierarchies."""
+
+    def __init__(self, prefix: str, root: Path = CGROUP_ROOT, proc_cgroup: str | None = None):
+        self.prefix, self.root = prefix, root
+        if proc_cgroup is None:
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
+        own = _own_paths(proc_cgroup)
+        v1 = {name: root / name for name in ("cpu", "cpuacct", "memory")}
+        if all((d / "tasks").exists() for d in v1.values()) and all(n in own for n in v1):
+            self.version = 1
+            self.bases = {n: d.joinpath(*[p for p in own[n].split("/") if p], prefix) for n, d in v1.items()}
+        elif (root / "cgroup.controllers").exists() and "" in own:
+            self.version = 2
+            base = root.joinpath(*[p for p in own[""].split("/") if p])
+            self.bases = {"": base / prefix}
+        else:
+            raise CgroupError(f"no writable cgroup hierarchy with the cpu and memory controllers under {root} "
+                              f"(cgroup v1 needs cpu, cpuacct and memory mounted; v2 needs cpu and memory enabled); "
+                              f"run as root on a machine that has them, or leave out --cpus/--mem")
+
+    # paths
+    def host_dirs(self, k: int) -> dict[str, Path]:
+        return {n: b / f"h{k}" for n, b in self.bases.items()}
+
+    def procs_files(self, k: int) -> list[Path]:
+        """The files a process writes its pid to, to join host k's groups."""
+        return [d / "cgroup.procs" for d in self.host_dirs(k).values()]
+
+    def namespace_mounts(self) -> str:
+        """Shell lines, run inside a host's new mount and cgroup namespaces, that show the host its
+        own groups as a container sees them: `ip netns exec` mounts a fresh /sys, without the
+        cgroup hierarchies, and a cgroup namespace entered after joining the host's groups makes
+        them the root, so /sys/fs/cgroup/cpu/cpu.cfs_quota_us is the host's quota. (Quoted for the
+        single-quoted script of the launcher.)"""
+        if self.version == 2:
+            return "mount -t cgroup2 cgroup2 /sys/fs/cgroup || exit 255\n"
+        lines = ["mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup || exit 255"]
+        for name in self.bases:
+            lines.append(f"mkdir -p /sys/fs/cgroup/{name} && mount -t cgroup -o {name} cgroup /sys/fs/cgroup/{name} || exit 255")
+        return "\n".join(lines) + "\n"
+
+    # making and removing
+    def create(self, n_hosts: int, cpus: list[float | None], mem: list[int | None]) -> None:
+        try:
+            self._create(n_hosts, cpus, mem)
+        except OSError as e:
+            raise CgroupError(f"cannot set up the hosts' cgroups ({e.filename or ''}: {e.strerror}); "
+                              f"run as root with a writable /sys/fs/cgroup, or leave out --cpus/--mem") from None
+
+    def _create(self, n_hosts: int, cpus: list[float | None], mem: list[int | None]) -> None:
+        if self.version == 2:
+            own = self.bases[""].parent
+            _write(own / "cgroup.subtree_control", "+cpu +memory")
+            self.bases[""].mkdir(exist_ok=True)
+            _write(self.bases[""] / "cgroup.subtree_control", "+cpu +memory")
+        else:
+            for b in self.bases.values():
+                b.mkdir(exist_ok=True)
+        for k in range(n_hosts):
+            dirs = self.host_dirs(k)
+            for d in dirs.values():
+                d.mkdir(exist_ok=True)
+            self._limit(dirs, cpus[k], mem[k])
+
+    def _limit(self, dirs: dict[str, Path], cpus: float | None, mem: int | None) -> None:
+        quota = -1 if cpus is None else max(MIN_QUOTA_US, round(cpus * CFS_PERIOD_US))
+        if self.version == 1:
+            _write(dirs["cpu"] / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+            _write(dirs["cpu"] / "cpu.cfs_quota_us", str(quota))
+            if mem is not None:
+                _write(dirs["memory"] / "memory.limit_in_bytes", str(mem))
+                _write(dirs["memory"] / "memory.swappiness", "0")
+                if (dirs["memory"] / "memory.memsw.limit_in_bytes").exists():
+                    _write(dirs["memory"] / "memory.memsw.limit_in_bytes", str(mem))  # no swap beyond the limit
+        else:
+            d = dirs[""]
+            _write(d / "cpu.max", f"{'max' if quota < 0 else quota} {CFS_PERIOD_US}")
+            if mem is not None:
+                _write(d / "memory.max", str(mem))
+                if (d / "memory.swap.max").exists():
+                    _write(d / "memory.swap.max", "0")
+
+    def pids(self) -> list[int]:
+        out: list[int] = []
+        for b in self.bases.values():
+            for f in b.glob("h*/cgroup.procs"):
+                with contextlib.suppress(OSError):
+                    out += [int(x) for x in f.read_text().split()]
+        return sorted(set(out))
+
+    def remove(self) -> list[str]:
+        """Remove every group this cluster made (they must be empty); returns those that stayed."""
+        left = []
+        for b in self.bases.values():
+            for d in sorted(b.glob("h*"), reverse=True) + [b]:
+                if not d.is_dir():
+                    continue
+                for _ in range(50):
+                    try:
+                        d.rmdir()
+                        break
+                    except OSError:
+                        time.sleep(0.1)  # a killed process leaves its group a moment later
+                else:
+                    left.append(str(d))
+        return left
+
+    def exists(self) -> bool:
+        return any(b.is_dir() for b in self.bases.values())
+
+    # reading
+    def usage(self, k: int) -> HostUsage:
+        dirs = self.host_dirs(k)
+        if self.version == 1:
+            stat = _kv(dirs["cpu"] / "cpu.stat")
+            return HostUsage(cpu_s=_int(dirs["cpuacct"] / "cpuacct.usage") / 1e9,
+                             throttled_s=stat.get("throttled_time", 0) / 1e9, n_throttled=stat.get("nr_throttled", 0),
+                             mem_peak=_int(dirs["memory"] / "memory.max_usage_in_bytes"),
+                             oom_kills=_kv(dirs["memory"] / "memory.oom_control").get("oom_kill", 0))
+        d = dirs[""]
+        stat = _kv(d / "cpu.stat")
+        return HostUsage(cpu_s=stat.get("usage_usec", 0) / 1e6, throttled_s=stat.get("throttled_usec", 0) / 1e6,
+                         n_throttled=stat.get("nr_throttled", 0), mem_peak=_int(d / "memory.peak"),
+                         oom_kills=_kv(d / "memory.events").get("oom_kill", 0))
+
+    def limits(self, k: int) -> tuple[float | None, int | None]:
+        dirs = self.host_dirs(k)
+        if self.version == 1:
+            quota, period = _int(dirs["cpu"] / "cpu.cfs_quota_us"), _int(dirs["cpu"] / "cpu.cfs_period_us")
+            mem = _int(dirs["memory"] / "memory.limit_in_bytes")
+            return (quota / period if quota > 0 and period else None), (mem if mem < 1 << 62 else None)
+        d = dirs[""]
+        cpu = (d / "cpu.max").read_text().split()
+        mem = (d / "memory.max").read_text().strip()
+        return (int(cpu[0]) / int(cpu[1]) if cpu[0] != "max" else None), (int(mem) if mem.isdigit() else None)
+
+
+def _write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _int(path: Path) -> int:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _kv(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+                out[parts[0]] = int(parts[1])
+    return out
