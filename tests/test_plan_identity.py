@@ -67,19 +67,23 @@ def test_an_older_profile_without_identities_is_refused():
 
 
 def test_plan_predicts_the_threads_generate_would_use(monkeypatch):
-    """default_threads is `generate`'s default, computed from the profile's facts: on this machine
-    it must agree with runtime/topology.parse_threads and generate's whole_host_threads."""
-    from pipeinfer_cli.cli.generate_cmd import whole_host_threads
-    from pipeinfer_cli.runtime.topology import parse_threads
+    """default_threads is `generate`'s default, computed from the CPU share calibrate recorded: on
+    this machine it must agree with runtime/topology.default_threads, with and without the whole
+    host that generate --ranks N gives an iterative job."""
+    from pipeinfer_cli.runtime.topology import WHOLE_HOST_ENV
+    from pipeinfer_cli.runtime.topology import default_threads as job_default
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    facts = host_facts()
+    f = host_facts()
+    share = (f["cores"], f["affinity_cpus"], f["quota_cpus"])
     for n, per_host in ((1, 1), (2, 2), (2, 1), (4, 4)):
-        want = parse_threads(None, n, per_host)[0]
-        assert default_threads(False, n, per_host, facts["cores"], facts["usable_cpus"], per_host == n) == want
-    assert default_threads(True, 2, 2, facts["cores"], facts["usable_cpus"], True) == whole_host_threads("iterative", None)
+        assert default_threads(False, n, per_host, *share, per_host == n) == job_default(per_host, {})
+    assert default_threads(True, 2, 2, *share, True) == job_default(2, {WHOLE_HOST_ENV: "1"})
+    # the shapes of other machines: a quota shared by the ranks of a host, a launcher's binding
+    assert default_threads(False, 2, 2, 8, 8, 3.0, False) == 2 and default_threads(True, 2, 2, 8, 8, 3.0, True) == 3
+    assert default_threads(False, 4, 4, 16, 4, None, False) == 4 and default_threads(False, 2, 2, 16, 16, None, True) == 8
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # the user's own policy: no whole-host default
-    assert default_threads(True, 2, 2, 8, 8.0, True) == 4
+    assert default_threads(True, 2, 2, 8, 8, None, True) == 4
 
 
 def test_plan_refuses_a_profile_of_other_threads(smollm2_path, tmp_path):
@@ -100,7 +104,7 @@ def test_iterative_on_one_host_is_planned_with_all_the_cores(smollm2_path, tmp_p
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     f = host_facts()
     cores, share = f["cores"], max(1, f["cores"] // 2)
-    if cores < 2 or f["usable_cpus"] < cores:
+    if cores < 2 or f["usable_cpus"] < cores or f["quota_cpus"] is not None:
         pytest.skip("needs a machine whose 2+ CPUs this process may all use")
     prof = smollm2_profile(smollm2_path, tmp_path, host=f["host"], cpu=f["cpu"], cores=cores,
                            usable_cpus=f["usable_cpus"], threads=share, ranks_per_host=2)

@@ -24,8 +24,9 @@ def job_threads(prof, mode: str, threads: str | None, n_ranks: int) -> list[int]
     out = []
     for r in range(n_ranks):
         rc = prof.ranks[r]
-        usable = rc.usable_cpus if rc.usable_cpus is not None else float(rc.cores)
-        out.append(default_threads(not needs_draft(mode), n_ranks, hosts.count(hosts[r]), rc.cores, usable, one_host))
+        affinity = rc.affinity_cpus if rc.affinity_cpus is not None else rc.cores
+        out.append(default_threads(not needs_draft(mode), n_ranks, hosts.count(hosts[r]), rc.cores, affinity,
+                                   rc.quota_cpus, one_host))
     return out
 
 

@@ -10,6 +10,7 @@ and the calibration that would measure it; --force plans anyway, with a warning.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,18 +43,22 @@ def model_sha256(path: Path, registry_sha256: str | None = None, registry_size: 
     return file_sha256(ident)
 
 
-def default_threads(mode_iterative: bool, n_ranks: int, ranks_per_host: int, cores: int, usable_cpus: float,
-                    one_host: bool) -> int:
+def default_threads(iterative: bool, n_ranks: int, ranks_per_host: int, cores: int, affinity_cpus: int,
+                    quota_cpus: float | None, one_host: bool) -> int:
     """The threads per rank `generate` starts a job with when --threads is not given (the job
-    `plan` predicts): a job that `--ranks N` starts on one machine in iterative mode gives every
-    rank all the cores (cli/generate_cmd.whole_host_threads), unless OMP_WAIT_POLICY is set; else
-    a rank bound to fewer CPUs than its host uses those, and ranks sharing a host share its cores
-    (runtime/topology.parse_threads)."""
-    if mode_iterative and one_host and n_ranks > 1 and "OMP_WAIT_POLICY" not in os.environ:
-        return cores
-    mine = max(1, int(usable_cpus))
-    if mine < cores:
-        return mine
+    `plan` predicts), from the rank's CPU share as calibrate recorded it (runtime/cpu_share.py):
+    a job that `--ranks N` starts on one machine in iterative mode gives every rank all the CPUs
+    its host grants it (cli/generate_cmd.whole_host_threads), unless OMP_WAIT_POLICY is set; else
+    runtime/topology.default_threads: a rank bound to fewer CPUs than its host uses those, a cgroup
+    quota is shared by the ranks on the host, otherwise the host's CPUs are."""
+    cpus = min(float(affinity_cpus), quota_cpus) if quota_cpus else float(affinity_cpus)
+    granted = max(1, min(affinity_cpus, math.ceil(cpus - 1e-9)))
+    if iterative and one_host and n_ranks > 1 and "OMP_WAIT_POLICY" not in os.environ:
+        return granted
+    if affinity_cpus < cores:
+        return granted
+    if quota_cpus is not None:
+        return max(1, math.ceil(cpus / max(1, ranks_per_host) - 1e-9))
     return max(1, cores // max(1, ranks_per_host))
 
 

@@ -72,6 +72,8 @@ class RankCosts:
     run_overhead_s: float  # this rank's fixed cost per run (Python, MPI, the stream's bookkeeping)
     probe_layers: list[int] = field(default_factory=list)  # [begin, end): the layers timed
     usable_cpus: float | None = None  # the CPU the rank's process may use (cpuset, quota); None: an older profile
+    affinity_cpus: int | None = None  # the CPUs it may be scheduled on (a cpuset, a launcher's binding)
+    quota_cpus: float | None = None  # its cgroup's CPU quota (None: none)
     ranks_per_host: int | None = None  # ranks of the job on its host, sharing its cores and memory
 
 

@@ -18,7 +18,6 @@ grid interleaved repetition by repetition, so that a slow spell of the machine s
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import time
@@ -35,6 +34,7 @@ from ..decode.trace import TraceRecorder
 from ..planner.profile import CostGrid, DraftCosts, LinkCosts, RankCosts
 from ..transport.faults import slowdown_for
 from ..wording import plural
+from .cpu_share import cpu_share
 from .pipeline import Pipeline
 
 IDLE_GAP_S = 0.025  # a stage's wait before it computes, as scripts/idle_gap.py measures it
@@ -303,14 +303,9 @@ def _lookup_costs(spec: ProbeSpec, rank: int) -> DraftCosts:
     return DraftCosts("lookup", "lookup", rank, 1, token_s, 0.0)
 
 
-def usable_cpus() -> float:
-    """The CPU this process may use (placeholder until runtime/cpu_share.py: the affinity count)."""
-    return float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-
-
 def host_facts() -> dict:
-    """This host: name, CPU model, logical CPUs, the CPU this process may use, total and available
-    memory (bytes)."""
+    """This host: name, CPU model, logical CPUs, the CPU this process may use (runtime/cpu_share.py:
+    its affinity, a cgroup quota, and the smaller of them), total and available memory (bytes)."""
     cpu = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -327,8 +322,9 @@ def host_facts() -> dict:
                 mem[key] = int(value.split()[0]) * 1024  # kB
     except (OSError, ValueError, IndexError):
         pass
-    return {"host": socket.gethostname(), "cpu": cpu or "unknown", "cores": os.cpu_count() or 1,
-            "usable_cpus": usable_cpus(),
+    share = cpu_share()
+    return {"host": socket.gethostname(), "cpu": cpu or "unknown", "cores": share.host_cpus,
+            "usable_cpus": share.cpus, "affinity_cpus": share.affinity_cpus, "quota_cpus": share.quota_cpus,
             "mem_total_bytes": mem.get("MemTotal", 0), "mem_available_bytes": mem.get("MemAvailable", 0)}
 
 
