@@ -210,4 +210,8 @@ def test_mode_auto_states_its_assumed_acceptance_once(smollm2_path, tmp_path):
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stderr.splitlines() if x.startswith("pipeinfer: -M auto chose ")]
     assert len(lines) == 1 and "on an assumed acceptance of 60%" in lines[0], r.stderr
+    assert lines[0].endswith("run with the profile's --threads 2"), r.stderr  # what the profile measured
+    err = one_line_error(run("generate", smollm2_path, "--draft", "lookup", "-M", "auto", "--profile", prof,
+                             "--threads", "1", "-p", "Hi", "-n", 2))
+    assert "was made for 2 threads per rank, this job uses 1 thread per rank" in err and "--threads 1`" in err
     assert "60%" in run("generate", "--help").stdout

@@ -30,6 +30,7 @@ class AutoChoice:
     decode: object  # DecodeOptions
     predicted_tok_per_s: float | None
     acceptance: float  # the assumed acceptance rate
+    threads: str = ""  # the profile's threads per rank, which the job runs with (--threads)
 
     def describe(self) -> str:
         d = self.decode
@@ -42,7 +43,7 @@ class AutoChoice:
     def announce(self) -> str:
         """The job's start-up line: what auto chose and on what acceptance."""
         return (f"pipeinfer: -M {self.describe()}, on an assumed acceptance of {self.acceptance:.0%} (not measured: "
-                "`pipeinfer plan --trace` replays a real draft's)")
+                f"`pipeinfer plan --trace` replays a real draft's), run with the profile's --threads {self.threads}")
 
 
 def choose(cfg, n_ranks: int, has_draft: bool) -> AutoChoice:
@@ -65,6 +66,7 @@ def choose(cfg, n_ranks: int, has_draft: bool) -> AutoChoice:
     if len(prof.ranks) < n_ranks:
         raise UsageError(f"-M auto: the profile measured {len(prof.ranks)} rank(s) but the job has {n_ranks}; "
                          "calibrate with as many ranks as the job runs")
+    threads = job_threads(prof, cfg, n_ranks)
     lookup = cfg.draft_label == "lookup"
     if lookup:  # prompt lookup: a free drafter whose hits are assumed, like a model's
         prof = replace(prof, draft=DraftCosts("model", "lookup", 0, 1, 2e-5, 0.0))
@@ -84,8 +86,30 @@ def choose(cfg, n_ranks: int, has_draft: bool) -> AutoChoice:
         for opts in _candidates(mode, cfg.decode):
             speed = summarize(run_mode(prof, topo, mode, replay, opts, cfg.n_ctx))["tok_per_s"]
             if speed is not None and (best is None or speed > best.predicted_tok_per_s):
-                best = AutoChoice(mode, opts, speed, acceptance)
+                best = AutoChoice(mode, opts, speed, acceptance, threads)
     return best
+
+
+def job_threads(prof, cfg, n_ranks: int) -> str:
+    """The threads the job runs with: the profile's, which its predictions are for (a job's default
+    differs by mode, and -M auto compares modes on the profile's). --threads other than the
+    profile's is refused: the profile did not measure that job."""
+    from ..runtime.topology import parse_threads
+
+    measured = [rc.threads for rc in prof.ranks[:n_ranks]]
+    if cfg.threads is not None:
+        given = parse_threads(cfg.threads, n_ranks, 1)
+        if given != measured:
+            raise UsageError(f"-M auto: the profile {cfg.profile} was made for {_per_rank(measured)}, this job uses "
+                             f"{_per_rank(given)}: run `pipeinfer calibrate {cfg.model_label} --ranks {n_ranks} "
+                             f"--threads {cfg.threads}`, or drop --threads (-M auto runs with the profile's)")
+    return ",".join(map(str, measured)) if len(set(measured)) > 1 else str(measured[0])
+
+
+def _per_rank(threads: list[int]) -> str:
+    from ..wording import plural
+
+    return f"{plural(threads[0], 'thread')} per rank" if len(set(threads)) == 1 else "threads " + ",".join(map(str, threads))
 
 
 def _candidates(mode: str, opts) -> list:

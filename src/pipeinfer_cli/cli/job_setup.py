@@ -252,6 +252,6 @@ def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:
     choice = None
     if auto and target.path is not None:  # a rank without the model takes the head's choice
         choice = choose(cfg, want, draft_ref is not None)
-        mode, cfg.decode = choice.mode, choice.decode
+        mode, cfg.decode, cfg.threads = choice.mode, choice.decode, choice.threads
         _announce(choice, inside)
     return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), draft_ref is not None, choice)
