@@ -110,6 +110,7 @@ def test_iterative_on_one_host_is_planned_with_all_the_cores(smollm2_path, tmp_p
                            usable_cpus=f["usable_cpus"], threads=share, ranks_per_host=2)
     err = one_line_error(run("plan", smollm2_path, "--profile", prof, "--draft", "lookup", "-p", "Hi", "-n", 4))
     assert f"Error: iterative: the profile was made for {share} thread" in err and f"this job uses {cores}" in err
+    assert "or plan --modes speculative,pipeinfer alone" in err
     ok = run("plan", smollm2_path, "--profile", prof, "--draft", "lookup", "-p", "Hi", "-n", 4, "--modes",
              "speculative,pipeinfer", "--json")
     assert ok.returncode == 0, ok.stderr

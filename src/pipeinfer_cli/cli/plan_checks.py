@@ -67,6 +67,9 @@ def check_job(setup, modes: list[str], threads: str | None, force: bool, warn: C
         if "thread" in d.split(":")[0] and not threads:
             d = f"{d}, or plan (and run) the job with --threads {prof.ranks[0].threads}"
         lines.append(d if len(ms) == len(modes) else f"{'/'.join(ms)}: {d}")
+    fine = [m for m in modes if not any(m in ms for ms in seen.values())]
+    if lines and fine:
+        lines[-1] += f", or plan --modes {','.join(fine)} alone"
     check(lines, force, warn)
 
 
