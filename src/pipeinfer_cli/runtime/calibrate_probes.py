@@ -34,7 +34,7 @@ from ..decode.trace import TraceRecorder
 from ..planner.profile import CostGrid, DraftCosts, LinkCosts, RankCosts
 from ..transport.faults import slowdown_for
 from ..wording import plural
-from .cpu_share import cpu_share
+from .cpu_share import cpu_share, memory_limit_bytes
 from .pipeline import Pipeline
 
 IDLE_GAP_S = 0.025  # a stage's wait before it computes, as scripts/idle_gap.py measures it
@@ -325,7 +325,14 @@ def host_facts() -> dict:
     share = cpu_share()
     return {"host": socket.gethostname(), "cpu": cpu or "unknown", "cores": share.host_cpus,
             "usable_cpus": share.cpus, "affinity_cpus": share.affinity_cpus, "quota_cpus": share.quota_cpus,
-            "mem_total_bytes": mem.get("MemTotal", 0), "mem_available_bytes": mem.get("MemAvailable", 0)}
+            "mem_total_bytes": mem.get("MemTotal", 0), "mem_available_bytes": _available(mem.get("MemAvailable", 0))}
+
+
+def _available(mem_available: int) -> int:
+    """MemAvailable, or less where a cgroup's memory limit (a container's, an emulated host's) holds
+    this process below it: /proc/meminfo shows the machine's memory, not the limit."""
+    limit = memory_limit_bytes()
+    return mem_available if limit is None else min(mem_available, limit)
 
 
 def measure_rank(spec: ProbeSpec, info, rank: int, threads: int, runs_draft: bool, sampling: SamplingParams,
