@@ -9,13 +9,13 @@ BUILD  := build/native
 # llama-cpp-python is built from source once (about 7 minutes on 2 cores); pip caches the wheel.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-modes bench-grounded bench-native bench-native-gemma3 bench-network bench-cluster bench-prefix-reuse bench-parallel bench-topologies fault-matrix soak clean help
+.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-modes bench-grounded bench-native bench-native-gemma3 bench-network bench-cluster bench-prefix-reuse bench-parallel bench-topologies fault-matrix soak llama-rpc bench-rpc clean help
 
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
 	@echo "make demo         install, pull the default model, run the main job"
-	@echo "make test         run the test suite (pulls smollm2-135m-instruct once)"
-	@echo "make test-slow    run the slow tests on the Qwen pair"
+	@echo "make test         run the test suite (pulls smollm2-135m-instruct and gemma3-270m once, 351 MB)"
+	@echo "make test-slow    run the slow tests on the Qwen pair (pulls qwen-coder once, 1.6 GB)"
 	@echo "make fuzz         fuzz every GGUF reader, FUZZ_RUNS inputs each (default 100000: about 25 minutes for all three on 2 quiet cores)"
 	@echo "make asan         native extension with ASan+UBSan: native tests, fuzz replay, 2-rank generate"
 	@echo "make test-properties  200 random generate command lines (hypothesis), each success or one Error: line"
@@ -28,6 +28,8 @@ help:
 	@echo "make bench-topologies job shapes side by side: BENCH_SUITE=overhead|topologies|threads (Qwen pair)"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
 	@echo "make bench-cluster the scaling curve: 1-8 emulated hosts with their own CPU (2/N cores each), every mode and draft (root)"
+	@echo "make llama-rpc    build llama.cpp's rpc-server, llama-completion, llama-speculative into build/llama-rpc (from the PyPI sdist)"
+	@echo "make bench-rpc    llama.cpp over RPC on a running emulated cluster vs pipeinfer on the same hosts (root)"
 	@echo "make fault-matrix every message tag x drop/delay/dup/kill/stall in real jobs (about 20 minutes)"
 	@echo "make soak         one job serving 1,000 requests: no KV, memory, fd or thread leak (about 20 minutes)"
 
@@ -200,3 +202,20 @@ SOAK_REQUESTS ?= 1000
 soak: install
 	@mkdir -p build
 	$(PY) scripts/soak.py --requests $(SOAK_REQUESTS) --json build/soak.json
+
+# llama.cpp's RPC backend (docs/emulated-cluster.md, "llama.cpp's RPC backend on the same hosts"): the
+# llama.cpp tree vendored by the pinned llama-cpp-python sdist (PyPI), built with GGML_RPC=ON and the CPU
+# features /proc/cpuinfo reports (never AMX), statically linked, into build/llama-rpc/. Needs no venv;
+# a second run does nothing. About 6 minutes on 2 cores.
+LLAMA_RPC_DIR ?= build/llama-rpc
+llama-rpc: $(LLAMA_RPC_DIR)/.stamp
+
+$(LLAMA_RPC_DIR)/.stamp: scripts/build_llama_rpc.sh pyproject.toml
+	scripts/build_llama_rpc.sh $(LLAMA_RPC_DIR)
+
+# llama.cpp over RPC (one rpc-server per host 1..N-1, the client on host 0) against pipeinfer iterative on
+# the same hosts, same prompts, greedy; the emulated cluster must be up (scripts/emulate-cluster.sh up N).
+BENCH_RPC_ARGS ?= --limit 2 -n 32 --pipeinfer
+bench-rpc: install llama-rpc
+	@mkdir -p build
+	$(PY) scripts/bench_rpc.py $(BENCH_RPC_ARGS) --json build/bench_rpc.json

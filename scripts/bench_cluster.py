@@ -83,9 +83,14 @@ def bench_cmd(a, n_hosts: int, cfg: dict, out: Path) -> list[str]:
            "--repeat", "1", "--temp", "0", "--json", str(out)]
     if cfg["draft"]:
         cmd += ["--draft", cfg["draft"]]
-    if cfg["placement"] == "own":
-        cmd += ["--layer-split", balanced_fractions(a.model, n_hosts - 1) + "/1"]
+    if (split := layer_split(a, n_hosts, cfg)) is not None:
+        cmd += ["--layer-split", split]
     return cmd + list(a.bench_arg)
+
+
+def layer_split(a, n_hosts: int, cfg: dict) -> str | None:
+    """The --layer-split of a config: a draft on a host of its own takes the last host."""
+    return balanced_fractions(a.model, n_hosts - 1) + "/1" if cfg["placement"] == "own" else None
 
 
 def run_one(a, c: Cluster, n_hosts: int, rate: str, cfg: dict, mem: str | None) -> dict:
@@ -174,7 +179,7 @@ def fmt(v, spec: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ["link", "hosts", "CPU/host", "mem/host", "config", "draft at", "tok/s", "decode", "TTFT s", "accept",
-            "× iter", "× spec", "CPU s (max host)", "throttled s (sum)", "texts"]
+            "× iter", "× spec", "plan tok/s", "plan err", "CPU s (max host)", "throttled s (sum)", "texts"]
     out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 6 + ["---:"] * (len(head) - 7) + ["---"]) + "|"]
     for r in rows:
         cells = [r["rate"], str(r["hosts"]), f"{r['cpus_per_host']:g}", r.get("mem_per_host") or "–", f"`{r['label'].split('@')[0]}`",
@@ -184,10 +189,51 @@ def table(rows: list[dict]) -> str:
             continue
         cells += [fmt(r["tok_per_s"], ".2f"), fmt(r["decode_tok_per_s"], ".2f"), fmt(r["ttft_s"], ".2f"),
                   fmt(r["acceptance"], ".2f"), fmt(r.get("x_iterative"), ".2f"), fmt(r.get("x_speculative"), ".2f"),
+                  fmt((r.get("predicted") or {}).get("tok_per_s"), ".2f"),
+                  "–" if r.get("predicted_error") is None else f"{r['predicted_error']:+.0%}",
                   f"{max(r['host_cpu_s'].values()):.1f}", f"{sum(r['host_throttled_s'].values()):.1f}",
                   "same" if r.get("texts_identical") else "DIFFER"]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def plan_rows(a, c: Cluster, n: int, rows: list[dict]) -> None:
+    """The planner against the measurement: `pipeinfer calibrate` on these very hosts (as the job
+    runs: --ranks, --threads 1, the row's draft and placement), then `pipeinfer plan` for the row's
+    mode, prompts and length; the prediction goes into the row beside the measured figures."""
+    profiles: dict[tuple, Path] = {}
+    for row in rows:
+        if row["label"] not in a.plan or "records" not in row:
+            continue
+        split = layer_split(a, n, row)
+        key = (row["draft"], split)
+        if key not in profiles:
+            out = a.work_dir / f"profile_{row['rate']}_h{n}_{len(profiles)}.json"
+            cmd = [a.pipeinfer, "calibrate", a.model, "--ranks", str(n), "--threads", "1", "--quick", "--out", str(out)]
+            cmd += (["--draft", row["draft"]] if row["draft"] else []) + (["--layer-split", split] if split else [])
+            run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if n == 1 else cmd
+            log(f"  calibrate: {shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)}")
+            t0 = time.monotonic()
+            proc = subprocess.run(run, env={**os.environ, **c.env()}, capture_output=True, text=True, check=False)
+            if proc.returncode != 0 or not out.exists():
+                row["plan_error"] = (proc.stderr.strip().splitlines() or ["calibrate failed"])[-1]
+                log(f"  calibrate failed: {row['plan_error']}")
+                continue
+            log(f"  calibrated in {time.monotonic() - t0:.0f} s")
+            profiles[key] = out
+        cmd = [a.pipeinfer, "plan", a.model, "--profile", str(profiles[key]), "--modes", row["mode"], "--ranks", str(n),
+               "--prompts", a.prompts, "--limit", str(a.limit), "-n", str(a.n_predict), "--json"]
+        cmd += (["--draft", row["draft"]] if row["draft"] else []) + (["--layer-split", split] if split else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            row["plan_error"] = (proc.stderr.strip().splitlines() or ["plan failed"])[-1]
+            log(f"  plan failed: {row['plan_error']}")
+            continue
+        pred = json.loads(proc.stdout)["modes"][row["mode"]]
+        row["predicted"] = {k: pred.get(k) for k in ("tok_per_s", "decode_tok_per_s", "ttft_s", "acceptance")}
+        row["predicted_error"] = round(pred["tok_per_s"] / row["tok_per_s"] - 1, 3) if row.get("tok_per_s") else None
+        log(f"  plan: {pred['tok_per_s']:.2f} tok/s predicted, {row['tok_per_s']:.2f} measured "
+            f"({row['predicted_error']:+.0%})")
 
 
 def run_cluster(a, n: int, rate: str, configs: list[dict], mem: str | None = None) -> list[dict]:
@@ -202,6 +248,8 @@ def run_cluster(a, n: int, rate: str, configs: list[dict], mem: str | None = Non
             if cfg["placement"] == "own" and n < 2:
                 continue  # a draft host needs a target host beside it
             rows.append(run_one(a, c, n, rate, cfg, mem))
+        if a.plan:
+            plan_rows(a, c, n, rows)
     finally:
         c.down()
     return rows
@@ -220,12 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--n-predict", type=int, default=32)
     p.add_argument("--mem", metavar="SIZE", help="a memory limit per host (e.g. 800m): the rows of a model too large "
                                                  "for one host, where one host refuses the job and a split runs")
+    p.add_argument("--plan", default="", help="configs to predict with calibrate + plan on the same hosts "
+                                               "(comma-separated labels, e.g. iterative,pipeinfer:smollm2-135m-instruct)")
     p.add_argument("--bench-arg", action="append", default=[], help="extra argument for pipeinfer bench (repeatable)")
     p.add_argument("--prefix", default="pi-cl")
     p.add_argument("--subnet", default="10.214.0.0/24")
     p.add_argument("--json", type=Path, help="write every figure and row here")
     p.add_argument("--pipeinfer", default=str(ROOT / ".venv" / "bin" / "pipeinfer"))
     a = p.parse_args(argv)
+    a.plan = set(x for x in a.plan.split(",") if x)
     a.work_dir = ROOT / "build" / "cluster"
     a.work_dir.mkdir(parents=True, exist_ok=True)
 

@@ -43,6 +43,38 @@ def marked_pids(marker: str) -> list[int]:
     return pids
 
 
+def rank_process(marker: str, rank: int) -> int:
+    """The pid of an MPI rank's own process in a marked job: not its guard (`serve --ranks N`,
+    transport/rank_guard.py) nor its start watchdog, which carry the rank's variables too."""
+    want = f"PMI_RANK={rank}\0".encode()
+    found = [p for p in marked_pids(marker)
+             if want in _read(f"/proc/{p}/environ") and _read(f"/proc/{p}/comm").strip() not in
+             (b"pipeinfer-guard", b"pipeinfer-start")]
+    assert len(found) == 1, f"rank {rank}: {found}"
+    return found[0]
+
+
+def zombie_children(marker: str) -> list[tuple[int, str]]:
+    """(pid, name) of every zombie whose parent is a process of the job: a child it never reaped."""
+    parents = set(marked_pids(marker))
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _read(f"/proc/{entry}/stat").decode(errors="replace")
+            name, _, rest = stat.rpartition(")")
+            fields = rest.split()
+            if len(fields) > 1 and fields[0] == "Z" and int(fields[1]) in parents:
+                found.append((int(entry), name.partition("(")[2]))
+    return found
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
 def assert_no_survivors(marker: str, grace_s: float = 5.0) -> None:
     deadline = time.monotonic() + grace_s
     while (left := marked_pids(marker)) and time.monotonic() < deadline:

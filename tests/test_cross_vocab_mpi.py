@@ -81,6 +81,7 @@ def test_hybrid_drafting_is_lossless_and_reports_each_source(smollm2_path, gemma
     assert got["draft"] == f"lookup+{gemma3_path}"
 
 
+@pytest.mark.slow  # pulls Qwen2.5-Coder-1.5B (1.1 GB): make test-slow
 def test_smollm2_drafting_for_qwen_coder_15b(qwen15_path, smollm2_path):
     prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""'
     want = reference(str(qwen15_path), prompt, 32, GREEDY)

@@ -111,14 +111,105 @@ def test_missing_package_gives_clear_error(tmp_path):
         pip_download("pipeinfer-no-such-package-xyz==9.9.9", dest)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write to read-only directories")
-def test_unwritable_cache(tmp_path, monkeypatch):
+CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory (mode 0500) its owner cannot write to: (path, run), where run(fn) calls fn() as
+    that owner and returns what it returns. Root writes everywhere, so where the tests run as root,
+    run calls fn in a forked child that gave up root's power to override file permissions
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH): the permission bits then apply to it as to any user.
+    (A child that became `nobody` with os.setuid could not import the rest of Python from /root.)"""
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
+    yield ro, (_without_root_file_powers if os.geteuid() == 0 else lambda fn: fn())
+    ro.chmod(0o700)
+
+
+def _drop_capabilities(*caps: int) -> None:
+    """Remove these capabilities from this process's effective and permitted sets (capset(2))."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    for cap in caps:
+        data[cap // 32].effective &= ~(1 << cap % 32)
+        data[cap // 32].permitted &= ~(1 << cap % 32)
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+def _without_root_file_powers(fn):
+    """fn() in a forked child without CAP_DAC_OVERRIDE; its result (or its exception) comes back pickled."""
+    import pickle
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        status = 0
+        try:
+            os.close(read_end)
+            _drop_capabilities(CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH)
+            try:
+                outcome = ("ok", fn())
+            except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
+                outcome = ("raised", f"{type(e).__name__}: {e}")
+            with os.fdopen(write_end, "wb") as f:
+                pickle.dump(outcome, f)
+        except BaseException:  # noqa: BLE001
+            status = 1
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and data, "the child without root's file permissions failed"
+    kind, value = pickle.loads(data)
+    if kind == "raised":
+        raise AssertionError(f"without root's file permissions: {value}")
+    return value
+
+
+def test_the_read_only_directory_is_read_only_for_its_user(read_only_dir):
+    """The fixture does what it says: its user cannot create a file there (else the tests below prove nothing)."""
+    ro, run = read_only_dir
+
+    def try_write() -> str:
+        try:
+            (ro / "probe").write_text("x")
+        except PermissionError:
+            return "denied"
+        return "written"
+
+    assert run(try_write) == "denied"
+    assert not (ro / "probe").exists()
+
+
+def test_unwritable_cache(read_only_dir, tmp_path, monkeypatch):
+    ro, run = read_only_dir
     monkeypatch.setenv("PIPEINFER_CACHE", str(ro / "sub"))
-    with pytest.raises(CacheError, match="set PIPEINFER_CACHE"):
-        pull_model(entry("0" * 64), downloader=local_downloader(tmp_path))
+
+    def pull() -> str:
+        try:
+            pull_model(entry("0" * 64), downloader=local_downloader(tmp_path))
+        except CacheError as e:
+            return str(e)
+        return "pulled"
+
+    msg = run(pull)
+    assert "set PIPEINFER_CACHE" in msg, msg
+    assert list(ro.iterdir()) == []
 
 
 def test_cache_that_is_a_file(tmp_path, monkeypatch):
@@ -129,28 +220,43 @@ def test_cache_that_is_a_file(tmp_path, monkeypatch):
         pull_model(entry("0" * 64), downloader=local_downloader(tmp_path))
 
 
-@pytest.mark.parametrize("how", ["permissions", "access-denied"])
-def test_pull_into_read_only_cache_is_one_line_before_any_progress(tmp_path, monkeypatch, how):
-    """`PIPEINFER_CACHE=/read-only pipeinfer models pull NAME`: the error, and no progress bar."""
+def test_pull_into_read_only_cache_is_one_line_before_any_progress(read_only_dir, monkeypatch):
+    """`PIPEINFER_CACHE=/read-only pipeinfer models pull NAME` as a user without write permission:
+    the error, and no progress bar."""
+    from typer.testing import CliRunner
+
+    from pipeinfer_cli.cli.app import app
+
+    ro, run = read_only_dir
+    monkeypatch.setenv("PIPEINFER_CACHE", str(ro))
+
+    def pull() -> tuple[int, str, str]:
+        r = CliRunner().invoke(app, ["models", "pull", "smollm2-135m-instruct"])
+        return r.exit_code, r.stdout, r.stderr
+
+    _one_line_refusal(*run(pull), ro)
+
+
+def test_pull_into_a_cache_access_denies_is_one_line(tmp_path, monkeypatch):
+    """The same directory as access() reports it to a user who may not write there."""
     from typer.testing import CliRunner
 
     from pipeinfer_cli.cli.app import app
 
     ro = tmp_path / "ro"
     ro.mkdir()
-    if how == "permissions":
-        if os.geteuid() == 0:
-            pytest.skip("root can write to read-only directories")
-        ro.chmod(0o500)
-    else:  # the same directory as a non-root user sees it (the tests may run as root)
-        real_access = os.access
-        monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == ro else real_access(p, mode, **kw))
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == ro else real_access(p, mode, **kw))
     monkeypatch.setenv("PIPEINFER_CACHE", str(ro))
     r = CliRunner().invoke(app, ["models", "pull", "smollm2-135m-instruct"])
-    assert r.exit_code == 1
-    assert r.stdout == ""
-    lines = r.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"Error: the model cache {ro} is not writable"), r.stderr
+    _one_line_refusal(r.exit_code, r.stdout, r.stderr, ro)
+
+
+def _one_line_refusal(rc: int, stdout: str, stderr: str, ro: Path) -> None:
+    assert rc == 1, stderr
+    assert stdout == ""
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: the model cache {ro} is not writable"), stderr
     assert "PIPEINFER_CACHE" in lines[0]
     assert list(ro.iterdir()) == []
 

@@ -243,3 +243,18 @@ def test_n_minus_one_runs_until_the_context_is_full(smollm2_path):
     if r["finish_reason"] == "length":
         assert r["n_prompt"] + r["n_gen"] == 48 - 1
     assert r["n_gen"] >= 1
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_piped_text_ends_with_one_newline_and_json_is_unchanged(smollm2_path, ranks):
+    """`pipeinfer generate … > out.txt`: the text, then one newline (a file a shell prints whole);
+    the summary goes to stderr; --json is one JSON document ending in a newline."""
+    args = [sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "-p", "The capital of France is",
+            "-n", 12, "--ranks", ranks, "--threads", 1, "--no-pull"]
+    plain = subprocess.run(list(map(str, args)), capture_output=True, text=True, timeout=120)
+    as_json = subprocess.run(list(map(str, args + ["--json"])), capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and as_json.returncode == 0, plain.stderr + as_json.stderr
+    result = json.loads(as_json.stdout)
+    assert as_json.stdout.endswith("}\n") and not as_json.stdout.endswith("\n\n")
+    assert plain.stdout == result["text"] + "\n", (plain.stdout, result["text"])
+    assert "pipeinfer: " in plain.stderr and result["text"] not in plain.stderr

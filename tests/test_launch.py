@@ -225,6 +225,19 @@ def test_launcher_teardown_chatter_is_not_blamed():
     assert "crashed or was killed" in msg and "assert" not in msg
 
 
+@pytest.mark.parametrize("reason, want, not_want", [
+    ("Killed (signal 9)", "killed (SIGKILL), for example by the out-of-memory killer", "SIGTERM"),
+    ("Terminated (signal 15)", "stopped (SIGTERM) by someone or something: a scheduler", "out-of-memory"),
+    ("Segmentation fault (signal 11)", "a rank crashed", "out-of-memory"),
+])
+def test_the_cause_named_fits_the_signal(reason, want, not_want):
+    """The out-of-memory killer sends SIGKILL: it is never offered as the cause of a SIGTERM."""
+    from pipeinfer_cli.transport.launch import abnormal_end
+
+    msg = abnormal_end(reason, 143)
+    assert want in msg and not_want not in msg and reason in msg, msg
+
+
 # -- Ctrl-C on a real job (mpiexec of the mpich wheel, SmolLM2 on 2 ranks) --------------------------
 
 def rank_pids(marker: str) -> list[int]:

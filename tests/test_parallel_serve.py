@@ -16,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 
+from jobprocs import rank_process, zombie_children
 from serving import read_events, start_server
 
 from pipeinfer_cli.decode.parallel_policy import SlotTable, may_speculate
@@ -232,3 +233,97 @@ def test_a_rank_failure_with_requests_in_flight_ends_every_request_and_the_serve
     assert rc not in (0, None)
     log = server.stderr()
     assert "Error: rank 1: " in log and "injected fault" in log and "Traceback" not in log, log
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("signum, how", [(9, "killed by SIGKILL"), (15, "killed by SIGTERM")], ids=["SIGKILL", "SIGTERM"])
+def test_a_rank_killed_from_outside_gives_every_client_an_error(smollm2_path, tmp_path, signum, how):
+    """Rank 1's process killed while a streamed, an unstreamed and a queued request are in flight:
+    each client reads an error (an `error` event then the end of the stream; a 503 JSON), the server
+    exits non-zero well within the rank timeout, and nothing of the job is left."""
+    import os
+    import time
+
+    server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 1024, "--parallel", 2,
+                          "--queue", 2, "--rank-timeout", 60, log_dir=tmp_path)
+    results: dict = {}
+    try:
+        conn, resp = server.open_stream("/v1/completions", {"prompt": COUNT, "max_tokens": 400})
+
+        def ask(name: str) -> None:
+            results[name] = server.post_json("/v1/completions", {"prompt": COUNT, "max_tokens": 400}, timeout=120)
+
+        threads = [threading.Thread(target=ask, args=(name,)) for name in ("unstreamed", "queued")]
+        threads[0].start()
+        read_events(resp, 3)
+        threads[1].start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # both slots busy, the third request waiting
+            _, _, raw = server.request("GET", "/metrics")
+            gauges = dict(ln.split(" ", 1) for ln in raw.decode().splitlines() if ln and not ln.startswith("#"))
+            if float(gauges["pipeinfer_queue_depth"]) == 1 and float(gauges["pipeinfer_requests_running"]) == 2:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the queued request never queued")
+        assert zombie_children(server.marker) == []  # e.g. a start watchdog left unreaped under a rank
+        killed_at = time.monotonic()
+        os.kill(rank_process(server.marker, 1), signum)
+        rest = read_events(resp)  # until the stream ends
+        for t in threads:
+            t.join(60)
+        rc = server.proc.wait(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        server.stop()
+    assert rest and rest[-1] != "[DONE]", rest[-3:]
+    last = json.loads(rest[-1])
+    assert "error" in last, rest[-3:]
+    error = last["error"]
+    want = f"rank 1 (stage 2 of 2, host "
+    assert "the job failed" in error["message"] and want in error["message"] and how in error["message"], error
+    for name in ("unstreamed", "queued"):
+        status, body = results[name]
+        assert status == 503 and want in body["error"]["message"] and how in body["error"]["message"], (name, body)
+    assert rc == 1 and took < 30, (rc, took)  # the rank timeout is 60 s: this was noticed, not timed out
+    errors = [ln for ln in server.stderr().splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 1 and how in errors[0] and "Traceback" not in server.stderr(), server.stderr()
+
+
+@pytest.mark.mpi
+def test_slots_say_who_holds_the_draft_model_and_only_the_holder_drafts(smollm2_path, tmp_path):
+    """The job's draft model drafts for one request at a time: the other request's row names the
+    holder, and under round-robin (every request runs its mode as if alone) only the holder drafts."""
+    import time
+
+    server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 2048, "--draft", smollm2_path,
+                          "--parallel", 2, "--load-policy", "round-robin", log_dir=tmp_path)
+    try:
+        results: list = [None, None]
+
+        def ask(i: int) -> None:
+            results[i] = server.post_json("/v1/completions", {"prompt": COUNT, "max_tokens": 48, "mode": "pipeinfer"})
+
+        first = threading.Thread(target=ask, args=(0,))
+        first.start()
+        deadline = time.monotonic() + 60
+        while not any(s.get("draft") == "model" for s in json.loads(server.request("GET", "/slots")[2])):
+            assert time.monotonic() < deadline, "the first request never took the draft model"
+            time.sleep(0.05)
+        second = threading.Thread(target=ask, args=(1,))
+        second.start()
+        rows = []
+        while time.monotonic() < deadline and len([r for r in rows if r["is_processing"]]) < 2:
+            rows = json.loads(server.request("GET", "/slots")[2])
+            time.sleep(0.05)
+        first.join(120)
+        second.join(120)
+    finally:
+        server.stop()
+    holder = next(r for r in rows if r.get("draft") == "model")
+    other = next(r for r in rows if r is not holder)
+    assert "draft_model_held_by" not in holder, holder
+    assert other["draft"] == "none" and other["draft_model_held_by"] == {"slot": holder["id"], "id_task": holder["id_task"]}, rows
+    (s0, b0), (s1, b1) = results
+    assert s0 == 200 and s1 == 200
+    assert b0["timings"]["draft_n"] > 0 and b1["timings"]["draft_n"] == 0, (b0["timings"], b1["timings"])

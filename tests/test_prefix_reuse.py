@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pipeinfer_cli.decode.prefix_cache import PrefixCache, whole_chunks
-from pipeinfer_cli.decode.session import PREFILL_CHUNK
+from pipeinfer_cli.decode.session import chunk_floor, prefill_chunks
 from pipeinfer_cli.native import LayerEngine
 from pipeinfer_cli.transport.launch import find_mpiexec
 
@@ -67,7 +67,7 @@ def test_second_chat_turn_reuses_the_first_and_prints_the_same(smollm2_path, mod
     assert (tuple(first["tokens"]), tuple(second["tokens"])) == want
     assert first["reused_tokens"] == 0
     # The second turn starts with the first turn's whole prompt; whole chunks of it are kept.
-    assert second["common_prefix_tokens"] >= first["n_prompt"] > PREFILL_CHUNK
+    assert second["common_prefix_tokens"] >= first["n_prompt"] > 256
     assert second["reused_tokens"] == whole_chunks(first["n_prompt"]) > 0
     # After /reset the same first turn is computed from scratch: same tokens, nothing reused.
     assert again["reused_tokens"] == 0 and again["tokens"] == first["tokens"]
@@ -94,8 +94,9 @@ def baseline_acceptance(model, ranks: int) -> dict:
 @pytest.mark.mpi
 def test_a_prompt_that_diverges_keeps_only_the_common_prefix(tiny_pair):
     """Raw prompts on a tiny target with a poor draft (many cancelled runs): a prompt sharing about
-    300 tokens keeps one chunk, one sharing fewer than 256 keeps nothing; the tokens are those of a
-    fresh prefill, and every rank holds exactly the committed tokens after each request."""
+    330 characters keeps the whole prefill chunks of that prefix, one sharing 100 keeps those of its
+    prefix; the tokens are those of a fresh prefill, and every rank holds exactly the committed
+    tokens after each request."""
     target, draft = tiny_pair
     base = "".join(chr(97 + (i * 7) % 26) for i in range(700))
     steps = [{"prompt": base}, {"prompt": base[:330] + "zzzz different ending"},
@@ -105,9 +106,10 @@ def test_a_prompt_that_diverges_keeps_only_the_common_prefix(tiny_pair):
     a, b, c, fresh = lines
     assert tuple(tuple(r["tokens"]) for r in (a, b, c)) == want
     assert fresh["tokens"] == c["tokens"]
-    assert PREFILL_CHUNK <= b["common_prefix_tokens"] < a["n_prompt"]
-    assert b["reused_tokens"] == PREFILL_CHUNK
-    assert c["common_prefix_tokens"] < PREFILL_CHUNK and c["reused_tokens"] == 0
+    assert 256 <= b["common_prefix_tokens"] < a["n_prompt"]
+    assert b["reused_tokens"] == chunk_floor(b["common_prefix_tokens"]) >= 256
+    assert 0 < c["common_prefix_tokens"] < b["common_prefix_tokens"]
+    assert c["reused_tokens"] == chunk_floor(c["common_prefix_tokens"]) > 0
     check_cells(lines, ["0", "1"])
 
 
@@ -129,8 +131,8 @@ def test_reused_cells_are_bit_identical_to_a_fresh_prefill(smollm2_path):
                       seq_ids=[[0]] * len(toks), output=out, batch_invariant=invariant)
 
     def prefill(e, toks, start=0):
-        for b in range(start, len(toks), PREFILL_CHUNK):
-            res = ev(e, toks[b:b + PREFILL_CHUNK], b, False, want_last=b + PREFILL_CHUNK >= len(toks))
+        for b, end in prefill_chunks(start, len(toks)):
+            res = ev(e, toks[b:end], b, False, want_last=end == len(toks))
         return res[-1]
 
     full = first + answer + turn
@@ -141,7 +143,7 @@ def test_reused_cells_are_bit_identical_to_a_fresh_prefill(smollm2_path):
         ev(e, [t], len(first) + i, True)
     cache = PrefixCache(first + answer, whole_chunks(len(first)))
     keep, common = cache.plan(full)
-    assert (keep, common) == (PREFILL_CHUNK, len(first) + len(answer))
+    assert (keep, common) == (chunk_floor(len(first)), len(first) + len(answer)) and keep == 256
     everything = ev(e, turn, len(first) + len(answer), False)[-1]  # keep every cell, prefill the turn
     e.seq_rm(0, keep, -1)
     assert np.array_equal(prefill(e, full, start=keep), fresh)

@@ -8,11 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from jobprocs import marked_pids
+from jobprocs import rank_process
 from serving import start_server
 
 pytestmark = pytest.mark.mpi
@@ -47,7 +46,7 @@ def test_a_rank_stopped_while_the_server_is_idle_ends_it(smollm2_path, tmp_path)
     try:
         status, _ = server.post_json("/v1/completions", {"prompt": "Hi", "max_tokens": 4})
         assert status == 200
-        stopped = next(p for p in marked_pids(server.marker) if b"PMI_RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes())
+        stopped = rank_process(server.marker, 1)
         os.kill(stopped, signal.SIGSTOP)
         rc = server.proc.wait(timeout=60)
     finally:
@@ -88,3 +87,23 @@ def test_sigterm_is_a_clean_stop_on_one_rank_or_many(smollm2_path, tmp_path, ran
     assert rc == 0, log
     assert log.splitlines()[-1] == "pipeinfer serve: stopped by SIGTERM", log
     assert "Error" not in log and "Traceback" not in log, log
+
+
+def test_the_head_killed_ends_the_job_with_one_line_naming_it(smollm2_path, tmp_path):
+    """Rank 0 killed by SIGKILL: its clients' connections drop (nothing can answer them), and the
+    other ranks learn it from its guard at once, not after --rank-timeout: one line, status 1."""
+    import time
+
+    server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 512, "--rank-timeout", 60,
+                          log_dir=tmp_path)
+    try:
+        killed_at = time.monotonic()
+        os.kill(rank_process(server.marker, 0), signal.SIGKILL)
+        rc = server.proc.wait(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        server.stop()
+    errors = [ln for ln in server.stderr().splitlines() if ln.startswith("Error: ")]
+    assert rc == 1 and took < 30, (rc, took)
+    assert len(errors) == 1 and errors[0].startswith("Error: rank 0 (the head") and "killed by SIGKILL" in errors[0], \
+        server.stderr()

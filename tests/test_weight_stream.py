@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from jobprocs import finish_job, marked_pids, start_job
 
 from pipeinfer_cli.weight_slices import stage_slice, stage_tensor_names, iter_chunks
+from pipeinfer_cli.wording import human_bytes
 
 BIN = Path(sys.executable).parent
 MPIEXEC, PIPEINFER = str(BIN / "mpiexec"), str(BIN / "pipeinfer")
@@ -138,6 +139,57 @@ def test_a_cached_slice_is_found_and_a_flipped_byte_is_caught(cache):
     assert slice_cache.list_cached() == [] and slice_cache.leftovers() == []
 
 
+def test_a_truncated_cached_slice_is_caught_by_its_size_and_fetched_again(cache):
+    from pipeinfer_cli import slice_cache
+
+    data = os.urandom(50_000)
+    path = _store(data)
+    with open(path, "r+b") as f:  # a disk that filled up, a copy cut short
+        f.truncate(30_000)
+    found, why = slice_cache.lookup("ab" * 32, (3, 7))
+    assert found is None and why is not None
+    assert "it has 30000 bytes, its record says 50000" in why and "fetched again" in why, why
+    assert not path.exists() and not path.with_suffix(".json").exists()
+    assert slice_cache.lookup("ab" * 32, (3, 7)) == (None, None)
+
+
+def test_partial_files_of_cut_streams_are_removed_at_start_and_said(cache, capsys):
+    """A rank killed (SIGKILL) while it was sent its weights leaves its partial file; the next job
+    that starts a rank on that host removes it, in one line on stderr, even when that rank needs
+    no stream (it reads the model locally)."""
+    from pipeinfer_cli.runtime.weight_stream import _remove_cut_streams
+
+    (cache / "slices").mkdir(parents=True)
+    dead = cache / "slices" / f".{'ab' * 32}.layers-15-29.gguf~{socket.gethostname()}~999999999.partial"
+    alive = cache / "slices" / f".y.gguf~{socket.gethostname()}~{os.getpid()}.partial"
+    dead.write_bytes(b"x" * 2_500_000)
+    alive.write_bytes(b"part")
+    _remove_cut_streams("rank 1 (host h)")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"pipeinfer: rank 1 (host h): removed the partial file {dead.name} (2.5 MB) that a cut stream "
+                   f"of weights left in the node cache {cache / 'slices'}"], err
+    assert not dead.exists() and alive.exists()  # a running writer's file stays
+    _remove_cut_streams("rank 1 (host h)")
+    assert capsys.readouterr().err == ""  # nothing left to say
+
+
+def test_prune_unused_days_honours_the_age_of_partial_files(cache):
+    (cache / "slices").mkdir(parents=True)
+    host = socket.gethostname()
+    young = cache / "slices" / f".a.gguf~{host}~999999998.partial"  # its writer ended two days ago
+    old = cache / "slices" / f".b.gguf~{host}~999999999.partial"
+    for p, days in ((young, 2), (old, 40)):
+        p.write_bytes(b"part")
+        t = time.time() - days * 86400
+        os.utime(p, (t, t))
+    env = {**os.environ, "PIPEINFER_CACHE": str(cache)}
+    r = subprocess.run([PIPEINFER, "models", "prune", "--unused-days", "30"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "1 leftover file" in r.stderr, r.stderr
+    assert young.exists() and not old.exists()
+    r = subprocess.run([PIPEINFER, "models", "prune"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "1 leftover file" in r.stderr and not young.exists(), r.stderr
+
+
 def test_a_damaged_or_interrupted_stream_leaves_no_file(cache):
     from pipeinfer_cli import slice_cache
 
@@ -166,16 +218,25 @@ def test_partial_files_of_ended_writers_are_removed(cache):
 def test_models_list_shows_slices_and_prune_removes_them(cache):
     _store(os.urandom(5000))
     env = {**os.environ, "PIPEINFER_CACHE": str(cache)}
+    cut = cache / "slices" / f".x.gguf~{socket.gethostname()}~999999999.partial"
+    cut.write_bytes(b"p" * 700)
     listed = json.loads(subprocess.run([PIPEINFER, "models", "list", "--json"], capture_output=True, text=True,
                                        env=env, check=True).stdout)
     assert [(s["part"], s["size"]) for s in listed["slices"]] == [("layers-3-6", 5000)]
-    assert listed["cache_bytes"] >= 5000
+    assert listed["partial_files"] == [{"path": str(cut), "size": 700, "modified": cut.stat().st_mtime,
+                                        "writing": False}]
+    assert listed["partial_bytes"] == 700
+    assert listed["cache_bytes"] == 5700 + sum(m["size"] for m in listed["models"] if m["downloaded"])
     plain = subprocess.run([PIPEINFER, "models", "list"], capture_output=True, text=True, env=env, check=True).stdout
-    assert "m@layers-3-6\tslice\t5000\tyes\t" in plain
+    # Piped: what docs/models.md says, and only that (no header, total or partial files).
+    lines = plain.splitlines()
+    assert lines[-1].startswith("m@layers-3-6\tslice\t5000\tyes\t")
+    assert all(len(ln.split("\t")) in (4, 5, 6) for ln in lines) and ".partial" not in plain
+    assert lines[0].split("\t")[0] in listed["models"][0]["name"]
     kept = subprocess.run([PIPEINFER, "models", "prune", "--unused-days", "1"], capture_output=True, text=True, env=env)
     assert kept.returncode == 0 and "0 slices" in kept.stderr
     gone = subprocess.run([PIPEINFER, "models", "prune"], capture_output=True, text=True, env=env)
-    assert gone.returncode == 0 and "1 slice" in gone.stderr and "freed 5.0 kB" in gone.stderr
+    assert gone.returncode == 0 and "1 slice and 1 leftover file" in gone.stderr and "freed 5.7 kB" in gone.stderr
     assert list((cache / "slices").iterdir()) == []
 
 
@@ -309,6 +370,36 @@ def test_a_rank_stopped_mid_stream_ends_the_job_with_one_line_and_no_partial_fil
     assert len(errors) == 1 and errors[0].startswith("Error: rank 1 (host ") and "stopped by SIGTERM" in errors[0], err
     assert "Traceback" not in err
     assert list((empty / "slices").iterdir()) == []
+
+
+@pytest.mark.mpi
+def test_a_rank_killed_mid_stream_leaves_a_partial_file_that_the_next_job_removes(smollm2_path, tmp_path):
+    head, empty = _cache_with(tmp_path, "head", smollm2_path), tmp_path / "empty"
+    args = ["generate", MODEL, "-p", PROMPT, "-n", 8, "--threads", 1, "--no-pull"]
+    cmd = [MPIEXEC, "-n", 1, "-env", "PIPEINFER_CACHE", str(head), PIPEINFER, *args, ":",
+           "-n", 1, "-env", "PIPEINFER_CACHE", str(empty), PIPEINFER, *args]
+    proc, marker = start_job(cmd, PIPEINFER_DEBUG_STREAM_RATE="4e6")
+    deadline = time.monotonic() + 60
+    while not list((empty / "slices").glob("*.partial")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    receivers = [p for p in marked_pids(marker) if b"PMI_RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes()
+                 and b"pipeinfer" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert receivers, "rank 1 is not running"
+    for p in receivers:
+        os.kill(p, 9)  # SIGKILL: the rank cannot remove its partial file
+    rc, _, _ = finish_job(proc, marker, within_s=60)
+    assert rc != 0
+    (left,) = list((empty / "slices").glob("*.partial"))
+    size = human_bytes(left.stat().st_size)
+    # The next job: rank 1's host now has the model itself, so nothing is streamed; its start removes the file.
+    _cache_with(tmp_path, "empty", smollm2_path)
+    rc, out, err = _mpmd([head, empty], args)
+    assert rc == 0, err
+    said = [ln for ln in err.splitlines() if "partial file" in ln]
+    assert said == [f"pipeinfer: rank 1 (host {socket.gethostname()}): removed the partial file {left.name} "
+                    f"({size}) that a cut stream of weights left in the node cache {empty / 'slices'}"], err
+    assert not left.exists() and "has no copy" not in err
 
 
 def test_prune_spares_a_file_a_running_job_writes_and_rm_takes_a_path(cache, tmp_path):

@@ -115,23 +115,59 @@ def list_cached() -> list[CachedSlice]:
 ORPHAN_AGE_S = 3600.0  # a record without its file, or a partial file of another host, this old is a leftover
 
 
-def leftovers(only_dead: bool = False) -> list[Path]:
+def leftovers(only_dead: bool = False, unused_since: float | None = None) -> list[Path]:
     """Files of jobs that were cut: partial files whose writer has ended (on this host; on another
     host, once ORPHAN_AGE_S old), and records without their file (as old). A file that a running job
-    is still writing is never one. only_dead: partial files of this host's ended writers only."""
+    is still writing is never one. only_dead: partial files of this host's ended writers only.
+    unused_since: a Unix time; only files last written before it (`models prune --unused-days`)."""
     root = slices_dir()
     if not root.is_dir():
         return []
     old = time.time() - ORPHAN_AGE_S
     stray = []
     for p in root.iterdir():
+        try:
+            mtime = p.stat().st_mtime
+        except OSError:  # removed meanwhile (its writer committed or cleaned up)
+            continue
+        if unused_since is not None and mtime >= unused_since:
+            continue
         if PARTIAL in p.name:
             ended = _writer_ended(p)
-            if ended or (ended is None and not only_dead and p.stat().st_mtime < old):
+            if ended or (ended is None and not only_dead and mtime < old):
                 stray.append(p)
-        elif not only_dead and p.suffix == ".json" and not p.with_suffix(".gguf").exists() and p.stat().st_mtime < old:
+        elif not only_dead and p.suffix == ".json" and not p.with_suffix(".gguf").exists() and mtime < old:
             stray.append(p)
     return sorted(stray)
+
+
+@dataclass(frozen=True)
+class PartialFile:
+    path: Path
+    size: int
+    modified: float  # Unix time of its last write
+    writing: bool | None  # its writer is running (True), has ended (False), cannot be told (None: another host's)
+
+    def to_dict(self) -> dict:
+        return {"path": str(self.path), "size": self.size, "modified": self.modified, "writing": self.writing}
+
+
+def partial_files() -> list[PartialFile]:
+    """Every partial file of the node cache: streams under way, or left by cut jobs."""
+    root = slices_dir()
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.iterdir()):
+        if PARTIAL not in p.name:
+            continue
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        ended = _writer_ended(p)
+        out.append(PartialFile(p, st.st_size, st.st_mtime, None if ended is None else not ended))
+    return out
 
 
 def _writer_ended(partial: Path) -> bool | None:
@@ -145,14 +181,21 @@ def _writer_ended(partial: Path) -> bool | None:
 
 def partial_bytes() -> int:
     """Bytes in partial files (streams under way, or left by cut jobs)."""
-    root = slices_dir()
-    return sum(p.stat().st_size for p in root.iterdir() if PARTIAL in p.name) if root.is_dir() else 0
+    return sum(p.size for p in partial_files())
 
 
-def remove_dead_partials() -> None:
-    """Best effort, when a rank starts writing: the partial files that cut jobs of this host left."""
+def remove_dead_partials() -> list[tuple[str, int]]:
+    """Best effort, when a rank starts: remove the partial files that cut jobs of this host left
+    (a writer killed by SIGKILL cannot remove its own). Returns (name, bytes) of each one removed."""
+    removed = []
     for path in leftovers(only_dead=True):
-        path.unlink(missing_ok=True)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except OSError:  # another rank of this host removed it first
+            continue
+        removed.append((path.name, size))
+    return removed
 
 
 def total_bytes() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 
@@ -250,7 +251,9 @@ def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:
     cfg = make_job_config(target, draft_ref, job)
     mark_hybrid(cfg, hybrid)
     choice = None
-    if auto and target.path is not None:  # a rank without the model takes the head's choice
+    on_head = not inside or launcher_rank() == 0
+    # The head plans alone: a rank without the model or the profile takes the head's choice.
+    if auto and target.path is not None and (on_head or (cfg.profile is not None and Path(cfg.profile).is_file())):
         choice = choose(cfg, want, draft_ref is not None)
         mode, cfg.decode, cfg.threads = choice.mode, choice.decode, choice.threads
         _announce(choice, inside)

@@ -13,7 +13,7 @@ from rich.table import Table
 from ..cache import cache_dir, cached_model_path, ensure_writable_cache
 from ..fetch import pull_model
 from ..registry import load_registry
-from ..slice_cache import leftovers, list_cached, part_name, partial_bytes, remove
+from ..slice_cache import leftovers, list_cached, part_name, partial_files, remove
 from .console import byte_progress, err, out
 from .options import JsonFlag
 from .wording import epilog, human_bytes, plural
@@ -43,9 +43,9 @@ Besides complete model files, the cache holds the weights a rank was sent by the
 
 @app.command("list")
 def list_models(as_json: JsonFlag = False) -> None:
-    """Show every named model and pair, and whether it is downloaded.
+    """Show every named model and pair, whether it is downloaded, the node cache's rank slices and partial files, and the cache's total size.
 
-    On a terminal this is a table. Piped, it is plain text for scripts and grep, one model or pair a line, tab-separated: name, arch ("pair" for a pair), size in bytes, downloaded (yes/no), and for a pair its target and draft. Names are never shortened.
+    On a terminal this is tables and a line with the total. Piped, it is plain text for scripts and grep, no header and no total, one item a line, tab-separated: name, arch ("pair" for a pair, "slice" for a rank slice as MODEL@PART), size in bytes, downloaded (yes/no), then a pair's target and draft or a slice's path. Partial files and the total are in --json (partial_files, partial_bytes, cache_bytes). Names are never shortened.
     """
     reg = load_registry()
     rows = []
@@ -55,10 +55,12 @@ def list_models(as_json: JsonFlag = False) -> None:
                      "path": str(path), "default": m.name == reg.default, "description": m.description})
     pairs = [{"name": p.name, "target": p.target, "draft": p.draft, "description": p.description} for p in reg.pairs.values()]
     slices = [_slice_row(s) for s in list_cached()]
+    partials = partial_files()
+    partial = sum(p.size for p in partials)
     if as_json:
         out.print_json(json.dumps({"cache": str(cache_dir()), "models": rows, "pairs": pairs, "slices": slices,
-                                   "partial_bytes": partial_bytes(),
-                                   "cache_bytes": _cache_bytes(rows, slices) + partial_bytes()}))
+                                   "partial_files": [p.to_dict() for p in partials], "partial_bytes": partial,
+                                   "cache_bytes": _cache_bytes(rows, slices) + partial}))
         return
     if not out.is_terminal:
         by_name = {r["name"]: r for r in rows}
@@ -93,7 +95,6 @@ def list_models(as_json: JsonFlag = False) -> None:
             pt.add_row(p["name"], p["target"], p["draft"])
         out.print(pt)
     _print_slices(slices)
-    partial = partial_bytes()
     extra = f", plus {human_bytes(partial)} of partial files (streams under way or cut)" if partial else ""
     out.print(f"The cache holds {human_bytes(_cache_bytes(rows, slices) + partial)}: "
               f"{plural(sum(r['downloaded'] for r in rows), 'model file')} and {plural(len(slices), 'rank slice')}{extra} "
@@ -144,18 +145,19 @@ def _print_slices(slices: list[dict]) -> None:
 
 @app.command("prune")
 def prune(
-    unused_days: Annotated[float | None, typer.Option("--unused-days", help="Only slices no job used for this many days.", min=0)] = None,
+    unused_days: Annotated[float | None, typer.Option("--unused-days", help="Only slices no job used, and partial files nothing wrote, for this many days.", min=0)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")] = False,
 ) -> None:
     """Remove the rank slices of the node cache (the weights a job's head sent this node), and the partial
-    files of jobs that were cut (never those a running job is writing). Complete model files stay
+    files of jobs that were cut (never those a running job is writing). With --unused-days N, only
+    slices no job used and partial files nothing wrote for N days. Complete model files stay
     (`pipeinfer models rm NAME` removes one).
 
     A slice is only a copy: the next job that needs it is sent it again by its head.
     """
     cutoff = None if unused_days is None else time.time() - unused_days * 86400
     victims = [s for s in list_cached() if cutoff is None or s.last_used < cutoff]
-    stray = leftovers()
+    stray = leftovers(unused_since=cutoff)
     freed = sum(s.size for s in victims) + sum(p.stat().st_size for p in stray if p.exists())
     for s in victims:
         err.print(f"{'would remove' if dry_run else 'removed'} {s.model} {s.describe()} ({human_bytes(s.size)}) {s.path}",

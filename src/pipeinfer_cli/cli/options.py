@@ -15,7 +15,7 @@ ModelArg = Annotated[str, typer.Argument(help="Target model: registry name, pair
 OptionalModelArg = Annotated[str | None, typer.Argument(show_default=False, help="Target model: registry name, pair name (target + draft), or .gguf path (or use -m).")]
 ModelOption = Annotated[str | None, typer.Option("--model", "-m", show_default=False, help="The target model, as with llama.cpp's -m (same as the MODEL argument).")]
 ModeOption = Annotated[str | None, typer.Option("--mode", "-M", show_default=False, help="iterative: one token per pass through the pipeline. speculative: draft --n-draft tokens, verify them in one batch (standard synchronous speculation). pipeinfer: asynchronous pipelined speculation with early cancellation. auto: the mode and settings (n_draft, p_accept, max_inflight) that `pipeinfer plan` predicts fastest on these ranks, from --profile, assuming every draft is right 60% of the time (stated on stderr). Default: pipeinfer when there is a draft (--draft or a pair name), else iterative.")]
-DraftOption = Annotated[str | None, typer.Option("--draft", "-md", help="Draft model (name or .gguf path; any vocabulary: one that is not the target's is translated through text), 'lookup' for prompt-lookup drafting, or 'lookup+MODEL': lookup where it has a confident match, the model elsewhere.")]
+DraftOption = Annotated[str | None, typer.Option("--draft", "-md", help="Draft model (name or .gguf path; any vocabulary: one that is not the target's is translated through text, if both tokenizers spell text back byte for byte), 'lookup' for prompt-lookup drafting, or 'lookup+MODEL': lookup where it has a confident match, the model elsewhere.")]
 NPredictOption = Annotated[int, typer.Option("--n-predict", "-n", help="Tokens to generate (stops earlier at end of generation); -1 = until end of generation or a full context.")]
 TempOption = Annotated[float, typer.Option("--temp", min=0.0, help="Temperature; 0 = greedy.")]
 TopKOption = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the k most likely tokens (0 = all).")]
@@ -45,8 +45,8 @@ LayerSplitOption = Annotated[str | None, typer.Option("--layer-split", help="Fra
 PROFILE_ENV = "PIPEINFER_PROFILE"
 ProfileOption = Annotated[Path | None, typer.Option(
     "--profile", envvar=PROFILE_ENV, show_envvar=True, metavar="FILE",
-    help="A profile written by `pipeinfer calibrate` with the same ranks, for --layer-split auto. Every rank reads "
-         "it: on a cluster, put it where every node sees it (as the model).")]
+    help="A profile written by `pipeinfer calibrate` with the same ranks, for --layer-split auto and -M auto. The "
+         "head plans the job from it alone: only the first node needs it (as the model).")]
 ThreadsOption = Annotated[str | None, typer.Option("--threads", "-t", help="Threads per rank: one value or one per rank (default: cores / ranks on this host; all the cores for each rank of an iterative `generate --ranks N`, where one stage computes at a time).")]
 CtxOption = Annotated[int, typer.Option("--ctx", "-c", min=16, help="Context size (KV cells) per rank.")]
 RankTimeoutOption = Annotated[float, typer.Option(

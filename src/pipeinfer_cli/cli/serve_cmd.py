@@ -109,7 +109,8 @@ def serve(
         bind(host, port).close()  # a port in use is reported now, not after the launch
     # The server loads the draft whenever it has one: each request may choose its mode.
     run_here_or_relaunch(prep, start.inside, prep.has_draft,
-                         lambda: relaunch(prep.ranks, sys.argv[1:], clean_stop=stopped_line))
+                         lambda: relaunch(prep.ranks, sys.argv[1:], clean_stop=stopped_line,
+                                          rank_timeout_s=prep.cfg.rank_timeout_s))
     _serve_on_this_rank(prep.cfg, prep.mode, host, port, queue, api_key)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from .prefix_cache import PrefixCache
 from .sampling import softmax_top
-from .session import PREFILL_CHUNK
+from .session import chunk_floor, prefill_chunks
 
 
 @dataclass
@@ -153,10 +153,10 @@ class LlamaDrafter:
             self.lib.llama_memory_seq_rm(self.mem, 0, keep, -1)
         else:
             self.lib.llama_memory_seq_rm(self.mem, -1, -1, -1)
-        for b in range(keep, len(prompt), PREFILL_CHUNK):
-            self._decode(prompt[b:b + PREFILL_CHUNK], b)
+        for b, e in prefill_chunks(keep, len(prompt)):
+            self._decode(prompt[b:e], b)
         self.kv_tokens = list(prompt)
-        self.exact = len(prompt) - len(prompt) % PREFILL_CHUNK
+        self.exact = chunk_floor(len(prompt))
 
     def read_context(self, tokens: list[int]) -> None:
         """Hold only `tokens`, at positions 0.. (in one batch): a short context to draft from

@@ -5,7 +5,8 @@ tokens (all but the last, which was sampled and never fed) on every stage. The n
 only cells that are bit-identical to what a fresh prefill of its prompt would compute, so that its
 tokens are exactly those it would get without reuse:
 
-- a prefill computes the prompt in chunks of PREFILL_CHUNK tokens at fixed positions (0, 256, …)
+- a prefill computes the prompt in chunks at fixed positions (0, 16, 32, …, 256, 384, 512, 768, …:
+  `session.prefill_chunks`)
   with the batched kernels; a cell computed by a *full* chunk depends only on the tokens up to the
   chunk's end, so a later prompt that shares those tokens would compute the very same cell;
 - cells of generated tokens were computed one row at a time (batch-invariant decode), and those of
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .session import PREFILL_CHUNK
+from .session import chunk_floor
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -35,8 +36,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def whole_chunks(n: int) -> int:
-    """n rounded down to a multiple of PREFILL_CHUNK."""
-    return n - n % PREFILL_CHUNK
+    """n rounded down to a prefill chunk boundary."""
+    return chunk_floor(n)
 
 
 @dataclass
@@ -44,7 +45,7 @@ class PrefixCache:
     """What the canonical KV sequence holds on every stage between requests.
 
     tokens: the tokens whose cells are in the canonical sequence, positions 0.. (empty: cleared).
-    exact: how many leading cells full prefill chunks computed (a multiple of PREFILL_CHUNK); only
+    exact: how many leading cells full prefill chunks computed (a chunk boundary); only
         these may be reused.
     min_resume: the shortest prefix the stages can continue from: a sliding-window cache (Gemma 3)
         pruned the cells a shorter one would need (0: any). A shorter prefix is not kept at all.

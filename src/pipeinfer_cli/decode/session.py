@@ -11,7 +11,40 @@ from .text_stream import TextStream
 
 SPEC_POLICIES = ("auto", "always")  # DecodeOptions.spec_policy
 CANONICAL_SEQ = 0  # the KV sequence that holds committed tokens on every stage
-PREFILL_CHUNK = 256  # prompt tokens per run (target) and per batch (draft): the same chunks everywhere
+PREFILL_CHUNK = 256  # the largest prompt chunk: every chunk from position 512 on
+# The sizes of the first prompt chunks, at fixed positions (0, 16, 32, 48, 64, 96, 128, 192, 256, 384,
+# 512, then every 256). Small chunks first let a short prompt fill a pipeline: chunk i+1 computes on
+# one stage while chunk i is on the next, so a 60-token prompt on 4 stages is 4 chunks in flight rather
+# than one batch walking the stages one after another. On these CPUs a prompt token costs about the same
+# in a chunk of 16 as in one of 256 (BENCHMARKS.md, "Prompt chunks"). The positions never depend on
+# the prompt, the ranks or the mode, so every job computes the same cells (lossless across host
+# counts) and a prefix reused up to a chunk boundary is what a fresh prefill computes.
+PREFILL_HEAD = (16, 16, 16, 16, 32, 32, 64, 64, 128, 128)
+
+
+def prefill_chunks(start: int, end: int) -> list[tuple[int, int]]:
+    """The prompt chunks [b, e) that cover positions start..end, start being a chunk boundary."""
+    out, b = [], 0
+    sizes = iter(PREFILL_HEAD)
+    while b < end:
+        e = b + next(sizes, PREFILL_CHUNK)
+        if e > start:
+            if b < start:
+                raise ValueError(f"prefill from {start}: not a chunk boundary")
+            out.append((b, min(e, end)))
+        b = e
+    return out
+
+
+def chunk_floor(n: int) -> int:
+    """The last chunk boundary at or before n (the prompt tokens whole chunks cover)."""
+    b = 0
+    sizes = iter(PREFILL_HEAD)
+    while True:
+        e = b + next(sizes, PREFILL_CHUNK)
+        if e > n:
+            return b
+        b = e
 
 
 @dataclass

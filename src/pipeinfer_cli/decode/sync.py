@@ -8,15 +8,16 @@ import threading
 from collections.abc import Callable
 
 from .pipeline_protocol import PipelineLike, may_speculate
-from .session import CANONICAL_SEQ, PREFILL_CHUNK, DecodeOptions, Session
+from .session import CANONICAL_SEQ, DecodeOptions, Session, prefill_chunks
 
 
 def prefill(pipe: PipelineLike, s: Session, draft_prefill: Callable[[], None] | None = None,
             draft_in_thread: bool = True, start: int = 0) -> None:
     """Process the prompt into the canonical sequence and commit the first token.
 
-    start: prompt tokens whose cells the canonical sequence already holds (prefix reuse; a multiple
-    of PREFILL_CHUNK, so the chunks are the very ones a prefill from 0 computes). The chunks are launched back to back, so on several ranks the stages work on chunk i while the
+    start: prompt tokens whose cells the canonical sequence already holds (prefix reuse; a chunk
+    boundary, so the chunks are the very ones a prefill from 0 computes: session.prefill_chunks).
+    The chunks are launched back to back, so on several ranks the stages work on chunk i while the
     head computes chunk i+1; only the last chunk asks for logits (its last row).
 
     `draft_prefill` (the draft model's own pass over the prompt) must not delay the first token:
@@ -28,9 +29,9 @@ def prefill(pipe: PipelineLike, s: Session, draft_prefill: Callable[[], None] | 
     prompt = s.tokens
     pipe.set_sampling(s.sampling)  # every request starts here: the last stage samples its rows
     n_chunks = 0
-    for b in range(start, len(prompt), PREFILL_CHUNK):
-        chunk = prompt[b:b + PREFILL_CHUNK]
-        last = b + len(chunk) == len(prompt)
+    for b, e in prefill_chunks(start, len(prompt)):
+        chunk = prompt[b:e]
+        last = e == len(prompt)
         pipe.launch(chunk, list(range(b, b + len(chunk))), [[CANONICAL_SEQ]] * len(chunk),
                     [False] * (len(chunk) - 1) + [last], invariant=False)
         n_chunks += 1

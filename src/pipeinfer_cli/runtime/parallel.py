@@ -88,6 +88,11 @@ class DraftLease:
                 return drafter, draft_reuse, True
         return (LookupDrafter() if self.hybrid else NoDraft()), reuse, False
 
+    @property
+    def lent(self) -> bool:
+        """Whether the job has a draft model that is lent to one request at a time (not lookup alone)."""
+        return self.drafter is not None and not self.lookup_only
+
     def give_back(self, slot: int) -> None:
         with self._mutex:
             if self.holder == slot:
@@ -163,6 +168,13 @@ class ParallelRunner:
             self.threads.pop(slot.index, None)
             self.freed.set()
 
+    def _holder_of_the_draft(self) -> dict | None:
+        """{"slot", "id_task"} of the request holding the job's draft model (None if it was just given back)."""
+        holder = self.lease.holder
+        info = self.service.slot_info.get(holder) if holder is not None else None
+        ticket = (info or {}).get("ticket")
+        return None if holder is None else {"slot": holder, "id_task": getattr(ticket, "seq", None)}
+
     def run(self, req, prompt: list[int], slot: Slot, cb, ticket=None):
         """One request in its slot: Head.run's steps on the slot's pipeline."""
         head, cfg, mux = self.head, self.cfg, self.mux
@@ -175,9 +187,11 @@ class ParallelRunner:
             slot.prefix.clear()
         wants_draft = needs_draft(req.mode)
         drafter, draft_reuse, held = self.lease.take(slot.index, keep) if wants_draft else (None, keep, False)
-        self.service.slot_info[slot.index] = {"ticket": ticket, "mode": req.mode, "n_prompt_tokens": len(prompt),
-                                              "reused_tokens": keep,
-                                              "draft": getattr(drafter, "name", None) if wants_draft else None}
+        info = {"ticket": ticket, "mode": req.mode, "n_prompt_tokens": len(prompt), "reused_tokens": keep,
+                "draft": getattr(drafter, "name", None) if wants_draft else None}
+        if wants_draft and self.lease.lent and not held:
+            info["draft_model_held_by"] = self._holder_of_the_draft()
+        self.service.slot_info[slot.index] = info
         with mux.lock:
             mux.active.add(slot.index)
         try:
@@ -213,7 +227,8 @@ class ParallelRunner:
 def slot_rows(service) -> list[dict]:
     """What every slot of a service does (GET /slots, /metrics), in llama-server's manner: id,
     n_ctx, is_processing, and for a busy slot its request (id_task), mode, prompt tokens, tokens
-    decoded so far, reused tokens and drafter."""
+    decoded so far, reused tokens and drafter; for a request that wanted the job's draft model
+    while another request held it, draft_model_held_by (that request's slot and id_task)."""
     cfg = service.cfg
     out = []
     for i in range(cfg.parallel if cfg is not None else service.parallel):

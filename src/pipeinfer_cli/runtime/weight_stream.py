@@ -81,6 +81,7 @@ def share_plan_and_weights(link: Link, startup, cfg, needs_draft: bool, files: l
     docstring). files: every rank's `local_files` from the "start" check-in. On every rank, cfg is
     the head's configuration afterwards, with this rank's own paths to the weights it loads."""
     hosts = startup.hosts
+    _remove_cut_streams(_whoami(link, startup))
     if link.rank == 0:
         topo = plan_config(cfg, link.size, hosts.count(hosts[0]), needs_draft)
         digests = _digests_for_others(cfg, topo, files, needs_draft)
@@ -113,6 +114,24 @@ def share_plan_and_weights(link: Link, startup, cfg, needs_draft: bool, files: l
         else:
             cfg.draft_path = path
     return topo, source
+
+
+def _remove_cut_streams(whoami: str) -> None:
+    """Every rank at start: the partial files that cut streams of this host left in its node cache
+    (a rank killed by SIGKILL while it was sent its weights cannot remove its own) are removed, and
+    said in one line on stderr."""
+    from .. import slice_cache
+
+    try:
+        removed = slice_cache.remove_dead_partials()
+    except OSError:  # an unreadable cache: the stream, if one is needed, reports it
+        return
+    if removed:
+        what = (f"the partial file {removed[0][0]}" if len(removed) == 1
+                else f"{len(removed)} partial files")
+        size = human_bytes(sum(n for _, n in removed))
+        print(f"pipeinfer: {whoami}: removed {what} ({size}) that a cut stream of weights left in the node cache "
+              f"{slice_cache.slices_dir()}", file=sys.stderr, flush=True)
 
 
 def _adopt(cfg, head_cfg) -> None:
@@ -251,8 +270,8 @@ def _receive(link: Link, cfg, need: Need, digests: dict) -> tuple[Path, WeightsS
 @contextlib.contextmanager
 def _sigterm_raises():
     """While a stream is written, SIGTERM (a launcher stopping the job) raises, so that the partial
-    file is removed on the way out. (SIGKILL cannot be caught: its partial file is removed by the
-    next stream written on this host, or `pipeinfer models prune`.)"""
+    file is removed on the way out. (SIGKILL cannot be caught: its partial file is removed when the
+    next job starts a rank on this host, or by `pipeinfer models prune`.)"""
     import signal
     import threading
 

@@ -9,13 +9,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UsageError, debug_enabled, error_line
 from .job_output import BannerFilter, LauncherFilter, OutputPump  # noqa: F401 - the filters are part of this module's API
+from .deadlines import DEFAULT_RANK_TIMEOUT_S
 from .process_tree import JobProcesses
+from .rank_guard import ENDS_ENV
 
 # Variables that MPICH/Hydra, Open MPI, Slurm and PMIx set in every rank of a job.
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "PMI_FD")
@@ -27,6 +30,11 @@ _PR_SET_PDEATHSIG = 1
 # A server stops in order: the head ends every request with an error event, tells the other ranks to
 # end and exits. Past this, the job is stopped by force (SIGTERM to every process, then SIGKILL).
 ORDERLY_STOP_S = 5.0
+# A server's job runs without the launcher's cleanup (rank_guard.py): once a rank has ended, the
+# others get this long to end by themselves (the head tells its clients, then every rank leaves)
+# before they are stopped by force. Counted from the head's end, or from another rank's end plus
+# the head's deadline for noticing it (--rank-timeout).
+GONE_RANK_GRACE_S = 15.0
 
 
 def under_mpi_launcher() -> bool:
@@ -83,7 +91,8 @@ def _die_with_parent():
 PUMP_DRAIN_S = 10
 
 
-def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | None = None) -> int:
+def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | None = None,
+             rank_timeout_s: float = 0.0) -> int:
     """Run this same command as an MPI job of n_ranks processes and return its exit code.
 
     The job runs in a session of its own, so a Ctrl-C at the terminal reaches only this process,
@@ -93,15 +102,17 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
     and it returns only once they are gone. What the launcher prints about its teardown is
     dropped, and the one line reported is `Error: interrupted` (`Error: stopped by SIGTERM`).
     clean_stop: for a command that a stop signal is meant to end (a server), the line to print
-    instead, given the signal's name; the exit status is then 0. Such a job is stopped in order:
+    instead, given the signal's name; the exit status is then 0. Such a job also outlives a rank
+    killed by a signal, so that its head can tell its clients (rank_guard.py): without the
+    launcher's cleanup, whatever is left GONE_RANK_GRACE_S after the head ended (or after another
+    rank ended, plus rank_timeout_s for the head to notice) is stopped by force. Such a job is stopped in order:
     the signal goes to the head alone (a stage killed first would take the head down before it
     could answer the requests in flight), and by force only after ORDERLY_STOP_S.
 
     The head prints its own errors; an abnormal end it could not report (a rank killed or
     crashed) is reported here, in one line.
     """
-    cmd = [find_mpiexec(), "-n", str(n_ranks), sys.executable, "-m", "pipeinfer_cli", *argv]
-    env = {**os.environ, RELAUNCHED: "1"}
+    cmd, env, ends = _job_command(n_ranks, argv, guarded=clean_stop is not None)
     debug = debug_enabled()
     stop = _StopRequest(clean_stop is not None)
     # The handlers come first: a stop that arrives while mpiexec starts stops it right after.
@@ -111,12 +122,18 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
                                 start_new_session=True, preexec_fn=_die_with_parent())
     except BaseException:
         _restore_handlers(previous)
+        if ends is not None:
+            shutil.rmtree(ends, ignore_errors=True)
         raise
     job = stop.job = JobProcesses(proc)
     pumps = (OutputPump(proc.stdout, sys.stdout.buffer, debug, stop.by_force, stop.stopping),
              OutputPump(proc.stderr, sys.stderr.buffer, debug, stop.by_force, stop.stopping, drop_when_stopping=True))
     exited = threading.Event()
     threading.Thread(target=job.watch_ranks, args=(n_ranks, exited), daemon=True, name="find-ranks").start()
+    if ends is not None:  # without the launcher's cleanup, no rank may outlive the job's end
+        head_deadline = rank_timeout_s if rank_timeout_s > 0 else DEFAULT_RANK_TIMEOUT_S
+        threading.Thread(target=job.end_stragglers, args=(exited, stop.stopping, GONE_RANK_GRACE_S, head_deadline),
+                         daemon=True, name="stragglers").start()
     try:
         if stop.stopping.is_set():
             job.stop()
@@ -131,7 +148,24 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
         # to copy it, but not for ever (a stray grandchild could keep a pipe open).
         for pump in pumps:
             pump.join(timeout=PUMP_DRAIN_S)
+        if ends is not None:
+            shutil.rmtree(ends, ignore_errors=True)
     return _job_status(rc, pumps, job, stop.signum, clean_stop)
+
+
+def _job_command(n_ranks: int, argv: list[str], guarded: bool) -> tuple[list[str], dict, str | None]:
+    """(mpiexec command, environment, directory of the guards' reports or None). guarded: each rank
+    runs under transport/rank_guard.py, without the launcher's cleanup, so that a server outlives a
+    rank killed by a signal and can tell its clients."""
+    mpiexec = find_mpiexec()
+    rank_cmd = [sys.executable, "-m", "pipeinfer_cli", *argv]
+    env = {**os.environ, RELAUNCHED: "1"}
+    if not guarded:
+        return [mpiexec, "-n", str(n_ranks), *rank_cmd], env, None
+    ends = tempfile.mkdtemp(prefix="pipeinfer-rank-ends-")
+    env[ENDS_ENV] = ends
+    return ([mpiexec, "-disable-auto-cleanup", "-n", str(n_ranks),
+             sys.executable, "-m", "pipeinfer_cli.transport.rank_guard", *rank_cmd], env, ends)
 
 
 class _StopRequest:
@@ -206,13 +240,21 @@ def abnormal_end(reason: str | None, rc: int, launcher_said: list[str] | None = 
     how = f"{reason}, " if reason else ""
     if who:
         how = f"{who} ended first; {how}"
-    if reason and "signal 9" in reason:
-        why = "a rank was killed (SIGKILL), for example by the out-of-memory killer"
-    elif reason and ("Segmentation" in reason or "signal 11" in reason or "Aborted" in reason):
-        why = "a rank crashed; run again with PIPEINFER_DEBUG=1 and report it with the command"
-    else:
-        why = "a rank crashed or was killed, for example by the out-of-memory killer"
+    why = killed_why(reason)
     return f"the MPI job ended abnormally ({how}mpiexec exit status {rc}): {why}"
+
+
+def killed_why(reason: str | None) -> str:
+    """Why a rank ended by a signal, from the launcher's exit string ("Killed (signal 9)")."""
+    if reason and ("signal 9" in reason or "Killed" in reason):
+        return "a rank was killed (SIGKILL), for example by the out-of-memory killer"
+    if reason and ("signal 15" in reason or "Terminated" in reason):
+        return ("a rank was stopped (SIGTERM) by someone or something: a scheduler, a `kill`, a shutdown of its "
+                "host")
+    if reason and ("Segmentation" in reason or "signal 11" in reason or "Aborted" in reason):
+        return "a rank crashed; run again with PIPEINFER_DEBUG=1 and report it with the command"
+    return ("a rank crashed or was killed (SIGKILL: for example the out-of-memory killer) or stopped (SIGTERM: a "
+            "scheduler, a `kill`, a shutdown)")
 
 
 def _report(msg: str) -> None:

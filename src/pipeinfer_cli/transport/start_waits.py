@@ -59,6 +59,7 @@ WATCHDOG_EXTRA_S = 15.0  # after the head's own deadline for the ranks' check-in
 OTHER_RANKS_EXTRA_S = 10.0
 _RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 _watchdog_fd: int | None = None
+_watchdog_pid: int | None = None
 WATCHDOG_NAME = b"pipeinfer-start"  # the watchdog's process name: not a rank (process_tree.py)
 _PR_SET_NAME = 15
 
@@ -83,14 +84,15 @@ def start_timeout_s(environ=os.environ) -> float:
 
 def arm_start_watchdog() -> None:
     """Fork the watchdog (before MPI starts: a fork after MPI_Init is unsafe)."""
-    global _watchdog_fd
+    global _watchdog_fd, _watchdog_pid
     if _watchdog_fd is not None or not hasattr(os, "fork"):
         return
     rank = launcher_rank()
     wait_s = start_timeout_s() + WATCHDOG_EXTRA_S + (OTHER_RANKS_EXTRA_S if rank else 0.0)
     read_end, write_end = os.pipe()
     parent = os.getpid()
-    if os.fork() == 0:  # the watchdog: no Python-level cleanup of the parent's state, ever
+    pid = os.fork()
+    if pid == 0:  # the watchdog: no Python-level cleanup of the parent's state, ever
         try:
             os.close(write_end)
             libc = _libc()
@@ -111,11 +113,33 @@ def arm_start_watchdog() -> None:
         finally:
             os._exit(0)
     os.close(read_end)
-    _watchdog_fd = write_end
+    _watchdog_fd, _watchdog_pid = write_end, pid
+
+
+WATCHDOG_REAP_S = 5.0
 
 
 def disarm_start_watchdog() -> None:
-    global _watchdog_fd
+    """The watchdog leaves, and is reaped (else it stays a zombie under the rank for the job's life)."""
+    global _watchdog_fd, _watchdog_pid
     if _watchdog_fd is not None:
         os.close(_watchdog_fd)  # the watchdog sees end of file and leaves
         _watchdog_fd = None
+    if _watchdog_pid is not None:
+        pid, _watchdog_pid = _watchdog_pid, None
+        _reap(pid, WATCHDOG_REAP_S)
+
+
+def _reap(pid: int, timeout_s: float) -> None:
+    """Wait for the child pid to exit (it leaves at once on end of file), polling, at most timeout_s."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already (a SIGCHLD handler), or not our child
+            return
+        if done or time.monotonic() >= deadline:
+            return
+        time.sleep(0.002)
