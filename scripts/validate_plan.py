@@ -68,8 +68,11 @@ def validate(name: str, work: Path, prompts: str, limit: int, n: int, repeat: in
         prof, trace, bench = work / f"{stem}.profile.json", work / f"{stem}.trace.json", work / f"{stem}.bench.json"
         job = job_args(draft, ranks, split)
         run(PIPEINFER + ["calibrate", model, *job, "--out", str(prof)], emu)
+        # bench runs every mode with calibrate's default threads (not generate's whole-host iterative):
+        # plan that job
+        threads = ",".join(str(r["threads"]) for r in json.loads(prof.read_text())["ranks"])
         plan_out = run(PIPEINFER + ["plan", model, "--profile", str(prof), "--prompts", prompts, "--limit",
-                                    str(limit), "-n", str(n), "--record", str(trace), "--json"]
+                                    str(limit), "-n", str(n), "--record", str(trace), "--json", "--threads", threads]
                        + (["--draft", draft] if draft else []) + (["--layer-split", split] if split else [])).stdout
         (work / f"{stem}.plan.json").write_text(plan_out)
         plan = json.loads(plan_out)

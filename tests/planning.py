@@ -14,13 +14,15 @@ def rank_costs(rank: int, per_layer: float = 1e-3, per_row: float | None = None,
     rows = [1, 2, 4, 8]
     decode = CostGrid(rows, [0], [[(per_layer + step * (r - 1)) / speed for r in rows]])
     prefill = CostGrid([1, 256], [0], [[per_layer / speed, 256 * per_layer / speed]])
-    return RankCosts(rank, f"node{rank}", "test cpu", 2, 1, 8 << 30, 8 << 30, decode, prefill, output_row_s / speed,
-                     overhead_s, [0, 1])
+    # node<rank>: a host of its own with 2 CPUs, computing with the 2 threads a job there defaults to
+    return RankCosts(rank, f"node{rank}", "test cpu", 2, 2, 8 << 30, 8 << 30, decode, prefill, output_row_s / speed,
+                     overhead_s, [0, 1], usable_cpus=2.0, ranks_per_host=1)
 
 
 def make_profile(n_ranks: int = 1, n_layer: int = 20, latency_s: float = 0.0, bytes_per_s: float = 1e12,
-                 draft_token_s: float = 0.0, ranks: list[RankCosts] | None = None, file_bytes: int = 1000) -> Profile:
-    model = ModelFacts("test-model", file_bytes, "llama", n_layer, 64, 1000, [100] * n_layer, 100)
+                 draft_token_s: float = 0.0, ranks: list[RankCosts] | None = None, file_bytes: int = 1000,
+                 sha256: str = "0" * 64) -> Profile:
+    model = ModelFacts("test-model", file_bytes, "llama", n_layer, 64, 1000, [100] * n_layer, 100, sha256)
     links = [LinkCosts(a, b, latency_s, bytes_per_s) for a in range(n_ranks) for b in range(n_ranks) if a != b]
     return Profile(model, ranks or [rank_costs(i) for i in range(n_ranks)], links,
                    DraftCosts("model", "test-draft", 0, 1, draft_token_s, 0.0), created="test")

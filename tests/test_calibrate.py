@@ -9,13 +9,15 @@ No assertion is about speed: the machine may be shared, and the figures are what
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
 
 from jobprocs import finish_job, start_job
+from pipeinfer_cli.planner.identity import model_sha256
 from pipeinfer_cli.planner.profile import Profile
-from pipeinfer_cli.runtime.calibrate_probes import PROBE_BYTES, ProbeSpec, fit_link, probe_layers
+from pipeinfer_cli.runtime.calibrate_probes import PROBE_BYTES, ProbeSpec, fit_link, host_facts, probe_layers
 
 JOB_TIMEOUT_S = 240  # --quick on SmolLM2 takes 10-30 s; much longer beside other jobs
 
@@ -64,6 +66,22 @@ def test_two_ranks_measure_every_rank_and_both_links(smollm2_path, tmp_path):
     # --quick: the batches of --n-draft 4 (1 to 5 rows) at two KV lengths
     assert profile.ranks[0].decode.rows == [1, 2, 3, 4, 5] and profile.ranks[0].decode.kv == [16, 512]
     assert profile.command.startswith("pipeinfer calibrate ")
+    # which job it measured: the model's file, and per rank the machine, its threads, its host's ranks
+    assert profile.model.sha256 == model_sha256(smollm2_path)
+    assert profile.model.kv_bytes_per_cell == 2 * 2 * 3 * 64  # SmolLM2: 3 KV heads of 64, f16 K and V
+    facts = host_facts()
+    for r in profile.ranks:
+        assert (r.threads, r.ranks_per_host, r.cpu, r.cores) == (1, 2, facts["cpu"], facts["cores"])
+        assert 0 < r.usable_cpus <= r.cores
+    # the job `generate --ranks 2` runs in iterative mode uses every core per rank: not this profile's
+    plan = [sys.executable, "-m", "pipeinfer_cli", "plan", str(smollm2_path), "--profile", str(out), "-p", "Hi",
+            "-n", "4"]
+    if facts["cores"] > 1 and facts["usable_cpus"] >= facts["cores"]:
+        r = subprocess.run(plan, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and r.stderr.startswith("Error: the profile was made for 1 thread per rank, this job "
+                                                         f"uses {facts['cores']}"), r.stderr
+    r = subprocess.run([*plan, "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "predicted:" in r.stdout, r.stderr
     # the table: a row per rank, a row per link
     assert "ms/layer" in stdout and "overhead" in stdout
     assert "0 -> 1" in stdout and "1 -> 0" in stdout

@@ -11,6 +11,7 @@ import pytest
 
 from planning import make_profile, rank_costs
 from pipeinfer_cli.gguf_info import read_model_info
+from pipeinfer_cli.planner.identity import model_sha256
 
 
 def run(*args, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -23,7 +24,8 @@ def profile(smollm2_path, tmp_path_factory):
     """Two ranks, the second twice as slow, for SmolLM2's header."""
     info = read_model_info(smollm2_path)
     prof = make_profile(2, n_layer=info.n_layer, ranks=[rank_costs(0), rank_costs(1, speed=0.5)],
-                        file_bytes=info.file_size, latency_s=2e-4, draft_token_s=1e-3)
+                        file_bytes=info.file_size, latency_s=2e-4, draft_token_s=1e-3,
+                        sha256=model_sha256(smollm2_path))
     prof.model.layer_bytes, prof.model.n_embd = info.layer_bytes, info.n_embd
     path = tmp_path_factory.mktemp("plan") / "profile.json"
     prof.save(path)
@@ -69,6 +71,7 @@ def test_layer_split_auto_gives_the_slow_rank_fewer_layers(smollm2_path, profile
     (["--ranks", "3", "-p", "Hi"], "the plan has 3 ranks but the profile measured 2 ranks"),
     (["-p", "Hi", "--modes", "fast"], "unknown --modes 'fast'"),
     ([], "nothing to predict for"),
+    (["-p", "Hi", "--modes", "iterative,speculative"], "--modes speculative needs a draft: pass --draft MODEL"),
     (["-p", "Hi", "--draft", "gemma3-270m", "--record", "t.trace"], "cannot record the chains of gemma3-270m, a draft of "
                                                                   "another vocabulary, yet"),
 ])

@@ -53,6 +53,12 @@ class ModelInfo:
     n_expert: int = 0  # experts per layer (0: dense)
     n_expert_used: int = 0  # experts each token is routed to
     n_ff_exp: int = 0  # width of one expert's FFN
+    n_embd_head: int = 0  # head size of K and V (attention.key_length, else n_embd / n_head)
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        """K and V of one layer for one KV cell, f16 as the engine allocates them (native/src/kv_cache.cpp)."""
+        return 2 * 2 * self.n_head_kv * self.n_embd_head
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,6 +158,7 @@ def _hparams(path: Path, kv: dict, arch: str) -> dict:
         "n_embd": count("embedding_length"),
         "n_head": count("attention.head_count"),
         "n_head_kv": count("attention.head_count_kv", count("attention.head_count")),
+        "n_embd_head": count("attention.key_length", count("embedding_length") // max(1, count("attention.head_count"))),
         "n_ff": count("feed_forward_length"),
         "n_ctx_train": count("context_length"),
         "rope_freq_base": None if freq_base is None else float(freq_base),

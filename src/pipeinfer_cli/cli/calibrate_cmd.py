@@ -194,7 +194,9 @@ def print_tables(profile, n_draft: int) -> None:
     console.print(t)
     for host in dict.fromkeys(r.host for r in profile.ranks):
         r = next(x for x in profile.ranks if x.host == host)
-        console.print(f"host {host}: {r.cpu}, {plural(r.cores, 'logical CPU')}, memory "
+        usable = "" if r.usable_cpus is None or r.usable_cpus >= r.cores else f" ({r.usable_cpus:g} usable)"
+        console.print(f"host {host}: {r.cpu}, {plural(r.cores, 'logical CPU')}{usable}, "
+                      f"{plural(r.ranks_per_host or 1, 'rank')} of the job, memory "
                       f"{human_bytes(r.mem_total_bytes)} ({human_bytes(r.mem_available_bytes)} available)",
                       markup=False, highlight=False)
     if profile.links:

@@ -89,7 +89,7 @@ def generate(
     if given is not None and given.messages is not None:
         check_chat_template(cfg.model_path, cfg.model_label, "--chat/--messages/--system")
     run_here_or_relaunch(prep, start.inside, needs_draft(prep.mode),
-                         lambda: _relaunch(prep.ranks, given, whole_host_threads(prep.mode, job.threads)))
+                         lambda: _relaunch(prep.ranks, given, whole_host_threads(prep.mode, cfg.threads)))
 
     from ..runtime.job import Request
 

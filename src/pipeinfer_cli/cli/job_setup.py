@@ -225,6 +225,16 @@ def one_model(model: str | None, model_opt: str | None) -> str:
     return model or model_opt
 
 
+def _announce(choice, inside: bool) -> None:
+    """-M auto's choice, once per job: by the command a user typed (not again by the job it starts)."""
+    import sys
+
+    from ..transport.launch import RELAUNCHED
+
+    if not inside or (not os.environ.get(RELAUNCHED) and launcher_rank() == 0):
+        print(choice.announce(), file=sys.stderr, flush=True)
+
+
 def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:
     """Ranks, models (pulled unless inside the MPI job or --no-pull), mode and JobConfig of a job command."""
     from .draft_spec import mark_hybrid, resolve_draft_models
@@ -245,5 +255,6 @@ def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:
     # The head plans alone: a rank without the model or the profile takes the head's choice.
     if auto and target.path is not None and (on_head or (cfg.profile is not None and Path(cfg.profile).is_file())):
         choice = choose(cfg, want, draft_ref is not None)
-        mode, cfg.decode = choice.mode, choice.decode
+        mode, cfg.decode, cfg.threads = choice.mode, choice.decode, choice.threads
+        _announce(choice, inside)
     return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), draft_ref is not None, choice)

@@ -14,7 +14,9 @@ from ..decode.modes import MODE_NAMES, get_mode, needs_draft
 from ..decode.session import DecodeOptions
 from ..errors import UsageError
 from .console import err, out
-from .options import JsonFlag, LayerSplitOption, NDraftOption, NPredictOption, PAcceptOption, MaxInflightOption
+from .plan_checks import check_job, check_trace
+from .options import (JsonFlag, LayerSplitOption, MaxInflightOption, NDraftOption, NPredictOption, PAcceptOption,
+                      ThreadsOption)
 from .wording import epilog, plural
 
 EPILOG = epilog("""Examples:
@@ -48,9 +50,10 @@ TraceOption = Annotated[Path | None, typer.Option("--trace", help="A trace recor
 RecordOption = Annotated[Path | None, typer.Option("--record", help="Record the trace (target tokens and draft chains) and save it here.")]
 PromptsOption = Annotated[str | None, typer.Option("--prompts", help="A shipped prompt set ('default', 'grounded') or a JSONL file, as `bench` takes it.")]
 LimitOption = Annotated[int | None, typer.Option("--limit", min=1, help="Use only the first N prompts.")]
-ModesOption = Annotated[str, typer.Option("--modes", help="Comma-separated modes to predict.")]
+ModesOption = Annotated[str | None, typer.Option("--modes", show_default=False, help="Comma-separated modes to predict (default: every mode with a draft, else iterative).")]
 AcceptanceOption = Annotated[float | None, typer.Option("--acceptance", min=0.0, max=1.0, help="A synthetic draft, right with this probability per token (no draft chains needed).")]
 SearchFlag = Annotated[bool, typer.Option("--search", help="Also search n_draft, p_accept and max_inflight for the fastest predicted settings per mode.")]
+ForceFlag = Annotated[bool, typer.Option("--force", help="Plan even when the profile or the trace was made for another job (model file, threads, ranks per host, machine): one warning line instead of the error.")]
 PlanRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help="Ranks to plan for (default: the profile's).")]
 
 
@@ -65,7 +68,7 @@ def plan(
     record: RecordOption = None,
     acceptance: AcceptanceOption = None,
     n_predict: NPredictOption = 128,
-    modes: ModesOption = ",".join(MODE_NAMES),
+    modes: ModesOption = None,
     ranks: PlanRanksOption = None,
     layer_split: LayerSplitOption = None,
     n_draft: NDraftOption = 4,
@@ -73,6 +76,8 @@ def plan(
     max_inflight: MaxInflightOption = 4,
     search: SearchFlag = False,
     ctx: Annotated[int, typer.Option("--ctx", "-c", min=16, help="Context size (KV cells), as the job would use.")] = 4096,
+    threads: ThreadsOption = None,
+    force: ForceFlag = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Predict tok/s, TTFT and inter-token latency of each mode on the cluster a profile describes.
@@ -84,10 +89,12 @@ def plan(
     from ..planner.plan import Replay, plan_modes, search_settings
     from ..planner.profile import Profile
 
-    mode_list = _modes(modes)
     prof = Profile.load(profile)
-    setup = _setup(model, draft, prof, profile, ranks, layer_split)
+    setup = _setup(model, draft, prof, profile, ranks, layer_split, ctx)
+    mode_list = _modes(modes, setup.draft_label, prof)
     setup.job_drafts = any(needs_draft(m) for m in mode_list)
+    check_job(setup, mode_list, threads, force, _warn)
+    setup.force = force
     opts = DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_accept=p_accept, max_inflight=max_inflight)
     replay = Replay(_trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list),
                     acceptance)
@@ -108,10 +115,13 @@ def plan(
 class _Setup:
     """The target, draft and topology a plan is for."""
 
-    def __init__(self, label, path, draft_label, draft_path, n_ranks, layer_split, profile, profile_path):
+    def __init__(self, label, path, draft_label, draft_path, n_ranks, layer_split, profile, profile_path, n_ctx):
         self.label, self.path, self.draft_label, self.draft_path = label, path, draft_label, draft_path
         self.n_ranks, self.layer_split, self.profile, self.profile_path = n_ranks, layer_split, profile, profile_path
+        self.n_ctx = n_ctx
         self.job_drafts = False  # some planned mode needs the draft (set once the modes are known)
+        self.sha256 = self.draft_sha256 = None  # the files' identities (set by _setup)
+        self.force = False
 
     def topology(self, mode: str):
         """The split of the job that runs the planned modes, as `bench` plans one job for them all:
@@ -121,7 +131,8 @@ class _Setup:
         from ..runtime.topology import plan_job
 
         t = plan_job(self.path, self.label, self.n_ranks, self.n_ranks, self.layer_split, None, self.draft_path,
-                     self.job_drafts, has_draft=self.draft_label is not None, profile_path=self.profile_path)
+                     self.job_drafts, has_draft=self.draft_label is not None, profile_path=self.profile_path,
+                     n_ctx=self.n_ctx, identity_checked=True)
         stages = [r for r in t.ranks if r.role != "draft"]
         draft = None
         if needs_draft(mode):
@@ -129,7 +140,9 @@ class _Setup:
         return Topology([r.rank for r in stages], [r.layers for r in stages], draft)
 
 
-def _setup(model: str, draft: str | None, prof, profile_path: Path, ranks: int | None, layer_split: str | None) -> _Setup:
+def _setup(model: str, draft: str | None, prof, profile_path: Path, ranks: int | None, layer_split: str | None,
+           n_ctx: int) -> _Setup:
+    from ..planner.identity import model_sha256
     from .job_setup import ranks_wanted, resolve_models
 
     target, draft_ref = resolve_models(model, draft, allow_pull=False)
@@ -141,14 +154,37 @@ def _setup(model: str, draft: str | None, prof, profile_path: Path, ranks: int |
                          f"calibrate with --ranks {n}")
     draft_label = draft_ref if isinstance(draft_ref, str) or draft_ref is None else draft_ref.label
     draft_path = None if isinstance(draft_ref, str) or draft_ref is None else draft_ref.path
-    return _Setup(target.label, target.path, draft_label, draft_path, n, layer_split, prof, profile_path)
+    setup = _Setup(target.label, target.path, draft_label, draft_path, n, layer_split, prof, profile_path, n_ctx)
+    setup.sha256 = model_sha256(target.path, *_registry(target))
+    if draft_path is not None:
+        setup.draft_sha256 = model_sha256(draft_path, *_registry(draft_ref))
+    return setup
 
 
-def _modes(text: str) -> list[str]:
+def _registry(ref) -> tuple:
+    entry = getattr(ref, "entry", None)
+    return (entry.sha256, entry.size) if entry is not None else (None, None)
+
+
+def _warn(text: str) -> None:
+    err.print(f"pipeinfer plan: {text}", markup=False, highlight=False)
+
+
+def _modes(text: str | None, draft_label: str | None, prof) -> list[str]:
+    """The modes to plan: those asked for, each checked against the draft and the profile's costs."""
+    if text is None:
+        return list(MODE_NAMES) if draft_label is not None else ["iterative"]
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise UsageError("--modes is empty; give one or more of " + ", ".join(MODE_NAMES))
-    return [get_mode(m, "--modes").name for m in names]
+    modes = [get_mode(m, "--modes").name for m in names]
+    drafting = [m for m in modes if needs_draft(m)]
+    if drafting and draft_label is None:
+        raise UsageError(f"--modes {','.join(drafting)} needs a draft: pass --draft MODEL (or lookup)")
+    if drafting and draft_label != "lookup" and (prof.draft is None or prof.draft.kind != "model"):
+        raise UsageError(f"the profile has no draft model's costs for --modes {','.join(drafting)}: calibrate with "
+                         f"--draft {draft_label}")
+    return modes
 
 
 def _progress(what: str, i: int, n: int) -> None:
@@ -166,6 +202,7 @@ def _trace(setup: _Setup, prof, prompt, prompts, limit, trace, record, acceptanc
         if t.model.get("file_bytes") != setup.path.stat().st_size:
             raise UsageError(f"the trace {trace} was recorded with {t.model.get('name')}, not {setup.label}; "
                              "record one with this model (--record)")
+        check_trace(t, trace, setup, setup.force, _warn)
         return t.prompts[:limit] if limit else t.prompts
     from .plan_record import record_trace
 

@@ -85,6 +85,11 @@ def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | No
     _say(f"trace recorded in {time.monotonic() - t0:.1f} s")
     tok.close()
     draft = None if setup.draft_label is None else {"name": setup.draft_label,
-                                                      "kind": "lookup" if setup.draft_label == "lookup" else "model"}
-    return Trace({"name": setup.label, "file_bytes": setup.path.stat().st_size}, draft, {"temp": 0.0, "seed": 0},
-                 CHAIN_DEPTH if with_chains else 0, traces)
+                                                      "kind": "lookup" if setup.draft_label == "lookup" else "model",
+                                                      "sha256": setup.draft_sha256}
+    from ..runtime.calibrate_probes import host_facts
+
+    facts = host_facts()
+    machine = {k: facts[k] for k in ("host", "cpu", "cores", "usable_cpus")} | {"threads": threads}
+    model = {"name": setup.label, "file_bytes": setup.path.stat().st_size, "sha256": setup.sha256}
+    return Trace(model, draft, {"temp": 0.0, "seed": 0}, CHAIN_DEPTH if with_chains else 0, traces, machine)

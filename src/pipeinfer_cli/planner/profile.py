@@ -44,6 +44,8 @@ class ModelFacts:
     n_vocab: int
     layer_bytes: list[int]  # weights of each layer
     output_bytes: int  # the LM head (and final norm): only the last stage holds them
+    sha256: str | None = None  # the file's identity (model_identity.file_sha256); None: an older profile
+    kv_bytes_per_cell: int = 0  # K and V of one layer for one KV cell (f16, as the engine allocates them)
 
 
 @dataclass
@@ -69,6 +71,10 @@ class RankCosts:
     output_row_s: float  # LM head + sampling of one output row
     run_overhead_s: float  # this rank's fixed cost per run (Python, MPI, the stream's bookkeeping)
     probe_layers: list[int] = field(default_factory=list)  # [begin, end): the layers timed
+    usable_cpus: float | None = None  # the CPU the rank's process may use (cpuset, quota); None: an older profile
+    affinity_cpus: int | None = None  # the CPUs it may be scheduled on (a cpuset, a launcher's binding)
+    quota_cpus: float | None = None  # its cgroup's CPU quota (None: none)
+    ranks_per_host: int | None = None  # ranks of the job on its host, sharing its cores and memory
 
 
 @dataclass
@@ -79,6 +85,7 @@ class DraftCosts:
     threads: int
     token_s: float  # seconds per proposed token (one draft eval)
     prompt_token_s: float  # seconds per prompt token of its prompt pass (0 for lookup)
+    sha256: str | None = None  # a draft model's file identity (None for lookup, or an older profile)
 
 
 @dataclass
@@ -183,11 +190,21 @@ class Profile:
         return (f"rank {rank} runs on {host} ({cpu}) but {where} measured it on {rc.host} ({rc.cpu}); "
                 "its split and predictions assume that machine: run `pipeinfer calibrate` with these ranks")
 
-    def check_model(self, name: str, file_bytes: int, where: str = "the profile") -> None:
-        """Refuse a profile measured for another model (same name and file size, or the same file)."""
+    def check_model(self, name: str, file_bytes: int, where: str = "the profile", sha256: str | None = None) -> None:
+        """Refuse a profile measured for another model: another file size, or (sha256 given) another
+        file, or no identity at all (a profile of an older pipeinfer)."""
         if self.model.file_bytes != file_bytes:
             raise ProfileError(f"{where} was measured for {self.model.name} ({self.model.file_bytes:,} bytes), not "
                                f"{name} ({file_bytes:,} bytes); run `pipeinfer calibrate` with this model")
+        if sha256 is None:
+            return
+        if self.model.sha256 is None:
+            raise ProfileError(f"{where} was made by an older pipeinfer, without the model's identity; run "
+                               f"`pipeinfer calibrate {name}` again")
+        if self.model.sha256 != sha256:
+            raise ProfileError(f"{where} was measured for another file of {self.model.name} (sha256 "
+                               f"{self.model.sha256[:12]}, this one is {sha256[:12]}); run `pipeinfer calibrate` "
+                               "with this model")
 
 
 def _positive(v) -> bool:

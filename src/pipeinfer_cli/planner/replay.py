@@ -55,11 +55,12 @@ class PromptTrace:
 
 @dataclass
 class Trace:
-    model: dict  # {"name", "file_bytes"}
-    draft: dict | None  # {"name", "kind"}
+    model: dict  # {"name", "file_bytes", "sha256"}
+    draft: dict | None  # {"name", "kind", "sha256" (a model's)}
     sampling: dict  # {"temp", "seed"}: the sampling the tokens were generated with
     depth: int  # chain length recorded from each committed prefix
     prompts: list[PromptTrace]
+    machine: dict | None = None  # where it was recorded: host, cpu, cores, usable_cpus, threads
     format: str = FORMAT
     version: int = VERSION
 
@@ -75,7 +76,7 @@ class Trace:
                              f"`pipeinfer plan MODEL --record {path}`")
         try:
             prompts = [PromptTrace(**p) for p in d["prompts"]]
-            return Trace(d["model"], d.get("draft"), d["sampling"], d["depth"], prompts)
+            return Trace(d["model"], d.get("draft"), d["sampling"], d["depth"], prompts, d.get("machine"))
         except (KeyError, TypeError) as e:
             raise TraceError(f"{path} is incomplete or malformed ({e}); record it again") from None
 

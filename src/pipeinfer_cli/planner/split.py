@@ -4,21 +4,40 @@ Each stage's cost is the measured time of a typical request on it (TYPICAL_PROMP
 chunks, TYPICAL_GEN one-row decoding runs): its layers at the rank's own seconds per layer for each
 phase, the LM head's rows on the last stage, a draft model's tokens on the head when it drafts
 there. Both phases count, so neither the prompt (where the LM head reads one row) nor decoding is
-balanced at the other's expense. A rank gets no share its memory cannot hold.
+balanced at the other's expense. A rank gets no share its memory cannot hold: its weights, the KV
+cache of its layers at the job's --ctx and the draft model it runs must fit in MEMORY_USE of its
+host's available memory, divided among the ranks that share the host.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+from ..errors import UsageError
 from ..layer_split import min_max_split
 from .costs import grid_seconds
+from ..wording import human_bytes, plural
 from .profile import Profile
 
 TYPICAL_PROMPT = 256
 TYPICAL_GEN = 128
 TYPICAL_KV = 512
-MEMORY_USE = 0.9  # of a rank's available memory, for its weights
+MEMORY_USE = 0.9  # of a host's available memory, for the weights, KV caches and drafts of its ranks
+
+
+@dataclass(frozen=True)
+class JobMemory:
+    """What a job holds besides the target's weights: the KV cache (per layer and cell, times the
+    job's --ctx cells) and a draft model (its weights and KV cache) on the rank that runs it."""
+
+    n_ctx: int = 0
+    kv_bytes_per_cell: int = 0  # one layer's K and V for one cell (f16)
+    draft_bytes: int = 0  # the draft's weights and KV cache at n_ctx
+    draft_rank: int | None = None  # the profile rank of a draft rank; None: the draft is on the head
+
+    def kv_bytes(self, n_layers: int) -> int:
+        return n_layers * self.n_ctx * self.kv_bytes_per_cell
 
 
 def stage_seconds(profile: Profile, rank: int, b: int, e: int, draft_on_head: bool = False) -> float:
@@ -41,13 +60,69 @@ def weight_bytes(profile: Profile, b: int, e: int) -> int:
     return sum(m.layer_bytes[b:e]) + (m.output_bytes if e == m.n_layer else 0)
 
 
-def auto_split(profile: Profile, stage_ranks: list[int], draft_on_head: bool = False) -> list[tuple[int, int]]:
+def rank_memory(profile: Profile, rank: int, n_ranks: int) -> int:
+    """The bytes profile rank `rank` may fill: MEMORY_USE of its host's available memory, divided
+    among the ranks of the job (the first n_ranks of the profile) on that host."""
+    return int(MEMORY_USE * profile.ranks[rank].mem_available_bytes / sharing(profile, rank, n_ranks))
+
+
+def sharing(profile: Profile, rank: int, n_ranks: int) -> int:
+    """Ranks of the job on profile rank `rank`'s host (as calibrated, else counted by host name)."""
+    rc = profile.ranks[rank]
+    return max(1, rc.ranks_per_host or sum(1 for r in profile.ranks[:n_ranks] if r.host == rc.host))
+
+
+def stage_bytes(profile: Profile, mem: JobMemory, b: int, e: int, draft_here: bool) -> int:
+    return weight_bytes(profile, b, e) + mem.kv_bytes(e - b) + (mem.draft_bytes if draft_here else 0)
+
+
+def auto_split(profile: Profile, stage_ranks: list[int], draft_on_head: bool = False,
+               mem: JobMemory | None = None) -> list[tuple[int, int]]:
     """Layer ranges for the stages (profile ranks, in pipeline order) that minimise the slowest
-    stage's time on a typical request, within each rank's memory."""
+    stage's time on a typical request, within each rank's share of its host's memory."""
+    mem = mem or JobMemory()
+    n_ranks = len(stage_ranks) + (mem.draft_rank is not None)
+    heads_draft = mem.draft_rank is None and mem.draft_bytes > 0
+    room = [rank_memory(profile, r, n_ranks) for r in stage_ranks]
+    check_memory(profile, stage_ranks, mem, room, heads_draft, n_ranks)
+
     def cost(i: int, b: int, e: int) -> float:
-        r = stage_ranks[i]
-        if weight_bytes(profile, b, e) > MEMORY_USE * profile.ranks[r].mem_available_bytes:
+        if stage_bytes(profile, mem, b, e, heads_draft and i == 0) > room[i]:
             return math.inf
-        return stage_seconds(profile, r, b, e, draft_on_head and i == 0)
+        return stage_seconds(profile, stage_ranks[i], b, e, draft_on_head and i == 0)
 
     return min_max_split(profile.model.n_layer, len(stage_ranks), cost)
+
+
+def check_memory(profile: Profile, stage_ranks: list[int], mem: JobMemory, room: list[int], heads_draft: bool,
+                 n_ranks: int) -> None:
+    """UsageError naming the rank that cannot hold its part when no split fits: each stage in turn
+    takes as many layers as fit (which finds a split whenever one exists), the first that cannot
+    is named with the bytes it needs and has."""
+    if mem.draft_rank is not None and mem.draft_bytes > rank_memory(profile, mem.draft_rank, n_ranks):
+        _refuse(profile, mem.draft_rank, mem.draft_bytes, rank_memory(profile, mem.draft_rank, n_ranks),
+                "the draft model and its KV cache", mem, n_ranks)
+    n_layer, n_stages = profile.model.n_layer, len(stage_ranks)
+    b = 0
+    for i, r in enumerate(stage_ranks):
+        last = n_layer if i == n_stages - 1 else n_layer - (n_stages - 1 - i)
+        e = b + 1
+        while e < last and stage_bytes(profile, mem, b, e + 1, heads_draft and i == 0) <= room[i]:
+            e += 1
+        if i == n_stages - 1:
+            e = n_layer
+        need = stage_bytes(profile, mem, b, e, heads_draft and i == 0)
+        if need > room[i]:
+            what = f"layers {b}-{e - 1}" + (" and the draft" if heads_draft and i == 0 else "")
+            _refuse(profile, r, need, room[i], what, mem, n_ranks)
+        b = e
+
+
+def _refuse(profile: Profile, rank: int, need: int, room: int, what: str, mem: JobMemory, n_ranks: int) -> None:
+    rc = profile.ranks[rank]
+    kv = f", KV cache at --ctx {mem.n_ctx}" if mem.n_ctx else ""
+    raise UsageError(f"--layer-split auto: rank {rank} (host {rc.host}) cannot hold {what}{kv}: it needs "
+                     f"{human_bytes(need)}, it has {human_bytes(room)} ({MEMORY_USE:.0%} of the host's "
+                     f"{human_bytes(rc.mem_available_bytes)} available, shared by "
+                     f"{plural(sharing(profile, rank, n_ranks), 'rank')}); add ranks on other hosts, use a smaller --ctx, or "
+                     "run the draft on a rank of its own (auto/1)")

@@ -74,9 +74,20 @@ def run_calibration(cfg, spec: ProbeSpec, command: str, say: Callable[[int, str]
             abort_job(link)
         raise
     facts = ModelFacts(cfg.model_label, info.file_size, info.arch, info.n_layer, info.n_embd, info.n_vocab,
-                       list(info.layer_bytes), info.output_bytes)
+                       list(info.layer_bytes), info.output_bytes, identities(cfg, draft), info.kv_bytes_per_cell)
+    for rc in ranks:  # ranks sharing a host share its cores and memory: a job is measured as it runs
+        rc.ranks_per_host = startup.hosts.count(startup.hosts[rc.rank])
     return Profile(facts, ranks, links, draft, created=datetime.now(UTC).isoformat(timespec="seconds"),
                    command=command)
+
+
+def identities(cfg, draft: DraftCosts | None) -> str:
+    """The target's sha256 (and the draft model's, set on `draft`): what a profile is matched by."""
+    from ..planner.identity import model_sha256
+
+    if draft is not None and draft.kind == "model" and cfg.draft_path is not None:
+        draft.sha256 = model_sha256(cfg.draft_path, cfg.draft_sha256, cfg.draft_size)
+    return model_sha256(cfg.model_path, cfg.model_sha256, cfg.model_size)
 
 
 def calibration_split(layer_split: str | None, n_ranks: int) -> str | None:

@@ -18,7 +18,6 @@ grid interleaved repetition by repetition, so that a slow spell of the machine s
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import time
@@ -35,6 +34,7 @@ from ..decode.trace import TraceRecorder
 from ..planner.profile import CostGrid, DraftCosts, LinkCosts, RankCosts
 from ..transport.faults import slowdown_for
 from ..wording import plural
+from .cpu_share import cpu_share, memory_limit_bytes
 from .pipeline import Pipeline
 
 IDLE_GAP_S = 0.025  # a stage's wait before it computes, as scripts/idle_gap.py measures it
@@ -304,7 +304,8 @@ def _lookup_costs(spec: ProbeSpec, rank: int) -> DraftCosts:
 
 
 def host_facts() -> dict:
-    """This host: name, CPU model, logical CPUs, total and available memory (bytes)."""
+    """This host: name, CPU model, logical CPUs, the CPU this process may use (runtime/cpu_share.py:
+    its affinity, a cgroup quota, and the smaller of them), total and available memory (bytes)."""
     cpu = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -321,8 +322,17 @@ def host_facts() -> dict:
                 mem[key] = int(value.split()[0]) * 1024  # kB
     except (OSError, ValueError, IndexError):
         pass
-    return {"host": socket.gethostname(), "cpu": cpu or "unknown", "cores": os.cpu_count() or 1,
-            "mem_total_bytes": mem.get("MemTotal", 0), "mem_available_bytes": mem.get("MemAvailable", 0)}
+    share = cpu_share()
+    return {"host": socket.gethostname(), "cpu": cpu or "unknown", "cores": share.host_cpus,
+            "usable_cpus": share.cpus, "affinity_cpus": share.affinity_cpus, "quota_cpus": share.quota_cpus,
+            "mem_total_bytes": mem.get("MemTotal", 0), "mem_available_bytes": _available(mem.get("MemAvailable", 0))}
+
+
+def _available(mem_available: int) -> int:
+    """MemAvailable, or less where a cgroup's memory limit (a container's, an emulated host's) holds
+    this process below it: /proc/meminfo shows the machine's memory, not the limit."""
+    limit = memory_limit_bytes()
+    return mem_available if limit is None else min(mem_available, limit)
 
 
 def measure_rank(spec: ProbeSpec, info, rank: int, threads: int, runs_draft: bool, sampling: SamplingParams,

@@ -1,0 +1,90 @@
+"""`pipeinfer plan`'s checks that the profile and the trace describe the job being planned
+(planner/identity.py): the model's files, the threads each mode's job would use, the ranks per
+host and, for the ranks that the profile measured on this host, this machine."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from ..decode.modes import needs_draft
+from ..planner.identity import RankShape, check, default_threads, differences
+
+
+def job_threads(prof, mode: str, threads: str | None, n_ranks: int) -> list[int]:
+    """The threads of each rank of the job `generate -M MODE` would start on the profile's hosts
+    (--threads as given, else generate's default for that mode and shape)."""
+    from ..runtime.topology import parse_threads
+
+    hosts = [prof.ranks[r].host for r in range(n_ranks)]
+    if threads:
+        return parse_threads(threads, n_ranks, 1)  # explicit: the same on every host
+    one_host = len(set(hosts)) == 1
+    out = []
+    for r in range(n_ranks):
+        rc = prof.ranks[r]
+        affinity = rc.affinity_cpus if rc.affinity_cpus is not None else rc.cores
+        out.append(default_threads(not needs_draft(mode), n_ranks, hosts.count(hosts[r]), rc.cores, affinity,
+                                   rc.quota_cpus, one_host))
+    return out
+
+
+def job_shapes(prof, mode: str, threads: str | None, n_ranks: int) -> list[RankShape]:
+    """The ranks of the planned job; this machine's facts for the ranks the profile measured here."""
+    from ..runtime.calibrate_probes import host_facts
+
+    here = socket.gethostname()
+    facts = host_facts() if any(prof.ranks[r].host == here for r in range(n_ranks)) else None
+    hosts = [prof.ranks[r].host for r in range(n_ranks)]
+    shapes = []
+    for r, t in enumerate(job_threads(prof, mode, threads, n_ranks)):
+        mine = facts if hosts[r] == here else None
+        shapes.append(RankShape(r, t, hosts.count(hosts[r]), mine and mine["cpu"], mine and mine["cores"],
+                                mine and mine["usable_cpus"]))
+    return shapes
+
+
+def calibrate_command(prof, setup) -> str:
+    """The calibrate command that measured the profile, else one that would measure this job."""
+    if prof.command.startswith("pipeinfer calibrate "):
+        return f"`{prof.command}`"
+    return f"`pipeinfer calibrate {setup.label} --ranks {setup.n_ranks}`"
+
+
+def check_job(setup, modes: list[str], threads: str | None, force: bool, warn: Callable[[str], None]) -> None:
+    """Refuse (or with --force, warn about) a plan whose job the profile did not measure. A
+    difference that holds for some of the modes only (their default threads) names them."""
+    prof = setup.profile
+    cmd = calibrate_command(prof, setup)
+    seen: dict[str, list[str]] = {}
+    for m in modes:
+        for d in differences(prof, job_shapes(prof, m, threads, setup.n_ranks), setup.sha256,
+                             setup.draft_sha256 if needs_draft(m) else None, cmd):
+            seen.setdefault(d, []).append(m)
+    lines = []
+    for d, ms in seen.items():
+        if "thread" in d.split(":")[0] and not threads:
+            d = f"{d}, or plan (and run) the job with --threads {prof.ranks[0].threads}"
+        lines.append(d if len(ms) == len(modes) else f"{'/'.join(ms)}: {d}")
+    fine = [m for m in modes if not any(m in ms for ms in seen.values())]
+    if lines and fine:
+        lines[-1] += f", or plan --modes {','.join(fine)} alone"
+    check(lines, force, warn)
+
+
+def check_trace(trace, path: Path, setup, force: bool, warn: Callable[[str], None]) -> None:
+    """A trace holds the target's tokens and the draft's chains: refuse one of other files."""
+    diffs = []
+    sha = trace.model.get("sha256")
+    if sha is None:
+        diffs.append(f"the trace {path} was recorded by an older pipeinfer, without the model's identity: record it "
+                     "again (--record)")
+    elif sha != setup.sha256:
+        diffs.append(f"the trace {path} was recorded with another file of {trace.model.get('name')} (sha256 "
+                     f"{sha[:12]}, this one is {(setup.sha256 or '?')[:12]}): record one with this model (--record)")
+    draft_sha = (trace.draft or {}).get("sha256")
+    if trace.depth and setup.draft_sha256 is not None and draft_sha not in (None, setup.draft_sha256):
+        diffs.append(f"the trace's draft chains were recorded with another draft ({trace.draft.get('name')}): record "
+                     "them with this draft (--record)")
+    check(diffs, force, warn)
