@@ -221,7 +221,7 @@ def plan_rows(a, c: Cluster, n: int, rows: list[dict]) -> None:
                 continue
             log(f"  calibrated in {time.monotonic() - t0:.0f} s")
             profiles[key] = out
-        cmd = [a.pipeinfer, "plan", a.model, "--profile", str(profiles[key]), "--modes", row["mode"], "--ranks", str(n),
+        cmd = [a.pipeinfer, "plan", a.model, "--profile", str(profiles[key]), "--modes", row["mode"], "--ranks", str(n), "--threads", "1",
                "--prompts", a.prompts, "--limit", str(a.limit), "-n", str(a.n_predict), "--json"]
         cmd += (["--draft", row["draft"]] if row["draft"] else []) + (["--layer-split", split] if split else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
