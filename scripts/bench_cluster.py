@@ -152,13 +152,14 @@ def check_texts(rows: list[dict]) -> list[str]:
             ref.setdefault(rec["prompt_id"], (rec["tokens"], f"{r['label']} on {r['hosts']} hosts"))
     bad = []
     for r in rows:
+        r["texts_identical"] = True
         for rec in r.get("records", []):
             tokens, where = ref[rec["prompt_id"]]
             if rec["tokens"] != tokens:
+                r["texts_identical"] = False
                 first = next((i for i, (x, y) in enumerate(zip(rec["tokens"], tokens)) if x != y), min(len(rec["tokens"]), len(tokens)))
                 bad.append(f"{r['label']} on {r['hosts']} hosts at {r['rate']}: prompt {rec['prompt_id']} differs from "
                            f"{where} at token {first}")
-        r["texts_identical"] = not any(f" on {r['hosts']} hosts at {r['rate']}:" in b and b.startswith(r["label"] + " ") for b in bad)
     return bad
 
 

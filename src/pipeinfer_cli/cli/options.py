@@ -47,7 +47,7 @@ ProfileOption = Annotated[Path | None, typer.Option(
     "--profile", envvar=PROFILE_ENV, show_envvar=True, metavar="FILE",
     help="A profile written by `pipeinfer calibrate` with the same ranks, for --layer-split auto and -M auto. The "
          "head plans the job from it alone: only the first node needs it (as the model).")]
-ThreadsOption = Annotated[str | None, typer.Option("--threads", "-t", help="Threads per rank: one value or one per rank (default: cores / ranks on this host; all the cores for each rank of an iterative `generate --ranks N`, where one stage computes at a time).")]
+ThreadsOption = Annotated[str | None, typer.Option("--threads", "-t", help="Threads per rank: one value or one per rank (default: the CPUs the rank may use, from its cpuset and cgroup quota, / ranks on its host; all of them for each rank of an iterative `generate --ranks N`, where one stage computes at a time).")]
 CtxOption = Annotated[int, typer.Option("--ctx", "-c", min=16, help="Context size (KV cells) per rank.")]
 RankTimeoutOption = Annotated[float, typer.Option(
     "--rank-timeout", min=0, metavar="SECONDS",
