@@ -287,20 +287,21 @@ def start_job(target: Path, *args, **env):
 
 @pytest.mark.parametrize("fail, args", [
     ("1:raise:3", ["--ranks", 2]),
-    ("2:raise:2", ["--ranks", 3]),
+    ("2:raise:3", ["--ranks", 3]),
     ("2:raise:1", ["--layer-split", "0.5,0.5/1", "--mode", "speculative", "--draft", "DRAFT"]),
     ("0:raise:3", ["--ranks", 3]),
     ("1:raise:5", ["--ranks", 3, "--mode", "pipeinfer", "--draft", "DRAFT"]),
     ("2:raise:2", ["--layer-split", "0.5,0.5/1", "--mode", "pipeinfer", "--draft", "DRAFT"]),
-    ("2:2", ["--ranks", 3]),  # the deprecated PIPEINFER_DEBUG_FAIL=RANK:N still works
+    ("2:3", ["--ranks", 3]),  # the deprecated PIPEINFER_DEBUG_FAIL=RANK:N still works
 ], ids=["stage-of-2", "last-stage-of-3", "draft-rank", "head-of-3", "pipeinfer-stage", "pipeinfer-draft-rank",
         "old-variable"])
 def test_a_failing_rank_ends_the_job(tiny_files, fail, args):
     args = [tiny_files["draft"] if a == "DRAFT" else a for a in args]
     var = "PIPEINFER_DEBUG_FAULT" if ":raise:" in fail else "PIPEINFER_DEBUG_FAIL"
     proc, marker = start_job(tiny_files["target"], *args, **{var: fail})
-    # The fault fires on a stage's 2nd-5th run, on the 1st/2nd draft proposal or at the head's 3rd
-    # token: right after the first token (computed from the prompt) was printed. In pipeinfer mode
+    # The fault fires on a stage's 3rd-5th run (the prompt's two chunks of 16 tokens are its first
+    # two), on the 1st/2nd draft proposal or at the head's 3rd token: right after the first token
+    # (computed from the prompt) was printed. In pipeinfer mode
     # runs are in flight and being cancelled when it fires.
     wait_first_output(proc)
     rc, _, stderr = finish_job(proc, marker, within_s=10)
