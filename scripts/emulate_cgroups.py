@@ -7,12 +7,15 @@ cgroup v1 (the cpu, cpuacct and memory controllers, each mounted under /sys/fs/c
 (one hierarchy with cpu and memory enabled) are both handled; the groups are made under this
 process's own cgroup (PATH/PREFIX/hK), so a job's limits stack under whatever holds the caller.
 
-Why a 10 ms CFS period: the kernel's default of 100 ms lets a host capped at 0.25 core run 25 ms,
-then stall 75 ms; a 20 ms layer evaluation that straddles a period boundary then waits far longer
-than its fair share, and the stall lands on one token of a pipeline. With 10 ms the longest stall
-at 0.25 core is 7.5 ms and every token sees the same smooth quarter of a core. Shorter periods
-cannot express small shares (the kernel's smallest quota is 1 ms: 0.1 core at 10 ms) and cost
-more accounting, so 10 ms is the shortest period that keeps `--cpus 0.1` valid.
+Why the shortest CFS period (the quota is the kernel's minimum of 1 ms: a 2 ms period at 0.5 CPU,
+4 ms at 0.25, 10 ms at most): a node with a quarter of a core is a node whose CPU runs at a
+quarter of the speed, all the time. A long period lets a host that was idle run at full speed for
+the whole quota at the start of the next period, so a bursty load (an `iterative` stage: a short
+compute, then a long wait) gets more than its share, and a continuous one (a stage kept busy by
+pipelined speculation, a draft) does not. Measured on 4 hosts × 0.5 CPU (BENCHMARKS.md, "Scaling
+on nodes with their own CPU"): with a 10 ms period `iterative` decoded 36 % faster than with 2 ms,
+while `pipeinfer` ran the same; the 1-ms-quota period makes a host a uniformly slower node. The
+kernel's 100 ms default would also stall a 20 ms layer evaluation for 75 ms at a quarter core.
 """
 
 from __future__ import annotations
@@ -25,8 +28,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path(os.environ.get("PIPEINFER_EMU_CGROUP_ROOT", "/sys/fs/cgroup"))
-CFS_PERIOD_US = 10_000
-MIN_QUOTA_US = 1_000
+MIN_QUOTA_US = 1_000  # the kernel's smallest CFS quota
+MAX_PERIOD_US = 10_000
+PERIOD_ENV = "PIPEINFER_EMU_CFS_PERIOD_US"  # a fixed period instead (to compare emulations)
+
+
+def cfs_period_us(cpus: float) -> int:
+    """The CFS period for a host of `cpus`: the shortest whose quota is the kernel's 1 ms minimum
+    (2 ms at 0.5 CPU, 4 ms at 0.25), at most 10 ms. See the module's docstring for why."""
+    if os.environ.get(PERIOD_ENV):
+        return int(os.environ[PERIOD_ENV])
+    return int(min(MAX_PERIOD_US, max(MIN_QUOTA_US, round(MIN_QUOTA_US / cpus))))
 
 
 class CgroupError(Exception):
@@ -45,9 +57,9 @@ def parse_cpus(text: str, n_hosts: int) -> list[float | None]:
             v = float(part)
         except ValueError:
             raise CgroupError(f"--cpus {text!r}: expected CPUs per host such as 0.5, or one value per host such as 1,0.5,0.5") from None
-        if not v * CFS_PERIOD_US >= MIN_QUOTA_US:
-            raise CgroupError(f"--cpus {part}: at least {MIN_QUOTA_US / CFS_PERIOD_US:g} CPU per host "
-                              f"(the kernel's smallest quota is 1 ms of a {CFS_PERIOD_US // 1000} ms period)")
+        if not v * MAX_PERIOD_US >= MIN_QUOTA_US:
+            raise CgroupError(f"--cpus {part}: at least {MIN_QUOTA_US / MAX_PERIOD_US:g} CPU per host "
+                              f"(the kernel's smallest quota is 1 ms of a period of at most {MAX_PERIOD_US // 1000} ms)")
         values.append(v)
     if len(values) == 1:
         return values * n_hosts
@@ -176,9 +188,10 @@ class Cgroups:
             self._limit(dirs, cpus[k], mem[k])
 
     def _limit(self, dirs: dict[str, Path], cpus: float | None, mem: int | None) -> None:
-        quota = -1 if cpus is None else max(MIN_QUOTA_US, round(cpus * CFS_PERIOD_US))
+        period = MAX_PERIOD_US if cpus is None else cfs_period_us(cpus)
+        quota = -1 if cpus is None else max(MIN_QUOTA_US, round(cpus * period))
         if self.version == 1:
-            _write(dirs["cpu"] / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+            _write(dirs["cpu"] / "cpu.cfs_period_us", str(period))
             _write(dirs["cpu"] / "cpu.cfs_quota_us", str(quota))
             if mem is not None:
                 _write(dirs["memory"] / "memory.limit_in_bytes", str(mem))
@@ -187,7 +200,7 @@ class Cgroups:
                     _write(dirs["memory"] / "memory.memsw.limit_in_bytes", str(mem))  # no swap beyond the limit
         else:
             d = dirs[""]
-            _write(d / "cpu.max", f"{'max' if quota < 0 else quota} {CFS_PERIOD_US}")
+            _write(d / "cpu.max", f"{'max' if quota < 0 else quota} {period}")
             if mem is not None:
                 _write(d / "memory.max", str(mem))
                 if (d / "memory.swap.max").exists():

@@ -24,8 +24,8 @@ Options (before or after the subcommand's own arguments):
                  are ever touched, so several clusters may coexist with distinct prefixes and subnets.
   --subnet A.B.C.0/24   the bridge is A.B.C.1, host k is A.B.C.(k+2) (default 10.213.0.0/24)
   RATE           a tc rate: 10mbit, 100mbit, 1gbit, 500kbit ... or `none` (no shaping).
-  --cpus C       CPU bandwidth of each host, in CPUs: 0.5 = half a core (a CFS quota of 5 ms every
-                 10 ms), or one value per host for unequal nodes (1,0.5,0.5); none = unlimited.
+  --cpus C       CPU bandwidth of each host, in CPUs: 0.5 = half a core (a CFS quota of 1 ms every
+                 2 ms), or one value per host for unequal nodes (1,0.5,0.5); none = unlimited.
   --mem SIZE     memory limit of each host (512m, 2g; one per host allowed), swap off. A host that
                  exceeds it has a process ended by the OOM killer, and the job's end names the host.
 
@@ -34,8 +34,9 @@ under this process's cgroup, PATH/PREFIX/hK; every process started on the host t
 cluster's launcher joins them. `status` shows each host's CPU time, throttled time and peak memory;
 `down` removes the groups. Without --cpus every host shares all of this machine's cores, so an
 `iterative` job borrows the idle hosts' cores, which no real cluster allows: use --cpus for any
-comparison of modes. The CFS period is 10 ms, so that a quarter core is held back at most 7.5 ms
-at a time (the kernel's 100 ms default would stall a 20 ms layer evaluation for 75 ms).
+comparison of modes. The CFS period is the shortest whose quota is the kernel's 1 ms (4 ms at a
+quarter core), so that a host computes like a uniformly slower node: with a long period an idle
+host runs its whole quota at full speed, which favours bursty loads (scripts/emulate_cgroups.py).
 
 What is emulated: bandwidth (a token bucket on egress of both ends of each host's veth, so each host
 has RATE up and RATE down), separate hostnames, TCP between hosts. What is NOT: latency. The kernel

@@ -13,6 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import emulate_cgroups as ec  # noqa: E402
 
 
+def test_the_period_is_the_shortest_with_a_1_ms_quota(monkeypatch):
+    monkeypatch.delenv(ec.PERIOD_ENV, raising=False)
+    assert [ec.cfs_period_us(c) for c in (0.1, 0.25, 0.5, 1, 2)] == [10000, 4000, 2000, 1000, 1000]
+    monkeypatch.setenv(ec.PERIOD_ENV, "10000")
+    assert ec.cfs_period_us(0.5) == 10000
+
+
 def test_cpus_and_mem_parse_per_host_or_for_all():
     assert ec.parse_cpus("0.5", 3) == [0.5, 0.5, 0.5]
     assert ec.parse_cpus("1,0.5,none", 3) == [1.0, 0.5, None]
@@ -37,8 +44,8 @@ def test_v1_groups_under_the_callers_own(tmp_path):
     assert cg.version == 1 and cg.bases["memory"] == tmp_path / "memory" / "sandbox" / "pi-t"
     cg.create(2, [0.25, None], [1 << 30, None])
     h0 = cg.host_dirs(0)
-    assert (h0["cpu"] / "cpu.cfs_period_us").read_text() == "10000"
-    assert (h0["cpu"] / "cpu.cfs_quota_us").read_text() == "2500"
+    assert (h0["cpu"] / "cpu.cfs_period_us").read_text() == "4000"  # the kernel's smallest quota, 1 ms
+    assert (h0["cpu"] / "cpu.cfs_quota_us").read_text() == "1000"
     assert (cg.host_dirs(1)["cpu"] / "cpu.cfs_quota_us").read_text() == "-1"
     assert (h0["memory"] / "memory.limit_in_bytes").read_text() == str(1 << 30)
     assert (h0["memory"] / "memory.swappiness").read_text() == "0"
@@ -60,7 +67,7 @@ def test_v2_group_with_cpu_max_and_no_swap(tmp_path):
     assert cg.version == 2
     cg.create(1, [1.5], [512 << 20])
     d = cg.host_dirs(0)[""]
-    assert (d / "cpu.max").read_text() == "15000 10000"
+    assert (d / "cpu.max").read_text() == "1500 1000"
     assert (d / "memory.max").read_text() == str(512 << 20)
     assert (tmp_path / "user" / "cgroup.subtree_control").read_text() == "+cpu +memory"
     assert cg.limits(0) == (1.5, 512 << 20)
