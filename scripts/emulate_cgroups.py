@@ -34,10 +34,14 @@ PERIOD_ENV = "PIPEINFER_EMU_CFS_PERIOD_US"  # a fixed period instead (to compare
 
 
 def cfs_period_us(cpus: float) -> int:
-    """The CFS period for a host of `cpus`: the shortest whose quota is the kernel's 1 ms minimum
-    (2 ms at 0.5 CPU, 4 ms at 0.25), at most 10 ms. See the module's docstring for why."""
+    """The CFS period for a host of `cpus`: below one CPU the shortest whose quota is the kernel's
+    1 ms minimum (2 ms at 0.5 CPU, 4 ms at 0.25), else 10 ms. See the module's docstring for why."""
     if os.environ.get(PERIOD_ENV):
         return int(os.environ[PERIOD_ENV])
+    if cpus >= 1:
+        # A whole core or more: a rank's one compute thread never meets the quota, and a period of
+        # 1 ms would throttle it for every blip of its other threads (polling, MPI), at a cost.
+        return MAX_PERIOD_US
     return int(min(MAX_PERIOD_US, max(MIN_QUOTA_US, round(MIN_QUOTA_US / cpus))))
 
 

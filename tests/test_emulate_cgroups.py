@@ -15,7 +15,7 @@ import emulate_cgroups as ec  # noqa: E402
 
 def test_the_period_is_the_shortest_with_a_1_ms_quota(monkeypatch):
     monkeypatch.delenv(ec.PERIOD_ENV, raising=False)
-    assert [ec.cfs_period_us(c) for c in (0.1, 0.25, 0.5, 1, 2)] == [10000, 4000, 2000, 1000, 1000]
+    assert [ec.cfs_period_us(c) for c in (0.1, 0.25, 0.5, 1, 2)] == [10000, 4000, 2000, 10000, 10000]
     monkeypatch.setenv(ec.PERIOD_ENV, "10000")
     assert ec.cfs_period_us(0.5) == 10000
 
@@ -67,7 +67,7 @@ def test_v2_group_with_cpu_max_and_no_swap(tmp_path):
     assert cg.version == 2
     cg.create(1, [1.5], [512 << 20])
     d = cg.host_dirs(0)[""]
-    assert (d / "cpu.max").read_text() == "1500 1000"
+    assert (d / "cpu.max").read_text() == "15000 10000"
     assert (d / "memory.max").read_text() == str(512 << 20)
     assert (tmp_path / "user" / "cgroup.subtree_control").read_text() == "+cpu +memory"
     assert cg.limits(0) == (1.5, 512 << 20)
