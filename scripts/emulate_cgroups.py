@@ -147,6 +147,15 @@ class Cgroups:
                               f"(cgroup v1 needs cpu, cpuacct and memory mounted; v2 needs cpu and memory enabled); "
                               f"run as root on a machine that has them, or leave out --cpus/--mem")
 
+    @classmethod
+    def from_bases(cls, prefix: str, bases: dict[str, str]) -> "Cgroups":
+        """The groups a cluster made, from the bases its state recorded ('' = the v2 hierarchy)."""
+        cg = cls.__new__(cls)
+        cg.prefix, cg.root = prefix, CGROUP_ROOT
+        cg.bases = {k: Path(v) for k, v in bases.items()}
+        cg.version = 2 if "" in cg.bases else 1
+        return cg
+
     # paths
     def host_dirs(self, k: int) -> dict[str, Path]:
         return {n: b / f"h{k}" for n, b in self.bases.items()}

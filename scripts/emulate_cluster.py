@@ -246,12 +246,7 @@ class Cluster:
     @property
     def cgroups(self) -> Cgroups | None:
         """The hosts' cgroups, when --cpus or --mem made them."""
-        if not self.cgroup_bases:
-            return None
-        cg = Cgroups.__new__(Cgroups)
-        cg.prefix, cg.bases = self.prefix, {k: Path(v) for k, v in self.cgroup_bases.items()}
-        cg.version = 2 if "" in cg.bases else 1
-        return cg
+        return Cgroups.from_bases(self.prefix, self.cgroup_bases) if self.cgroup_bases else None
 
     def up(self, n: int, rate: str = DEFAULT_RATE, cpus: str | None = None, mem: str | None = None) -> None:
         require_root()
