@@ -49,6 +49,15 @@ class CgroupError(Exception):
     """A cgroup could not be made or read; the message names the file and the fix."""
 
 
+def _per_host(values: list, n_hosts: int, what: str) -> list:
+    """One value for every host, or one per host."""
+    if len(values) == 1:
+        return values * n_hosts
+    if len(values) != n_hosts:
+        raise CgroupError(f"{what} gives {len(values)} values for {n_hosts} hosts: give one, or one per host")
+    return values
+
+
 def parse_cpus(text: str, n_hosts: int) -> list[float | None]:
     """`--cpus 0.5` (every host) or `--cpus 1,0.5,0.5` (one per host); `none` = unlimited."""
     values: list[float | None] = []
@@ -65,11 +74,7 @@ def parse_cpus(text: str, n_hosts: int) -> list[float | None]:
             raise CgroupError(f"--cpus {part}: at least {MIN_QUOTA_US / MAX_PERIOD_US:g} CPU per host "
                               f"(the kernel's smallest quota is 1 ms of a period of at most {MAX_PERIOD_US // 1000} ms)")
         values.append(v)
-    if len(values) == 1:
-        return values * n_hosts
-    if len(values) != n_hosts:
-        raise CgroupError(f"--cpus {text!r} gives {len(values)} values for {n_hosts} hosts: give one, or one per host")
-    return values
+    return _per_host(values, n_hosts, f"--cpus {text!r}")
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
@@ -91,11 +96,7 @@ def parse_mem(text: str, n_hosts: int) -> list[int | None]:
         if size < 16 << 20:
             raise CgroupError(f"--mem {part}: at least 16m per host")
         values.append(size)
-    if len(values) == 1:
-        return values * n_hosts
-    if len(values) != n_hosts:
-        raise CgroupError(f"--mem {text!r} gives {len(values)} values for {n_hosts} hosts: give one, or one per host")
-    return values
+    return _per_host(values, n_hosts, f"--mem {text!r}")
 
 
 def human(n: int) -> str:

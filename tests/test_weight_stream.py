@@ -348,32 +348,10 @@ def test_a_draft_rank_is_sent_the_whole_draft_and_a_corrupt_slice_is_sent_again(
     assert again["ranks"][1]["weights"]["source"] == "stream" and again["ranks"][2]["weights"]["source"] == "cache"
 
 
-@pytest.mark.mpi
-def test_a_rank_stopped_mid_stream_ends_the_job_with_one_line_and_no_partial_file(smollm2_path, tmp_path):
-    head, empty = _cache_with(tmp_path, "head", smollm2_path), tmp_path / "empty"
-    args = ["generate", MODEL, "-p", PROMPT, "-n", 8, "--threads", 1, "--no-pull"]
-    cmd = [MPIEXEC, "-n", 1, "-env", "PIPEINFER_CACHE", str(head), PIPEINFER, *args, ":",
-           "-n", 1, "-env", "PIPEINFER_CACHE", str(empty), PIPEINFER, *args]
-    proc, marker = start_job(cmd, PIPEINFER_DEBUG_STREAM_RATE="4e6")  # about 12 s for the slice
-    deadline = time.monotonic() + 60
-    while not list((empty / "slices").glob("*.partial")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)
-    receivers = [p for p in marked_pids(marker) if b"PMI_RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes()
-                 and b"pipeinfer" in Path(f"/proc/{p}/cmdline").read_bytes()]
-    assert receivers, "rank 1 is not running"
-    for p in receivers:
-        os.kill(p, 15)
-    rc, out, err = finish_job(proc, marker, within_s=60)
-    assert rc != 0 and out == ""
-    errors = [ln for ln in err.splitlines() if ln.startswith("Error: ")]
-    assert len(errors) == 1 and errors[0].startswith("Error: rank 1 (host ") and "stopped by SIGTERM" in errors[0], err
-    assert "Traceback" not in err
-    assert list((empty / "slices").iterdir()) == []
-
-
-@pytest.mark.mpi
-def test_a_rank_killed_mid_stream_leaves_a_partial_file_that_the_next_job_removes(smollm2_path, tmp_path):
+def _signal_rank_1_mid_stream(smollm2_path, tmp_path, signum: int) -> tuple[list[Path], list, int, str, str]:
+    """A 2-rank job whose rank 1 has an empty cache and is streamed its slice slowly (about 12 s);
+    once its partial file exists, rank 1 gets `signum`. Returns ([head's cache, rank 1's cache], the
+    job's arguments, rc, stdout, stderr)."""
     head, empty = _cache_with(tmp_path, "head", smollm2_path), tmp_path / "empty"
     args = ["generate", MODEL, "-p", PROMPT, "-n", 8, "--threads", 1, "--no-pull"]
     cmd = [MPIEXEC, "-n", 1, "-env", "PIPEINFER_CACHE", str(head), PIPEINFER, *args, ":",
@@ -387,8 +365,25 @@ def test_a_rank_killed_mid_stream_leaves_a_partial_file_that_the_next_job_remove
                  and b"pipeinfer" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert receivers, "rank 1 is not running"
     for p in receivers:
-        os.kill(p, 9)  # SIGKILL: the rank cannot remove its partial file
-    rc, _, _ = finish_job(proc, marker, within_s=60)
+        os.kill(p, signum)
+    rc, out, err = finish_job(proc, marker, within_s=60)
+    return [head, empty], args, rc, out, err
+
+
+@pytest.mark.mpi
+def test_a_rank_stopped_mid_stream_ends_the_job_with_one_line_and_no_partial_file(smollm2_path, tmp_path):
+    (_, empty), _, rc, out, err = _signal_rank_1_mid_stream(smollm2_path, tmp_path, 15)
+    assert rc != 0 and out == ""
+    errors = [ln for ln in err.splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 1 and errors[0].startswith("Error: rank 1 (host ") and "stopped by SIGTERM" in errors[0], err
+    assert "Traceback" not in err
+    assert list((empty / "slices").iterdir()) == []
+
+
+@pytest.mark.mpi
+def test_a_rank_killed_mid_stream_leaves_a_partial_file_that_the_next_job_removes(smollm2_path, tmp_path):
+    # SIGKILL: the rank cannot remove its partial file
+    (head, empty), args, rc, _, _ = _signal_rank_1_mid_stream(smollm2_path, tmp_path, 9)
     assert rc != 0
     (left,) = list((empty / "slices").glob("*.partial"))
     size = human_bytes(left.stat().st_size)
