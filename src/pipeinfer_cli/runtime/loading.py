@@ -129,8 +129,7 @@ def check_memory_limit(cfg, me, rank: int, n_stages: int) -> None:
     info = read_model_info(cfg.model_path)
     b, e = me.layers
     weights = sum(info.layer_bytes[b:e]) + (info.output_bytes if rank == n_stages - 1 else 0)
-    n_embd_kv = info.n_embd // max(1, info.n_head) * info.n_head_kv
-    kv = 2 * 2 * n_embd_kv * (e - b) * cfg.engine_ctx  # K and V, f16, every layer of the range
+    kv = info.kv_bytes_per_cell * (e - b) * cfg.engine_ctx  # every layer of the range
     if weights + kv > limit:
         import socket
 
