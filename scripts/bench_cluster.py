@@ -14,6 +14,8 @@ configuration (--configs) through `pipeinfer bench` as a user runs it, with the 
     pipeinfer:DRAFT             asynchronous pipelined speculation, the draft on the head
     pipeinfer:DRAFT@own         the draft on a host of its own: N-1 target stages + 1 draft rank
                                 (the PipeInfer paper's 8-node shape is 7 + 1)
+    pipeinfer:DRAFT@shared      N target stages + 1 draft rank that shares host 0 with the head:
+                                its own process, drafting while the head works, on the head's quota
 
 DRAFT is a model name, `lookup`, or `lookup+MODEL`. Per row it reports tok/s (end to end), decode
 tok/s, TTFT, acceptance, each host's CPU time and throttled time (from its cgroup), and checks that
@@ -60,8 +62,10 @@ def parse_config(text: str) -> dict:
         raise Failure(f"config {text!r}: the mode must be iterative, speculative or pipeinfer")
     if mode != "iterative" and not draft:
         raise Failure(f"config {text!r}: {mode} needs a draft (MODE:DRAFT)")
-    if place not in ("", "head", "own"):
-        raise Failure(f"config {text!r}: the placement after @ is head or own")
+    if place not in ("", "head", "own", "shared"):
+        raise Failure(f"config {text!r}: the placement after @ is head, own or shared")
+    if place in ("own", "shared") and (not draft or draft.startswith("lookup")):
+        raise Failure(f"config {text!r}: only a draft model runs as a rank of its own (@{place})")
     return {"label": text, "mode": mode, "draft": draft or None, "placement": place or ("head" if draft else None)}
 
 
@@ -78,7 +82,8 @@ def balanced_fractions(model: str, n_stages: int) -> str:
 
 
 def bench_cmd(a, n_hosts: int, cfg: dict, out: Path) -> list[str]:
-    cmd = [a.pipeinfer, "bench", a.model, "--modes", cfg["mode"], "--ranks", str(n_hosts), "--threads", "1",
+    ranks = n_hosts + 1 if cfg["placement"] == "shared" else n_hosts
+    cmd = [a.pipeinfer, "bench", a.model, "--modes", cfg["mode"], "--ranks", str(ranks), "--threads", "1",
            "-n", str(a.n_predict), "--prompts", a.prompts, "--limit", str(a.limit), "--warmup", "0",
            "--repeat", "1", "--temp", "0", "--json", str(out)]
     if cfg["draft"]:
@@ -89,8 +94,13 @@ def bench_cmd(a, n_hosts: int, cfg: dict, out: Path) -> list[str]:
 
 
 def layer_split(a, n_hosts: int, cfg: dict) -> str | None:
-    """The --layer-split of a config: a draft on a host of its own takes the last host."""
-    return balanced_fractions(a.model, n_hosts - 1) + "/1" if cfg["placement"] == "own" else None
+    """The --layer-split of a config: a draft on a host of its own takes the last host; a shared
+    one is rank N, which Hydra places on host 0 (the hostfile has one slot per host and wraps)."""
+    if cfg["placement"] == "own":
+        return balanced_fractions(a.model, n_hosts - 1) + "/1"
+    if cfg["placement"] == "shared":
+        return balanced_fractions(a.model, n_hosts) + "/1"
+    return None
 
 
 def run_one(a, c: Cluster, n_hosts: int, rate: str, cfg: dict, mem: str | None) -> dict:
@@ -101,7 +111,7 @@ def run_one(a, c: Cluster, n_hosts: int, rate: str, cfg: dict, mem: str | None) 
     shown = shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
     log(f"[{n_hosts} hosts x {c.cpus[0]:g} CPU, {rate}{', mem ' + mem if mem else ''}] {cfg['label']}: {shown}")
     # One host: the job runs in the launching process (no MPI relaunch), so it must start on host 0.
-    run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if n_hosts == 1 else cmd
+    run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if n_hosts == 1 and cfg["placement"] != "shared" else cmd
     before = c.usage()
     t0 = time.monotonic()
     proc = subprocess.run(run, env={**os.environ, **c.env()}, capture_output=True, text=True, check=False)
