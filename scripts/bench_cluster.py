@@ -201,7 +201,8 @@ def table(rows: list[dict]) -> str:
         cells += [fmt(r["tok_per_s"], ".2f"), fmt(r["decode_tok_per_s"], ".2f"), fmt(r["ttft_s"], ".2f"),
                   fmt(r["acceptance"], ".2f"), fmt(r.get("x_iterative"), ".2f"), fmt(r.get("x_speculative"), ".2f"),
                   fmt((r.get("predicted") or {}).get("tok_per_s"), ".2f"),
-                  "–" if r.get("predicted_error") is None else f"{r['predicted_error']:+.0%}",
+                  "–" if r.get("predicted_error") is None else f"{r['predicted_error']:+.0%}"
+                  + (" (at the measured acceptance)" if "plan_acceptance_given" in r else ""),
                   f"{max(r['host_cpu_s'].values()):.1f}", f"{sum(r['host_throttled_s'].values()):.1f}",
                   "same" if r.get("texts_identical") else "DIFFER"]
         out.append("| " + " | ".join(cells) + " |")
@@ -217,12 +218,14 @@ def plan_rows(a, c: Cluster, n: int, rows: list[dict]) -> None:
         if row["label"] not in a.plan or "records" not in row:
             continue
         split = layer_split(a, n, row)
-        key = (row["draft"], split)
+        ranks = n + 1 if row["placement"] == "shared" else n
+        model_draft = row["draft"] if row["draft"] and row["draft"] != "lookup" else None
+        key = (model_draft, split)  # iterative and lookup rows share a calibration: lookup costs ~nothing
         if key not in profiles:
             out = a.work_dir / f"profile_{row['rate']}_h{n}_{len(profiles)}.json"
-            cmd = [a.pipeinfer, "calibrate", a.model, "--ranks", str(n), "--threads", "1", "--quick", "--out", str(out)]
-            cmd += (["--draft", row["draft"]] if row["draft"] else []) + (["--layer-split", split] if split else [])
-            run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if n == 1 else cmd
+            cmd = [a.pipeinfer, "calibrate", a.model, "--ranks", str(ranks), "--threads", "1", "--quick", "--out", str(out)]
+            cmd += (["--draft", model_draft] if model_draft else []) + (["--layer-split", split] if split else [])
+            run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if ranks == 1 else cmd
             log(f"  calibrate: {shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)}")
             t0 = time.monotonic()
             proc = subprocess.run(run, env={**os.environ, **c.env()}, capture_output=True, text=True, check=False)
@@ -230,21 +233,31 @@ def plan_rows(a, c: Cluster, n: int, rows: list[dict]) -> None:
                 row["plan_error"] = (proc.stderr.strip().splitlines() or ["calibrate failed"])[-1]
                 log(f"  calibrate failed: {row['plan_error']}")
                 continue
-            log(f"  calibrated in {time.monotonic() - t0:.0f} s")
+            row["calibrate_s"] = round(time.monotonic() - t0)
+            log(f"  calibrated in {row['calibrate_s']} s")
             profiles[key] = out
-        cmd = [a.pipeinfer, "plan", a.model, "--profile", str(profiles[key]), "--modes", row["mode"], "--ranks", str(n), "--threads", "1",
-               "--prompts", a.prompts, "--limit", str(a.limit), "-n", str(a.n_predict), "--json"]
-        cmd += (["--draft", row["draft"]] if row["draft"] else []) + (["--layer-split", split] if split else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            row["plan_error"] = (proc.stderr.strip().splitlines() or ["plan failed"])[-1]
-            log(f"  plan failed: {row['plan_error']}")
-            continue
-        pred = json.loads(proc.stdout)["modes"][row["mode"]]
-        row["predicted"] = {k: pred.get(k) for k in ("tok_per_s", "decode_tok_per_s", "ttft_s", "acceptance")}
-        row["predicted_error"] = round(pred["tok_per_s"] / row["tok_per_s"] - 1, 3) if row.get("tok_per_s") else None
-        log(f"  plan: {pred['tok_per_s']:.2f} tok/s predicted, {row['tok_per_s']:.2f} measured "
-            f"({row['predicted_error']:+.0%})")
+        row["profile"] = str(profiles[key])
+        plan_row(a, row, profiles[key], ranks, split)
+
+
+def plan_row(a, row: dict, profile: Path, ranks: int, split: str | None) -> None:
+    cmd = [a.pipeinfer, "plan", a.model, "--profile", str(profile), "--modes", row["mode"], "--ranks", str(ranks),
+           "--threads", "1", "--prompts", a.prompts, "--limit", str(a.limit), "-n", str(a.n_predict), "--json"]
+    cmd += (["--draft", row["draft"]] if row["draft"] else []) + (["--layer-split", split] if split else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0 and "--acceptance" in proc.stderr and row.get("acceptance") is not None:
+        # A draft of another vocabulary has no recordable chains: plan at the acceptance the run measured.
+        row["plan_acceptance_given"] = row["acceptance"]
+        proc = subprocess.run(cmd + ["--acceptance", str(row["acceptance"])], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        row["plan_error"] = (proc.stderr.strip().splitlines() or ["plan failed"])[-1]
+        log(f"  plan failed: {row['plan_error']}")
+        return
+    pred = json.loads(proc.stdout)["modes"][row["mode"]]
+    row["predicted"] = {k: pred.get(k) for k in ("tok_per_s", "decode_tok_per_s", "ttft_s", "acceptance")}
+    row["predicted_error"] = round(pred["tok_per_s"] / row["tok_per_s"] - 1, 3) if row.get("tok_per_s") else None
+    log(f"  plan: {pred['tok_per_s']:.2f} tok/s predicted, {row['tok_per_s']:.2f} measured "
+        f"({row['predicted_error']:+.0%})")
 
 
 def run_cluster(a, n: int, rate: str, configs: list[dict], mem: str | None = None) -> list[dict]:
@@ -273,14 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", default="1,2,4,8", help="host counts (default 1,2,4,8)")
     p.add_argument("--rates", default="1gbit", help="link rates, e.g. 1gbit,100mbit")
     p.add_argument("--total-cpus", type=float, default=2.0, help="the CPUs divided among the hosts (default 2)")
-    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="MODE[:DRAFT[@own]],... (default: every mode and draft)")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="MODE[:DRAFT[@own|@shared]],... (default: every mode and draft)")
     p.add_argument("--prompts", default="default", help="bench prompt set: default, grounded or a .jsonl")
     p.add_argument("--limit", type=int, default=2, help="prompts of the set (default 2)")
     p.add_argument("-n", "--n-predict", type=int, default=32)
     p.add_argument("--mem", metavar="SIZE", help="a memory limit per host (e.g. 800m): the rows of a model too large "
                                                  "for one host, where one host refuses the job and a split runs")
     p.add_argument("--plan", default="", help="configs to predict with calibrate + plan on the same hosts "
-                                               "(comma-separated labels, e.g. iterative,pipeinfer:smollm2-135m-instruct)")
+                                               "(comma-separated labels, e.g. iterative,pipeinfer:smollm2-135m-instruct; all: every config)")
     p.add_argument("--bench-arg", action="append", default=[], help="extra argument for pipeinfer bench (repeatable)")
     p.add_argument("--prefix", default="pi-cl")
     p.add_argument("--subnet", default="10.214.0.0/24")
@@ -288,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pipeinfer", default=str(ROOT / ".venv" / "bin" / "pipeinfer"))
     a = p.parse_args(argv)
     a.plan = set(x for x in a.plan.split(",") if x)
+    if "all" in a.plan:
+        a.plan = set(a.configs.split(","))
     a.work_dir = ROOT / "build" / "cluster"
     a.work_dir.mkdir(parents=True, exist_ok=True)
 
