@@ -182,8 +182,9 @@ def _check_layers(cfg) -> None:
                          "the first layers apart from the last one)")
 
 
-def _progress(rank: int, line: str) -> None:
-    err.print(f"calibrate: rank {rank}: {line}", markup=False, highlight=False)
+def _progress(rank: int | None, line: str) -> None:
+    where = "" if rank is None else f"rank {rank}: "
+    err.print(f"calibrate: {where}{line}", markup=False, highlight=False)
     sys.stderr.flush()
 
 

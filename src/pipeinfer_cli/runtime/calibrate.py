@@ -49,11 +49,11 @@ TURN_WAIT_MAX_S = 10e-3  # the longest sleep between probes of a rank waiting fo
 LINK_WARMUP = 3  # untimed round trips per message size
 
 
-def run_calibration(cfg, spec: ProbeSpec, command: str, say: Callable[[int, str], None]) -> Profile | None:
+def run_calibration(cfg, spec: ProbeSpec, command: str, say: Callable[[int | None, str], None]) -> Profile | None:
     """Run on every rank of COMM_WORLD: the Profile on the head, None elsewhere.
 
-    say(rank, line): progress, called on the rank that measures; command: the command line, kept
-    in the profile."""
+    say(rank, line): progress, called on the rank that measures (rank None: the head, of the job
+    as a whole, e.g. the weights it streams); command: the command line, kept in the profile."""
     startup = job_startup()
     link = startup.link
     if not startup.started:
@@ -62,7 +62,7 @@ def run_calibration(cfg, spec: ProbeSpec, command: str, say: Callable[[int, str]
     try:
         cfg.layer_split = calibration_split(cfg.layer_split, link.size)
         topo, info, spec = share_probe_weights(link, startup, cfg, spec, _times_draft(spec),
-                                               lambda line: say(0, line))
+                                               lambda line: say(None, line))
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there, once
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
     startup.check_in("loaded", 0, err, code)
