@@ -116,3 +116,19 @@ def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, tmp_path):
     rc, _, err = _mpmd([head, empty], args)
     assert rc == 0, err
     assert "has no copy" not in err and len(Profile.load(out).ranks) == 2
+
+
+@pytest.mark.mpi
+def test_a_draft_rank_without_the_models_is_sent_the_probe_and_the_draft(smollm2_path, tmp_path):
+    head, empty = _cache_with(tmp_path, "head", smollm2_path), tmp_path / "empty"
+    out = tmp_path / "d.json"
+    args = ["calibrate", MODEL, "--draft", MODEL, "--layer-split", "1/1", "--quick", "--threads", 1, "--ctx", 512,
+            "--no-pull", "--out", out]
+    rc, _, err = _mpmd([head, empty], args)
+    assert rc == 0, err
+    assert "sending it the whole draft file" in err and "Traceback" not in err
+    profile = Profile.load(out)
+    assert [r.rank for r in profile.ranks] == [0, 1]
+    assert profile.draft.kind == "model" and profile.draft.rank == 1 and profile.draft.token_s > 0
+    assert profile.draft.sha256 == model_sha256(smollm2_path)
+    assert "whole.gguf" in {p.name.split(".", 1)[1] for p in (empty / "slices").glob("*.gguf")}

@@ -61,8 +61,7 @@ def run_calibration(cfg, spec: ProbeSpec, command: str, say: Callable[[int | Non
     topo, info, err, code = None, None, None, 1
     try:
         cfg.layer_split = calibration_split(cfg.layer_split, link.size)
-        topo, info, spec = share_probe_weights(link, startup, cfg, spec, _times_draft(spec),
-                                               lambda line: say(None, line))
+        topo, info, spec = share_probe_weights(link, startup, cfg, spec, times_draft, lambda line: say(None, line))
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there, once
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
     startup.check_in("loaded", 0, err, code)
@@ -88,12 +87,11 @@ def run_calibration(cfg, spec: ProbeSpec, command: str, say: Callable[[int | Non
                    command=command, warnings=warnings + twin_disagreements(ranks))
 
 
-def _times_draft(spec: ProbeSpec) -> Callable[[Topology, int], bool]:
-    """Whether a rank of this topology times a draft model (and so needs its file)."""
-    def times(topo: Topology, rank: int) -> bool:
-        where = topo.draft_rank if topo.draft_rank is not None else 0
-        return spec.draft_kind == "model" and rank == where
-    return times
+def times_draft(spec: ProbeSpec, topo: Topology, rank: int) -> bool:
+    """Whether a rank of this topology times a draft model (and so needs its file): the draft rank,
+    else the head."""
+    where = topo.draft_rank if topo.draft_rank is not None else 0
+    return spec.draft_kind == "model" and rank == where
 
 
 def identities(cfg, draft: DraftCosts | None) -> str:

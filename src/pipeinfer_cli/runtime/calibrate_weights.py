@@ -53,10 +53,12 @@ def covering_slice(model_sha256: str | None, part: tuple[int, int]) -> Path | No
     return None
 
 
-def share_probe_weights(link: Link, startup, cfg, spec: ProbeSpec, runs_draft: Callable[[Topology, int], bool],
+def share_probe_weights(link: Link, startup, cfg, spec: ProbeSpec,
+                        runs_draft: Callable[[ProbeSpec, Topology, int], bool],
                         say: Callable[[str], None]) -> tuple[Topology, object, ProbeSpec]:
     """(this rank's topology, the model's header facts, this rank's ProbeSpec with its own paths).
-    Runs on every rank after the "start" check-in, whose values are every rank's model files."""
+    Runs on every rank after the "start" check-in, whose values are every rank's model files. The
+    head's ProbeSpec wins (a rank without the draft file would not know it times a draft)."""
     from ..gguf_info import read_model_info
 
     files = startup.start_values
@@ -66,16 +68,17 @@ def share_probe_weights(link: Link, startup, cfg, spec: ProbeSpec, runs_draft: C
         info = read_model_info(cfg.model_path)
         counts = {hosts.count(h) for h in hosts}
         topos = {c: plan_config(cfg, link.size, c, cfg.draft_label is not None) for c in counts}
-        digests = _digests(cfg, files, topos[hosts.count(hosts[0])], runs_draft)
-        startup.check_in("plan", (topos, info, digests))
+        digests = _digests(cfg, files, spec, topos[hosts.count(hosts[0])], runs_draft)
+        startup.check_in("plan", (topos, info, digests, spec))
         needs = startup.check_in("weights", [])
         for rank, wanted in enumerate(needs):
             for need in wanted:
                 _stream_to(link, cfg, rank, hosts[rank], need, digests, say)
         return topos[hosts.count(hosts[0])], info, spec
-    topos, info, digests = startup.check_in("plan")[0]
+    topos, info, digests, spec = startup.check_in("plan")[0]
     topo = topos[hosts.count(hosts[link.rank])]
-    paths, needs = _pick_probe(link, startup, files, digests, probe_parts(info.layer_bytes), runs_draft(topo, link.rank))
+    paths, needs = _pick_probe(link, startup, files, digests, probe_parts(info.layer_bytes),
+                               runs_draft(spec, topo, link.rank))
     startup.check_in("weights", needs)
     for need in needs:
         path, _ = _receive(link, cfg, need, digests)
@@ -83,7 +86,8 @@ def share_probe_weights(link: Link, startup, cfg, spec: ProbeSpec, runs_draft: C
     return topo, info, _with_paths(spec, paths, probe_parts(info.layer_bytes))
 
 
-def _digests(cfg, files: list[dict], topo: Topology, runs_draft: Callable[[Topology, int], bool]) -> dict:
+def _digests(cfg, files: list[dict], spec: ProbeSpec, topo: Topology,
+             runs_draft: Callable[[ProbeSpec, Topology, int], bool]) -> dict:
     """The sha256 of the target when some rank lacks the head's very file (every rank times it),
     and of the draft when the rank that times it does."""
     out = {}
@@ -92,7 +96,7 @@ def _digests(cfg, files: list[dict], topo: Topology, runs_draft: Callable[[Topol
         out["target"] = file_sha256(head["target"])
     for r in range(1, len(files)):
         theirs = files[r]["draft"]
-        if runs_draft(topo, r) and cfg.draft_path is not None and (theirs is None or not theirs.same_file(head["draft"])):
+        if runs_draft(spec, topo, r) and cfg.draft_path is not None and (theirs is None or not theirs.same_file(head["draft"])):
             out["draft"] = file_sha256(head["draft"])
     return out
 
