@@ -4,7 +4,9 @@
 - a real 2-rank job whose rank 1 has an empty cache (MPMD, one PIPEINFER_CACHE per rank): the head
   sends rank 1 the probe's slices and says so; the profile has both ranks' rows, the model's
   identity and the machine's as a normal calibration records them, and `plan --profile` and
-  `--layer-split auto --profile` take it; the next calibration reads rank 1's node cache.
+  `--layer-split auto --profile` take it (and repeat the calibration's warnings); the next
+  calibration reads rank 1's node cache;
+- a draft rank without the models is sent the probe's slices and the whole draft file, and times it.
 
 The emulated cluster's version (2 hosts, host 1 without the model) is in test_emulated_cluster.py.
 """
@@ -12,6 +14,7 @@ The emulated cluster's version (2 hosts, host 1 without the model) is in test_em
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -109,9 +112,13 @@ def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, tmp_path):
     plan = [PIPEINFER, "plan", MODEL, "--profile", str(out), "--threads", "1", "-p", "Hi", "-n", "4"]
     r = subprocess.run(list(map(str, plan)), capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "predicted:" in r.stdout, r.stderr
+    raw = json.loads(out.read_text())  # a calibration that warned: plan repeats it
+    raw["warnings"] = ["rank 1: figures stayed unreliable (test)"]
+    out.write_text(json.dumps(raw))
     r = subprocess.run(list(map(str, [*plan, "--layer-split", "auto"])), capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr
+    assert "warning: the profile's calibration said: rank 1: figures stayed unreliable (test)" in r.stderr
     # the next calibration reads rank 1's node cache: nothing is sent
     rc, _, err = _mpmd([head, empty], args)
     assert rc == 0, err
