@@ -275,6 +275,37 @@ def test_a_model_on_the_head_alone_gives_the_tokens_of_shared_memory(smollm2_pat
     assert not list(Path(f"{cache}.{_host_of(1, n)}").glob("*.gguf"))  # slices only, in slices/
 
 
+def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, cluster2, tmp_path):
+    """calibrate on 2 hosts, the model on the head's only: host 1 is sent the probe's slices over
+    its link, the profile has both ranks' rows measured on their own hosts, and the next
+    calibration reads host 1's node cache."""
+    from pipeinfer_cli.planner.identity import model_sha256
+    from pipeinfer_cli.planner.profile import Profile
+
+    cache = _node_local_cache(tmp_path, 2, smollm2_path)
+    env_extra = {"PIPEINFER_CACHE": str(cache), "PIPEINFER_EMU_NODE_LOCAL": str(cache)}
+    out = tmp_path / "profile.json"
+    args = [sys.executable, "-m", "pipeinfer_cli", "calibrate", "smollm2-135m-instruct", "--ranks", 2, "--quick",
+            "--threads", 1, "--ctx", 256, "--no-pull", "--out", out]
+    for round_ in ("streamed", "cached"):
+        marker = uuid.uuid4().hex
+        try:
+            r = subprocess.run(cluster2.cmd("exec", "--", *map(str, args)), capture_output=True, text=True,
+                               timeout=600, env=job_env(marker, **env_extra))
+        finally:
+            assert_no_survivors(marker)
+        assert r.returncode == 0, r.stderr
+        assert "Traceback" not in r.stderr
+        sent = f"rank 1 (host {cluster2.host(1)}) has no copy of smollm2-135m-instruct: sending it layers 0-28"
+        assert (sent in r.stderr) == (round_ == "streamed"), r.stderr
+        profile = Profile.load(out)
+        assert [(rc.rank, rc.host) for rc in profile.ranks] == [(0, cluster2.host(0)), (1, cluster2.host(1))]
+        assert all(rc.decode.s[0][0] > 0 and rc.spread is not None and rc.ranks_per_host == 1 for rc in profile.ranks)
+        assert profile.model.sha256 == model_sha256(smollm2_path)
+    slices = sorted(p.name.split(".", 1)[1] for p in Path(f"{cache}.{_host_of(1, 2)}/slices").glob("*.gguf"))
+    assert slices == ["layers-0-28.gguf", "layers-29-29.gguf"]
+
+
 # -- the bytes cross the shaped link --------------------------------------------------------------
 
 SEND = """

@@ -48,6 +48,15 @@ repetitions, two KV lengths, batches up to --n-draft + 1 rows) about 40 seconds.
 machine, with the ranks, threads and launcher of the jobs it should predict (the job options are
 generate's).
 
+Only the head needs the model files, as for generate: a rank without them is sent the layers it
+times (its first layers and the last one; the whole draft file to the rank that times a draft),
+or reuses the slices its node cache holds; the head says what it sends, with progress.
+
+Every figure is timed again, round after round, until the median of its repeats is within 10 % of
+the best one (at most 21 timed rounds, 6 with --quick); the worst spread of each rank is in the
+profile and the table. A figure that never settles, and ranks of the same hardware (CPU model,
+usable CPUs, threads) whose one-row figures differ by more than 25 %, are named in a warning.
+
 The profile (--out, default profile.json; --json prints it too) is what `pipeinfer plan --profile
 FILE` predicts each mode's speed from, without running it, and what `--layer-split auto --profile
 FILE` splits the layers by. docs/calibrate.md describes its fields.
@@ -55,7 +64,7 @@ FILE` splits the layers by. docs/calibrate.md describes its fields.
 
 OutOption = Annotated[Path, typer.Option("--out", "-o", help="Write the profile here (JSON; replaced atomically).")]
 ProfileJsonFlag = Annotated[bool, typer.Option("--json", help="Print the profile (what --out holds) on stdout instead of the table.")]
-QuickOption = Annotated[bool, typer.Option("--quick", help="Fewer repetitions: under a minute for the Qwen pair on 2 ranks, noisier figures.")]
+QuickOption = Annotated[bool, typer.Option("--quick", help="Fewer repetitions (3 rounds, at most 6 while they disagree): under a minute for the Qwen pair on 2 ranks, noisier figures.")]
 
 
 def calibrate(
@@ -76,14 +85,18 @@ def calibrate(
 
     Progress goes to stderr, a table to stdout (--json: the profile instead), the profile to --out.
     """
+    from ..transport.launch import under_mpi_launcher
+
     started = float(os.environ.get(STARTED_ENV) or time.time())
-    check_out_path(out_path)
+    if _on_head(under_mpi_launcher()):  # the head writes the profile
+        check_out_path(out_path)
     job = JobOptions(draft=draft, ranks=ranks, layer_split=layer_split, threads=threads, ctx=ctx, n_draft=n_draft,
                      rank_timeout=rank_timeout, no_pull=no_pull)
     start = begin_job(model, None, None, job)
     prep = start.prep
-    _check_on_this_node(prep.cfg)
-    _check_layers(prep.cfg)
+    if _on_head(start.inside):  # the other ranks may lack the models: the head sends them what they time
+        _check_on_this_node(prep.cfg)
+        _check_layers(prep.cfg)
     if not start.inside:  # the launching command checks the plan of the ranks it starts
         from ..runtime.calibrate import calibration_split
 
@@ -102,6 +115,8 @@ def calibrate(
                               _progress)
     if profile is None:  # another rank: the head reports
         return
+    for line in profile.warnings:
+        err.print(f"calibrate: warning: {line}", markup=False, highlight=False)
     try:
         profile.save(out_path)
     except OSError as e:
@@ -120,12 +135,13 @@ def probe_spec(cfg, quick: bool, n_ranks: int = 1):
     from ..runtime.calibrate_probes import IDLE_GAP_S, KV_LENGTHS, QUICK_KV, ProbeSpec
 
     kind = "lookup" if cfg.draft_label == "lookup" else ("model" if cfg.draft_path is not None else None)
-    return ProbeSpec(str(cfg.model_path), cfg.n_ctx, cfg.decode.n_draft, reps=3 if quick else 7,
+    return ProbeSpec(str(cfg.model_path or ""), cfg.n_ctx, cfg.decode.n_draft, reps=3 if quick else 7,
                      warmup=1 if quick else 2, overhead_tokens=16 if quick else 48, draft_kind=kind,
                      draft_path=str(cfg.draft_path) if cfg.draft_path else None, draft_label=cfg.draft_label or "",
                      draft_prompt=128 if quick else 256, draft_proposals=4 if quick else 12,
                      link_reps=50 if quick else 200, kv_points=QUICK_KV if quick else KV_LENGTHS,
-                     extra_rows=not quick, prefill_reps=1 if quick else 3,
+                     extra_rows=not quick, prefill_reps=2 if quick else 3, max_reps=6 if quick else 21,
+                     prefill_max_reps=4 if quick else 9,
                      idle_gap_s=IDLE_GAP_S if n_ranks > 1 else 0.0)
 
 
@@ -140,15 +156,21 @@ def check_out_path(path: Path) -> None:
         raise UsageError(f"--out {path}: the directory {parent} is not writable; choose another path")
 
 
+def _on_head(inside: bool) -> bool:
+    from ..transport.start_waits import launcher_rank
+
+    return not inside or launcher_rank() == 0
+
+
 def _check_on_this_node(cfg) -> None:
-    """Calibrate times every rank on its own copy of the models: unlike a job, it sends none."""
+    """The head needs the models: it times them and sends the other ranks what they time."""
     from ..errors import ModelFileError
 
     for label, path, given in ((cfg.model_label, cfg.model_path, True),
                                (cfg.draft_label, cfg.draft_path, cfg.draft_label not in (None, "lookup"))):
         if given and path is None:
-            raise ModelFileError(f"model {label!r} is not on this node; calibrate times every rank on its own copy of "
-                                 "the models (a job sends a rank its layers, calibrate does not): pull or copy it here")
+            raise ModelFileError(f"model {label!r} is not on this node, the head of the calibration, which needs "
+                                 "every model (the other ranks are sent what they time from it): pull or copy it here")
 
 
 def _check_layers(cfg) -> None:
@@ -160,13 +182,19 @@ def _check_layers(cfg) -> None:
                          "the first layers apart from the last one)")
 
 
-def _progress(rank: int, line: str) -> None:
-    err.print(f"calibrate: rank {rank}: {line}", markup=False, highlight=False)
+def _progress(rank: int | None, line: str) -> None:
+    where = "" if rank is None else f"rank {rank}: "
+    err.print(f"calibrate: {where}{line}", markup=False, highlight=False)
     sys.stderr.flush()
 
 
 def _ms(seconds: float, digits: int = 3) -> str:
     return f"{seconds * 1e3:.{digits}f}"
+
+
+def _spread(spread: dict | None) -> str:
+    """The worst spread of a rank's figures, in per cent ("-" in an older profile)."""
+    return f"{max(spread.values()) * 100:.0f}" if spread else "-"
 
 
 def _duration(seconds: float) -> str:
@@ -185,12 +213,13 @@ def print_tables(profile, n_draft: int) -> None:
                   f"{first.prefill.rows[-1]} tokens:", markup=False, highlight=False)
     t = Table(box=None, pad_edge=False, header_style="bold underline")
     for col in ("rank", "host", "threads", "ms/layer\n1 row", f"ms/layer\n{big} rows", "prompt µs\n/token/layer",
-                "output\nms/row", "overhead\nms/run"):
+                "output\nms/row", "overhead\nms/run", "spread\n%"):
         t.add_column(col, justify="left" if col == "host" else "right", no_wrap=True)
     for r in profile.ranks:
         d = r.decode.s[0]
         t.add_row(str(r.rank), r.host, str(r.threads), _ms(d[0]), _ms(d[r.decode.rows.index(big)]),
-                  f"{r.prefill.s[0][-1] / r.prefill.rows[-1] * 1e6:.1f}", _ms(r.output_row_s), _ms(r.run_overhead_s))
+                  f"{r.prefill.s[0][-1] / r.prefill.rows[-1] * 1e6:.1f}", _ms(r.output_row_s), _ms(r.run_overhead_s),
+                  _spread(r.spread))
     console.print(t)
     for host in dict.fromkeys(r.host for r in profile.ranks):
         r = next(x for x in profile.ranks if x.host == host)

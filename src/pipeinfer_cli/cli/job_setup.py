@@ -61,7 +61,7 @@ def _missing_on_head(name: str, exc: ModelFileError) -> ModelFileError:
     from ..transport.launch import under_mpi_launcher
 
     if not under_mpi_launcher() or launcher_rank() != 0:
-        return exc  # not a job's head (`calibrate` needs the model on every rank)
+        return exc  # not a job's head
     if "does not exist" not in str(exc) and "not downloaded" not in str(exc):
         return exc
     how = f"run `pipeinfer models pull {name}` there" if not name.endswith(".gguf") and "/" not in name else "copy it there"

@@ -71,6 +71,8 @@ def check_job(setup, modes: list[str], threads: str | None, force: bool, warn: C
     if lines and fine:
         lines[-1] += f", or plan --modes {','.join(fine)} alone"
     check(lines, force, warn)
+    for line in prof.warnings:  # what calibrate said about its figures (noise, twins that disagree)
+        warn(f"warning: the profile's calibration said: {line}")
 
 
 def check_trace(trace, path: Path, setup, force: bool, warn: Callable[[str], None]) -> None:

@@ -8,9 +8,12 @@ One JSON file (format "pipeinfer-profile", version 1):
 - `ranks`: per rank, the hardware facts (host, CPU, cores, threads, memory) and the measured
   costs: seconds per layer for a batch-invariant run of r rows at KV length k (decoding and
   verification), seconds per layer for a prompt chunk of r rows, seconds per output row (the LM
-  head and the sampler), and the rank's fixed cost per run (Python, MPI);
+  head and the sampler), and the rank's fixed cost per run (Python, MPI); and how far the repeats
+  of each figure spread (`spread`, absent in older profiles);
 - `draft`: the draft's seconds per proposed token and per prompt token, where it runs;
-- `links`: per measured pair of ranks, latency and bandwidth of a message.
+- `links`: per measured pair of ranks, latency and bandwidth of a message;
+- `warnings`: what calibrate said about its figures (noisy ranks, twins that disagree; absent in
+  older profiles).
 
 Reading is strict: a missing field or a wrong unit is a `ProfileError` naming the field, never a
 KeyError later.
@@ -75,6 +78,9 @@ class RankCosts:
     affinity_cpus: int | None = None  # the CPUs it may be scheduled on (a cpuset, a launcher's binding)
     quota_cpus: float | None = None  # its cgroup's CPU quota (None: none)
     ranks_per_host: int | None = None  # ranks of the job on its host, sharing its cores and memory
+    # The worst spread of each measured quantity ("decode", "prefill", "output"): (median - best) /
+    # best of a point's timed repeats (runtime/calibrate_noise.py). None: an older profile.
+    spread: dict[str, float] | None = None
 
 
 @dataclass
@@ -107,6 +113,7 @@ class Profile:
     draft: DraftCosts | None = None
     created: str = ""
     command: str = ""  # the calibrate command line that produced it
+    warnings: list[str] = field(default_factory=list)  # what calibrate said about its figures (noise, twins)
     format: str = FORMAT
     version: int = VERSION
 
@@ -149,7 +156,10 @@ class Profile:
             draft = DraftCosts(**d["draft"]) if d.get("draft") else None
         except (KeyError, TypeError) as e:
             raise ProfileError(f"{where} is incomplete or malformed ({e}); calibrate again") from None
-        p = Profile(model, ranks, links, draft, d.get("created", ""), d.get("command", ""))
+        warnings = d.get("warnings", [])
+        if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
+            raise ProfileError(f"{where}: \"warnings\" is not a list of lines; calibrate again")
+        p = Profile(model, ranks, links, draft, d.get("created", ""), d.get("command", ""), warnings)
         p.check_units(where)
         return p
 

@@ -6,7 +6,11 @@ measure, one after another, while every rank not measuring sleeps in a coarse wa
 a job uses (each target stage to the next, the last stage back to the head, the head to and from a
 draft rank), the two ranks exchange messages of 1 to 256 rows of hidden states through the job's
 `Link`, with its real waits, and the sender fits latency and bandwidth. The head assembles the
-`Profile` (planner/profile.py).
+`Profile` (planner/profile.py), with a warning for every rank whose figures stayed noisy and
+for ranks of the same hardware whose figures disagree (calibrate_noise.py).
+
+Only the head needs the model file: a rank without it is sent the probe's slices by the head, or
+reuses what its node cache holds (calibrate_weights.py), as a job's ranks are sent their layers.
 
 Orders and results travel pickled on Tag.CALIBRATE; the messages of the link probe are arrays on
 Tag.PAYLOAD, like hidden states. A rank that fails reports to the head, which ends the job with
@@ -25,7 +29,6 @@ import numpy as np
 
 from ..decode.sampling import SamplingParams
 from ..errors import UsageError, describe
-from ..gguf_info import read_model_info
 from ..planner.profile import DraftCosts, LinkCosts, ModelFacts, Profile, RankCosts
 from ..transport.exits import leave_after_head
 from ..transport.liveness import HeadUnresponsiveError, Liveness
@@ -33,30 +36,32 @@ from ..transport.messages import Tag
 from ..transport.mpi_link import Link
 from ..transport.start_waits import start_timeout_s
 from ..transport.startup import job_startup
+from .calibrate_noise import twin_disagreements, unreliable_line
 from .calibrate_probes import LINK_ROWS, ProbeSpec, fit_link, measure_rank
+from .calibrate_weights import share_probe_weights
 from .job import rank_names
 from .rank_report import JobAborted
-from .topology import Topology, parse_layer_split, plan_config
+from .topology import Topology, parse_layer_split
+from .weight_stream import local_files
 from .worker import abort_job, end_without_head, fail_after_error
 
 TURN_WAIT_MAX_S = 10e-3  # the longest sleep between probes of a rank waiting for its turn
 LINK_WARMUP = 3  # untimed round trips per message size
 
 
-def run_calibration(cfg, spec: ProbeSpec, command: str, say: Callable[[int, str], None]) -> Profile | None:
+def run_calibration(cfg, spec: ProbeSpec, command: str, say: Callable[[int | None, str], None]) -> Profile | None:
     """Run on every rank of COMM_WORLD: the Profile on the head, None elsewhere.
 
-    say(rank, line): progress, called on the rank that measures; command: the command line, kept
-    in the profile."""
+    say(rank, line): progress, called on the rank that measures (rank None: the head, of the job
+    as a whole, e.g. the weights it streams); command: the command line, kept in the profile."""
     startup = job_startup()
     link = startup.link
     if not startup.started:
-        startup.check_in("start", deadline_s=start_timeout_s())
+        startup.check_in("start", local_files(cfg), deadline_s=start_timeout_s())
     topo, info, err, code = None, None, None, 1
     try:
         cfg.layer_split = calibration_split(cfg.layer_split, link.size)
-        topo = plan_config(cfg, link.size, startup.hosts.count(startup.hosts[link.rank]), cfg.draft_label is not None)
-        info = read_model_info(cfg.model_path)
+        topo, info, spec = share_probe_weights(link, startup, cfg, spec, times_draft, lambda line: say(None, line))
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there, once
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
     startup.check_in("loaded", 0, err, code)
@@ -77,8 +82,16 @@ def run_calibration(cfg, spec: ProbeSpec, command: str, say: Callable[[int, str]
                        list(info.layer_bytes), info.output_bytes, identities(cfg, draft), info.kv_bytes_per_cell)
     for rc in ranks:  # ranks sharing a host share its cores and memory: a job is measured as it runs
         rc.ranks_per_host = startup.hosts.count(startup.hosts[rc.rank])
+    warnings = [line for rc in ranks if (line := unreliable_line(rc.rank, rc.spread, spec.spread_limit))]
     return Profile(facts, ranks, links, draft, created=datetime.now(UTC).isoformat(timespec="seconds"),
-                   command=command)
+                   command=command, warnings=warnings + twin_disagreements(ranks))
+
+
+def times_draft(spec: ProbeSpec, topo: Topology, rank: int) -> bool:
+    """Whether a rank of this topology times a draft model (and so needs its file): the draft rank,
+    else the head."""
+    where = topo.draft_rank if topo.draft_rank is not None else 0
+    return spec.draft_kind == "model" and rank == where
 
 
 def identities(cfg, draft: DraftCosts | None) -> str:

@@ -12,8 +12,13 @@ Everything is timed on probe engines, independent of the job's layer split:
 - the draft: a GGUF draft's prompt pass and proposals (`LlamaDrafter`), or prompt lookup;
 - the host: name, CPU model, logical CPUs, memory.
 
-Each point is the median of `reps` timed repetitions after `warmup` untimed ones, the points of a
-grid interleaved repetition by repetition, so that a slow spell of the machine spreads over them.
+Each point is the median of at least `reps` timed repetitions after `warmup` untimed ones, the
+points of a grid interleaved repetition by repetition, so that a slow spell of the machine spreads
+over them; rounds are added, up to `max_reps`, while a point's repeats disagree
+(calibrate_noise.py), and the worst spread of each quantity is kept in the rank's costs.
+
+The weights are the model file's, or the slices the head streamed to a rank without it
+(`model_path`: a file holding the probe's first layers; `last_path`: one holding the last layer).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from ..decode.trace import TraceRecorder
 from ..planner.profile import CostGrid, DraftCosts, LinkCosts, RankCosts
 from ..transport.faults import slowdown_for
 from ..wording import plural
+from .calibrate_noise import SPREAD_LIMIT, NoiseLog, repeat_until_settled
 from .cpu_share import cpu_share, memory_limit_bytes
 from .pipeline import Pipeline
 
@@ -51,7 +57,7 @@ LINK_ROWS = (1, 8, 64, 256)  # message sizes of the link probe, in rows of n_emb
 class ProbeSpec:
     """What to time on every rank, and how often (the same on every rank)."""
 
-    model_path: str
+    model_path: str  # a file holding layers [0, k) of the probe (the model, or a streamed slice)
     n_ctx: int  # the job's --ctx: caps the KV lengths and chunk sizes
     n_draft: int  # --n-draft: decode rows go 1 .. n_draft + 1, then a few beyond
     reps: int  # timed repetitions per point (the median is kept)
@@ -67,6 +73,10 @@ class ProbeSpec:
     extra_rows: bool = True  # rows beyond n_draft + 1 too (EXTRA_ROWS); else the planner extrapolates
     prefill_reps: int = 3  # timed prompt chunks of each size (long runs, warmed up by the fills)
     idle_gap_s: float = 0.0  # sleep before each timed eval: a stage of a pipeline computes after a wait
+    max_reps: int = 0  # timed repetitions at most while the repeats disagree (below reps: reps)
+    prefill_max_reps: int = 0  # the same for the prompt chunks
+    spread_limit: float = SPREAD_LIMIT  # (median - best) / best above which a point is repeated
+    last_path: str | None = None  # a file holding the last layer; None: model_path
 
     @property
     def decode_rows(self) -> list[int]:
@@ -98,16 +108,17 @@ def probe_layers(layer_bytes: list[int], budget: int = PROBE_BYTES) -> tuple[int
     return 0, max(1, k)
 
 
-def _interleaved(points: list, once: Callable[[object], float], reps: int, warmup: int) -> list[float]:
-    """The median of `reps` timings of once(point) for each point, after `warmup` untimed rounds;
-    every round times every point once, in order."""
-    times: list[list[float]] = [[] for _ in points]
-    for i in range(warmup + reps):
-        for j, p in enumerate(points):
-            t = once(p)
-            if i >= warmup:
-                times[j].append(t)
-    return [statistics.median(t) for t in times]
+def _timed(spec: ProbeSpec, points: list, once: Callable[[object], float], noise: NoiseLog | None, what: str,
+           prompt: bool = False) -> list[float]:
+    """The medians of the points, repeated until they settle (calibrate_noise.py); the worst spread
+    goes to `noise` under `what`. prompt: the prompt chunks' repetitions (no warm-up: the fills were
+    prompt chunks already)."""
+    reps, warmup, most = ((spec.prefill_reps, 0, spec.prefill_max_reps) if prompt
+                          else (spec.reps, spec.warmup, spec.max_reps))
+    timed = repeat_until_settled(points, once, reps, warmup, most, spec.spread_limit)
+    if noise is not None:
+        noise.add(what, timed)
+    return timed.medians
 
 
 def _fill(eng, kv: int, tokens: Callable[[int], np.ndarray], start: int = 0) -> None:
@@ -154,7 +165,7 @@ def non_decreasing(costs: list[float]) -> list[float]:
     return out
 
 
-def layer_costs(spec: ProbeSpec, eng, n_vocab: int) -> tuple[CostGrid, CostGrid]:
+def layer_costs(spec: ProbeSpec, eng, n_vocab: int, noise: NoiseLog | None = None) -> tuple[CostGrid, CostGrid]:
     """(decode grid, prefill grid): seconds per layer, on the layer probe `eng`."""
     n = eng.layer_end - eng.layer_begin
     tokens = _tokens(n_vocab, 0)
@@ -163,11 +174,12 @@ def layer_costs(spec: ProbeSpec, eng, n_vocab: int) -> tuple[CostGrid, CostGrid]
     for kv in kvs:  # ascending: each KV length extends the last one's cells (timed runs roll back)
         _fill(eng, kv, tokens, filled)
         filled = kv
-        secs = _interleaved(rows, lambda r, kv=kv: _timed_eval(eng, r, kv, tokens, True, spec.idle_gap_s), spec.reps, spec.warmup)
+        secs = _timed(spec, rows, lambda r, kv=kv: _timed_eval(eng, r, kv, tokens, True, spec.idle_gap_s), noise,
+                      "decode")
         decode.append(non_decreasing([s / n for s in secs]))
     eng.kv_clear()
-    # The fills were prompt chunks already: no warm-up.
-    secs = _interleaved(pre, lambda r: _timed_eval(eng, r, 0, tokens, False, spec.idle_gap_s), spec.prefill_reps, 0)
+    secs = _timed(spec, pre, lambda r: _timed_eval(eng, r, 0, tokens, False, spec.idle_gap_s), noise, "prefill",
+                  prompt=True)
     eng.kv_clear()
     return CostGrid(rows, kvs, decode), CostGrid(pre, [0], [[s / n for s in secs]])
 
@@ -192,7 +204,7 @@ class _EmbeddingFront:
         return getattr(self.eng, name)
 
 
-def head_seconds(spec: ProbeSpec, last, probe, n_vocab: int, rows: int, kv: int) -> float:
+def head_seconds(spec: ProbeSpec, last, probe, n_vocab: int, rows: int, kv: int, noise: NoiseLog | None = None) -> float:
     """Seconds per output row of the final norm and LM head: a run of `rows` rows, every one an
     output row, on the last layer (`last`, a _EmbeddingFront), less one layer of the same run timed
     on the layer probe in the same rounds (interleaved, so that a busy spell of the machine weighs
@@ -214,7 +226,7 @@ def head_seconds(spec: ProbeSpec, last, probe, n_vocab: int, rows: int, kv: int)
         last.seq_rm(CANONICAL_SEQ, kv, -1)
         return dt
 
-    t_out, t_layer = _interleaved(["output", "layer"], once, spec.reps, spec.warmup)
+    t_out, t_layer = _timed(spec, ["output", "layer"], once, noise, "output")
     return max(0.0, t_out - t_layer) / rows
 
 
@@ -230,7 +242,7 @@ def sampler_seconds(spec: ProbeSpec, last, rows: int, kv: int, sampling: Samplin
         sample_rows(logits, sampling, positions)
         return time.perf_counter() - t0
 
-    return _interleaved([0], once, spec.reps * 3, spec.warmup)[0] / rows
+    return repeat_until_settled([0], once, spec.reps * 3, spec.warmup).medians[0] / rows
 
 
 def run_overhead(front: _EmbeddingFront, n_vocab: int, n_tokens: int, sampling: SamplingParams,
@@ -299,7 +311,7 @@ def _lookup_costs(spec: ProbeSpec, rank: int) -> DraftCosts:
         prop = drafter.propose(path, spec.n_draft, 0.0)
         return (time.perf_counter() - t0) / max(1, len(prop.tokens))
 
-    token_s = _interleaved([0], once, spec.reps * 5, spec.warmup)[0]
+    token_s = repeat_until_settled([0], once, spec.reps * 5, spec.warmup).medians[0]
     return DraftCosts("lookup", "lookup", rank, 1, token_s, 0.0)
 
 
@@ -348,12 +360,13 @@ def measure_rank(spec: ProbeSpec, info, rank: int, threads: int, runs_draft: boo
     slow = slowdown_for(rank)  # PIPEINFER_DEBUG_SLOW: an emulated slower node is measured as such
     probe = LayerEngine(spec.model_path, begin, end, n_ctx=spec.probe_ctx(), n_threads=threads, n_seq_max=2,
                         slowdown=slow)
-    decode, prefill_grid = layer_costs(spec, probe, info.n_vocab)
+    noise = NoiseLog(spec.spread_limit)
+    decode, prefill_grid = layer_costs(spec, probe, info.n_vocab, noise)
     say(f"output rows and per-run overhead on layer {info.n_layer - 1}")
-    last = _EmbeddingFront(LayerEngine(spec.model_path, info.n_layer - 1, info.n_layer, n_ctx=spec.probe_ctx(),
+    last = _EmbeddingFront(LayerEngine(spec.last_path or spec.model_path, info.n_layer - 1, info.n_layer, n_ctx=spec.probe_ctx(),
                                        n_threads=threads, n_seq_max=2, slowdown=slow), info.n_embd)
     rows, kv = max(r for r in decode.rows if r <= spec.n_draft + 1), decode.kv[0]
-    head_s = head_seconds(spec, last, probe, info.n_vocab, rows, kv)
+    head_s = head_seconds(spec, last, probe, info.n_vocab, rows, kv, noise)
     del probe
     sample_s = sampler_seconds(spec, last, rows, kv, sampling)
     overhead_s = run_overhead(last, info.n_vocab, spec.overhead_tokens, sampling, sample_s)
@@ -363,7 +376,7 @@ def measure_rank(spec: ProbeSpec, info, rank: int, threads: int, runs_draft: boo
         say(f"draft {spec.draft_label}")
         draft = draft_costs(spec, rank, threads)
     costs = RankCosts(rank=rank, threads=threads, decode=decode, prefill=prefill_grid, output_row_s=head_s + sample_s,
-                      run_overhead_s=overhead_s, probe_layers=[begin, end], **facts)
+                      run_overhead_s=overhead_s, probe_layers=[begin, end], spread=dict(noise.worst), **facts)
     return costs, draft
 
 

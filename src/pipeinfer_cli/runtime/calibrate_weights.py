@@ -1,0 +1,125 @@
+"""The weights `pipeinfer calibrate` times on each rank: a model on the head is enough.
+
+Every rank times the same probe (calibrate_probes.py): layers [0, k) and the last layer. A rank
+uses, in this order (as a job's ranks do, runtime/weight_stream.py):
+
+1. its own copy of the model: the head's very file, or one of the same size and sha256;
+2. its node cache (`slice_cache`): the probe's own slices from an earlier calibration, or any
+   cached slice of the model that holds the probe's layers (a job's first stage holds [0, k), its
+   last stage the last layer), its bytes checked against their sha256;
+3. else the head streams it the probe's two slices (and the whole draft file to the rank that
+   times the draft), which it keeps in its node cache for the next calibration or job.
+
+The head plans the job (the calibration's topology, for each count of ranks per host that occurs)
+and reads the model's header for every rank, so a rank without the file learns its threads, the
+layer sizes and the probe from it. The head says what it streams, with progress, on stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from ..model_identity import file_sha256
+from ..transport.mpi_link import Link
+from .calibrate_probes import ProbeSpec, probe_layers
+from .topology import Topology, plan_config
+from .weight_stream import Need, _pick, _receive, _remove_cut_streams, _stream_to, _whoami
+
+
+def probe_parts(layer_bytes: list[int]) -> list[tuple[int, int]]:
+    """The layer ranges a rank's probe loads: its first layers, and the last one."""
+    n = len(layer_bytes)
+    return [probe_layers(layer_bytes), (n - 1, n)]
+
+
+def covering_slice(model_sha256: str | None, part: tuple[int, int]) -> Path | None:
+    """A cached slice of this model that holds the layers [begin, end) of `part` (the probe's own
+    slice first), its bytes checked; None when the node cache has none."""
+    from .. import slice_cache
+
+    if model_sha256 is None:
+        return None
+    path, _ = slice_cache.lookup(model_sha256, part)
+    if path is not None:
+        return path
+    for entry in sorted(slice_cache.list_cached(), key=lambda e: e.size):
+        if (entry.model_sha256 == model_sha256 and entry.layers is not None
+                and entry.layers[0] <= part[0] and part[1] <= entry.layers[1]):
+            path, _ = slice_cache.lookup(model_sha256, entry.layers)
+            if path is not None:
+                return path
+    return None
+
+
+def share_probe_weights(link: Link, startup, cfg, spec: ProbeSpec,
+                        runs_draft: Callable[[ProbeSpec, Topology, int], bool],
+                        say: Callable[[str], None]) -> tuple[Topology, object, ProbeSpec]:
+    """(this rank's topology, the model's header facts, this rank's ProbeSpec with its own paths).
+    Runs on every rank after the "start" check-in, whose values are every rank's model files. The
+    head's ProbeSpec wins (a rank without the draft file would not know it times a draft)."""
+    from ..gguf_info import read_model_info
+
+    files = startup.start_values
+    hosts = startup.hosts
+    _remove_cut_streams(_whoami(link, startup))
+    if link.rank == 0:
+        info = read_model_info(cfg.model_path)
+        counts = {hosts.count(h) for h in hosts}
+        topos = {c: plan_config(cfg, link.size, c, cfg.draft_label is not None) for c in counts}
+        digests = _digests(cfg, files, spec, topos[hosts.count(hosts[0])], runs_draft)
+        startup.check_in("plan", (topos, info, digests, spec))
+        needs = startup.check_in("weights", [])
+        for rank, wanted in enumerate(needs):
+            for need in wanted:
+                _stream_to(link, cfg, rank, hosts[rank], need, digests, say)
+        return topos[hosts.count(hosts[0])], info, spec
+    topos, info, digests, spec = startup.check_in("plan")[0]
+    topo = topos[hosts.count(hosts[link.rank])]
+    paths, needs = _pick_probe(link, startup, files, digests, probe_parts(info.layer_bytes),
+                               runs_draft(spec, topo, link.rank))
+    startup.check_in("weights", needs)
+    for need in needs:
+        path, _ = _receive(link, cfg, need, digests)
+        paths["draft" if need.what == "draft" else need.layers] = path
+    return topo, info, _with_paths(spec, paths, probe_parts(info.layer_bytes))
+
+
+def _digests(cfg, files: list[dict], spec: ProbeSpec, topo: Topology,
+             runs_draft: Callable[[ProbeSpec, Topology, int], bool]) -> dict:
+    """The sha256 of the target when some rank lacks the head's very file (every rank times it),
+    and of the draft when the rank that times it does."""
+    out = {}
+    head = files[0]
+    if any(f["target"] is None or not f["target"].same_file(head["target"]) for f in files[1:]):
+        out["target"] = file_sha256(head["target"])
+    for r in range(1, len(files)):
+        theirs = files[r]["draft"]
+        if runs_draft(spec, topo, r) and cfg.draft_path is not None and (theirs is None or not theirs.same_file(head["draft"])):
+            out["draft"] = file_sha256(head["draft"])
+    return out
+
+
+def _pick_probe(link: Link, startup, files: list[dict], digests: dict, parts: list[tuple[int, int]],
+                draft: bool) -> tuple[dict, list[Need]]:
+    """This rank's paths (by part, and "draft") it has without a stream, and the Needs it asks for."""
+    mine, head = files[link.rank], files[0]
+    paths, needs = {}, []
+    whole, _ = _pick(mine["target"], head["target"], digests.get("target"), None, _whoami(link, startup))
+    for part in parts:
+        paths[part] = whole or covering_slice(digests.get("target"), part)
+        if paths[part] is None:
+            needs.append(Need("target", part))
+    if draft and head["draft"] is not None:
+        paths["draft"], _ = _pick(mine["draft"], head["draft"], digests.get("draft"), None, _whoami(link, startup))
+        if paths["draft"] is None:
+            needs.append(Need("draft", None))
+    return paths, needs
+
+
+def _with_paths(spec: ProbeSpec, paths: dict, parts: list[tuple[int, int]]) -> ProbeSpec:
+    first, last = (str(paths[p]) for p in parts)
+    draft = paths.get("draft")
+    return dataclasses.replace(spec, model_path=first, last_path=last,
+                               draft_path=str(draft) if draft is not None else spec.draft_path)
