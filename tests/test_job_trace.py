@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -156,6 +157,19 @@ def test_a_trace_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     write_atomic(path, "new\n")
     assert path.read_text() == "new\n" and os.listdir(tmp_path) == ["t.trace"]
     assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def test_a_sigterm_while_writing_leaves_the_previous_trace(tmp_path, monkeypatch):
+    """A job's ranks are stopped by SIGTERM (Ctrl-C at the launching terminal): mid-write, the
+    temporary file goes and the previous file stays; the handler before the write is back after it."""
+    path = tmp_path / "t.trace"
+    write_atomic(path, "old\n")
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(os, "fsync", lambda _fd: os.kill(os.getpid(), signal.SIGTERM))
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(path, "new\n")
+    assert path.read_text() == "old\n" and os.listdir(tmp_path) == ["t.trace"]
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def _umask() -> int:
