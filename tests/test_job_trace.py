@@ -109,6 +109,14 @@ def test_plan_record_on_a_split_job_equals_the_one_process_recording(smollm2_pat
     assert pa["acceptance"] == pb["acceptance"] and pa["tok_per_s"] == pb["tok_per_s"]
 
 
+def test_a_recording_job_that_fails_says_why_in_one_error_line(smollm2_path, profile):
+    r = run("plan", smollm2_path, "--profile", profile, "-p", "one two three four five six seven eight nine ten eleven twelve", "-n", 6,
+            "--record-ranks", 2, "--ctx", 16)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and "--ctx 16" in errors[0], r.stderr
+
+
 def test_bench_saves_one_trace_per_prompt(smollm2_path, tmp_path):
     out = tmp_path / "bench.trace"
     r = run("bench", smollm2_path, "--modes", "iterative", "--draft", smollm2_path, "--limit", 2, "-n", 6,

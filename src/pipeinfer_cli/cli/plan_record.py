@@ -144,13 +144,24 @@ def record_on_job(setup, prompt: str | None, prompts: str | None, limit: int | N
         cmd = job_command(setup, prompt, prompts, limit, n_predict, with_chains, ranks, job, out)
         _say(f"recording the trace on an MPI job of {ranks} ranks: pipeinfer {' '.join(cmd[:2])} ... --save-trace")
         t0 = time.monotonic()
-        rc = subprocess.run([sys.executable, "-m", "pipeinfer_cli", *cmd], stdout=subprocess.DEVNULL).returncode
+        rc = _run_quietly([sys.executable, "-m", "pipeinfer_cli", *cmd], str(out))
         if rc != 0:
             raise typer.Exit(rc)  # the job said why, in its one `Error:` line
         if not out.is_file():
             raise UsageError(f"the job that recorded the trace on {ranks} ranks wrote no trace")
         _say(f"trace recorded in {time.monotonic() - t0:.1f} s")
         return Trace.load(out)
+
+
+def _run_quietly(cmd: list[str], temp_path: str) -> int:
+    """Run the recording job: its text dropped, its stderr shown but for the line naming the
+    temporary trace (plan names the file it writes)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
+    for line in proc.stderr:
+        if temp_path not in line:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    return proc.wait()
 
 
 def _refuse_translated_by_path(setup) -> None:

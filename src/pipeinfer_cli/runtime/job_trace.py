@@ -60,6 +60,9 @@ def save_job_trace(path: Path, cfg, results: list[GenerationResult], say) -> Tra
     trace = job_trace(cfg, results)
     trace.save(Path(path))
     chains = "with the draft's chains" if trace.depth else "tokens only (no draft model's chains)"
+    if not trace.depth and cfg.draft_path is not None:
+        chains = ("tokens only: a draft's chains are recorded for a draft model of the target's vocabulary alone; "
+                  "plan this draft with --acceptance RATE")
     n_tok = sum(len(p.tokens) for p in trace.prompts)
     say(f"trace written to {path} ({len(trace.prompts)} prompt(s), {n_tok} tokens, {chains})")
     return trace
