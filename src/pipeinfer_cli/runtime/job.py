@@ -54,7 +54,8 @@ class Request:
     decode: DecodeOptions | None = None  # this request's speculation settings (a server request's); None: the job's
     # Record this request's trace once it has run (`--save-trace`, planner/record.request_trace): its
     # prompt and committed tokens and, with a draft model of the target's vocabulary, the draft's
-    # chains this deep (0: tokens only; the job then loads the draft even for iterative). None: no trace.
+    # chains this deep (> 0 with a draft model: the job loads it even for iterative; 0: tokens only).
+    # None: no trace.
     trace_depth: int | None = None
 
 
