@@ -91,8 +91,9 @@ def test_a_draft_models_chains_come_from_the_jobs_draft(smollm2_path, profile, t
 
 
 def test_plan_record_on_a_split_job_equals_the_one_process_recording(smollm2_path, profile, tmp_path):
-    """plan --record with a model draft, on one process and on an MPI job of 2 ranks: the same
-    tokens, chains and probabilities (what replay reads), the same identities, the same plan."""
+    """plan --record with a model draft, on one process and on an MPI job of 2 ranks (and generate
+    with the draft on a rank of its own): the same tokens, chains and probabilities (what replay
+    reads), the same identities, the same plan."""
     common = ("plan", smollm2_path, "--profile", profile, "--draft", smollm2_path, "-p", "Write a haiku about the sea.",
               "-n", 10, "--modes", "speculative", "--json")
     one = run(*common, "--record", tmp_path / "one.trace")
@@ -107,6 +108,15 @@ def test_plan_record_on_a_split_job_equals_the_one_process_recording(smollm2_pat
     assert len(b["machine"]["ranks"]) == 2
     pa, pb = (json.loads(r.stdout)["modes"]["speculative"] for r in (one, split))
     assert pa["acceptance"] == pb["acceptance"] and pa["tok_per_s"] == pb["tok_per_s"]
+    # The draft on a rank of its own answers the head's chain requests over the wire: the same chains.
+    rank = tmp_path / "draft-rank.trace"
+    r = run("generate", smollm2_path, "--draft", smollm2_path, "--layer-split", "0.5,0.5/1", "-M", "iterative",
+            "-p", "Write a haiku about the sea.", "-n", 10, "--save-trace", rank)
+    assert r.returncode == 0, r.stderr
+    c = json.loads(rank.read_text())
+    assert [x["role"] for x in c["machine"]["ranks"]] == ["head", "stage", "draft"]
+    for k in REPLAYED:
+        assert a["prompts"][0][k] == c["prompts"][0][k], k
 
 
 def test_a_recording_job_that_fails_says_why_in_one_error_line(smollm2_path, profile):
