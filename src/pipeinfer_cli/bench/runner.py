@@ -15,18 +15,33 @@ from ..runtime.job import JobConfig, Request, run_job
 from .schedule import BenchItem
 
 
-def to_request(item: BenchItem) -> Request:
+def to_request(item: BenchItem, trace_depth: int | None = None) -> Request:
     p = item.prompt
     return Request(mode=item.mode, prompt=p.prompt, chat=[dict(m) for m in p.messages] if p.messages else None,
-                   label=p.id)
+                   label=p.id, trace_depth=trace_depth)
 
 
-def run_bench(cfg: JobConfig, items: list[BenchItem],
-              on_record: Callable[[dict], None] | None = None) -> list[dict] | None:
-    """Run every item in order; on_record(record) on the head as each one finishes."""
+def requests_of(items: list[BenchItem], trace_depth: int | None = None) -> list[Request]:
+    """The schedule's requests; with trace_depth, the first request of each prompt records its trace
+    (every mode gives the same tokens: once per prompt is enough)."""
+    seen: set[str] = set()
+    out = []
+    for item in items:
+        first = item.prompt.id not in seen
+        seen.add(item.prompt.id)
+        out.append(to_request(item, trace_depth if first else None))
+    return out
+
+
+def run_bench(cfg: JobConfig, items: list[BenchItem], on_record: Callable[[dict], None] | None = None,
+              results_out: list[GenerationResult] | None = None, trace_depth: int | None = None) -> list[dict] | None:
+    """Run every item in order; on_record(record) on the head as each one finishes. results_out:
+    gets the results that recorded a trace (trace_depth: see `requests_of`)."""
     records: list[dict] = []
 
     def on_result(result: GenerationResult) -> None:
+        if results_out is not None and result.prompt_trace is not None:
+            results_out.append(result)
         item = items[len(records)]
         rec = {"index": item.index, "prompt_id": item.prompt.id, "mode": item.mode, "repeat": item.repeat,
                "warmup": item.warmup,
@@ -35,7 +50,7 @@ def run_bench(cfg: JobConfig, items: list[BenchItem],
         if on_record:
             on_record(rec)
 
-    results = run_job(cfg, [to_request(i) for i in items], on_result=on_result)
+    results = run_job(cfg, requests_of(items, trace_depth), on_result=on_result)
     return None if results is None else records
 
 

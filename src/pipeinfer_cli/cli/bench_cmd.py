@@ -18,7 +18,7 @@ from ..transport.start_waits import launcher_rank
 from ..decode.hybrid import split_hybrid
 from .draft_spec import mark_hybrid
 from .job_options import JobOptions, job_options
-from .options import ModelArg
+from .options import ModelArg, SaveTraceOption
 from .wording import epilog, plural
 
 DEFAULT_MODES = "iterative,speculative,pipeinfer"
@@ -52,6 +52,9 @@ equal its text at level 1 (else the command exits 1):
 
   pipeinfer bench smollm2-135m-instruct --modes iterative \\
       --concurrency 1,2,4 --limit 4 -n 64 --json load.json
+
+--save-trace FILE keeps the prompts' traces for `pipeinfer plan --trace FILE` (the first run of each
+prompt records it: its tokens and a draft model's chains, asked of the job's draft after that run).
 
 Modes run interleaved (A, B, C, A, B, C …) on models loaded once. Every mode must produce the same
 tokens: a difference is flagged in the table, on stderr and in the JSON (tokens_identical,
@@ -124,6 +127,7 @@ def bench(
     concurrency: Annotated[str | None, typer.Option("--concurrency", metavar="C[,C...]", show_default=False, help="Measure under load: serve the models with one `pipeinfer serve` job and, for each mode and each level, keep C streaming requests in flight at once (e.g. 1,2,4,8; level 1 is always added). Writes --json only.")] = None,
     parallel: Annotated[int | None, typer.Option("--parallel", "-np", min=1, max=32, show_default=False, help="With --concurrency: the server's --parallel (requests it generates at once). Default: the largest level; 1: one at a time, the others wait in its queue.")] = None,
     load_policy: Annotated[str | None, typer.Option("--load-policy", metavar="yield|round-robin|no-spec", show_default=False, help="With --concurrency: the server's --load-policy (when a request may speculate beside others). Default: yield.")] = None,
+    save_trace: SaveTraceOption = None,
 ) -> None:
     """Compare the decoding modes on the same ranks and prompts: speed, latency, acceptance, timelines.
 
@@ -139,6 +143,7 @@ def bench(
     prompts_file = resolve_prompts(prompts)
     prompt_set = load_prompts(prompts_file, limit)
     levels = _check_outputs(json_out, csv_out, trace_out, plot_out, concurrency, parallel, load_policy)  # --concurrency
+    _check_save_trace(save_trace, job, levels, [json_out, csv_out, trace_out, plot_out])
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     inside = under_mpi_launcher()
     target, draft_ref, needs_draft = _bench_models(model, job, mode_list, prompt_set, inside)
@@ -149,11 +154,13 @@ def bench(
                                  json_out, allow_mismatch)
     prep = PreparedJob(cfg, mode_list[0], want, bool(job.ranks or split_ranks), draft_ref is not None)
     run_here_or_relaunch(prep, inside, needs_draft, lambda: _relaunch_job(want))
-    if not needs_draft:
+    if not needs_draft and not (save_trace and draft_ref not in (None, "lookup")):
         cfg.draft_path, cfg.draft_label = None, None  # iterative only: do not load a draft model
-    records = _run(cfg, build_schedule(prompt_set, mode_list, repeat, warmup))
+    traced: list | None = [] if save_trace else None
+    records = _run(cfg, build_schedule(prompt_set, mode_list, repeat, warmup), traced)
     if records is None:  # a worker rank: the head reports
         return
+    _save_trace(save_trace, cfg, traced)
 
     from ..bench.environment import model_ref_facts
     from ..bench.results import collect, describe_config
@@ -164,6 +171,28 @@ def bench(
     res = collect(records, mode_list, models, config, "pipeinfer " + shlex.join(sys.argv[1:]))
     _report(res, records, mode_list, len(prompt_set) > 1, {"json": json_out, "csv": csv_out, "trace": trace_out,
                                                            "plot": plot_out}, allow_mismatch)
+
+
+def _check_save_trace(path: Path | None, job, levels, others: list) -> None:
+    """--save-trace: greedy, a file of its own (others: --json, --csv, --trace, --plot), and bench's
+    own job (not --concurrency's server)."""
+    if path is None:
+        return
+    from ..bench.outputs import check_output_paths
+    from ..runtime.job_trace import check_greedy
+
+    if levels is not None:
+        raise UsageError("--save-trace records bench's own job; it cannot be written with --concurrency")
+    check_greedy(job.temp)
+    check_output_paths({**dict(zip(("--json", "--csv", "--trace", "--plot"), others)), "--save-trace": path})
+
+
+def _save_trace(path: Path | None, cfg, traced: list | None) -> None:
+    if path is not None:
+        from ..runtime.job_trace import save_job_trace
+
+        say = _consoles()[1].print
+        save_job_trace(path, cfg, traced, lambda text: say(f"pipeinfer bench: {text}", markup=False, highlight=False))
 
 
 def _relaunch_job(want: int) -> int:
@@ -228,16 +257,19 @@ def _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list
                     json_out=json_out, allow_mismatch=allow_mismatch, consoles=_consoles())
 
 
-def _run(cfg, items) -> list[dict] | None:
-    """Run the schedule on this rank, with progress on the head; the head gets the records."""
+def _run(cfg, items, traced: list | None = None) -> list[dict] | None:
+    """Run the schedule on this rank, with progress on the head; the head gets the records (and in
+    `traced` the results that recorded a trace, with --save-trace)."""
     from mpi4py import MPI
 
     from ..bench.runner import run_bench
+    from ..planner.record import CHAIN_DEPTH
 
     head = MPI.COMM_WORLD.Get_rank() == 0
     progress = _Progress(_consoles()[1], len(items)) if head else None
     try:
-        return run_bench(cfg, items, on_record=progress.record if progress else None)
+        return run_bench(cfg, items, on_record=progress.record if progress else None, results_out=traced,
+                         trace_depth=CHAIN_DEPTH if traced is not None else None)
     finally:
         if progress:
             progress.stop()

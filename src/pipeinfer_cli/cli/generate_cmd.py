@@ -17,7 +17,7 @@ from ..runtime.topology import format_layer_ranges
 from .console import err, out
 from .job_options import JobOptions, job_options
 from .job_setup import begin_job, check_chat_template, run_here_or_relaunch
-from .options import JsonFlag, ModelOption, ModeOption, OptionalModelArg, StopOption
+from .options import JsonFlag, ModelOption, ModeOption, OptionalModelArg, SaveTraceOption, StopOption
 from .prompt_input import check_stop_strings, read_prompt_input
 from .wording import epilog, plural
 
@@ -55,6 +55,10 @@ MODEL elsewhere; the summary line counts each source's accepted tokens.
 Greedy decoding (--temp 0, the default) prints exactly the same tokens in every mode; with
 --temp > 0 the same --seed also gives the same tokens in every mode.
 
+--save-trace FILE keeps the run as a trace that `pipeinfer plan --trace FILE` replays (the
+prompt's and the committed tokens, and a draft model's greedy chains from every committed prefix,
+asked of the job's draft after the run): the acceptance of a real distributed run, for plans.
+
 --messages takes a JSON list of {"role": "system"|"user"|"assistant", "content": "..."} objects.
 """)
 
@@ -72,6 +76,7 @@ def generate(
     stop: StopOption = None,
     job: JobOptions = None,
     as_json: JsonFlag = False,
+    save_trace: SaveTraceOption = None,
 ) -> None:
     """Generate text from a prompt, with the model's layers split across MPI ranks.
 
@@ -83,6 +88,7 @@ def generate(
         # Only the head reads the prompt: under a launcher, standard input reaches rank 0 alone.
         return read_prompt_input(prompt, file, chat, messages, system) if not inside or world_rank() == 0 else None
 
+    _check_save_trace(save_trace, job)
     start = begin_job(model, model_opt, mode, job, read_input)
     prep, given = start.prep, start.given
     cfg = prep.cfg
@@ -93,9 +99,24 @@ def generate(
 
     from ..runtime.job import Request
 
+    from ..planner.record import CHAIN_DEPTH
+
     request = Request(mode=prep.mode, prompt=given.text if given else None, chat=given.messages if given else None,
-                      stop=check_stop_strings(stop))
-    _run_and_print(cfg, request, as_json, prep.auto)
+                      stop=check_stop_strings(stop), trace_depth=CHAIN_DEPTH if save_trace else None)
+    _run_and_print(cfg, request, as_json, prep.auto, save_trace)
+
+
+def _check_save_trace(path: Path | None, job) -> None:
+    """--save-trace: a greedy run, and a file that can be written (checked before any model loads)."""
+    if path is None:
+        return
+    from ..bench.outputs import check_output_paths
+    from ..runtime.job_trace import check_greedy
+    from ..transport.start_waits import launcher_rank
+
+    check_greedy(job.temp)
+    if launcher_rank() == 0:  # the head writes it: other hosts need not have its directory
+        check_output_paths({"--save-trace": path})
 
 
 # In `iterative` mode one stage computes at a time, so the ranks that `--ranks N` starts may each
@@ -133,8 +154,9 @@ def _relaunch(n_ranks: int, given, whole_host: bool = False) -> int:
         return relaunch(n_ranks, _stdin_as_file(argv, f.name))
 
 
-def _run_and_print(cfg, request, as_json: bool, auto=None) -> None:
-    """Run the job on this rank; the head streams the text (or prints the JSON) and the summary."""
+def _run_and_print(cfg, request, as_json: bool, auto=None, save_trace: Path | None = None) -> None:
+    """Run the job on this rank; the head streams the text (or prints the JSON) and the summary,
+    then saves the trace (--save-trace)."""
     from ..runtime.job import run_job
 
     def on_text(text: str) -> None:
@@ -152,6 +174,11 @@ def _run_and_print(cfg, request, as_json: bool, auto=None) -> None:
         sys.stdout.write("\n")
         sys.stdout.flush()
         err.print(summary_line(result, auto), markup=False, highlight=False)
+    if save_trace is not None:
+        from ..runtime.job_trace import save_job_trace
+
+        save_job_trace(save_trace, cfg, results,
+                       lambda text: err.print(f"pipeinfer: {text}", markup=False, highlight=False))
 
 
 def _stdin_as_file(argv: list[str], path: str) -> list[str]:

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+SaveTraceOption = Annotated[Path | None, typer.Option("--save-trace", metavar="FILE", show_default=False, help="Save the run as a trace that `pipeinfer plan --trace FILE` replays: the prompt and committed tokens and, with a draft model, its greedy chains from every committed prefix (asked of the job's draft after the run, outside its timings). Written whole or not at all; greedy decoding only.")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout.")]
 RanksOption = Annotated[int, typer.Option("--ranks", "-r", min=1, help="Number of pipeline stages (MPI ranks) to plan for.")]
 

@@ -32,6 +32,12 @@ EPILOG = epilog("""Examples:
   pipeinfer plan qwen-coder --profile cluster.json --trace fib.trace \\
       --search
 
+  pipeinfer plan qwen-coder --profile cluster.json -p "def fib(n):" \\
+      --record fib.trace --record-ranks 2
+
+  pipeinfer generate qwen-coder --ranks 2 -M speculative -p "def fib(n):" \\
+      --save-trace fib.trace
+
   pipeinfer plan qwen-coder --profile cluster.json --trace fib.trace \\
       --layer-split auto
 
@@ -41,7 +47,9 @@ layer at the run's rows and KV length, hidden states crossing each link as laten
 bandwidth, cancels that skip a run or stop it at the next layer, the head's own layers and
 drafting in the head's time. Acceptance is replayed: the target's tokens for each prompt and the
 draft's greedy chain from every committed prefix are recorded once (a trace), so every mode meets
-exactly the draft it would meet in a run. --acceptance RATE replaces the draft by one that is right
+exactly the draft it would meet in a run. A trace comes from this machine (--record: one process
+with the whole target; --record-ranks N: an MPI job with the layers split), or from a real job
+(`generate`/`bench --save-trace FILE`, on any ranks and hosts). --acceptance RATE replaces the draft by one that is right
 with that probability (sweeps, or a draft model that is not here).
 """)
 
@@ -54,6 +62,7 @@ ModesOption = Annotated[str | None, typer.Option("--modes", show_default=False, 
 AcceptanceOption = Annotated[float | None, typer.Option("--acceptance", min=0.0, max=1.0, help="A synthetic draft, right with this probability per token (no draft chains needed).")]
 SearchFlag = Annotated[bool, typer.Option("--search", help="Also search n_draft, p_accept and max_inflight for the fastest predicted settings per mode.")]
 ForceFlag = Annotated[bool, typer.Option("--force", help="Plan even when the profile or the trace was made for another job (model file, threads, ranks per host, machine): one warning line instead of the error.")]
+RecordRanksOption = Annotated[int | None, typer.Option("--record-ranks", min=1, show_default=False, help="Record the trace as an MPI job of N ranks, the target's layers split across them (`pipeinfer generate`/`bench --save-trace`, started as `--ranks N` starts them), instead of one process holding the whole target; with --layer-split, --threads and --ctx as given.")]
 PlanRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help="Ranks to plan for (default: the profile's).")]
 
 
@@ -66,6 +75,7 @@ def plan(
     limit: LimitOption = None,
     trace: TraceOption = None,
     record: RecordOption = None,
+    record_ranks: RecordRanksOption = None,
     acceptance: AcceptanceOption = None,
     n_predict: NPredictOption = 128,
     modes: ModesOption = None,
@@ -84,7 +94,8 @@ def plan(
 
     The table goes to stdout (--json: one object, with the fields of `generate --json` per mode and
     prompt), progress to stderr. Nothing runs on the cluster: a trace is recorded on this machine
-    (one process, the whole target) unless --trace gives one.
+    (one process, the whole target; --record-ranks N: an MPI job of N ranks) unless --trace gives
+    one (`--record`, or `generate`/`bench --save-trace` on the cluster).
     """
     from ..planner.plan import Replay, plan_modes, search_settings
     from ..planner.profile import Profile
@@ -96,7 +107,8 @@ def plan(
     check_job(setup, mode_list, threads, force, _warn)
     setup.force = force
     opts = DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_accept=p_accept, max_inflight=max_inflight)
-    replay = Replay(_trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list),
+    job = {"ranks": record_ranks, "layer_split": layer_split, "threads": threads, "ctx": ctx}
+    replay = Replay(_trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list, job),
                     acceptance)
     summary = plan_modes(prof, setup.topology, mode_list, replay, opts, ctx)
     if search:
@@ -192,22 +204,29 @@ def _progress(what: str, i: int, n: int) -> None:
         err.print(f"pipeinfer plan: {what}: {i}/{n}", markup=False, highlight=False)
 
 
-def _trace(setup: _Setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, modes) -> list:
+def _trace(setup: _Setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, modes, job) -> list:
     from ..planner.replay import Trace
 
+    with_chains = acceptance is None and setup.draft_label not in (None, "lookup") and any(needs_draft(m) for m in modes)
     if trace is not None:
-        if prompt or prompts:
-            raise UsageError("--trace already holds its prompts; drop -p/--prompts, or record a new trace with --record")
+        if prompt or prompts or job["ranks"]:
+            raise UsageError("--trace already holds its prompts; drop -p/--prompts/--record-ranks, or record a new "
+                             "trace with --record")
         t = Trace.load(trace)
         if t.model.get("file_bytes") != setup.path.stat().st_size:
             raise UsageError(f"the trace {trace} was recorded with {t.model.get('name')}, not {setup.label}; "
                              "record one with this model (--record)")
         check_trace(t, trace, setup, setup.force, _warn)
+        if with_chains and not t.depth:
+            raise UsageError(f"the trace {trace} holds no draft model's chains (recorded without one, or with lookup): "
+                             f"record it with --draft {setup.draft_label}, or pass --acceptance RATE")
         return t.prompts[:limit] if limit else t.prompts
-    from .plan_record import record_trace
+    from .plan_record import record_on_job, record_trace
 
-    with_chains = acceptance is None and setup.draft_label not in (None, "lookup") and any(needs_draft(m) for m in modes)
-    t = record_trace(setup, prompt, prompts, limit, n_predict, with_chains)
+    if job["ranks"]:
+        t = record_on_job(setup, prompt, prompts, limit, n_predict, with_chains, job["ranks"], job)
+    else:
+        t = record_trace(setup, prompt, prompts, limit, n_predict, with_chains)
     if record is not None:
         t.save(record)
         err.print(f"pipeinfer plan: trace written to {record}", markup=False, highlight=False)

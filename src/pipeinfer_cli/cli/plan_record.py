@@ -1,15 +1,23 @@
-"""Recording a plan's trace on this machine: the prompts tokenized as `bench` tokenizes them, the
-whole target on one process, and the draft's chains (planner/record.py)."""
+"""Recording a plan's trace: on this machine, the prompts tokenized as `bench` tokenizes them, the
+whole target on one process, and the draft's chains (planner/record.py); or, with --record-ranks N,
+as an MPI job with the target's layers split across N ranks: `pipeinfer generate` (one prompt) or
+`pipeinfer bench` (a prompt set) in iterative mode with --save-trace, started as any job of theirs
+is (transport/launch.py), so a model that no one process can hold is recorded too."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+
+import typer
 
 from ..errors import UsageError
+from ..planner.record import CHAIN_DEPTH
 from .console import err
-
-CHAIN_DEPTH = 24  # draft tokens recorded from each committed prefix: past n_draft x runs in flight
 
 
 def _say(text: str) -> None:
@@ -93,3 +101,74 @@ def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | No
     machine = {k: facts[k] for k in ("host", "cpu", "cores", "usable_cpus")} | {"threads": threads}
     model = {"name": setup.label, "file_bytes": setup.path.stat().st_size, "sha256": setup.sha256}
     return Trace(model, draft, {"temp": 0.0, "seed": 0}, CHAIN_DEPTH if with_chains else 0, traces, machine)
+
+
+def job_command(setup, prompt: str | None, prompts: str | None, limit: int | None, n_predict: int,
+                with_chains: bool, ranks: int, job: dict, out: Path) -> list[str]:
+    """The `pipeinfer generate`/`bench` command that records the trace on a job of `ranks` ranks.
+    job: the plan's --layer-split, --threads and --ctx (None: the job's defaults)."""
+    if prompt is not None and prompts is not None:
+        raise UsageError("give -p or --prompts, not both")
+    if prompt is not None and not prompt:
+        raise UsageError("the prompt is empty; pass some text with -p")
+    if prompt is None and prompts is None:
+        raise UsageError("nothing to predict for: pass -p TEXT, --prompts SET (as `bench` takes it) or --trace FILE")
+    if n_predict < 1:
+        raise UsageError("-n must be at least 1 to record a trace")
+    if prompt is not None:
+        cmd = ["generate", setup.label, "-M", "iterative", "-p", prompt]
+    else:
+        cmd = ["bench", setup.label, "--modes", "iterative", "--prompts", prompts, "--warmup", "0", "--repeat", "1"]
+        cmd += ["--limit", str(limit)] if limit else []
+    cmd += ["-n", str(n_predict), "--ranks", str(ranks), "--no-pull", "--save-trace", str(out)]
+    if with_chains or setup.draft_label == "lookup":  # a draft model only to record its chains
+        cmd += ["--draft", setup.draft_label]
+    split = job.get("layer_split")
+    if split and "auto" not in split:
+        cmd += ["--layer-split", split]
+    for opt in ("threads", "ctx"):
+        if job.get(opt) is not None:
+            cmd += [f"--{opt}", str(job[opt])]
+    return cmd
+
+
+def record_on_job(setup, prompt: str | None, prompts: str | None, limit: int | None, n_predict: int,
+                  with_chains: bool, ranks: int, job: dict):
+    """The trace recorded by an MPI job of `ranks` ranks (its progress on stderr, its text dropped)."""
+    from ..planner.replay import Trace
+
+    if with_chains:
+        _refuse_translated_by_path(setup)
+    with tempfile.TemporaryDirectory(prefix="pipeinfer-record-") as tmp:
+        out = Path(tmp) / "trace.json"
+        cmd = job_command(setup, prompt, prompts, limit, n_predict, with_chains, ranks, job, out)
+        _say(f"recording the trace on an MPI job of {ranks} ranks: pipeinfer {' '.join(cmd[:2])} ... --save-trace")
+        t0 = time.monotonic()
+        rc = _run_quietly([sys.executable, "-m", "pipeinfer_cli", *cmd], str(out))
+        if rc != 0:
+            raise typer.Exit(rc)  # the job said why, in its one `Error:` line
+        if not out.is_file():
+            raise UsageError(f"the job that recorded the trace on {ranks} ranks wrote no trace")
+        _say(f"trace recorded in {time.monotonic() - t0:.1f} s")
+        return Trace.load(out)
+
+
+def _run_quietly(cmd: list[str], temp_path: str) -> int:
+    """Run the recording job: its text dropped, its stderr shown but for the line naming the
+    temporary trace (plan names the file it writes)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
+    for line in proc.stderr:
+        if temp_path not in line:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    return proc.wait()
+
+
+def _refuse_translated_by_path(setup) -> None:
+    from ..runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(setup.path)
+    try:
+        _refuse_translated(tok, setup)
+    finally:
+        tok.close()

@@ -47,6 +47,7 @@ class GenerationResult:
     request_seq: int | None = None  # serve: the request's number, in submission order
     run_index: int | None = None  # serve: the order in which the pipeline took the requests
     slot: int | None = None  # serve --parallel: the KV slot it ran in
+    prompt_trace: object = None  # planner.replay.PromptTrace when the request asked for one (--save-trace); never in the JSON
 
     def to_json(self, trace: bool = False) -> dict:
         """The JSON object of `generate --json`: keys in this order, values as JSON types.

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import tempfile
+import threading
 from pathlib import Path
 
 
@@ -17,7 +22,53 @@ def read_json(path: Path, error: type[Exception], what: str, missing_hint: str):
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file and a rename: the file is whole or absent."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    """Write through a temporary file beside it, flushed to disk, and a rename: the file is whole or
+    absent (or still the previous one), whatever stops the write (an error, Ctrl-C, the SIGTERM that
+    stops a job's ranks); the temporary file is removed on the way out unless the process is killed
+    outright (SIGKILL)."""
+    path = Path(path)
+    with _sigterm_raises():
+        _write_through_temp(path, text)
+
+
+def _write_through_temp(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # as a plain open() would have made it (mkstemp makes 0600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM arrived while a file was being written (handled like Ctrl-C, then re-raised)."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """On the main thread: SIGTERM raises `Stopped` inside the block (so that the temporary file is
+    removed), then the previous handler is back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise Stopped(f"stopped by {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

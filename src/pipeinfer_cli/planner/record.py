@@ -1,10 +1,14 @@
 """Recording a trace: the target's tokens for each prompt (one stage, iterative: the tokens every
 mode gives), then the draft's greedy chain from every committed prefix.
 
-The target runs through the real `prefill` and `decode_iterative` over the native engine, so the
-tokens are the ones `pipeinfer generate` prints. Chains reuse each other: when the draft's first
-token from a prefix was right, the chain from the next prefix is the same chain one token on,
-plus one eval; only a wrong first token costs a whole new chain.
+Two ways to the target's tokens: `target_tokens` runs the whole target in this process, through the
+real `prefill` and `decode_iterative` over the native engine (`plan --record`), and
+`request_trace` takes them from a request a job has just run, in any mode and on any split
+(`generate --save-trace`, `bench --save-trace`, `plan --record --record-ranks N`): decoding is
+lossless, so both are the tokens `pipeinfer generate` prints. Then `draft_chains` asks the job's
+own drafter (a draft model on the head, or a draft rank's proxy). Chains reuse each other: when the
+draft's first token from a prefix was right, the chain from the next prefix is the same chain one
+token on, plus one eval; only a wrong first token costs a whole new chain.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from ..decode.trace import TraceRecorder
 from .replay import PromptTrace
 
 PROB_DIGITS = 4
+CHAIN_DEPTH = 24  # draft tokens recorded from each committed prefix: past n_draft x runs in flight
 
 
 class EnginePipeline:
@@ -99,3 +104,14 @@ def draft_chains(drafter, pt: PromptTrace, depth: int, on_step: Callable[[int, i
         prev = (toks, probs)
         if on_step is not None:
             on_step(n - pt.chains_from + 1, len(full) - pt.chains_from)
+
+
+def request_trace(prompt_id: str, prompt: list[int], generated: list[int], finish_reason: str | None, drafter=None,
+                  depth: int = CHAIN_DEPTH) -> PromptTrace:
+    """The trace of a request a job ran: its prompt and committed tokens and, given the job's drafter
+    (a draft model of the target's vocabulary), its chains `depth` deep. finish_reason: the
+    session's ("stop": an end of generation or a stop string, replayed as an end at the last token)."""
+    pt = PromptTrace(prompt_id, list(prompt), list(generated), "stop" if finish_reason == "stop" else "length")
+    if drafter is not None and generated:
+        draft_chains(drafter, pt, depth)
+    return pt

@@ -132,11 +132,26 @@ class Head:
         result = assemble_result(self.cfg, req, self.topo, self.tokenizer, s, ranks, self.offsets, t_end)
         result.reused_tokens, result.common_prefix_tokens = keep, common
         result.draft_vocab = self.loaded.draft_vocab
+        if getattr(req, "trace_depth", None) is not None:
+            result.prompt_trace = self._prompt_trace(req, prompt, s)
         if os.environ.get(DEBUG_DIVERGE) == req.mode:
             _debug_diverge(result)
         if cb.on_result:
             cb.on_result(result)
         return result
+
+    def _prompt_trace(self, req, prompt: list[int], s: Session):
+        """The request's trace (planner/record.py), after its result is complete: the draft's chains
+        are asked of the job's own draft model (on the head or its draft rank) when it drafts in
+        the target's tokens; prompt lookup and translated or hybrid drafts record tokens only."""
+        from ..decode.hybrid import is_hybrid
+        from ..planner.record import request_trace
+
+        chains = (req.trace_depth and self.drafter is not None and self.cfg.draft_path is not None
+                  and self.loaded.draft_vocab == "direct" and not is_hybrid(self.cfg.draft_label))
+        self.draft_used |= bool(chains)
+        return request_trace(req.label or "p", prompt, s.generated, s.finish_reason,
+                             self.drafter if chains else None, req.trace_depth or 0)
 
     def _trim(self, keep: int) -> None:
         """Keep the first `keep` cells of the canonical sequence on every stage (nothing else is in

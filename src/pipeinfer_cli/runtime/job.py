@@ -52,6 +52,11 @@ class Request:
     cancelled: Callable[[], bool] | None = None  # polled at each commit: True ends it ("cancelled")
     draft: str | None = None  # "lookup": draft this request by prompt lookup, not with the job's draft model
     decode: DecodeOptions | None = None  # this request's speculation settings (a server request's); None: the job's
+    # Record this request's trace once it has run (`--save-trace`, planner/record.request_trace): its
+    # prompt and committed tokens and, with a draft model of the target's vocabulary, the draft's
+    # chains this deep (> 0 with a draft model: the job loads it even for iterative; 0: tokens only).
+    # None: no trace.
+    trace_depth: int | None = None
 
 
 @dataclass
@@ -220,7 +225,8 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
     """Plan and load on every rank: (this rank's models, every rank's busy threads). A failure on
     any rank is reported once, by the head, naming the rank and its host (transport/startup.py)."""
     if needs_draft is None:
-        needs_draft = any(needs_draft_for(r.mode) for r in requests)
+        draft_model = cfg.draft_label not in (None, "lookup")
+        needs_draft = any(needs_draft_for(r.mode) or (r.trace_depth and draft_model) for r in requests)
     startup = job_startup()
     # Every rank checks in before planning, whatever fails later, so that the head learns the
     # hosts (ranks per host for the thread counts), the model files each rank has, and a rank
