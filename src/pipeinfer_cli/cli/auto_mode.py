@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..planner.acceptance import DEFAULT_ACCEPTANCE, Acceptance  # noqa: F401 (DEFAULT_ACCEPTANCE: -M's help)
+from ..planner.acceptance import DEFAULT_ACCEPTANCE, Acceptance
 
 AUTO = "auto"
 
@@ -39,21 +39,22 @@ class AutoChoice:
 
     def announce(self) -> str:
         """The job's start-up line: what auto chose and on what acceptance."""
-        return f"pipeinfer: -M {self.describe()}, on {self.acceptance.describe()}, run with the profile's --threads {self.threads}"
+        on = "" if self.acceptance.rate is None else f", on {self.acceptance.describe()}"
+        return f"pipeinfer: -M {self.describe()}{on}, run with the profile's --threads {self.threads}"
 
-    def to_env(self) -> str:
-        """The choice as CHOICE_ENV carries it to the job's ranks (from_env reads it)."""
-        import json
-
+    def to_json(self) -> dict:
+        """The choice (generate --json's "auto"; CHOICE_ENV carries it to the job's ranks)."""
         a, d = self.acceptance, self.decode
-        return json.dumps({"mode": self.mode, "n_draft": d.n_draft, "p_accept": d.p_accept,
-                           "max_inflight": d.max_inflight, "predicted": self.predicted_tok_per_s,
-                           "threads": self.threads, "acceptance": [a.rate, a.measured, a.source]})
+        return {"mode": self.mode, "n_draft": d.n_draft, "p_accept": d.p_accept, "max_inflight": d.max_inflight,
+                "predicted_tok_per_s": self.predicted_tok_per_s, "threads": self.threads,
+                "acceptance": {"rate": a.rate, "measured": a.measured, "source": a.source}}
 
     def summary(self, measured_tok_per_s: float | None) -> str:
         """For generate's summary line: the choice, its acceptance, and predicted against measured speed."""
         how = "measured" if self.acceptance.measured else "assumed"
         speed = "" if measured_tok_per_s is None else f" against {measured_tok_per_s:.2f} measured"
+        if self.acceptance.rate is None:
+            return f"{self.describe()}{speed}"
         return f"{self.describe()}{speed} (planned on acceptance {how} {self.acceptance.rate:.0%})"
 
 
@@ -80,8 +81,8 @@ def choose(cfg, n_ranks: int, has_draft: bool, prompt_tokens: list[int] | None =
     modes = [m for m in MODE_NAMES if not needs_draft(m) or (has_draft and (lookup or _has_model_costs(prof)))]
     acceptance = draft_acceptance(cfg, prof, prompt_tokens)
     n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
-    n_prompt = len(prompt_tokens) if prompt_tokens else search.AUTO_PROMPT
-    replay = Replay([search.auto_request(n_prompt, n_gen)], acceptance.rate, confidences=acceptance.confidences)
+    rate = DEFAULT_ACCEPTANCE if acceptance.rate is None else acceptance.rate  # no draft: no mode drafts
+    replay = Replay([search.auto_request(prompt_tokens, n_gen)], rate, confidences=acceptance.confidences)
 
     def topo_of(mode: str):
         return job_topology(cfg.model_path, cfg.model_label, n_ranks, cfg.layer_split, cfg.draft_path, cfg.draft_label,
@@ -100,7 +101,7 @@ def draft_acceptance(cfg, prof, prompt_tokens: list[int] | None) -> Acceptance:
     from ..planner.acceptance import assumed, from_profile, lookup_on_prompt
 
     if cfg.draft_label is None:
-        return assumed("no draft")
+        return Acceptance(None, False, "no draft")
     if cfg.draft_label == "lookup":
         if prompt_tokens:
             return lookup_on_prompt(prompt_tokens)
@@ -158,6 +159,8 @@ def resolve(cfg, model: str, job, n_ranks: int, auto: bool, inside: bool, on_hea
     known to the launching command of `generate`; say(line): stderr, once per job."""
     import os
 
+    import json
+
     split_auto = bool(cfg.layer_split) and cfg.layer_split.startswith("auto")
     if cfg.profile is None and (auto or split_auto) and cfg.model_path is not None:
         from .auto_profile import ensure_profile
@@ -178,7 +181,7 @@ def resolve(cfg, model: str, job, n_ranks: int, auto: bool, inside: bool, on_hea
     tokens = prompt_tokens(cfg, given) if not inside and cfg.draft_label == "lookup" else None
     choice = choose(cfg, n_ranks, cfg.draft_label is not None, tokens)
     if not inside:
-        os.environ[CHOICE_ENV] = choice.to_env()
+        os.environ[CHOICE_ENV] = json.dumps(choice.to_json())
     return choice
 
 
@@ -201,6 +204,7 @@ def from_env(text: str, decode) -> AutoChoice:
     from dataclasses import replace
 
     d = json.loads(text)
-    rate, measured, source = d["acceptance"]
+    a = d["acceptance"]
     opts = replace(decode, n_draft=d["n_draft"], p_accept=d["p_accept"], max_inflight=d["max_inflight"])
-    return AutoChoice(d["mode"], opts, d["predicted"], Acceptance(rate, measured, source), d["threads"])
+    return AutoChoice(d["mode"], opts, d["predicted_tok_per_s"], Acceptance(a["rate"], a["measured"], a["source"]),
+                      d["threads"])

@@ -46,7 +46,7 @@ def profile_path(cfg, key: dict) -> Path:
     from ..cache import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", cfg.model_label)[:60]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(cfg.model_path).stem)[:60]
     return cache_dir() / PROFILES_DIR / f"{name}-{key['ranks']}r-{digest}.json"
 
 

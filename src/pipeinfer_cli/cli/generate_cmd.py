@@ -147,7 +147,7 @@ def _run_and_print(cfg, request, as_json: bool, auto=None) -> None:
         return
     result = results[0]
     if as_json:
-        out.print_json(json.dumps(result.to_json()))
+        out.print_json(json.dumps({**result.to_json(), **({"auto": auto.to_json()} if auto else {})}))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()

@@ -14,6 +14,7 @@ from ..decode.modes import MODE_NAMES, get_mode, needs_draft
 from ..decode.session import DecodeOptions
 from ..errors import UsageError
 from .console import err, out
+from ..planner.acceptance import confidences as draft_confidences
 from ..planner.search import never_speculated
 from .plan_checks import check_job, check_trace
 from .options import (JsonFlag, LayerSplitOption, MaxInflightOption, NDraftOption, NPredictOption, PAcceptOption,
@@ -97,8 +98,9 @@ def plan(
     check_job(setup, mode_list, threads, force, _warn)
     setup.force = force
     opts = DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_accept=p_accept, max_inflight=max_inflight)
-    replay = Replay(_trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list),
-                    acceptance)
+    traced = _trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list)
+    replay = Replay(traced, acceptance, confidences=None if acceptance is None else
+                    draft_confidences(setup.draft_label, prof.draft, [pt.prompt for pt in traced]))
     summary = plan_modes(prof, setup.topology, mode_list, replay, opts, ctx)
     for m, s in summary.items():
         s["note"] = never_speculated(m, s, setup.topology(m).draft)

@@ -21,7 +21,7 @@ LOOKUP_WINDOW = 512  # prompt positions the lookup drafter is tried at (the last
 
 @dataclass
 class Acceptance:
-    rate: float
+    rate: float | None  # None: no draft
     measured: bool
     source: str  # how it was obtained, as the job states it
     confidences: Confidences | None = None
@@ -57,3 +57,15 @@ def from_profile(draft) -> Acceptance | None:
     conf = Confidences(list(draft.confidence_right or []), list(draft.confidence_wrong or []))
     return Acceptance(rate, True, f"measured by calibrate on {draft.acceptance_tokens} tokens of a calibration prompt",
                       conf if conf.right or conf.wrong else None)
+
+
+def confidences(draft_label: str | None, draft, prompts: list[list[int]]) -> Confidences | None:
+    """The measured per-token confidences a synthetic draft (an acceptance rate given or assumed)
+    reports: prompt lookup's on the prompts, a draft model's as calibrate measured them; None
+    where nothing measured them (the rate itself is reported then)."""
+    if draft_label == "lookup":
+        found = [lookup_on_prompt(p).confidences for p in prompts]
+        found = [c for c in found if c is not None]
+        return Confidences([x for c in found for x in c.right], [x for c in found for x in c.wrong]) if found else None
+    measured = from_profile(draft)
+    return measured.confidences if measured is not None else None

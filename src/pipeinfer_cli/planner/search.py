@@ -103,7 +103,8 @@ def never_speculated(mode: str, summary: dict, draft) -> str | None:
     return "never speculated: the draft proposed no token, so every step ran as iterative does"
 
 
-def auto_request(n_prompt: int = AUTO_PROMPT, n_gen: int = AUTO_GEN) -> PromptTrace:
-    """The request -M auto plans for: n_prompt prompt tokens, n_gen generated (token ids that never
-    repeat, so that only the acceptance of the replay decides what a draft gets right)."""
-    return PromptTrace("auto", list(range(1000, 1000 + n_prompt)), [100000 + i for i in range(n_gen)], "length")
+def auto_request(prompt: list[int] | None = None, n_gen: int = AUTO_GEN) -> PromptTrace:
+    """The request -M auto plans for: the job's prompt (else AUTO_PROMPT tokens) and n_gen generated
+    tokens (ids that never repeat: the replay's acceptance alone decides what a draft gets right)."""
+    prompt = list(prompt) if prompt else list(range(1000, 1000 + AUTO_PROMPT))
+    return PromptTrace("auto", prompt, [1_000_000 + i for i in range(n_gen)], "length")
