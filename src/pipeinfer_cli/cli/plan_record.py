@@ -93,3 +93,50 @@ def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | No
     machine = {k: facts[k] for k in ("host", "cpu", "cores", "usable_cpus")} | {"threads": threads}
     model = {"name": setup.label, "file_bytes": setup.path.stat().st_size, "sha256": setup.sha256}
     return Trace(model, draft, {"temp": 0.0, "seed": 0}, CHAIN_DEPTH if with_chains else 0, traces, machine)
+
+
+def measure_draft_acceptance(cfg, draft, n_gen: int, say) -> None:
+    """`calibrate --draft MODEL` on the head: the draft's acceptance against the target on a
+    calibration prompt (the first of bench's default set, n_gen tokens generated greedily by the whole
+    target in this process), into the profile's `draft` (DraftCosts). Skipped, and said, where the
+    target and the draft do not both fit in this host's available memory, or the draft has another
+    vocabulary. say(line): progress on stderr."""
+    from ..bench.prompts import load_prompts, resolve_prompts
+    from ..decode.drafters import LlamaDrafter
+    from ..decode.sampling import SamplingParams
+    from ..gguf_info import read_model_info
+    from ..native import LayerEngine
+    from ..planner.record import draft_agreement, target_tokens
+    from ..runtime.calibrate_probes import host_facts
+    from ..runtime.tokenizer import Tokenizer
+    from ..runtime.vocab import draft_vocab
+
+    need = cfg.model_path.stat().st_size + cfg.draft_path.stat().st_size
+    if need > 0.8 * host_facts()["mem_available_bytes"]:
+        say("draft acceptance not measured: the target and the draft do not both fit in this host's memory "
+            "(-M auto will assume it)")
+        return
+    tok, bp = Tokenizer(cfg.model_path), load_prompts(resolve_prompts("default"), 1)[0]
+    try:
+        prompt = tok.chat_messages(list(bp.messages)) if bp.messages is not None else tok.encode(bp.prompt)
+        threads, n_ctx = os.cpu_count() or 1, len(prompt) + n_gen + 8
+        say(f"draft acceptance: {draft.name} against the target, {n_gen} tokens of a calibration prompt")
+        engine = LayerEngine(str(cfg.model_path), 0, read_model_info(cfg.model_path).n_layer, n_ctx=n_ctx,
+                             n_threads=threads, n_seq_max=2)
+        toks, _ = target_tokens(engine, prompt, n_gen, tok.is_eog, SamplingParams())
+        del engine
+        drafter = LlamaDrafter(cfg.draft_path, n_ctx=n_ctx, n_threads=threads)
+        try:
+            if draft_vocab(tok, drafter) != "direct":
+                say("draft acceptance not measured: the draft has another vocabulary (-M auto will assume it)")
+                return
+            right, wrong = draft_agreement(drafter, prompt + toks, len(prompt))
+        finally:
+            drafter.close()
+    finally:
+        tok.close()
+    n = len(right) + len(wrong)
+    if n:
+        draft.acceptance, draft.acceptance_tokens = len(right) / n, n
+        draft.confidence_right, draft.confidence_wrong = right, wrong
+        say(f"draft acceptance: {len(right)}/{n} ({len(right) / n:.0%})")
