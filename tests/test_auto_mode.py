@@ -120,3 +120,40 @@ def test_auto_without_a_profile_calibrates_once_then_reuses_it(smollm2_path, tmp
     assert second.returncode == 0, second.stderr
     assert f"-M auto: reusing profile {kept[0]}" in second.stderr and "calibrating" not in second.stderr
     assert "-M auto chose " in second.stderr
+
+
+def test_calibrate_with_a_draft_model_measures_its_acceptance(tiny_pair, tmp_path):
+    from pipeinfer_cli.planner.acceptance import from_profile
+    from pipeinfer_cli.planner.profile import Profile
+
+    target, draft = tiny_pair
+    out = tmp_path / "p.json"
+    r = run("calibrate", target, "--draft", draft, "--quick", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert "draft acceptance: " in r.stderr
+    d = Profile.load(out).draft
+    assert d.kind == "model" and 0 <= d.acceptance <= 1 and 0 < d.acceptance_tokens <= 32
+    assert len(d.confidence_right) + len(d.confidence_wrong) == d.acceptance_tokens
+    acc = from_profile(d)
+    assert acc.measured and acc.source.startswith("measured by calibrate")
+
+
+def test_the_acceptance_auto_plans_with_is_measured_where_it_can_be():
+    from types import SimpleNamespace
+
+    from pipeinfer_cli.cli.auto_mode import draft_acceptance
+    from pipeinfer_cli.planner.acceptance import DEFAULT_ACCEPTANCE, lookup_on_prompt
+    from pipeinfer_cli.planner.profile import DraftCosts
+
+    on_prompt = lookup_on_prompt([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 9])
+    assert on_prompt.measured and on_prompt.rate == 7 / 8 and len(on_prompt.confidences.right) == 7
+    assert lookup_on_prompt(list(range(40))).rate == 0.0  # nothing repeats: nothing proposed
+    lookup = SimpleNamespace(draft_label="lookup")
+    assert draft_acceptance(lookup, None, [1, 2, 1, 2, 1]).measured
+    assert not draft_acceptance(lookup, None, None).measured  # chat, serve: no prompt yet
+    model = SimpleNamespace(draft_label="draft")
+    costs = DraftCosts("model", "draft", 0, 1, 1e-3, 1e-4)
+    assert draft_acceptance(model, SimpleNamespace(draft=costs), None).rate == DEFAULT_ACCEPTANCE
+    costs.acceptance, costs.acceptance_tokens, costs.confidence_right, costs.confidence_wrong = 0.75, 4, [.9] * 3, [.2]
+    got = draft_acceptance(model, SimpleNamespace(draft=costs), None)
+    assert got.measured and got.rate == 0.75 and got.confidences.wrong == [.2]

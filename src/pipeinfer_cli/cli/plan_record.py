@@ -95,13 +95,20 @@ def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | No
     return Trace(model, draft, {"temp": 0.0, "seed": 0}, CHAIN_DEPTH if with_chains else 0, traces, machine)
 
 
+# The raw text (no chat template: every model has a tokenizer, not every one a template) a draft
+# model's acceptance is measured after: code and prose, as the shipped prompt sets mix them.
+CALIBRATION_TEXT = (
+    "Write a Python function that returns the n-th Fibonacci number, then explain how it works.\n\n"
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "The function keeps the last two numbers of the sequence and")
+
+
 def measure_draft_acceptance(cfg, draft, n_gen: int, say) -> None:
     """`calibrate --draft MODEL` on the head: the draft's acceptance against the target on a
-    calibration prompt (the first of bench's default set, n_gen tokens generated greedily by the whole
-    target in this process), into the profile's `draft` (DraftCosts). Skipped, and said, where the
+    calibration prompt (n_gen tokens generated greedily after CALIBRATION_TEXT by the whole
+    target in this process: CALIBRATION_TEXT), into the profile's `draft` (DraftCosts). Skipped, and said, where the
     target and the draft do not both fit in this host's available memory, or the draft has another
     vocabulary. say(line): progress on stderr."""
-    from ..bench.prompts import load_prompts, resolve_prompts
     from ..decode.drafters import LlamaDrafter
     from ..decode.sampling import SamplingParams
     from ..gguf_info import read_model_info
@@ -116,9 +123,9 @@ def measure_draft_acceptance(cfg, draft, n_gen: int, say) -> None:
         say("draft acceptance not measured: the target and the draft do not both fit in this host's memory "
             "(-M auto will assume it)")
         return
-    tok, bp = Tokenizer(cfg.model_path), load_prompts(resolve_prompts("default"), 1)[0]
+    tok = Tokenizer(cfg.model_path)
     try:
-        prompt = tok.chat_messages(list(bp.messages)) if bp.messages is not None else tok.encode(bp.prompt)
+        prompt = tok.encode(CALIBRATION_TEXT)
         threads, n_ctx = os.cpu_count() or 1, len(prompt) + n_gen + 8
         say(f"draft acceptance: {draft.name} against the target, {n_gen} tokens of a calibration prompt")
         engine = LayerEngine(str(cfg.model_path), 0, read_model_info(cfg.model_path).n_layer, n_ctx=n_ctx,
