@@ -45,7 +45,8 @@ LayerSplitOption = Annotated[str | None, typer.Option("--layer-split", help="Fra
 PROFILE_ENV = "PIPEINFER_PROFILE"
 ProfileOption = Annotated[Path | None, typer.Option(
     "--profile", envvar=PROFILE_ENV, show_envvar=True, metavar="FILE",
-    help="A profile written by `pipeinfer calibrate` with the same ranks, for --layer-split auto and -M auto. The "
+    help="A profile written by `pipeinfer calibrate` with the same ranks, for --layer-split auto and -M auto (without "
+         "one, they calibrate quickly at the start and cache the profile per machine, model and job shape). The "
          "head plans the job from it alone: only the first node needs it (as the model).")]
 ThreadsOption = Annotated[str | None, typer.Option("--threads", "-t", help="Threads per rank: one value or one per rank (default: the CPUs the rank may use, from its cpuset and cgroup quota, / ranks on its host; all of them for each rank of an iterative `generate --ranks N`, where one stage computes at a time).")]
 CtxOption = Annotated[int, typer.Option("--ctx", "-c", min=16, help="Context size (KV cells) per rank.")]
