@@ -14,6 +14,8 @@ configuration (--configs) through `pipeinfer bench` as a user runs it, with the 
     pipeinfer:DRAFT             asynchronous pipelined speculation, the draft on the head
     pipeinfer:DRAFT@own         the draft on a host of its own: N-1 target stages + 1 draft rank
                                 (the PipeInfer paper's 8-node shape is 7 + 1)
+    pipeinfer:DRAFT@shared      N target stages + 1 draft rank that shares host 0 with the head:
+                                its own process, drafting while the head works, on the head's quota
 
 DRAFT is a model name, `lookup`, or `lookup+MODEL`. Per row it reports tok/s (end to end), decode
 tok/s, TTFT, acceptance, each host's CPU time and throttled time (from its cgroup), and checks that
@@ -60,8 +62,10 @@ def parse_config(text: str) -> dict:
         raise Failure(f"config {text!r}: the mode must be iterative, speculative or pipeinfer")
     if mode != "iterative" and not draft:
         raise Failure(f"config {text!r}: {mode} needs a draft (MODE:DRAFT)")
-    if place not in ("", "head", "own"):
-        raise Failure(f"config {text!r}: the placement after @ is head or own")
+    if place not in ("", "head", "own", "shared"):
+        raise Failure(f"config {text!r}: the placement after @ is head, own or shared")
+    if place in ("own", "shared") and (not draft or draft.startswith("lookup")):
+        raise Failure(f"config {text!r}: only a draft model runs as a rank of its own (@{place})")
     return {"label": text, "mode": mode, "draft": draft or None, "placement": place or ("head" if draft else None)}
 
 
@@ -78,7 +82,8 @@ def balanced_fractions(model: str, n_stages: int) -> str:
 
 
 def bench_cmd(a, n_hosts: int, cfg: dict, out: Path) -> list[str]:
-    cmd = [a.pipeinfer, "bench", a.model, "--modes", cfg["mode"], "--ranks", str(n_hosts), "--threads", "1",
+    ranks = n_hosts + 1 if cfg["placement"] == "shared" else n_hosts
+    cmd = [a.pipeinfer, "bench", a.model, "--modes", cfg["mode"], "--ranks", str(ranks), "--threads", "1",
            "-n", str(a.n_predict), "--prompts", a.prompts, "--limit", str(a.limit), "--warmup", "0",
            "--repeat", "1", "--temp", "0", "--json", str(out)]
     if cfg["draft"]:
@@ -89,8 +94,13 @@ def bench_cmd(a, n_hosts: int, cfg: dict, out: Path) -> list[str]:
 
 
 def layer_split(a, n_hosts: int, cfg: dict) -> str | None:
-    """The --layer-split of a config: a draft on a host of its own takes the last host."""
-    return balanced_fractions(a.model, n_hosts - 1) + "/1" if cfg["placement"] == "own" else None
+    """The --layer-split of a config: a draft on a host of its own takes the last host; a shared
+    one is rank N, which Hydra places on host 0 (the hostfile has one slot per host and wraps)."""
+    if cfg["placement"] == "own":
+        return balanced_fractions(a.model, n_hosts - 1) + "/1"
+    if cfg["placement"] == "shared":
+        return balanced_fractions(a.model, n_hosts) + "/1"
+    return None
 
 
 def run_one(a, c: Cluster, n_hosts: int, rate: str, cfg: dict, mem: str | None) -> dict:
@@ -101,7 +111,7 @@ def run_one(a, c: Cluster, n_hosts: int, rate: str, cfg: dict, mem: str | None) 
     shown = shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
     log(f"[{n_hosts} hosts x {c.cpus[0]:g} CPU, {rate}{', mem ' + mem if mem else ''}] {cfg['label']}: {shown}")
     # One host: the job runs in the launching process (no MPI relaunch), so it must start on host 0.
-    run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if n_hosts == 1 else cmd
+    run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if n_hosts == 1 and cfg["placement"] != "shared" else cmd
     before = c.usage()
     t0 = time.monotonic()
     proc = subprocess.run(run, env={**os.environ, **c.env()}, capture_output=True, text=True, check=False)
@@ -191,7 +201,8 @@ def table(rows: list[dict]) -> str:
         cells += [fmt(r["tok_per_s"], ".2f"), fmt(r["decode_tok_per_s"], ".2f"), fmt(r["ttft_s"], ".2f"),
                   fmt(r["acceptance"], ".2f"), fmt(r.get("x_iterative"), ".2f"), fmt(r.get("x_speculative"), ".2f"),
                   fmt((r.get("predicted") or {}).get("tok_per_s"), ".2f"),
-                  "–" if r.get("predicted_error") is None else f"{r['predicted_error']:+.0%}",
+                  "–" if r.get("predicted_error") is None else f"{r['predicted_error']:+.0%}"
+                  + (" (at the measured acceptance)" if "plan_acceptance_given" in r else ""),
                   f"{max(r['host_cpu_s'].values()):.1f}", f"{sum(r['host_throttled_s'].values()):.1f}",
                   "same" if r.get("texts_identical") else "DIFFER"]
         out.append("| " + " | ".join(cells) + " |")
@@ -207,12 +218,14 @@ def plan_rows(a, c: Cluster, n: int, rows: list[dict]) -> None:
         if row["label"] not in a.plan or "records" not in row:
             continue
         split = layer_split(a, n, row)
-        key = (row["draft"], split)
+        ranks = n + 1 if row["placement"] == "shared" else n
+        model_draft = row["draft"] if row["draft"] and row["draft"] != "lookup" else None
+        key = (model_draft, split)  # iterative and lookup rows share a calibration: lookup costs ~nothing
         if key not in profiles:
             out = a.work_dir / f"profile_{row['rate']}_h{n}_{len(profiles)}.json"
-            cmd = [a.pipeinfer, "calibrate", a.model, "--ranks", str(n), "--threads", "1", "--quick", "--out", str(out)]
-            cmd += (["--draft", row["draft"]] if row["draft"] else []) + (["--layer-split", split] if split else [])
-            run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if n == 1 else cmd
+            cmd = [a.pipeinfer, "calibrate", a.model, "--ranks", str(ranks), "--threads", "1", "--quick", "--out", str(out)]
+            cmd += (["--draft", model_draft] if model_draft else []) + (["--layer-split", split] if split else [])
+            run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if ranks == 1 else cmd
             log(f"  calibrate: {shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)}")
             t0 = time.monotonic()
             proc = subprocess.run(run, env={**os.environ, **c.env()}, capture_output=True, text=True, check=False)
@@ -220,21 +233,31 @@ def plan_rows(a, c: Cluster, n: int, rows: list[dict]) -> None:
                 row["plan_error"] = (proc.stderr.strip().splitlines() or ["calibrate failed"])[-1]
                 log(f"  calibrate failed: {row['plan_error']}")
                 continue
-            log(f"  calibrated in {time.monotonic() - t0:.0f} s")
+            row["calibrate_s"] = round(time.monotonic() - t0)
+            log(f"  calibrated in {row['calibrate_s']} s")
             profiles[key] = out
-        cmd = [a.pipeinfer, "plan", a.model, "--profile", str(profiles[key]), "--modes", row["mode"], "--ranks", str(n), "--threads", "1",
-               "--prompts", a.prompts, "--limit", str(a.limit), "-n", str(a.n_predict), "--json"]
-        cmd += (["--draft", row["draft"]] if row["draft"] else []) + (["--layer-split", split] if split else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            row["plan_error"] = (proc.stderr.strip().splitlines() or ["plan failed"])[-1]
-            log(f"  plan failed: {row['plan_error']}")
-            continue
-        pred = json.loads(proc.stdout)["modes"][row["mode"]]
-        row["predicted"] = {k: pred.get(k) for k in ("tok_per_s", "decode_tok_per_s", "ttft_s", "acceptance")}
-        row["predicted_error"] = round(pred["tok_per_s"] / row["tok_per_s"] - 1, 3) if row.get("tok_per_s") else None
-        log(f"  plan: {pred['tok_per_s']:.2f} tok/s predicted, {row['tok_per_s']:.2f} measured "
-            f"({row['predicted_error']:+.0%})")
+        row["profile"] = str(profiles[key])
+        plan_row(a, row, profiles[key], ranks, split)
+
+
+def plan_row(a, row: dict, profile: Path, ranks: int, split: str | None) -> None:
+    cmd = [a.pipeinfer, "plan", a.model, "--profile", str(profile), "--modes", row["mode"], "--ranks", str(ranks),
+           "--threads", "1", "--prompts", a.prompts, "--limit", str(a.limit), "-n", str(a.n_predict), "--json"]
+    cmd += (["--draft", row["draft"]] if row["draft"] else []) + (["--layer-split", split] if split else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0 and "--acceptance" in proc.stderr and row.get("acceptance") is not None:
+        # A draft of another vocabulary has no recordable chains: plan at the acceptance the run measured.
+        row["plan_acceptance_given"] = row["acceptance"]
+        proc = subprocess.run(cmd + ["--acceptance", str(row["acceptance"])], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        row["plan_error"] = (proc.stderr.strip().splitlines() or ["plan failed"])[-1]
+        log(f"  plan failed: {row['plan_error']}")
+        return
+    pred = json.loads(proc.stdout)["modes"][row["mode"]]
+    row["predicted"] = {k: pred.get(k) for k in ("tok_per_s", "decode_tok_per_s", "ttft_s", "acceptance")}
+    row["predicted_error"] = round(pred["tok_per_s"] / row["tok_per_s"] - 1, 3) if row.get("tok_per_s") else None
+    log(f"  plan: {pred['tok_per_s']:.2f} tok/s predicted, {row['tok_per_s']:.2f} measured "
+        f"({row['predicted_error']:+.0%})")
 
 
 def run_cluster(a, n: int, rate: str, configs: list[dict], mem: str | None = None) -> list[dict]:
@@ -263,14 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", default="1,2,4,8", help="host counts (default 1,2,4,8)")
     p.add_argument("--rates", default="1gbit", help="link rates, e.g. 1gbit,100mbit")
     p.add_argument("--total-cpus", type=float, default=2.0, help="the CPUs divided among the hosts (default 2)")
-    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="MODE[:DRAFT[@own]],... (default: every mode and draft)")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="MODE[:DRAFT[@own|@shared]],... (default: every mode and draft)")
     p.add_argument("--prompts", default="default", help="bench prompt set: default, grounded or a .jsonl")
     p.add_argument("--limit", type=int, default=2, help="prompts of the set (default 2)")
     p.add_argument("-n", "--n-predict", type=int, default=32)
     p.add_argument("--mem", metavar="SIZE", help="a memory limit per host (e.g. 800m): the rows of a model too large "
                                                  "for one host, where one host refuses the job and a split runs")
     p.add_argument("--plan", default="", help="configs to predict with calibrate + plan on the same hosts "
-                                               "(comma-separated labels, e.g. iterative,pipeinfer:smollm2-135m-instruct)")
+                                               "(comma-separated labels, e.g. iterative,pipeinfer:smollm2-135m-instruct; all: every config)")
     p.add_argument("--bench-arg", action="append", default=[], help="extra argument for pipeinfer bench (repeatable)")
     p.add_argument("--prefix", default="pi-cl")
     p.add_argument("--subnet", default="10.214.0.0/24")
@@ -278,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pipeinfer", default=str(ROOT / ".venv" / "bin" / "pipeinfer"))
     a = p.parse_args(argv)
     a.plan = set(x for x in a.plan.split(",") if x)
+    if "all" in a.plan:
+        a.plan = set(a.configs.split(","))
     a.work_dir = ROOT / "build" / "cluster"
     a.work_dir.mkdir(parents=True, exist_ok=True)
 

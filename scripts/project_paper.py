@@ -5,6 +5,14 @@ speedup against node count and link rate, and the whole as JSON.
 
     python scripts/project_paper.py --png projection.png --json projection.json
 
+With --from-profile PROFILE, the nodes are not stated but measured: every node takes the costs of
+a rank of PROFILE (a `pipeinfer calibrate --draft ...` of emulated or real hosts), its layer costs
+scaled by the 70B's layer bytes over the measured model's and the draft's by TinyLlama's bytes
+over the measured draft's (planner/project.py scaled_profile); then `plan --search`'s search picks
+pipeinfer's settings on that profile.
+
+    python scripts/project_paper.py --from-profile build/cluster_h8_profile.json --json build/projection_scaled.json
+
 Deterministic: the same figures give the same output. Takes a few minutes (hundreds of predictions).
 """
 
@@ -49,16 +57,22 @@ def fractions(n_stages: int) -> list[float]:
 
 
 def predict_all(s: ClusterSpec, acceptance: float, opts: DecodeOptions = OPTS) -> dict:
-    prof = cluster_profile(s)
-    n_stages = s.n_nodes - 1
-    layers = ranges_from_fractions(fractions(n_stages), s.model.n_layer)
+    return predict_profile(cluster_profile(s), s.n_nodes, acceptance, opts)
+
+
+def trace_of(acceptance: float) -> Replay:
     pt = PromptTrace("p", list(range(1000, 1000 + PROMPT)), [5000 + i for i in range(GEN)], "length")
-    replay = Replay([pt], acceptance)
-    out = {}
-    for mode in MODES:
-        topo = Topology(list(range(n_stages)), layers, None if mode == "iterative" else n_stages)
-        out[mode] = run_mode(prof, topo, mode, replay, opts, 4096)
-    return out
+    return Replay([pt], acceptance)
+
+
+def topology(n_nodes: int, mode: str) -> Topology:
+    n_stages = n_nodes - 1
+    layers = ranges_from_fractions(fractions(n_stages), LLAMA_70B_Q3KM.n_layer)
+    return Topology(list(range(n_stages)), layers, None if mode == "iterative" else n_stages)
+
+
+def predict_profile(prof, n_nodes: int, acceptance: float, opts: DecodeOptions = OPTS) -> dict:
+    return {mode: run_mode(prof, topology(n_nodes, mode), mode, trace_of(acceptance), opts, 4096) for mode in MODES}
 
 
 def row(preds: dict) -> dict:
@@ -77,7 +91,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--png", type=Path)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--from-profile", type=Path, metavar="PROFILE",
+                    help="nodes like the ranks of this measured profile (with a model draft), scaled to the 70B")
+    ap.add_argument("--measured-draft-bytes", type=int, metavar="BYTES",
+                    help="the file size of PROFILE's draft model (default: found through the model registry)")
     args = ap.parse_args()
+    if args.from_profile:
+        return scaled_main(args)
     result = {"assumptions": {"model": vars(LLAMA_70B_Q3KM), "draft_bytes": TINYLLAMA_Q4KM_BYTES, "node": vars(NODE),
                               "links": LINKS, "split": "0.1,0.15x6/1", "prompt": PROMPT, "generated": GEN,
                               "options": {"n_draft": OPTS.n_draft, "p_accept": OPTS.p_accept,
@@ -117,6 +137,62 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=1, default=str))
     if args.png:
         _plot(sweep, args.png)
+
+
+def measured_draft_bytes(prof, given: int | None) -> int:
+    if given:
+        return given
+    from pipeinfer_cli.model_files import resolve_model
+    from pipeinfer_cli.registry import load_registry
+
+    if prof.draft is None or prof.draft.kind != "model":
+        raise SystemExit("Error: the profile has no model draft; calibrate with --draft MODEL")
+    try:
+        return resolve_model(prof.draft.name, load_registry()).path.stat().st_size
+    except Exception:
+        raise SystemExit(f"Error: the profile's draft {prof.draft.name!r} is not an installed model; "
+                         "give its file size with --measured-draft-bytes") from None
+
+
+def scaled_main(args) -> None:
+    from pipeinfer_cli.planner.plan import search_settings
+    from pipeinfer_cli.planner.profile import Profile
+    from pipeinfer_cli.planner.project import scaled_profile
+
+    measured = Profile.load(args.from_profile)
+    draft_factor = TINYLLAMA_Q4KM_BYTES / measured_draft_bytes(measured, args.measured_draft_bytes)
+    src = measured.model
+    layer_factor = LLAMA_70B_Q3KM.layer_bytes / (sum(src.layer_bytes) / len(src.layer_bytes))
+    r0 = measured.ranks[0]
+    print(f"nodes from {args.from_profile}: {len(measured.ranks)} measured rank(s), {r0.threads} thread(s), "
+          f"usable CPU {r0.usable_cpus}; layers x{layer_factor:.1f}, draft x{draft_factor:.1f} "
+          f"(draft token {measured.draft.token_s * 1e3:.1f} ms -> {measured.draft.token_s * draft_factor * 1e3:.0f} ms)")
+    result = {"profile": str(args.from_profile), "layer_factor": layer_factor, "draft_factor": draft_factor,
+              "by_acceptance": {}, "by_nodes_at_0.7": {}, "search": {}}
+    print(f"{'accept':>6} {'iterative':>9} {'specul.':>8} {'pipeinfer':>9} {'pi/it':>6} {'pi/sp':>6} {'sp/it':>6}")
+    for acc in (0.5, 0.7, 0.9):
+        r = row(predict_profile(scaled_profile(measured, LLAMA_70B_Q3KM, 8, draft_factor), 8, acc))
+        result["by_acceptance"][acc] = r
+        print(f"{acc:6.1f} {r['iterative']:9.3f} {r['speculative']:8.3f} {r['pipeinfer']:9.3f} "
+              f"{r['pipeinfer_vs_iterative']:6.2f} {r['pipeinfer_vs_speculative']:6.2f} {r['speculative_vs_iterative']:6.2f}")
+    print("speedup of pipeinfer over iterative (over speculative) at acceptance 0.7: " + "  ".join(
+        f"{n} nodes {r['pipeinfer_vs_iterative']:.2f} ({r['pipeinfer_vs_speculative']:.2f})"
+        for n in (3, 4, 6, 8)
+        for r in [result["by_nodes_at_0.7"].setdefault(n, row(predict_profile(
+            scaled_profile(measured, LLAMA_70B_Q3KM, n, draft_factor), n, 0.7)))]))
+    prof8 = scaled_profile(measured, LLAMA_70B_Q3KM, 8, draft_factor)
+    for mode in ("speculative", "pipeinfer"):
+        best, speed = search_settings(prof8, topology(8, mode), mode, trace_of(0.7), OPTS, 4096)
+        result["search"][mode] = {"n_draft": best.n_draft, "p_accept": best.p_accept,
+                                  "max_inflight": best.max_inflight, "tok_per_s": speed}
+        print(f"plan --search, {mode} at acceptance 0.7: n_draft {best.n_draft}"
+              + (f", p_accept {best.p_accept}, max_inflight {best.max_inflight}" if mode == "pipeinfer" else "")
+              + f": {speed:.3f} tok/s")
+    base = result["by_acceptance"][0.7]
+    print(f"searched pipeinfer / iterative {result['search']['pipeinfer']['tok_per_s'] / base['iterative']:.2f}, "
+          f"/ searched speculative {result['search']['pipeinfer']['tok_per_s'] / result['search']['speculative']['tok_per_s']:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1, default=str))
 
 
 def _plot(sweep: dict, path: Path) -> None:

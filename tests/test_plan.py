@@ -168,3 +168,24 @@ def test_a_profile_from_another_machine_is_named_in_one_line():
     w = prof.machine_warning(1, "laptop", "other cpu", "the profile p.json")
     assert w.startswith("rank 1 runs on laptop (other cpu) but the profile p.json measured it on node1 (test cpu)")
     assert "\n" not in w and prof.machine_warning(5, "x", "y") is None
+
+
+def test_a_scaled_profile_keeps_the_measured_shape_at_the_new_model_s_size():
+    """project_paper.py --from-profile: nodes like the measured ranks, running a model whose layers
+    are 10x the measured one's and a draft 3x the measured draft."""
+    from pipeinfer_cli.planner.project import ModelSpec, scaled_profile
+
+    measured = make_profile(2, ranks=[rank_costs(0, per_row=0.5e-3, overhead_s=2e-4), rank_costs(1, per_row=None)],
+                            latency_s=3e-4, bytes_per_s=1e8, draft_token_s=4e-3)
+    big = ModelSpec("big", 40, 128, 1000, layer_bytes=1000, output_bytes=300, params_per_layer=1e6)
+    prof = scaled_profile(measured, big, 5, draft_factor=3.0)
+    assert [r.rank for r in prof.ranks] == [0, 1, 2, 3, 4] and prof.model.n_layer == 40
+    # rank 2 is like measured rank 0: a tenfold layer, the same batch cost curve and fixed cost per run
+    assert prof.ranks[2].decode.s[0] == pytest.approx([10e-3, 15e-3, 25e-3, 45e-3])
+    assert prof.ranks[3].decode.s[0] == pytest.approx([10e-3, 20e-3, 40e-3, 80e-3])  # like measured rank 1
+    assert prof.ranks[2].run_overhead_s == 2e-4
+    assert prof.link(0, 4).latency_s == 3e-4 and prof.link(4, 0).bytes_per_s == 1e8
+    assert prof.draft.rank == 4 and prof.draft.token_s == pytest.approx(12e-3)
+    iterative = predict(prof, Topology([0, 1, 2, 3], split(4, 40)), "iterative", prompt_trace(), DecodeOptions())
+    assert iterative.decode_tok_per_s == pytest.approx(1 / (40 * 10e-3 + 4 * 3e-4 + 128 * 4 / 1e8 * 4 + 4 * 2e-4),
+                                                       rel=0.05)

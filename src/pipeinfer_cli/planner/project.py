@@ -91,3 +91,38 @@ def cluster_profile(spec: ClusterSpec) -> Profile:
         draft = DraftCosts("model", "projected draft", spec.n_nodes - 1 if spec.draft_on_rank else 0, spec.node.cores,
                            token_s, token_s / 16)
     return Profile(facts, ranks, links, draft, created="projected", command="planner/project.py")
+
+
+def _scaled_grid(g: CostGrid, factor: float) -> CostGrid:
+    return CostGrid(list(g.rows), list(g.kv), [[s * factor for s in row] for row in g.s])
+
+
+def scaled_profile(measured: Profile, model: ModelSpec, n_nodes: int, draft_factor: float | None,
+                   draft_on_rank: bool = True) -> Profile:
+    """A profile of n_nodes nodes like the measured ones, running `model`: each node takes the costs
+    of a measured rank (cycling through them), its layer grids scaled by the ratio of layer bytes and
+    its LM head by the ratio of output bytes, so the measured shape stays: the batch cost curve, the
+    prompt chunks' rate, the fixed cost per run, the links. The draft's costs are the measured
+    draft's times draft_factor (the ratio of the draft models' bytes); None: no draft."""
+    src = measured.model
+    layer_factor = model.layer_bytes / (sum(src.layer_bytes) / len(src.layer_bytes))
+    out_factor = model.output_bytes / src.output_bytes
+    ranks = []
+    for r in range(n_nodes):
+        m = measured.ranks[r % len(measured.ranks)]
+        ranks.append(RankCosts(r, f"node{r}", m.cpu, m.cores, m.threads, m.mem_total_bytes, m.mem_available_bytes,
+                               _scaled_grid(m.decode, layer_factor), _scaled_grid(m.prefill, layer_factor),
+                               m.output_row_s * out_factor, m.run_overhead_s, usable_cpus=m.usable_cpus,
+                               quota_cpus=m.quota_cpus, ranks_per_host=1))
+    latency = max((lk.latency_s for lk in measured.links), default=0.0)
+    rate = min((lk.bytes_per_s for lk in measured.links), default=float("inf"))
+    links = [LinkCosts(a, b, latency, rate) for a in range(n_nodes) for b in range(n_nodes) if a != b]
+    draft = None
+    if draft_factor is not None and measured.draft is not None and measured.draft.kind == "model":
+        d = measured.draft
+        draft = DraftCosts("model", f"{d.name} scaled x{draft_factor:.3g}", n_nodes - 1 if draft_on_rank else 0,
+                           d.threads, d.token_s * draft_factor, d.prompt_token_s * draft_factor)
+    facts = ModelFacts(model.name, model.layer_bytes * model.n_layer + model.output_bytes, src.arch, model.n_layer,
+                       model.n_embd, model.n_vocab, [model.layer_bytes] * model.n_layer, model.output_bytes)
+    return Profile(facts, ranks, links, draft, created=f"scaled from {measured.created or 'a measured profile'}",
+                   command=f"planner/project.py scaled_profile of: {measured.command}")
