@@ -25,7 +25,7 @@ from .replay import PromptTrace
 # The settings searched (pipeinfer's knobs; speculative uses n_draft alone).
 N_DRAFT = (1, 2, 3, 4, 6, 8)
 P_ACCEPT = (0.0, 0.3, 0.5, 0.7, 0.9)
-MAX_INFLIGHT = (2, 4)
+MAX_INFLIGHT = (2, 4, 6, 8)  # those up to twice the stages (at least 2 and 4): more runs than that only queue
 
 # The request -M auto plans for when it has no prompt of its own (chat, serve): prompt and reply tokens.
 AUTO_PROMPT = 128
@@ -51,20 +51,21 @@ class Choice:
     per_mode: dict[str, ModeBest] = field(default_factory=dict)
 
 
-def candidate_options(mode: str, opts: DecodeOptions) -> list[DecodeOptions]:
+def candidate_options(mode: str, opts: DecodeOptions, n_stages: int = 2) -> list[DecodeOptions]:
     if mode == "iterative" or not needs_draft(mode):
         return [opts]
     if mode == "speculative":
         return [replace(opts, n_draft=k) for k in N_DRAFT]
+    inflight = [f for f in MAX_INFLIGHT if f <= max(4, 2 * n_stages)]
     return [replace(opts, n_draft=k, p_accept=p, max_inflight=f)
-            for k, p, f in itertools.product(N_DRAFT, P_ACCEPT, MAX_INFLIGHT)]
+            for k, p, f in itertools.product(N_DRAFT, P_ACCEPT, inflight)]
 
 
 def search_settings(profile: Profile, topo: Topology, mode: str, replay: Replay, opts: DecodeOptions, n_ctx: int,
                     on_step: Callable[[int, int], None] | None = None) -> ModeBest:
     """The options among `candidate_options` with the highest predicted median tok/s."""
     best = None
-    cands = candidate_options(mode, opts)
+    cands = candidate_options(mode, opts, len(topo.stage_ranks))
     for i, cand in enumerate(cands, start=1):
         s = summarize(run_mode(profile, topo, mode, replay, cand, n_ctx))
         speed = s["tok_per_s"]
