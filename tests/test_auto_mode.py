@@ -157,3 +157,22 @@ def test_the_acceptance_auto_plans_with_is_measured_where_it_can_be():
     costs.acceptance, costs.acceptance_tokens, costs.confidence_right, costs.confidence_wrong = 0.75, 4, [.9] * 3, [.2]
     got = draft_acceptance(model, SimpleNamespace(draft=costs), None)
     assert got.measured and got.rate == 0.75 and got.confidences.wrong == [.2]
+
+
+def test_recorded_chains_give_the_confidences():
+    from pipeinfer_cli.planner.acceptance import confidences
+    from pipeinfer_cli.planner.replay import PromptTrace
+
+    pt = PromptTrace("p", [1, 2], [3, 4, 5], "length", chains_from=3, chains=[[4, 9], [7]], chain_probs=[[.8, .1], [.3]])
+    got = confidences("draft", None, [pt])
+    assert got.right == [.8] and got.wrong == [.3]
+    assert confidences("draft", None, [PromptTrace("q", [1], [2], "length")]) is None  # nothing measured: the rate
+
+
+def test_chat_says_what_auto_chose_and_that_its_acceptance_is_assumed(smollm2_path, profile):
+    r = subprocess.run([sys.executable, "-m", "pipeinfer_cli", "chat", str(smollm2_path), "--draft", "lookup", "-M",
+                        "auto", "--profile", str(profile), "-n", "2"], input="", capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stderr.splitlines() if x.startswith("pipeinfer: -M auto chose "))
+    assert "on an assumed acceptance of 60% (assumed: prompt lookup, before any prompt is known)" in line

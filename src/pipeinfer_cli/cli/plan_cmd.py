@@ -100,7 +100,7 @@ def plan(
     opts = DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_accept=p_accept, max_inflight=max_inflight)
     traced = _trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list)
     replay = Replay(traced, acceptance, confidences=None if acceptance is None else
-                    draft_confidences(setup.draft_label, prof.draft, [pt.prompt for pt in traced]))
+                    draft_confidences(setup.draft_label, prof.draft, traced))
     summary = plan_modes(prof, setup.topology, mode_list, replay, opts, ctx)
     for m, s in summary.items():
         s["note"] = never_speculated(m, s, setup.topology(m).draft)

@@ -59,13 +59,26 @@ def from_profile(draft) -> Acceptance | None:
                       conf if conf.right or conf.wrong else None)
 
 
-def confidences(draft_label: str | None, draft, prompts: list[list[int]]) -> Confidences | None:
+def confidences(draft_label: str | None, draft, prompts: list) -> Confidences | None:
     """The measured per-token confidences a synthetic draft (an acceptance rate given or assumed)
-    reports: prompt lookup's on the prompts, a draft model's as calibrate measured them; None
-    where nothing measured them (the rate itself is reported then)."""
+    reports, over `prompts` (PromptTraces): a trace's recorded draft chains where it has them (the
+    probability of each chain's first token, right or wrong against the target's), prompt lookup's
+    on the prompts, a draft model's as calibrate measured them; None where nothing measured them
+    (the rate itself is reported then)."""
+    recorded = [c for c in (chain_confidences(pt) for pt in prompts) if c is not None]
     if draft_label == "lookup":
-        found = [lookup_on_prompt(p).confidences for p in prompts]
-        found = [c for c in found if c is not None]
-        return Confidences([x for c in found for x in c.right], [x for c in found for x in c.wrong]) if found else None
+        recorded = [c for c in (lookup_on_prompt(pt.prompt).confidences for pt in prompts) if c is not None]
+    if recorded:
+        return Confidences([x for c in recorded for x in c.right], [x for c in recorded for x in c.wrong])
     measured = from_profile(draft)
     return measured.confidences if measured is not None else None
+
+
+def chain_confidences(pt) -> Confidences | None:
+    """From a trace's chains: the draft's probability for its next token after each committed prefix."""
+    right, wrong, full = [], [], pt.full
+    for i, (toks, probs) in enumerate(zip(pt.chains, pt.chain_probs)):
+        at = pt.chains_from + i
+        if toks and probs and at < len(full):
+            (right if toks[0] == full[at] else wrong).append(probs[0])
+    return Confidences(right, wrong) if right or wrong else None
