@@ -155,7 +155,7 @@ def measured_draft_bytes(prof, given: int | None) -> int:
 
 
 def scaled_main(args) -> None:
-    from pipeinfer_cli.planner.plan import search_settings
+    from pipeinfer_cli.planner.search import search_settings
     from pipeinfer_cli.planner.profile import Profile
     from pipeinfer_cli.planner.project import scaled_profile
 
@@ -182,7 +182,8 @@ def scaled_main(args) -> None:
             scaled_profile(measured, LLAMA_70B_Q3KM, n, draft_factor), n, 0.7)))]))
     prof8 = scaled_profile(measured, LLAMA_70B_Q3KM, 8, draft_factor)
     for mode in ("speculative", "pipeinfer"):
-        best, speed = search_settings(prof8, topology(8, mode), mode, trace_of(0.7), OPTS, 4096)
+        found = search_settings(prof8, topology(8, mode), mode, trace_of(0.7), OPTS, 4096)
+        best, speed = found.opts, found.tok_per_s
         result["search"][mode] = {"n_draft": best.n_draft, "p_accept": best.p_accept,
                                   "max_inflight": best.max_inflight, "tok_per_s": speed}
         print(f"plan --search, {mode} at acceptance 0.7: n_draft {best.n_draft}"

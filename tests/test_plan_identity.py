@@ -205,12 +205,13 @@ def test_generate_refuses_an_auto_split_that_does_not_fit(smollm2_path, tmp_path
 
 
 # -- -M auto ------------------------------------------------------------------------------------
-def test_mode_auto_states_its_assumed_acceptance_once(smollm2_path, tmp_path):
+def test_mode_auto_states_its_acceptance_once(smollm2_path, tmp_path):
     prof = smollm2_profile(smollm2_path, tmp_path)
     r = run("generate", smollm2_path, "--draft", "lookup", "-M", "auto", "--profile", prof, "-p", "1, 2, 3,", "-n", 4)
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stderr.splitlines() if x.startswith("pipeinfer: -M auto chose ")]
-    assert len(lines) == 1 and "on an assumed acceptance of 60%" in lines[0], r.stderr
+    assert len(lines) == 1 and "on a measured acceptance of" in lines[0], r.stderr  # prompt lookup, on the prompt
+    assert "(measured on the prompt: lookup " in lines[0], r.stderr
     assert lines[0].endswith("run with the profile's --threads 2"), r.stderr  # what the profile measured
     err = one_line_error(run("generate", smollm2_path, "--draft", "lookup", "-M", "auto", "--profile", prof,
                              "--threads", "1", "-p", "Hi", "-n", 2))

@@ -1,27 +1,24 @@
 """`-M auto`: the mode and settings the plan predicts fastest for this job's ranks and draft.
 
-The prediction runs the real policies in virtual time (planner/) on the profile of these ranks.
-Before a request has run, what the draft will get right is not known: every draft (a model of any
-size, prompt lookup) is assumed right DEFAULT_ACCEPTANCE of the time (calibrate does not measure
-acceptance: it depends on the prompts), and the job says so on stderr when it starts and on its
-summary line, beside the measured speed. Every process of the job
-makes the same choice (the simulation is deterministic), so no message is needed.
+The search is the planner's (planner/search.py: the one `plan --search` runs), on the profile of
+these ranks (--profile, else one calibrated quickly and cached: cli/auto_profile.py), for the
+request the job will run, with the draft's acceptance measured where it can be
+(planner/acceptance.py: on the prompt itself for lookup; by `calibrate --draft` for a model) and
+assumed (DEFAULT_ACCEPTANCE) where not. The job says what it chose, and on what acceptance, on
+stderr when it starts, and `generate`'s summary line sets the predicted speed beside the measured
+one. Every process of the job makes the same choice (the simulation is deterministic), so no
+message is needed. The choice is made once, at the start: it is not redone when the run's
+acceptance differs from the one planned for.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..planner.acceptance import DEFAULT_ACCEPTANCE, Acceptance
 
 AUTO = "auto"
-DEFAULT_ACCEPTANCE = 0.6  # assumed for every draft; -M's help and docs/plan.md state it
-AUTO_PROMPT = 128  # tokens of the typical request the choice is made for
-AUTO_GEN = 96
-# A small grid: the choice is made at every start.
-N_DRAFT = (2, 3, 4, 6)
-P_ACCEPT = (0.3, 0.5, 0.7)
-MAX_INFLIGHT = (2, 4)
 
 
 @dataclass
@@ -29,7 +26,7 @@ class AutoChoice:
     mode: str
     decode: object  # DecodeOptions
     predicted_tok_per_s: float | None
-    acceptance: float  # the assumed acceptance rate
+    acceptance: Acceptance  # what the draft was planned to get right, and how that was obtained
     threads: str = ""  # the profile's threads per rank, which the job runs with (--threads)
 
     def describe(self) -> str:
@@ -42,25 +39,38 @@ class AutoChoice:
 
     def announce(self) -> str:
         """The job's start-up line: what auto chose and on what acceptance."""
-        return (f"pipeinfer: -M {self.describe()}, on an assumed acceptance of {self.acceptance:.0%} (not measured: "
-                f"`pipeinfer plan --trace` replays a real draft's), run with the profile's --threads {self.threads}")
+        on = "" if self.acceptance.rate is None else f", on {self.acceptance.describe()}"
+        return f"pipeinfer: -M {self.describe()}{on}, run with the profile's --threads {self.threads}"
+
+    def to_json(self) -> dict:
+        """The choice (generate --json's "auto"; CHOICE_ENV carries it to the job's ranks)."""
+        a, d = self.acceptance, self.decode
+        return {"mode": self.mode, "n_draft": d.n_draft, "p_accept": d.p_accept, "max_inflight": d.max_inflight,
+                "predicted_tok_per_s": self.predicted_tok_per_s, "threads": self.threads,
+                "acceptance": {"rate": a.rate, "measured": a.measured, "source": a.source}}
+
+    def summary(self, measured_tok_per_s: float | None) -> str:
+        """For generate's summary line: the choice, its acceptance, and predicted against measured speed."""
+        how = "measured" if self.acceptance.measured else "assumed"
+        speed = "" if measured_tok_per_s is None else f" against {measured_tok_per_s:.2f} measured"
+        if self.acceptance.rate is None:
+            return f"{self.describe()}{speed}"
+        return f"{self.describe()}{speed} (planned on acceptance {how} {self.acceptance.rate:.0%})"
 
 
-def choose(cfg, n_ranks: int, has_draft: bool) -> AutoChoice:
-    """The fastest predicted mode and settings for this job (cfg: a JobConfig with a profile)."""
+def choose(cfg, n_ranks: int, has_draft: bool, prompt_tokens: list[int] | None = None) -> AutoChoice:
+    """The fastest predicted mode and settings for this job (cfg: a JobConfig with a profile).
+    prompt_tokens: the request's prompt, when the job knows it before it starts (generate)."""
     from ..decode.modes import MODE_NAMES, needs_draft
-    from ..planner.plan import Replay, run_mode, summarize
-    from ..planner.predict import Topology
-    from ..planner.profile import DraftCosts, Profile
-    from ..planner.replay import PromptTrace
-    from ..runtime.topology import plan_job
+    from ..planner import search
+    from ..planner.identity import model_sha256
+    from ..planner.plan import Replay
+    from ..planner.profile import Profile
 
     if cfg.profile is None:
         raise UsageError("-M auto needs a profile of the ranks: run `pipeinfer calibrate MODEL --ranks N --out "
                          "profile.json` (with the draft), then pass --profile profile.json")
     prof = Profile.load(cfg.profile)
-    from ..planner.identity import model_sha256
-
     prof.check_model(cfg.model_label, cfg.model_path.stat().st_size, f"the profile {cfg.profile}",
                      model_sha256(cfg.model_path, cfg.model_sha256, cfg.model_size))
     if len(prof.ranks) < n_ranks:
@@ -68,26 +78,52 @@ def choose(cfg, n_ranks: int, has_draft: bool) -> AutoChoice:
                          "calibrate with as many ranks as the job runs")
     threads = job_threads(prof, cfg, n_ranks)
     lookup = cfg.draft_label == "lookup"
-    if lookup:  # prompt lookup: a free drafter whose hits are assumed, like a model's
-        prof = replace(prof, draft=DraftCosts("model", "lookup", 0, 1, 2e-5, 0.0))
-    acceptance = DEFAULT_ACCEPTANCE
-    n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < AUTO_GEN else AUTO_GEN
-    pt = PromptTrace("auto", list(range(1000, 1000 + AUTO_PROMPT)), [2000 + i for i in range(n_gen)], "length")
-    replay = Replay([pt], acceptance)
-    best = None
-    for mode in MODE_NAMES:
-        if needs_draft(mode) and (not has_draft or prof.draft is None):
-            continue
-        t = plan_job(cfg.model_path, cfg.model_label, n_ranks, n_ranks, cfg.layer_split, None, cfg.draft_path,
-                     needs_draft(mode), has_draft=has_draft, profile_path=cfg.profile)
-        stages = [r for r in t.ranks if r.role != "draft"]
-        draft = None if not needs_draft(mode) else (t.draft_rank if t.draft_rank is not None else "head")
-        topo = Topology([r.rank for r in stages], [r.layers for r in stages], draft)
-        for opts in _candidates(mode, cfg.decode):
-            speed = summarize(run_mode(prof, topo, mode, replay, opts, cfg.n_ctx))["tok_per_s"]
-            if speed is not None and (best is None or speed > best.predicted_tok_per_s):
-                best = AutoChoice(mode, opts, speed, acceptance, threads)
-    return best
+    modes = [m for m in MODE_NAMES if not needs_draft(m) or (has_draft and (lookup or _has_model_costs(prof)))]
+    acceptance = draft_acceptance(cfg, prof, prompt_tokens)
+    n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
+    rate = DEFAULT_ACCEPTANCE if acceptance.rate is None else acceptance.rate  # no draft: no mode drafts
+    replay = Replay([search.auto_request(prompt_tokens, n_gen)], rate, confidences=acceptance.confidences)
+
+    def topo_of(mode: str):
+        return job_topology(cfg.model_path, cfg.model_label, n_ranks, cfg.layer_split, cfg.draft_path, cfg.draft_label,
+                            needs_draft(mode), mode, cfg.profile, cfg.n_ctx)
+
+    c = search.choose(prof, topo_of, modes, replay, cfg.decode, cfg.n_ctx)
+    return AutoChoice(c.mode, c.opts, c.tok_per_s, acceptance, threads)
+
+
+def _has_model_costs(prof) -> bool:
+    return prof.draft is not None and prof.draft.kind == "model"
+
+
+def draft_acceptance(cfg, prof, prompt_tokens: list[int] | None) -> Acceptance:
+    """The acceptance -M auto plans with: measured where it can be (the module doc), else assumed."""
+    from ..planner.acceptance import assumed, from_profile, lookup_on_prompt
+
+    if cfg.draft_label is None:
+        return Acceptance(None, False, "no draft")
+    if cfg.draft_label == "lookup":
+        if prompt_tokens:
+            return lookup_on_prompt(prompt_tokens)
+        return assumed("prompt lookup, before any prompt is known")
+    return from_profile(prof.draft) or assumed("the profile's calibration did not measure the draft's acceptance")
+
+
+def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_path, draft_label, job_drafts: bool,
+                 mode: str, profile_path, n_ctx: int):
+    """The planner's Topology of the job that runs `mode` (job_drafts: a draft model on the head takes
+    layers from it), as `plan` and `-M auto` both plan it."""
+    from ..decode.modes import needs_draft
+    from ..planner.predict import Topology
+    from ..runtime.topology import plan_job
+
+    t = plan_job(model_path, model_label, n_ranks, n_ranks, layer_split, None, draft_path, job_drafts,
+                 has_draft=draft_label is not None, profile_path=profile_path, n_ctx=n_ctx, identity_checked=True)
+    stages = [r for r in t.ranks if r.role != "draft"]
+    draft = None
+    if needs_draft(mode):
+        draft = "lookup" if draft_label == "lookup" else (t.draft_rank if t.draft_rank is not None else "head")
+    return Topology([r.rank for r in stages], [r.layers for r in stages], draft)
 
 
 def job_threads(prof, cfg, n_ranks: int) -> str:
@@ -112,9 +148,63 @@ def _per_rank(threads: list[int]) -> str:
     return f"{plural(threads[0], 'thread')} per rank" if len(set(threads)) == 1 else "threads " + ",".join(map(str, threads))
 
 
-def _candidates(mode: str, opts) -> list:
-    if mode == "iterative":
-        return [opts]
-    if mode == "speculative":
-        return [replace(opts, n_draft=k) for k in N_DRAFT]
-    return [replace(opts, n_draft=k, p_accept=p, max_inflight=f) for k in N_DRAFT for p in P_ACCEPT for f in MAX_INFLIGHT]
+# The launching command's decisions, inherited by the ranks of the job it starts, which take them
+# instead of deciding again (a rank does not have the prompt; every rank must run the same settings).
+CHOICE_ENV = "PIPEINFER_AUTO_CHOICE"
+
+
+def resolve(cfg, model: str, job, n_ranks: int, auto: bool, inside: bool, on_head: bool, given, say):
+    """Before a job starts: the profile that -M auto and --layer-split auto need (given, cached, or
+    calibrated now), then -M auto's choice (None without -M auto). given: the prompt (PromptInput),
+    known to the launching command of `generate`; say(line): stderr, once per job."""
+    import os
+
+    import json
+
+    split_auto = bool(cfg.layer_split) and cfg.layer_split.startswith("auto")
+    if cfg.profile is None and (auto or split_auto) and cfg.model_path is not None:
+        from .auto_profile import ensure_profile
+        from .options import PROFILE_ENV
+
+        why = "-M auto" if auto else "--layer-split auto"
+        cfg.profile = ensure_profile(cfg, model, job, n_ranks, why, inside, say)
+        if not inside:
+            os.environ[PROFILE_ENV] = str(cfg.profile)  # the ranks of the job started next: their --profile
+    if not auto:
+        return None
+    if os.environ.get(CHOICE_ENV) and inside:
+        return from_env(os.environ[CHOICE_ENV], cfg.decode)
+    from pathlib import Path
+
+    if cfg.model_path is None or cfg.profile is None or not (on_head or Path(cfg.profile).is_file()):
+        return None  # a rank without the model or the profile: it takes the head's choice
+    tokens = prompt_tokens(cfg, given) if not inside and cfg.draft_label == "lookup" else None
+    choice = choose(cfg, n_ranks, cfg.draft_label is not None, tokens)
+    if not inside:
+        os.environ[CHOICE_ENV] = json.dumps(choice.to_json())
+    return choice
+
+
+def prompt_tokens(cfg, given) -> list[int] | None:
+    """The prompt's tokens (target vocabulary), to measure prompt lookup on, when the command has one."""
+    if given is None or (given.text is None and given.messages is None):
+        return None
+    from ..runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(cfg.model_path)
+    try:
+        return tok.chat_messages(given.messages) if given.messages is not None else tok.encode(given.text)
+    finally:
+        tok.close()
+
+
+def from_env(text: str, decode) -> AutoChoice:
+    """The launching command's choice (CHOICE_ENV) for a job with the same options (decode: the job's)."""
+    import json
+    from dataclasses import replace
+
+    d = json.loads(text)
+    a = d["acceptance"]
+    opts = replace(decode, n_draft=d["n_draft"], p_accept=d["p_accept"], max_inflight=d["max_inflight"])
+    return AutoChoice(d["mode"], opts, d["predicted_tok_per_s"], Acceptance(a["rate"], a["measured"], a["source"]),
+                      d["threads"])

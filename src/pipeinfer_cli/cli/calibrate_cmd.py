@@ -23,6 +23,7 @@ from .wording import epilog, human_bytes, plural
 
 # The epoch time the command started at, passed to the relaunched job (its head prints the duration).
 STARTED_ENV = "PIPEINFER_CALIBRATE_STARTED"
+DRAFT_ACCEPTANCE_TOKENS = {False: 96, True: 32}  # tokens a draft model's acceptance is measured on (by --quick)
 NON_TTY_WIDTH = 200  # into a file or a pipe (under mpiexec, always), the table is never cut
 
 EPILOG = epilog("""Examples:
@@ -39,7 +40,9 @@ disturb each other): seconds per layer of a batch-invariant run of 1 to 2 x --n-
 16, 64 and 256 tokens, on a probe of the first layers (about 512 MB of weights); the cost of an
 output row (LM head and sampler) on the last layer; the rank's fixed cost per run (the head's
 loop); with --draft, the draft's seconds per proposed token and per prompt token, on the rank that
-would run it; then latency and bandwidth of every link the job uses (each stage to the next, the
+would run it, and a draft model's acceptance (its greedy next token against the whole target's on
+96 tokens of a calibration prompt, 32 with --quick, on the head, where both fit in its memory: what
+-M auto plans with); then latency and bandwidth of every link the job uses (each stage to the next, the
 last back to the head, a draft rank), with the job's real waits; and each host's CPU, cores and
 memory.
 
@@ -117,6 +120,10 @@ def calibrate(
         return
     for line in profile.warnings:
         err.print(f"calibrate: warning: {line}", markup=False, highlight=False)
+    if profile.draft is not None and profile.draft.kind == "model" and prep.cfg.draft_path is not None:
+        from .plan_record import measure_draft_acceptance
+
+        measure_draft_acceptance(prep.cfg, profile.draft, DRAFT_ACCEPTANCE_TOKENS[quick], lambda line: _progress(0, line))
     try:
         profile.save(out_path)
     except OSError as e:

@@ -169,7 +169,7 @@ def _run_and_print(cfg, request, as_json: bool, auto=None, save_trace: Path | No
         return
     result = results[0]
     if as_json:
-        out.print_json(json.dumps(result.to_json()))
+        out.print_json(json.dumps({**result.to_json(), **({"auto": auto.to_json()} if auto else {})}))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -219,6 +219,6 @@ def summary_line(r: GenerationResult, auto=None) -> str:
         parts.append(f"drafting paused {plural(runs.drafting_paused, 'time')}")
     if runs.cancelled:
         parts.append(f"{plural(runs.cancelled, 'run')} cancelled")
-    parts.append(f"mode {r.mode}" if auto is None else f"mode {auto.describe()} (acceptance assumed {auto.acceptance:.0%})")
+    parts.append(f"mode {r.mode}" if auto is None else f"mode {auto.summary(r.tok_per_s)}")
     parts.append(f"{plural(len(r.ranks), 'rank')} (layers {format_layer_ranges([x.get('layers') for x in r.ranks])})")
     return "pipeinfer: " + ", ".join(p for p in parts if p)

@@ -202,7 +202,7 @@ def begin_job(model: str | None, model_opt: str | None, mode: str | None, job,
     check_n_predict(job.n_predict)
     inside = under_mpi_launcher()
     given = read_input(inside) if read_input is not None else None
-    return JobStart(prepare_job(model, mode, job, inside), inside, given)
+    return JobStart(prepare_job(model, mode, job, inside, given), inside, given)
 
 
 def run_here_or_relaunch(prep: PreparedJob, inside: bool, needs_draft: bool, relaunch_job: Callable[[], int]) -> None:
@@ -225,18 +225,20 @@ def one_model(model: str | None, model_opt: str | None) -> str:
     return model or model_opt
 
 
-def _announce(choice, inside: bool) -> None:
-    """-M auto's choice, once per job: by the command a user typed (not again by the job it starts)."""
+def _announce(line: str, inside: bool) -> None:
+    """A line of -M auto's (its profile, its choice), once per job: by the command a user typed (not
+    again by the job it starts)."""
     import sys
 
     from ..transport.launch import RELAUNCHED
 
     if not inside or (not os.environ.get(RELAUNCHED) and launcher_rank() == 0):
-        print(choice.announce(), file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
 
 
-def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:
-    """Ranks, models (pulled unless inside the MPI job or --no-pull), mode and JobConfig of a job command."""
+def prepare_job(model: str, mode: str | None, job, inside: bool, given=None) -> PreparedJob:
+    """Ranks, models (pulled unless inside the MPI job or --no-pull), mode and JobConfig of a job command.
+    given: the prompt the command read (for -M auto to measure prompt lookup's acceptance on)."""
     from .draft_spec import mark_hybrid, resolve_draft_models
 
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
@@ -244,17 +246,16 @@ def prepare_job(model: str, mode: str | None, job, inside: bool) -> PreparedJob:
                                                      allow_pull=not inside and not job.no_pull,
                                                      on_head=not inside or launcher_rank() == 0)
     from ..decode.modes import check_mode
-    from .auto_mode import AUTO, choose
+    from .auto_mode import AUTO, resolve
 
     auto = mode == AUTO
     mode = check_mode(None if auto else mode, draft_ref is not None)
     cfg = make_job_config(target, draft_ref, job)
     mark_hybrid(cfg, hybrid)
-    choice = None
     on_head = not inside or launcher_rank() == 0
-    # The head plans alone: a rank without the model or the profile takes the head's choice.
-    if auto and target.path is not None and (on_head or (cfg.profile is not None and Path(cfg.profile).is_file())):
-        choice = choose(cfg, want, draft_ref is not None)
+    say = lambda line: _announce(line, inside)  # noqa: E731
+    choice = resolve(cfg, model, job, want, auto, inside, on_head, given, say)
+    if choice is not None:
         mode, cfg.decode, cfg.threads = choice.mode, choice.decode, choice.threads
-        _announce(choice, inside)
+        say(choice.announce())
     return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), draft_ref is not None, choice)

@@ -15,7 +15,7 @@ RanksOption = Annotated[int, typer.Option("--ranks", "-r", min=1, help="Number o
 ModelArg = Annotated[str, typer.Argument(help="Target model: registry name, pair name (target + draft), or .gguf path.")]
 OptionalModelArg = Annotated[str | None, typer.Argument(show_default=False, help="Target model: registry name, pair name (target + draft), or .gguf path (or use -m).")]
 ModelOption = Annotated[str | None, typer.Option("--model", "-m", show_default=False, help="The target model, as with llama.cpp's -m (same as the MODEL argument).")]
-ModeOption = Annotated[str | None, typer.Option("--mode", "-M", show_default=False, help="iterative: one token per pass through the pipeline. speculative: draft --n-draft tokens, verify them in one batch (standard synchronous speculation). pipeinfer: asynchronous pipelined speculation with early cancellation. auto: the mode and settings (n_draft, p_accept, max_inflight) that `pipeinfer plan` predicts fastest on these ranks, from --profile, assuming every draft is right 60% of the time (stated on stderr). Default: pipeinfer when there is a draft (--draft or a pair name), else iterative.")]
+ModeOption = Annotated[str | None, typer.Option("--mode", "-M", show_default=False, help="iterative: one token per pass through the pipeline. speculative: draft --n-draft tokens, verify them in one batch (standard synchronous speculation). pipeinfer: asynchronous pipelined speculation with early cancellation. auto: the mode and settings (n_draft, p_accept, max_inflight) that `pipeinfer plan --search` predicts fastest on these ranks, from --profile (without one: a quick calibration, cached per machine, model and job shape, reused next time). The draft's acceptance is measured where it can be (prompt lookup: on the prompt of `generate`; a draft model: if `calibrate --draft` measured it) and otherwise assumed to be 60%; the choice and its acceptance are stated on stderr. Default: pipeinfer when there is a draft (--draft or a pair name), else iterative.")]
 DraftOption = Annotated[str | None, typer.Option("--draft", "-md", help="Draft model (name or .gguf path; any vocabulary: one that is not the target's is translated through text, if both tokenizers spell text back byte for byte), 'lookup' for prompt-lookup drafting, or 'lookup+MODEL': lookup where it has a confident match, the model elsewhere.")]
 NPredictOption = Annotated[int, typer.Option("--n-predict", "-n", help="Tokens to generate (stops earlier at end of generation); -1 = until end of generation or a full context.")]
 TempOption = Annotated[float, typer.Option("--temp", min=0.0, help="Temperature; 0 = greedy.")]
@@ -46,7 +46,8 @@ LayerSplitOption = Annotated[str | None, typer.Option("--layer-split", help="Fra
 PROFILE_ENV = "PIPEINFER_PROFILE"
 ProfileOption = Annotated[Path | None, typer.Option(
     "--profile", envvar=PROFILE_ENV, show_envvar=True, metavar="FILE",
-    help="A profile written by `pipeinfer calibrate` with the same ranks, for --layer-split auto and -M auto. The "
+    help="A profile written by `pipeinfer calibrate` with the same ranks, for --layer-split auto and -M auto (without "
+         "one, they calibrate quickly at the start and cache the profile per machine, model and job shape). The "
          "head plans the job from it alone: only the first node needs it (as the model).")]
 ThreadsOption = Annotated[str | None, typer.Option("--threads", "-t", help="Threads per rank: one value or one per rank (default: the CPUs the rank may use, from its cpuset and cgroup quota, / ranks on its host; all of them for each rank of an iterative `generate --ranks N`, where one stage computes at a time).")]
 CtxOption = Annotated[int, typer.Option("--ctx", "-c", min=16, help="Context size (KV cells) per rank.")]

@@ -14,6 +14,8 @@ from ..decode.modes import MODE_NAMES, get_mode, needs_draft
 from ..decode.session import DecodeOptions
 from ..errors import UsageError
 from .console import err, out
+from ..planner.acceptance import confidences as draft_confidences
+from ..planner.search import never_speculated
 from .plan_checks import check_job, check_trace
 from .options import (JsonFlag, LayerSplitOption, MaxInflightOption, NDraftOption, NPredictOption, PAcceptOption,
                       ThreadsOption)
@@ -97,7 +99,7 @@ def plan(
     (one process, the whole target; --record-ranks N: an MPI job of N ranks) unless --trace gives
     one (`--record`, or `generate`/`bench --save-trace` on the cluster).
     """
-    from ..planner.plan import Replay, plan_modes, search_settings
+    from ..planner.plan import Replay, plan_modes
     from ..planner.profile import Profile
 
     prof = Profile.load(profile)
@@ -108,20 +110,34 @@ def plan(
     setup.force = force
     opts = DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_accept=p_accept, max_inflight=max_inflight)
     job = {"ranks": record_ranks, "layer_split": layer_split, "threads": threads, "ctx": ctx}
-    replay = Replay(_trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list, job),
-                    acceptance)
+    traced = _trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list, job)
+    replay = Replay(traced, acceptance, confidences=None if acceptance is None else
+                    draft_confidences(setup.draft_label, prof.draft, traced))
     summary = plan_modes(prof, setup.topology, mode_list, replay, opts, ctx)
-    if search:
-        for m in mode_list:
-            best, speed = search_settings(prof, setup.topology(m), m, replay, opts, ctx,
-                                          on_step=lambda i, n, m=m: _progress(f"search {m}", i, n))
-            summary[m]["best"] = {"n_draft": best.n_draft, "p_accept": best.p_accept,
-                                  "max_inflight": best.max_inflight, "tok_per_s": speed}
+    for m, s in summary.items():
+        s["note"] = never_speculated(m, s, setup.topology(m).draft)
+    choice = _search(prof, setup, mode_list, replay, opts, ctx, summary) if search else None
     if as_json:
         out.print_json(json.dumps({"model": setup.label, "draft": setup.draft_label, "profile": str(profile),
-                                   "modes": summary}))
+                                   "modes": summary, **({"choice": choice} if choice else {})}))
         return
-    _print_table(summary, setup)
+    _print_table(summary, setup, choice)
+
+
+def _search(prof, setup, mode_list: list[str], replay, opts, ctx: int, summary: dict) -> dict:
+    """The planner's search (the one -M auto runs): each mode's best settings into `summary`, and the
+    fastest mode with its settings, each mode on the split `generate -M MODE` would use."""
+    from ..planner.search import choose
+
+    c = choose(prof, lambda m: setup.topology(m, needs_draft(m)), mode_list, replay, opts, ctx,
+               on_step=lambda m, i, n: _progress(f"search {m}", i, n))
+    for m, b in c.per_mode.items():
+        summary[m]["best"] = {**_knobs(b.opts), "tok_per_s": b.tok_per_s, "note": b.note}
+    return {"mode": c.mode, **_knobs(c.opts), "tok_per_s": c.tok_per_s}
+
+
+def _knobs(o) -> dict:
+    return {"n_draft": o.n_draft, "p_accept": o.p_accept, "max_inflight": o.max_inflight}
 
 
 class _Setup:
@@ -135,21 +151,15 @@ class _Setup:
         self.sha256 = self.draft_sha256 = None  # the files' identities (set by _setup)
         self.force = False
 
-    def topology(self, mode: str):
+    def topology(self, mode: str, job_drafts: bool | None = None):
         """The split of the job that runs the planned modes, as `bench` plans one job for them all:
         a draft model on the head takes layers from it if any planned mode drafts (with one mode,
-        the split `generate -M MODE` uses)."""
-        from ..planner.predict import Topology
-        from ..runtime.topology import plan_job
+        the split `generate -M MODE` uses). job_drafts: whether it does, instead."""
+        from .auto_mode import job_topology
 
-        t = plan_job(self.path, self.label, self.n_ranks, self.n_ranks, self.layer_split, None, self.draft_path,
-                     self.job_drafts, has_draft=self.draft_label is not None, profile_path=self.profile_path,
-                     n_ctx=self.n_ctx, identity_checked=True)
-        stages = [r for r in t.ranks if r.role != "draft"]
-        draft = None
-        if needs_draft(mode):
-            draft = "lookup" if self.draft_label == "lookup" else (t.draft_rank if t.draft_rank is not None else "head")
-        return Topology([r.rank for r in stages], [r.layers for r in stages], draft)
+        return job_topology(self.path, self.label, self.n_ranks, self.layer_split, self.draft_path, self.draft_label,
+                            self.job_drafts if job_drafts is None else job_drafts, mode, self.profile_path,
+                            self.n_ctx)
 
 
 def _setup(model: str, draft: str | None, prof, profile_path: Path, ranks: int | None, layer_split: str | None,
@@ -233,7 +243,7 @@ def _trace(setup: _Setup, prof, prompt, prompts, limit, trace, record, acceptanc
     return t.prompts
 
 
-def _print_table(summary: dict, setup: _Setup) -> None:
+def _print_table(summary: dict, setup: _Setup, choice: dict | None) -> None:
     t = Table(title=f"predicted: {setup.label}" + (f" + {setup.draft_label}" if setup.draft_label else "")
               + f" on {plural(setup.n_ranks, 'rank')}", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
               pad_edge=False)
@@ -243,21 +253,30 @@ def _print_table(summary: dict, setup: _Setup) -> None:
     for m, s in summary.items():
         acc = s["acceptance"]["rate"]
         vs = s["speedup"].get("vs_iterative")
-        t.add_row(m, s["settings"]["layer_split"], _f(s["tok_per_s"], 2), _f(s["decode_tok_per_s"], 2),
-                  _f(s["ttft_s"], 3), _f(s["itl_ms"]["p50"], 1), "-" if acc is None else f"{acc:.0%}",
+        t.add_row(m + (" *" if s["note"] else ""), s["settings"]["layer_split"], _f(s["tok_per_s"], 2),
+                  _f(s["decode_tok_per_s"], 2), _f(s["ttft_s"], 3), _f(s["itl_ms"]["p50"], 1),
+                  ("-" if s["note"] is None else "none") if acc is None else f"{acc:.0%}",
                   "-" if vs is None else f"{vs:.2f}x", "/".join(f"{100 * u:.0f}" for u in s["utilisation"]))
     out.print(t)
-    out.print("decode: tok/s after the first token; ITL: median gap between token arrivals; speedup: against "
-              "iterative (geometric mean over prompts); busy: each stage's share of the time computing",
-              markup=False, highlight=False)
+    say = lambda text: out.print(text, markup=False, highlight=False)  # noqa: E731
+    say("decode: tok/s after the first token; ITL: median gap between token arrivals; speedup: against "
+        "iterative (geometric mean over prompts); busy: each stage's share of the time computing")
     for m, s in summary.items():
+        if s["note"]:
+            say(f"* {m}: {s['note']}")
         if "best" in s:
             b = s["best"]
-            out.print(f"best {m}: n_draft {b['n_draft']}, p_accept {b['p_accept']}, max_inflight {b['max_inflight']}"
-                      f" -> {_f(b['tok_per_s'], 2)} tok/s", markup=False, highlight=False)
+            say(f"best {m}: n_draft {b['n_draft']}, p_accept {b['p_accept']}, max_inflight {b['max_inflight']}"
+                f" -> {_f(b['tok_per_s'], 2)} tok/s" + (f" ({b['note']})" if b["note"] and not s["note"] else ""))
         if s["draft_misses"]:
-            out.print(f"note: {m}: the trace could not answer {s['draft_misses']} draft questions (beyond its "
-                      "recorded depth); those drafts were cut short", markup=False, highlight=False)
+            say(f"note: {m}: the trace could not answer {s['draft_misses']} draft questions (beyond its "
+                "recorded depth); those drafts were cut short")
+    if choice is not None:
+        knobs = "" if choice["mode"] == "iterative" else f" (n_draft {choice['n_draft']}" + (
+            f", p_accept {choice['p_accept']}, max_inflight {choice['max_inflight']})" if choice["mode"] == "pipeinfer"
+            else ")")
+        say(f"fastest: {choice['mode']}{knobs} -> {_f(choice['tok_per_s'], 2)} tok/s (what -M auto chooses for "
+            "this profile, draft and acceptance)")
 
 
 def _f(v, digits: int) -> str:

@@ -111,7 +111,7 @@ def serve(
     run_here_or_relaunch(prep, start.inside, prep.has_draft,
                          lambda: relaunch(prep.ranks, sys.argv[1:], clean_stop=stopped_line,
                                           rank_timeout_s=prep.cfg.rank_timeout_s))
-    _serve_on_this_rank(prep.cfg, prep.mode, host, port, queue, api_key)
+    _serve_on_this_rank(prep.cfg, prep.mode, host, port, queue, api_key, prep.auto)
 
 
 def check_parallel(cfg) -> None:
@@ -133,7 +133,7 @@ def check_parallel(cfg) -> None:
                                f"to {most}")
 
 
-def _serve_on_this_rank(cfg, mode: str, host: str, port: int, queue: int, api_key: str | None) -> None:
+def _serve_on_this_rank(cfg, mode: str, host: str, port: int, queue: int, api_key: str | None, auto=None) -> None:
     """Rank 0: the HTTP server (its own thread) and the pipeline (this thread). Other ranks: the pipeline."""
     from mpi4py import MPI
 
@@ -143,7 +143,7 @@ def _serve_on_this_rank(cfg, mode: str, host: str, port: int, queue: int, api_ke
     if MPI.COMM_WORLD.Get_rank() != 0:
         run_service(cfg, None)
         return
-    service = Service(max_queue=queue, mode=mode, on_ready=lambda s: _banner(s, host, port), parallel=cfg.parallel)
+    service = Service(max_queue=queue, mode=mode, on_ready=lambda s: _banner(s, host, port, auto), parallel=cfg.parallel)
     http = _HttpStarter(service, cfg, host, port, api_key)
     stopped_by = _stop_on_signals(service)
     try:
@@ -204,13 +204,14 @@ def _stop_on_signals(service) -> list[str]:
     return stopped_by
 
 
-def _banner(service, host: str, port: int) -> None:
+def _banner(service, host: str, port: int, auto=None) -> None:
     """Printed once the models are loaded, in the manner of llama-server."""
     from ..runtime.topology import format_layer_ranges
 
     cfg, topo = service.cfg, service.loaded.topo
     ranks = "; ".join(f"{r.rank} {r.role} ({format_layer_ranges([r.layers])}, {plural(r.threads, 'thread')})" for r in topo.ranks)
-    lines = [f"model {cfg.model_label}, draft {cfg.draft_label or 'none'}, default mode {service.default_mode()}, "
+    chosen = "" if auto is None else f" (-M {auto.summary(None)})"
+    lines = [f"model {cfg.model_label}, draft {cfg.draft_label or 'none'}, default mode {service.default_mode()}{chosen}, "
              f"context {cfg.n_ctx} cells, queue {service.max_queue}" +
              (f", {cfg.parallel} slots of {cfg.slot_ctx} cells ({cfg.load_policy})" if cfg.parallel > 1 else ""),
              f"{plural(len(topo.ranks), 'rank')}: {ranks}",

@@ -1,36 +1,31 @@
 """Plans: predictions for every mode over a set of prompts, summarised as `pipeinfer bench`
 summarises runs (medians over prompts, speedup as the geometric mean of per-prompt ratios), and a
-search of the settings that the prediction says are fastest.
+search of the settings that the prediction says are fastest (planner/search.py).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import replace
 
 from ..decode.session import DecodeOptions
 from .predict import Prediction, Topology, predict
 from .profile import Profile
-from .replay import ChainIndex, PromptTrace, SyntheticChains
-
-# The settings `--search` tries (pipeinfer's knobs; speculative uses n_draft alone).
-SEARCH_N_DRAFT = (1, 2, 3, 4, 6, 8)
-SEARCH_P_ACCEPT = (0.0, 0.3, 0.5, 0.7, 0.9)
-SEARCH_MAX_INFLIGHT = (2, 4, 6, 8)
-
+from .replay import ChainIndex, Confidences, PromptTrace, SyntheticChains
 
 class Replay:
-    """The prompts of a trace, each with a fresh chain index per prediction (misses are counted per run)."""
+    """The prompts of a trace, each with a fresh chain index per prediction (misses are counted per run).
+    acceptance: a synthetic draft right with this probability; confidences: the draft's measured
+    probabilities (Confidences) it reports, else the rate itself."""
 
-    def __init__(self, prompts: list[PromptTrace], acceptance: float | None = None, depth: int = 24):
-        self.prompts, self.acceptance, self.depth = prompts, acceptance, depth
+    def __init__(self, prompts: list[PromptTrace], acceptance: float | None = None, depth: int = 24,
+                 confidences: Confidences | None = None):
+        self.prompts, self.acceptance, self.depth, self.confidences = prompts, acceptance, depth, confidences
 
     def index(self, pt: PromptTrace) -> ChainIndex:
         if self.acceptance is not None:
-            return SyntheticChains(pt, self.acceptance, self.depth)
+            return SyntheticChains(pt, self.acceptance, self.depth, confidences=self.confidences)
         return ChainIndex(pt)
 
 
@@ -80,26 +75,3 @@ def plan_modes(profile: Profile, topo_of: Callable[[str], Topology], modes: list
         s["predictions"] = [p.to_json() for p in preds]
         out[m] = s
     return out
-
-
-def candidate_options(mode: str, opts: DecodeOptions) -> list[DecodeOptions]:
-    if mode == "iterative":
-        return [opts]
-    if mode == "speculative":
-        return [replace(opts, n_draft=k) for k in SEARCH_N_DRAFT]
-    return [replace(opts, n_draft=k, p_accept=p, max_inflight=f)
-            for k, p, f in itertools.product(SEARCH_N_DRAFT, SEARCH_P_ACCEPT, SEARCH_MAX_INFLIGHT)]
-
-
-def search_settings(profile: Profile, topo: Topology, mode: str, replay: Replay, opts: DecodeOptions,
-                    n_ctx: int, on_step: Callable[[int, int], None] | None = None) -> tuple[DecodeOptions, float | None]:
-    """The options among `candidate_options` with the highest predicted median tok/s."""
-    best, best_speed = opts, None
-    cands = candidate_options(mode, opts)
-    for i, cand in enumerate(cands, start=1):
-        speed = summarize(run_mode(profile, topo, mode, replay, cand, n_ctx))["tok_per_s"]
-        if speed is not None and (best_speed is None or speed > best_speed):
-            best, best_speed = cand, speed
-        if on_step is not None:
-            on_step(i, len(cands))
-    return best, best_speed

@@ -17,7 +17,7 @@ from ..decode.session import DecodeOptions, Session
 from ..decode.sync import prefill
 from .costs import StageCost
 from .profile import DraftCosts, Profile, RankCosts
-from .replay import ChainIndex, PromptTrace
+from .replay import ChainIndex, PromptTrace, SyntheticChains
 from .sim_drafters import ReplayDrafter, ReplayDraftRank, TimedLookup
 from .sim_pipeline import SimulatedPipeline
 
@@ -76,6 +76,8 @@ def make_drafter(profile: Profile, topo: Topology, pipe: SimulatedPipeline, inde
         return None
     if topo.draft == "lookup":
         costs = d if d is not None and d.kind == "lookup" else DraftCosts("lookup", "lookup", 0, 1, 2e-5, 0.0)
+        if isinstance(index, SyntheticChains):  # an acceptance rate given for lookup: a draft of that rate, at its cost
+            return ReplayDrafter(pipe, index, costs)
         return TimedLookup(pipe, costs)
     if d is None or d.kind != "model":
         raise ValueError("the profile has no draft model's costs: calibrate with --draft MODEL")

@@ -10,7 +10,8 @@ One JSON file (format "pipeinfer-profile", version 1):
   verification), seconds per layer for a prompt chunk of r rows, seconds per output row (the LM
   head and the sampler), and the rank's fixed cost per run (Python, MPI); and how far the repeats
   of each figure spread (`spread`, absent in older profiles);
-- `draft`: the draft's seconds per proposed token and per prompt token, where it runs;
+- `draft`: the draft's seconds per proposed token and per prompt token, where it runs, and (a
+  draft model, when measured) its acceptance against the target on a calibration prompt;
 - `links`: per measured pair of ranks, latency and bandwidth of a message;
 - `warnings`: what calibrate said about its figures (noisy ranks, twins that disagree; absent in
   older profiles).
@@ -92,6 +93,13 @@ class DraftCosts:
     token_s: float  # seconds per proposed token (one draft eval)
     prompt_token_s: float  # seconds per prompt token of its prompt pass (0 for lookup)
     sha256: str | None = None  # a draft model's file identity (None for lookup, or an older profile)
+    # What the draft got right against the target on a calibration prompt (calibrate --draft MODEL;
+    # None: not measured): the rate, the tokens it was measured on, the probabilities of its right
+    # and its wrong tokens.
+    acceptance: float | None = None
+    acceptance_tokens: int = 0
+    confidence_right: list[float] | None = None
+    confidence_wrong: list[float] | None = None
 
 
 @dataclass

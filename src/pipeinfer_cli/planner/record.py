@@ -115,3 +115,16 @@ def request_trace(prompt_id: str, prompt: list[int], generated: list[int], finis
     if drafter is not None and generated:
         draft_chains(drafter, pt, depth)
     return pt
+
+
+def draft_agreement(drafter, full: list[int], start: int) -> tuple[list[float], list[float]]:
+    """How the draft does against the target's tokens `full` from position `start` on: at every
+    position, its greedy next token after the committed prefix; (probabilities of the tokens it got
+    right, of those it got wrong). The acceptance `calibrate --draft` records."""
+    right, wrong = [], []
+    drafter.start(full[:start])
+    for n in range(start, len(full)):
+        prop = drafter.propose(full[:n], 1, 0.0)
+        if prop.tokens:
+            (right if prop.tokens[0] == full[n] else wrong).append(round(prop.probs[0], PROB_DIGITS))
+    return right, wrong

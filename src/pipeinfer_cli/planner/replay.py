@@ -126,19 +126,42 @@ class ChainIndex:
         return [], []
 
 
-class SyntheticChains(ChainIndex):
-    """Chains where each drafted token equals the target's with probability `rate`, and the draft's
-    confidence is `rate` (so p_accept thresholds see a plausible number)."""
+@dataclass
+class Confidences:
+    """The probabilities a draft gave its tokens, measured: those of tokens the target then took
+    (right) and of tokens it did not (wrong). A synthetic draft reports one of these, drawn per
+    position, instead of a constant, so that p_accept thresholds meet the draft's real spread."""
 
-    def __init__(self, pt: PromptTrace, rate: float, depth: int, seed: int = 0):
+    right: list[float]
+    wrong: list[float]
+
+    def draw(self, rng: random.Random, is_right: bool, rate: float) -> float:
+        pool = self.right if is_right else self.wrong
+        return rng.choice(pool) if pool else rate
+
+
+class SyntheticChains(ChainIndex):
+    """Chains where each drafted token equals the target's with probability `rate`; the draft's
+    confidence is drawn from measured `confidences` when given, else it is `rate` (so p_accept
+    thresholds see a plausible number)."""
+
+    def __init__(self, pt: PromptTrace, rate: float, depth: int, seed: int = 0, confidences: Confidences | None = None):
         super().__init__(pt)
-        self.rate, self.depth, self.rng = rate, depth, random.Random(seed)
+        self.rate, self.depth, self.rng, self.confidences = rate, depth, random.Random(seed), confidences
         self.right: dict[int, bool] = {}
+        self.conf: dict[int, float] = {}
 
     def _is_right(self, pos: int) -> bool:
         if pos not in self.right:
             self.right[pos] = self.rng.random() < self.rate
         return self.right[pos]
+
+    def _conf(self, pos: int) -> float:
+        if self.confidences is None:
+            return self.rate
+        if pos not in self.conf:
+            self.conf[pos] = self.confidences.draw(self.rng, self._is_right(pos), self.rate)
+        return self.conf[pos]
 
     def continuation(self, path: list[int]) -> tuple[list[int], list[float]]:
         full, m = self.full, 0
@@ -146,9 +169,11 @@ class SyntheticChains(ChainIndex):
         while m < limit and path[m] == full[m]:
             m += 1
         if m < len(path):  # off the target's path: the draft keeps guessing wrong
-            return [-1] * self.depth, [self.rate] * self.depth
-        toks = [full[p] if p < len(full) and self._is_right(p) else -1 for p in range(m, m + self.depth)]
-        return toks, [self.rate] * self.depth
+            wrong = self.rate if self.confidences is None else min(self.confidences.wrong or [self.rate])
+            return [-1] * self.depth, [wrong] * self.depth
+        span = range(m, m + self.depth)
+        toks = [full[p] if p < len(full) and self._is_right(p) else -1 for p in span]
+        return toks, [self._conf(p) for p in span]
 
 
 def greedy_walk(index: ChainIndex, path: list[int], n_max: int, p_min: float) -> tuple[Proposal, int]:

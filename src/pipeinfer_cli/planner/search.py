@@ -1,0 +1,111 @@
+"""The search for the fastest mode and settings: one grid and one answer, for `plan --search` and
+for `-M auto` (cli/auto_mode.py), so that the same profile, draft and acceptance give the same
+choice in both.
+
+Every candidate runs the real policies in virtual time (planner/predict.py) over the prompts of a
+`Replay`; the fastest predicted median tok/s wins, and a tie goes to the simpler mode (iterative,
+then speculative, then pipeinfer) and the first settings of the grid. A drafting mode whose draft
+never proposed a token ran exactly as iterative does: it is never chosen over iterative, and
+`never_speculated` says why its figures equal iterative's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from ..decode.modes import needs_draft
+from ..decode.session import DecodeOptions
+from .plan import Replay, run_mode, summarize
+from .predict import Topology
+from .profile import Profile
+from .replay import PromptTrace
+
+# The settings searched (pipeinfer's knobs; speculative uses n_draft alone).
+N_DRAFT = (1, 2, 3, 4, 6, 8)
+P_ACCEPT = (0.0, 0.3, 0.5, 0.7, 0.9)
+MAX_INFLIGHT = (2, 4, 6, 8)  # those up to twice the stages (at least 2 and 4): more runs than that only queue
+
+# The request -M auto plans for when it has no prompt of its own (chat, serve): prompt and reply tokens.
+AUTO_PROMPT = 128
+AUTO_GEN = 96
+
+
+@dataclass
+class ModeBest:
+    mode: str
+    opts: DecodeOptions
+    tok_per_s: float | None
+    summary: dict  # planner.plan.summarize of the best settings
+    note: str | None = None  # why its figures equal another mode's (never_speculated)
+
+
+@dataclass
+class Choice:
+    """The fastest mode and its settings, and the best settings of every mode searched."""
+
+    mode: str
+    opts: DecodeOptions
+    tok_per_s: float | None
+    per_mode: dict[str, ModeBest] = field(default_factory=dict)
+
+
+def candidate_options(mode: str, opts: DecodeOptions, n_stages: int = 2) -> list[DecodeOptions]:
+    if mode == "iterative" or not needs_draft(mode):
+        return [opts]
+    if mode == "speculative":
+        return [replace(opts, n_draft=k) for k in N_DRAFT]
+    inflight = [f for f in MAX_INFLIGHT if f <= max(4, 2 * n_stages)]
+    return [replace(opts, n_draft=k, p_accept=p, max_inflight=f)
+            for k, p, f in itertools.product(N_DRAFT, P_ACCEPT, inflight)]
+
+
+def search_settings(profile: Profile, topo: Topology, mode: str, replay: Replay, opts: DecodeOptions, n_ctx: int,
+                    on_step: Callable[[int, int], None] | None = None) -> ModeBest:
+    """The options among `candidate_options` with the highest predicted median tok/s."""
+    best = None
+    cands = candidate_options(mode, opts, len(topo.stage_ranks))
+    for i, cand in enumerate(cands, start=1):
+        s = summarize(run_mode(profile, topo, mode, replay, cand, n_ctx))
+        speed = s["tok_per_s"]
+        if best is None or (speed is not None and (best.tok_per_s is None or speed > best.tok_per_s)):
+            best = ModeBest(mode, cand, speed, s)
+        if on_step is not None:
+            on_step(i, len(cands))
+    best.note = never_speculated(mode, best.summary, topo.draft)
+    return best
+
+
+def choose(profile: Profile, topo_of: Callable[[str], Topology], modes: list[str], replay: Replay,
+           opts: DecodeOptions, n_ctx: int, on_step: Callable[[str, int, int], None] | None = None) -> Choice:
+    """The fastest mode of `modes` (in the order given, simplest first) with its best settings."""
+    per_mode = {}
+    for m in modes:
+        step = None if on_step is None else (lambda i, n, m=m: on_step(m, i, n))
+        per_mode[m] = search_settings(profile, topo_of(m), m, replay, opts, n_ctx, step)
+    best = None
+    for m, b in per_mode.items():
+        if b.note is not None and "iterative" in per_mode:
+            continue  # it ran as iterative does, with the draft's cost on top
+        if b.tok_per_s is not None and (best is None or b.tok_per_s > best.tok_per_s):
+            best = b
+    best = best or next(iter(per_mode.values()))
+    return Choice(best.mode, best.opts, best.tok_per_s, per_mode)
+
+
+def never_speculated(mode: str, summary: dict, draft) -> str | None:
+    """Why a drafting mode's figures equal iterative's: its draft never proposed a token."""
+    if not needs_draft(mode) or summary["acceptance"]["drafted"]:
+        return None
+    if draft == "lookup":
+        return ("never speculated: prompt lookup found no earlier occurrence of the text's last tokens to propose "
+                "from, so every step ran as iterative does (--acceptance RATE assumes a rate instead)")
+    return "never speculated: the draft proposed no token, so every step ran as iterative does"
+
+
+def auto_request(prompt: list[int] | None = None, n_gen: int = AUTO_GEN) -> PromptTrace:
+    """The request -M auto plans for: the job's prompt (else AUTO_PROMPT tokens) and n_gen generated
+    tokens (ids that never repeat: the replay's acceptance alone decides what a draft gets right)."""
+    prompt = list(prompt) if prompt else list(range(1000, 1000 + AUTO_PROMPT))
+    return PromptTrace("auto", prompt, [1_000_000 + i for i in range(n_gen)], "length")
