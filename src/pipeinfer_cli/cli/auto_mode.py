@@ -67,7 +67,7 @@ def choose(cfg, n_ranks: int, has_draft: bool) -> AutoChoice:
         raise UsageError(f"-M auto: the profile measured {len(prof.ranks)} rank(s) but the job has {n_ranks}; "
                          "calibrate with as many ranks as the job runs")
     threads = job_threads(prof, cfg, n_ranks)
-    lookup = cfg.draft_label == "lookup"
+    lookup = cfg.draft.is_lookup
     if lookup:  # prompt lookup: a free drafter whose hits are assumed, like a model's
         prof = replace(prof, draft=DraftCosts("model", "lookup", 0, 1, 2e-5, 0.0))
     acceptance = DEFAULT_ACCEPTANCE

@@ -10,6 +10,7 @@ import typer
 from rich import box
 from rich.table import Table
 
+from ..decode.draft_spec import LOOKUP, DraftSpec
 from ..decode.modes import MODE_NAMES, get_mode, needs_draft
 from ..decode.session import DecodeOptions
 from ..errors import UsageError
@@ -91,7 +92,7 @@ def plan(
 
     prof = Profile.load(profile)
     setup = _setup(model, draft, prof, profile, ranks, layer_split, ctx)
-    mode_list = _modes(modes, setup.draft_label, prof)
+    mode_list = _modes(modes, setup.draft, prof)
     setup.job_drafts = any(needs_draft(m) for m in mode_list)
     check_job(setup, mode_list, threads, force, _warn)
     setup.force = force
@@ -115,13 +116,17 @@ def plan(
 class _Setup:
     """The target, draft and topology a plan is for."""
 
-    def __init__(self, label, path, draft_label, draft_path, n_ranks, layer_split, profile, profile_path, n_ctx):
-        self.label, self.path, self.draft_label, self.draft_path = label, path, draft_label, draft_path
+    def __init__(self, label, path, draft: DraftSpec, draft_path, n_ranks, layer_split, profile, profile_path, n_ctx):
+        self.label, self.path, self.draft, self.draft_path = label, path, draft, draft_path
         self.n_ranks, self.layer_split, self.profile, self.profile_path = n_ranks, layer_split, profile, profile_path
         self.n_ctx = n_ctx
         self.job_drafts = False  # some planned mode needs the draft (set once the modes are known)
         self.sha256 = self.draft_sha256 = None  # the files' identities (set by _setup)
         self.force = False
+
+    @property
+    def draft_label(self) -> str | None:
+        return self.draft.label
 
     def topology(self, mode: str):
         """The split of the job that runs the planned modes, as `bench` plans one job for them all:
@@ -131,12 +136,12 @@ class _Setup:
         from ..runtime.topology import plan_job
 
         t = plan_job(self.path, self.label, self.n_ranks, self.n_ranks, self.layer_split, None, self.draft_path,
-                     self.job_drafts, has_draft=self.draft_label is not None, profile_path=self.profile_path,
+                     self.job_drafts, has_draft=bool(self.draft), profile_path=self.profile_path,
                      n_ctx=self.n_ctx, identity_checked=True)
         stages = [r for r in t.ranks if r.role != "draft"]
         draft = None
         if needs_draft(mode):
-            draft = "lookup" if self.draft_label == "lookup" else (t.draft_rank if t.draft_rank is not None else "head")
+            draft = LOOKUP if self.draft.is_lookup else (t.draft_rank if t.draft_rank is not None else "head")
         return Topology([r.rank for r in stages], [r.layers for r in stages], draft)
 
 
@@ -145,16 +150,20 @@ def _setup(model: str, draft: str | None, prof, profile_path: Path, ranks: int |
     from ..planner.identity import model_sha256
     from .job_setup import ranks_wanted, resolve_models
 
-    target, draft_ref = resolve_models(model, draft, allow_pull=False)
+    from .draft_spec import parse_draft
+
+    target, draft_ref, spec = resolve_models(model, parse_draft(draft), allow_pull=False)
+    if spec.is_hybrid:
+        raise UsageError(f"plan predicts a draft model or prompt lookup, not both (--draft {spec.label}); "
+                         f"plan --draft {spec.model} or --draft lookup")
     prof.check_model(target.label, target.path.stat().st_size, "the profile")
     want, split_ranks = ranks_wanted(ranks, layer_split)
     n = want if (ranks or split_ranks) else len(prof.ranks)
     if n > len(prof.ranks):
         raise UsageError(f"the plan has {plural(n, 'rank')} but the profile measured {plural(len(prof.ranks), 'rank')}; "
                          f"calibrate with --ranks {n}")
-    draft_label = draft_ref if isinstance(draft_ref, str) or draft_ref is None else draft_ref.label
-    draft_path = None if isinstance(draft_ref, str) or draft_ref is None else draft_ref.path
-    setup = _Setup(target.label, target.path, draft_label, draft_path, n, layer_split, prof, profile_path, n_ctx)
+    draft_path = None if draft_ref is None else draft_ref.path
+    setup = _Setup(target.label, target.path, spec, draft_path, n, layer_split, prof, profile_path, n_ctx)
     setup.sha256 = model_sha256(target.path, *_registry(target))
     if draft_path is not None:
         setup.draft_sha256 = model_sha256(draft_path, *_registry(draft_ref))
@@ -170,20 +179,20 @@ def _warn(text: str) -> None:
     err.print(f"pipeinfer plan: {text}", markup=False, highlight=False)
 
 
-def _modes(text: str | None, draft_label: str | None, prof) -> list[str]:
+def _modes(text: str | None, draft: DraftSpec, prof) -> list[str]:
     """The modes to plan: those asked for, each checked against the draft and the profile's costs."""
     if text is None:
-        return list(MODE_NAMES) if draft_label is not None else ["iterative"]
+        return list(MODE_NAMES) if draft else ["iterative"]
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise UsageError("--modes is empty; give one or more of " + ", ".join(MODE_NAMES))
     modes = [get_mode(m, "--modes").name for m in names]
     drafting = [m for m in modes if needs_draft(m)]
-    if drafting and draft_label is None:
+    if drafting and draft.is_none:
         raise UsageError(f"--modes {','.join(drafting)} needs a draft: pass --draft MODEL (or lookup)")
-    if drafting and draft_label != "lookup" and (prof.draft is None or prof.draft.kind != "model"):
+    if drafting and draft.uses_model and (prof.draft is None or not prof.draft.is_model):
         raise UsageError(f"the profile has no draft model's costs for --modes {','.join(drafting)}: calibrate with "
-                         f"--draft {draft_label}")
+                         f"--draft {draft.label}")
     return modes
 
 
@@ -206,7 +215,7 @@ def _trace(setup: _Setup, prof, prompt, prompts, limit, trace, record, acceptanc
         return t.prompts[:limit] if limit else t.prompts
     from .plan_record import record_trace
 
-    with_chains = acceptance is None and setup.draft_label not in (None, "lookup") and any(needs_draft(m) for m in modes)
+    with_chains = acceptance is None and setup.draft.uses_model and any(needs_draft(m) for m in modes)
     t = record_trace(setup, prompt, prompts, limit, n_predict, with_chains)
     if record is not None:
         t.save(record)

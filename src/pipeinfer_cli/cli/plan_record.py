@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 
+from ..decode.draft_spec import LOOKUP, MODEL
 from ..errors import UsageError
 from .console import err
 
@@ -51,7 +52,7 @@ def _refuse_translated(tok, setup) -> None:
 
 def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | None, n_predict: int,
                  with_chains: bool):
-    from ..decode.drafters import LlamaDrafter
+    from ..runtime.draft_setup import local_drafter
     from ..decode.sampling import SamplingParams
     from ..native import LayerEngine
     from ..planner.record import draft_chains, target_tokens
@@ -75,7 +76,7 @@ def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | No
         traces.append(PromptTrace(pid, p, toks, why))
     del engine
     if with_chains:
-        drafter = LlamaDrafter(setup.draft_path, n_ctx=n_ctx, n_threads=threads)
+        drafter = local_drafter(setup.draft, setup.draft_path, n_ctx, threads)
         try:
             for i, pt in enumerate(traces, start=1):
                 _say(f"draft chains for prompt {pt.prompt_id} ({i}/{len(traces)}, {len(pt.tokens)} tokens)")
@@ -85,7 +86,7 @@ def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | No
     _say(f"trace recorded in {time.monotonic() - t0:.1f} s")
     tok.close()
     draft = None if setup.draft_label is None else {"name": setup.draft_label,
-                                                      "kind": "lookup" if setup.draft_label == "lookup" else "model",
+                                                      "kind": LOOKUP if setup.draft.is_lookup else MODEL,
                                                       "sha256": setup.draft_sha256}
     from ..runtime.calibrate_probes import host_facts
 

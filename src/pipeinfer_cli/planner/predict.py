@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..decode.draft_economy import DraftMemory
+from ..decode.draft_spec import LOOKUP
 from ..decode.modes import decode, needs_draft
 from ..decode.sampling import SamplingParams
 from ..decode.session import DecodeOptions, Session
@@ -74,10 +75,10 @@ def make_drafter(profile: Profile, topo: Topology, pipe: SimulatedPipeline, inde
     d = profile.draft
     if topo.draft is None:
         return None
-    if topo.draft == "lookup":
-        costs = d if d is not None and d.kind == "lookup" else DraftCosts("lookup", "lookup", 0, 1, 2e-5, 0.0)
+    if topo.draft == LOOKUP:
+        costs = d if d is not None and d.is_lookup else DraftCosts("lookup", "lookup", 0, 1, 2e-5, 0.0)
         return TimedLookup(pipe, costs)
-    if d is None or d.kind != "model":
+    if d is None or not d.is_model:
         raise ValueError("the profile has no draft model's costs: calibrate with --draft MODEL")
     if index is None:
         raise ValueError("a draft model needs a trace with its chains (or a synthetic acceptance rate)")

@@ -23,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..decode.draft_spec import LOOKUP, MODEL
 from ..errors import UsageError
 from .json_file import read_json, write_atomic
 
@@ -86,6 +87,14 @@ class DraftCosts:
     token_s: float  # seconds per proposed token (one draft eval)
     prompt_token_s: float  # seconds per prompt token of its prompt pass (0 for lookup)
     sha256: str | None = None  # a draft model's file identity (None for lookup, or an older profile)
+
+    @property
+    def is_lookup(self) -> bool:
+        return self.kind == LOOKUP
+
+    @property
+    def is_model(self) -> bool:
+        return self.kind == MODEL
 
 
 @dataclass

@@ -55,7 +55,7 @@ def run_calibration(cfg, spec: ProbeSpec, command: str, say: Callable[[int, str]
     topo, info, err, code = None, None, None, 1
     try:
         cfg.layer_split = calibration_split(cfg.layer_split, link.size)
-        topo = plan_config(cfg, link.size, startup.hosts.count(startup.hosts[link.rank]), cfg.draft_label is not None)
+        topo = plan_config(cfg, link.size, startup.hosts.count(startup.hosts[link.rank]), not cfg.draft.is_none)
         info = read_model_info(cfg.model_path)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there, once
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
@@ -85,7 +85,7 @@ def identities(cfg, draft: DraftCosts | None) -> str:
     """The target's sha256 (and the draft model's, set on `draft`): what a profile is matched by."""
     from ..planner.identity import model_sha256
 
-    if draft is not None and draft.kind == "model" and cfg.draft_path is not None:
+    if draft is not None and draft.is_model and cfg.draft_path is not None:
         draft.sha256 = model_sha256(cfg.draft_path, cfg.draft_sha256, cfg.draft_size)
     return model_sha256(cfg.model_path, cfg.model_sha256, cfg.model_size)
 
@@ -123,7 +123,7 @@ class _Job:
     def runs_draft(self, rank: int) -> bool:
         """Whether the draft is measured on this rank: where the job would run it."""
         where = self.topo.draft_rank if self.topo.draft_rank is not None else 0
-        return self.spec.draft_kind is not None and rank == where
+        return not self.spec.draft.is_none and rank == where
 
     def measure(self) -> tuple[RankCosts, DraftCosts | None]:
         r = self.link.rank

@@ -172,11 +172,11 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
     opts = getattr(req, "decode", None) or cfg.decode
     s = Session(prompt, req.sampling or cfg.sampling, n_predict_for(cfg, req, len(prompt)), tok.is_eog, cb.on_token,
                 text=TextStream(tok.piece, req.stop), on_text=cb.on_text, cancelled=req.cancelled)
-    if req.draft == "lookup" and drafter is not None:
-        from ..decode.lookup import LookupDrafter
+    if req.lookup_only and drafter is not None:
+        from .draft_setup import lookup_drafter
 
-        drafter = LookupDrafter()
-    local_draft = loaded.topo.draft_rank is None or req.draft == "lookup"  # a draft rank traces its own work
+        drafter = lookup_drafter()
+    local_draft = loaded.topo.draft_rank is None or req.lookup_only  # a draft rank traces its own work
     draft_prefill = None
     if drafter is not None and needs_draft(req.mode):
         def draft_prefill() -> None:

@@ -25,6 +25,7 @@ from ..transport.liveness import Liveness
 from ..transport.mpi_link import Link
 from ..transport.start_waits import start_timeout_s
 from ..transport.startup import job_startup
+from ..decode.draft_spec import DraftSpec
 from ..decode.result import GenerationResult
 from .head import Callbacks, Head, serve_requests
 from .loading import Loaded, load_rank
@@ -50,7 +51,7 @@ class Request:
     sampling: SamplingParams | None = None
     n_predict: int | None = None  # tokens to generate; -1: until end of text or a full context
     cancelled: Callable[[], bool] | None = None  # polled at each commit: True ends it ("cancelled")
-    draft: str | None = None  # "lookup": draft this request by prompt lookup, not with the job's draft model
+    lookup_only: bool = False  # draft this request by prompt lookup, not with the job's draft model
     decode: DecodeOptions | None = None  # this request's speculation settings (a server request's); None: the job's
 
 
@@ -59,7 +60,7 @@ class JobConfig:
     model_path: Path
     model_label: str
     draft_path: Path | None  # GGUF draft model, or None
-    draft_label: str | None  # registry name / path / "lookup"
+    draft: DraftSpec = field(default_factory=DraftSpec.none)  # parsed from --draft, its model resolved
     sampling: SamplingParams = field(default_factory=SamplingParams)
     decode: DecodeOptions = field(default_factory=DecodeOptions)
     n_ctx: int = 4096
@@ -82,6 +83,11 @@ class JobConfig:
     # speculate beside others (decode/parallel_policy.py).
     parallel: int = 1
     load_policy: str = "yield"
+
+    @property
+    def draft_label(self) -> str | None:
+        """The draft's name in reports: None, "lookup", the model's label or "lookup+" and it."""
+        return self.draft.label
 
     @property
     def slot_ctx(self) -> int:
@@ -121,7 +127,7 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
     an error it raises ends the job like a failed load. Returns once the job is over; a rank's
     failure is raised on the head after service.fail() told every waiting client.
     """
-    link, trace, loaded, offsets = _load_job(cfg, [], cfg.draft_label is not None, before_load)
+    link, trace, loaded, offsets = _load_job(cfg, [], not cfg.draft.is_none, before_load)
     if link.rank != 0:
         serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return

@@ -32,7 +32,7 @@ def seqs_per_slot(cfg) -> int:
     """KV sequences one request uses: the canonical one, one per in-flight run and tree branch, and
     a spare; one slot's share of the engine's MAX_SEQUENCES. A parallel server without a draft only
     decodes iteratively: the canonical sequence and a spare."""
-    if getattr(cfg, "parallel", 1) > 1 and cfg.draft_label is None:
+    if getattr(cfg, "parallel", 1) > 1 and cfg.draft.is_none:
         return 2
     decode = cfg.decode
     return min(MAX_SEQUENCES, 2 + decode.max_inflight * max(1, decode.max_branches))
@@ -77,12 +77,9 @@ def _warn_if_profiled_elsewhere(cfg, rank: int) -> None:
 
 
 def make_drafter(cfg, threads: int):
-    from ..decode.drafters import LlamaDrafter
-    from ..decode.lookup import LookupDrafter
+    from .draft_setup import local_drafter
 
-    if cfg.draft_label == "lookup":
-        return LookupDrafter()
-    return LlamaDrafter(cfg.draft_path, n_ctx=cfg.n_ctx, n_threads=threads)
+    return local_drafter(cfg.draft, cfg.draft_path, cfg.n_ctx, threads)
 
 
 def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool) -> Loaded:
@@ -148,7 +145,7 @@ def _load_head(cfg, out: Loaded, requests: list, needs_draft: bool) -> None:
     out.prompts = [tokenize_request(cfg, tok, req) for req in requests]
     if not needs_draft:
         return
-    if cfg.draft_label is None:
+    if cfg.draft.is_none:
         raise UsageError("speculative and pipeinfer modes need a draft: pass --draft MODEL, --draft lookup, or a pair name")
     out.draft_vocab = "direct"  # lookup drafts in the target's own tokens
     if cfg.draft_path is not None:

@@ -166,7 +166,7 @@ class Service:
 
     @property
     def has_draft(self) -> bool:
-        return self.cfg is not None and self.cfg.draft_label is not None
+        return self.cfg is not None and not self.cfg.draft.is_none
 
     def default_mode(self) -> str:
         return self.mode or default_mode(self.has_draft)
