@@ -15,6 +15,7 @@ from ..decode.draft_spec import LOOKUP
 from ..decode.modes import decode, needs_draft
 from ..decode.sampling import SamplingParams
 from ..decode.session import DecodeOptions, Session
+from ..decode.slot_geometry import sequences_per_request
 from ..decode.sync import prefill
 from .costs import StageCost
 from .profile import DraftCosts, Profile, RankCosts
@@ -66,7 +67,7 @@ def build_pipeline(profile: Profile, topo: Topology, pt: PromptTrace, opts: Deco
     ranks = topo.stage_ranks
     links = [profile.link(ranks[i], ranks[i + 1]) for i in range(len(ranks) - 1)] + [profile.link(ranks[-1], ranks[0])]
     cancel_links = [profile.link(ranks[0], r) for r in ranks]
-    n_seq = min(64, 2 + opts.max_inflight * max(1, opts.max_branches))
+    n_seq = sequences_per_request(opts.max_inflight, opts.max_branches)
     return SimulatedPipeline(_stages(profile, topo), links, cancel_links, profile.model.n_embd,
                              lambda _context, pos: pt.token_after(pos), n_seq, n_ctx)
 

@@ -27,6 +27,7 @@ from ..transport.start_waits import start_timeout_s
 from ..transport.startup import job_startup
 from ..decode.draft_spec import DraftSpec
 from ..decode.result import GenerationResult
+from ..decode.slot_geometry import SlotGeometry
 from .head import Callbacks, Head, serve_requests
 from .loading import Loaded, load_rank
 from ..decode.sampling import SamplingParams
@@ -90,14 +91,20 @@ class JobConfig:
         return self.draft.label
 
     @property
+    def geometry(self) -> SlotGeometry:
+        """The KV sequences and cells every stage opens, per request slot (decode/slot_geometry.py)."""
+        return SlotGeometry.for_job(self.n_ctx, self.parallel, self.decode.max_inflight, self.decode.max_branches,
+                                    drafts=not self.draft.is_none)
+
+    @property
     def slot_ctx(self) -> int:
         """KV cells of one request: all of --ctx with one slot, else its share in whole 256-cell blocks."""
-        return self.n_ctx if self.parallel == 1 else self.n_ctx // self.parallel // 256 * 256
+        return self.geometry.cells_per_slot
 
     @property
     def engine_ctx(self) -> int:
         """KV cells every stage opens: the slots' cells together."""
-        return self.slot_ctx * self.parallel
+        return self.geometry.n_ctx
 
 
 def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,

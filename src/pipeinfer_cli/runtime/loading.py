@@ -25,19 +25,6 @@ class Loaded:
     weights: dict | None = None  # where this rank's weights came from (runtime/weight_stream.py)
 
 
-MAX_SEQUENCES = 64  # the engine's sequence ids
-
-
-def seqs_per_slot(cfg) -> int:
-    """KV sequences one request uses: the canonical one, one per in-flight run and tree branch, and
-    a spare; one slot's share of the engine's MAX_SEQUENCES. A parallel server without a draft only
-    decodes iteratively: the canonical sequence and a spare."""
-    if getattr(cfg, "parallel", 1) > 1 and cfg.draft.is_none:
-        return 2
-    decode = cfg.decode
-    return min(MAX_SEQUENCES, 2 + decode.max_inflight * max(1, decode.max_branches))
-
-
 def spec_margin(cfg, req) -> int:
     """KV cells beyond prompt + -n that a mode may fill: speculative runs in flight write past
     the last committed token (rejected cells are removed again)."""
@@ -93,13 +80,11 @@ def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool)
         if needs_draft:
             out.drafter = make_drafter(cfg, me.threads)
         return out
-    # Sequences: the canonical one, plus one per in-flight run and tree branch (pipeinfer), per slot.
-    parallel = getattr(cfg, "parallel", 1)
-    n_seq = seqs_per_slot(cfg) * parallel
+    geometry = cfg.geometry  # sequences and cells per request slot
     check_memory_limit(cfg, me, rank, topo.n_stages)
     try:
-        out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=cfg.engine_ctx,
-                                 n_threads=me.threads, n_seq_max=n_seq, n_slots=parallel, slowdown=slowdown_for(rank))
+        out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=geometry.n_ctx,
+                                 n_threads=me.threads, n_seq_max=geometry.n_seq, n_slots=geometry.n_slots, slowdown=slowdown_for(rank))
     except RuntimeError as e:
         if "cannot allocate a KV cache" not in str(e):
             raise
