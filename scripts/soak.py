@@ -105,9 +105,9 @@ def record_of(i: int, res) -> dict:
     """What the checks need of one request's result (a GenerationResult; its trace events are dropped: memory)."""
     ranks = []
     for r in res.ranks:
-        r.pop("trace", None)
-        ranks.append({"rank": r["rank"], "kv_used_cells": r.get("kv_used_cells"),
-                      "kv_used_cells_at_start": r.get("kv_used_cells_at_start"), **r.get("process", {})})
+        r.trace = []
+        ranks.append({"rank": r.rank, "kv_used_cells": r.kv_used_cells,
+                      "kv_used_cells_at_start": r.kv_used_cells_at_start, **(r.process or {})})
     return {"i": i, "label": res.prompt_id, "mode": res.mode, "n_prompt": res.n_prompt,
             "n_gen": res.n_gen, "tokens": res.tokens, "ranks": ranks,
             "cancelled": res.runs.cancelled, "branches": res.runs.branches_launched}

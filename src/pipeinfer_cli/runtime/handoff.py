@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..decode.result import RankReport
 
-def _stage_times(rank: dict) -> tuple[dict[int, float], dict[int, float]]:
+
+def _stage_times(rank: RankReport) -> tuple[dict[int, float], dict[int, float]]:
     """(end, start) of each run's compute or skip on this rank, on the head's clock."""
-    off = rank.get("clock_offset_s", 0.0)
+    off = rank.clock_offset_s or 0.0
     starts: dict[int, float] = {}
     ends: dict[int, float] = {}
-    for kind, name, t0, t1, args in rank.get("trace") or ():
+    for kind, name, t0, t1, args in rank.trace or ():
         run = (args or {}).get("run")
         if run is None or name not in ("stage", "skip"):
             continue
@@ -24,9 +26,9 @@ def _stage_times(rank: dict) -> tuple[dict[int, float], dict[int, float]]:
     return ends, starts
 
 
-def handoff_ms(ranks: list[dict], n_stages: int) -> dict:
+def handoff_ms(ranks: list[RankReport], n_stages: int) -> dict:
     """Per link r->r+1 of the target pipeline: median, p90 and max gap in ms, over the runs seen on both."""
-    by_rank = {r["rank"]: _stage_times(r) for r in ranks}
+    by_rank = {r.rank: _stage_times(r) for r in ranks}
     out = {}
     for r in range(n_stages - 1):
         if r not in by_rank or r + 1 not in by_rank:

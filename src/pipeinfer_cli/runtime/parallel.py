@@ -198,7 +198,7 @@ class ParallelRunner:
             head.report.runs = s.metrics.runs.launched
             ranks = [head.report.take(rows_requested=counters.rows_requested)] + reports
         if cfg.reuse_prefix:
-            slot.prefix.after_request(prompt, s.tokens, max(r.get("kv_min_resume", 0) for r in ranks))
+            slot.prefix.after_request(prompt, s.tokens, max(r.kv_min_resume or 0 for r in ranks))
         else:
             view.seq_rm(CANONICAL_SEQ)
         result = assemble_result(cfg, req, head.topo, head.tokenizer, s, ranks, head.offsets, t_end)
