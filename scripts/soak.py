@@ -107,7 +107,7 @@ def record_of(i: int, res) -> dict:
     for r in res.ranks:
         r.trace = []
         ranks.append({"rank": r.rank, "kv_used_cells": r.kv_used_cells,
-                      "kv_used_cells_at_start": r.kv_used_cells_at_start, **(r.process or {})})
+                      "kv_used_cells_at_start": r.kv_used_cells_at_start, **r.process.as_dict()})
     return {"i": i, "label": res.prompt_id, "mode": res.mode, "n_prompt": res.n_prompt,
             "n_gen": res.n_gen, "tokens": res.tokens, "ranks": ranks,
             "cancelled": res.runs.cancelled, "branches": res.runs.branches_launched}

@@ -49,11 +49,12 @@ def test_head_receives_a_few_bytes_per_row(smollm2_path, mode, ranks):
 
 
 def test_handoff_gaps_come_from_the_trace_on_the_heads_clock():
+    from pipeinfer_cli.decode.metrics import ProcessStats
     from pipeinfer_cli.decode.result import RankReport
     from pipeinfer_cli.runtime.handoff import handoff_ms
 
     def report(rank, offset, trace):
-        return RankReport(rank, "stage", None, 1, 0.0, 0.0, 0.0, 0, "spin", {}, trace=trace, clock_offset_s=offset)
+        return RankReport(rank, "stage", None, 1, 0.0, 0.0, 0.0, 0, "spin", ProcessStats(), trace=trace, clock_offset_s=offset)
 
     ranks = [
         report(0, 0.0, [("X", "stage", 1.000, 1.010, {"run": 1}), ("X", "stage", 1.020, 1.030, {"run": 2})]),

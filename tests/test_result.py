@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from pipeinfer_cli.decode.metrics import Acceptance, GenerationMetrics, RunCounters
+from pipeinfer_cli.decode.metrics import Acceptance, GenerationMetrics, ProcessStats, RunCounters
 from pipeinfer_cli.decode.result import GenerationResult, RankReport
 
 KEYS = ["prompt_id", "mode", "model", "draft", "layer_split", "n_ctx", "text", "tokens", "finish_reason",
@@ -17,7 +17,7 @@ RANK_KEYS = ["rank", "role", "layers", "threads", "peak_rss_mib", "busy_s", "cpu
 
 
 def _rank(rank: int = 0, **kw) -> RankReport:
-    return RankReport(rank, "head", [0, 10], 1, 50.0, 0.5, 0.6, 3, "spin", {"rss_mib": 50.0}, **kw)
+    return RankReport(rank, "head", [0, 10], 1, 50.0, 0.5, 0.6, 3, "spin", ProcessStats(50.0, 9, 2, 1), **kw)
 
 
 def _result(**kw) -> GenerationResult:

@@ -84,7 +84,7 @@ def choose(cfg, n_ranks: int, has_draft: bool) -> AutoChoice:
         draft = None if not needs_draft(mode) else (t.draft_rank if t.draft_rank is not None else "head")
         topo = Topology([r.rank for r in stages], [r.layers for r in stages], draft)
         for opts in _candidates(mode, cfg.decode):
-            speed = summarize(run_mode(prof, topo, mode, replay, opts, cfg.n_ctx))["tok_per_s"]
+            speed = summarize(run_mode(prof, topo, mode, replay, opts, cfg.n_ctx)).tok_per_s
             if speed is not None and (best is None or speed > best.predicted_tok_per_s):
                 best = AutoChoice(mode, opts, speed, acceptance, threads)
     return best

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
@@ -19,6 +19,9 @@ from .plan_checks import check_job, check_trace
 from .options import (JsonFlag, LayerSplitOption, MaxInflightOption, NDraftOption, NPredictOption, PAcceptOption,
                       ThreadsOption)
 from .wording import epilog, plural
+
+if TYPE_CHECKING:
+    from ..planner.plan import ModeSummary
 
 EPILOG = epilog("""Examples:
 
@@ -104,11 +107,11 @@ def plan(
         for m in mode_list:
             best, speed = search_settings(prof, setup.topology(m), m, replay, opts, ctx,
                                           on_step=lambda i, n, m=m: _progress(f"search {m}", i, n))
-            summary[m]["best"] = {"n_draft": best.n_draft, "p_accept": best.p_accept,
+            summary[m].best = {"n_draft": best.n_draft, "p_accept": best.p_accept,
                                   "max_inflight": best.max_inflight, "tok_per_s": speed}
     if as_json:
         out.print_json(json.dumps({"model": setup.label, "draft": setup.draft_label, "profile": str(profile),
-                                   "modes": summary}))
+                                   "modes": {m: s.as_dict() for m, s in summary.items()}}))
         return
     _print_table(summary, setup)
 
@@ -223,7 +226,7 @@ def _trace(setup: _Setup, prof, prompt, prompts, limit, trace, record, acceptanc
     return t.prompts
 
 
-def _print_table(summary: dict, setup: _Setup) -> None:
+def _print_table(summary: dict[str, ModeSummary], setup: _Setup) -> None:
     t = Table(title=f"predicted: {setup.label}" + (f" + {setup.draft_label}" if setup.draft_label else "")
               + f" on {plural(setup.n_ranks, 'rank')}", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
               pad_edge=False)
@@ -231,22 +234,22 @@ def _print_table(summary: dict, setup: _Setup) -> None:
         t.add_column(col, justify="left" if col in ("mode", "layers", "busy %") else "right", no_wrap=True,
                      min_width=len(col))
     for m, s in summary.items():
-        acc = s["acceptance"]["rate"]
-        vs = s["speedup"].get("vs_iterative")
-        t.add_row(m, s["settings"]["layer_split"], _f(s["tok_per_s"], 2), _f(s["decode_tok_per_s"], 2),
-                  _f(s["ttft_s"], 3), _f(s["itl_ms"]["p50"], 1), "-" if acc is None else f"{acc:.0%}",
-                  "-" if vs is None else f"{vs:.2f}x", "/".join(f"{100 * u:.0f}" for u in s["utilisation"]))
+        acc = s.acceptance["rate"]
+        vs = (s.speedup or {}).get("vs_iterative")
+        t.add_row(m, s.settings["layer_split"], _f(s.tok_per_s, 2), _f(s.decode_tok_per_s, 2),
+                  _f(s.ttft_s, 3), _f(s.itl_ms["p50"], 1), "-" if acc is None else f"{acc:.0%}",
+                  "-" if vs is None else f"{vs:.2f}x", "/".join(f"{100 * u:.0f}" for u in s.utilisation))
     out.print(t)
     out.print("decode: tok/s after the first token; ITL: median gap between token arrivals; speedup: against "
               "iterative (geometric mean over prompts); busy: each stage's share of the time computing",
               markup=False, highlight=False)
     for m, s in summary.items():
-        if "best" in s:
-            b = s["best"]
+        if s.best is not None:
+            b = s.best
             out.print(f"best {m}: n_draft {b['n_draft']}, p_accept {b['p_accept']}, max_inflight {b['max_inflight']}"
                       f" -> {_f(b['tok_per_s'], 2)} tok/s", markup=False, highlight=False)
-        if s["draft_misses"]:
-            out.print(f"note: {m}: the trace could not answer {s['draft_misses']} draft questions (beyond its "
+        if s.draft_misses:
+            out.print(f"note: {m}: the trace could not answer {s.draft_misses} draft questions (beyond its "
                       "recorded depth); those drafts were cut short", markup=False, highlight=False)
 
 

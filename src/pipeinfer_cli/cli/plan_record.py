@@ -91,6 +91,7 @@ def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | No
     from ..runtime.calibrate_probes import host_facts
 
     facts = host_facts()
-    machine = {k: facts[k] for k in ("host", "cpu", "cores", "usable_cpus")} | {"threads": threads}
+    machine = {"host": facts.host, "cpu": facts.cpu, "cores": facts.cores, "usable_cpus": facts.usable_cpus,
+               "threads": threads}
     model = {"name": setup.label, "file_bytes": setup.path.stat().st_size, "sha256": setup.sha256}
     return Trace(model, draft, {"temp": 0.0, "seed": 0}, CHAIN_DEPTH if with_chains else 0, traces, machine)

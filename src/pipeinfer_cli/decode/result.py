@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .metrics import Acceptance, RunCounters
+from .metrics import Acceptance, ProcessStats, RunCounters
 
 # Set by the service (`pipeinfer serve`) only; in the JSON once it set them.
 SERVICE_FIELDS = ("queue_s", "request_seq", "run_index", "slot")
@@ -32,7 +32,7 @@ class RankReport:
     cpu_s: float  # CPU seconds since the previous report
     runs: int  # runs computed or draft requests answered
     wait: str  # how the rank waits for messages (its wait policy)
-    process: dict  # decode/metrics.process_stats()
+    process: ProcessStats
     weights: dict | None = None
     engine: dict | None = None  # the engine's counters for this request
     kv_used_cells: int | None = None
@@ -48,7 +48,7 @@ class RankReport:
         """The JSON object, keys in their historical order."""
         d = {"rank": self.rank, "role": self.role, "layers": self.layers, "threads": self.threads,
              "peak_rss_mib": self.peak_rss_mib, "busy_s": self.busy_s, "cpu_s": self.cpu_s, "runs": self.runs,
-             "wait": self.wait, "process": self.process}
+             "wait": self.wait, "process": self.process.as_dict()}
         if self.weights is not None:
             d["weights"] = self.weights
         if self.engine is not None:
@@ -62,14 +62,6 @@ class RankReport:
         if self.clock_offset_s is not None:
             d["clock_offset_s"] = self.clock_offset_s
         return d
-
-    @property
-    def engine_counts(self) -> dict:
-        return self.engine or {}
-
-    @property
-    def wire_counts(self) -> dict:
-        return self.wire or {}
 
 
 @dataclass

@@ -22,7 +22,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -303,7 +303,24 @@ def _lookup_costs(spec: ProbeSpec, rank: int) -> DraftCosts:
     return DraftCosts("lookup", "lookup", rank, 1, token_s, 0.0)
 
 
-def host_facts() -> dict:
+@dataclass(frozen=True)
+class HostFacts:
+    """This host, as a profile's rank records it (planner/profile.py `RankCosts`)."""
+
+    host: str
+    cpu: str  # the CPU model
+    cores: int  # logical CPUs of the host
+    usable_cpus: float  # what this process may use: the smaller of its affinity and a cgroup quota
+    affinity_cpus: int
+    quota_cpus: float | None
+    mem_total_bytes: int
+    mem_available_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def host_facts() -> HostFacts:
     """This host: name, CPU model, logical CPUs, the CPU this process may use (runtime/cpu_share.py:
     its affinity, a cgroup quota, and the smaller of them), total and available memory (bytes)."""
     cpu = ""
@@ -323,9 +340,8 @@ def host_facts() -> dict:
     except (OSError, ValueError, IndexError):
         pass
     share = cpu_share()
-    return {"host": socket.gethostname(), "cpu": cpu or "unknown", "cores": share.host_cpus,
-            "usable_cpus": share.cpus, "affinity_cpus": share.affinity_cpus, "quota_cpus": share.quota_cpus,
-            "mem_total_bytes": mem.get("MemTotal", 0), "mem_available_bytes": _available(mem.get("MemAvailable", 0))}
+    return HostFacts(socket.gethostname(), cpu or "unknown", share.host_cpus, share.cpus, share.affinity_cpus,
+                     share.quota_cpus, mem.get("MemTotal", 0), _available(mem.get("MemAvailable", 0)))
 
 
 def _available(mem_available: int) -> int:
@@ -363,7 +379,7 @@ def measure_rank(spec: ProbeSpec, info, rank: int, threads: int, runs_draft: boo
         say(f"draft {spec.draft.label}")
         draft = draft_costs(spec, rank, threads)
     costs = RankCosts(rank=rank, threads=threads, decode=decode, prefill=prefill_grid, output_row_s=head_s + sample_s,
-                      run_overhead_s=overhead_s, probe_layers=[begin, end], **facts)
+                      run_overhead_s=overhead_s, probe_layers=[begin, end], **facts.as_dict())
     return costs, draft
 
 

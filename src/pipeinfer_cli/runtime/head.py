@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from ..transport.mpi_link import Link
 from ..decode.sync import prefill
 from ..decode.draft_economy import DraftMemory
-from .handoff import handoff_ms
+from .handoff import wire_summary
 from .loading import Loaded, n_predict_for, tokenize_request
 from ..decode.metrics import now
 from ..decode.modes import decode, needs_draft
@@ -202,7 +202,7 @@ def assemble_result(cfg, req, topo, tok, s: Session, ranks: list[RankReport], of
     runs = replace(s.metrics.runs)  # the session's counters, plus what the stages' engines counted
     for r in ranks:
         r.clock_offset_s = offsets[r.rank] if r.rank < len(offsets) else 0.0
-        engine = r.engine_counts
+        engine = r.engine or {}
         runs.cancelled_mid_compute += engine.get("cancelled_mid_compute", 0)
         runs.layer_evals_skipped += engine.get("layer_evals_skipped", 0)
     return GenerationResult(
@@ -211,26 +211,9 @@ def assemble_result(cfg, req, topo, tok, s: Session, ranks: list[RankReport], of
         text=s.text.text if s.text is not None else tok.llm.detokenize(s.generated).decode("utf-8", errors="replace"),
         tokens=s.generated, finish_reason=s.finish_reason,
         **vars(s.metrics.rates()), acceptance=replace(s.metrics.acceptance), runs=runs,
-        wire={**wire_summary(ranks, len(s.generated)), "handoff_ms": handoff_ms(ranks, topo.n_stages)},
+        wire=wire_summary(ranks, len(s.generated), topo.n_stages).as_dict(),
         t_start=s.metrics.t_start, t_end=t_end, ranks=ranks,
     )
-
-
-def wire_summary(ranks: list[RankReport], n_gen: int) -> dict:
-    """Bytes and messages per link (array payloads: run headers, hidden states, results, KV
-    operations, cancels, draft requests), per generated token, and each rank's time waiting."""
-    per = max(n_gen, 1)
-    links = []
-    for r in ranks:
-        for dest, row in r.wire_counts.get("sent", {}).items():
-            links.append({"from": r.rank, "to": int(dest), "bytes": row["bytes"], "messages": row["messages"],
-                          "bytes_per_token": round(row["bytes"] / per, 1),
-                          "messages_per_token": round(row["messages"] / per, 2)})
-    head_in = sum(row["bytes"] for row in (ranks[0].wire_counts.get("received") or {}).values())
-    rows = ranks[0].rows_requested or 0
-    return {"links": links, "head_received_bytes_per_token": round(head_in / per, 1),
-            "head_received_bytes_per_row": round(head_in / rows, 1) if rows else None,
-            "wait_s": {str(r.rank): r.wire_counts.get("wait_s", 0.0) for r in ranks}}
 
 
 def _failing_on_token(fail_at: int, on_token):

@@ -34,7 +34,7 @@ from ..decode.sampling import SamplingParams
 from ..decode.modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
 from ..decode.session import DecodeOptions
 from .topology import Topology, alone_on_cores
-from .weight_stream import local_files, share_plan_and_weights
+from .weight_stream import LoadedWeights, WeightsSource, local_files, share_plan_and_weights
 from ..decode.trace import TraceRecorder
 from .worker import abort_job, serve_worker
 
@@ -258,20 +258,16 @@ def _say(text: str) -> None:
     print(f"pipeinfer: {text}", file=sys.stderr, flush=True)
 
 
-def _weights_report(source, load_s: float, loaded: Loaded) -> dict | None:
+def _weights_report(source: WeightsSource | None, load_s: float, loaded: Loaded) -> LoadedWeights | None:
     """This rank's "weights" report: where they came from, bytes received, time to get and load
     them, and its memory: the peak while loading and what stays resident once loaded."""
     from ..decode.metrics import peak_rss_mib, process_stats
 
     if source is None:
         return None
-    out = source.to_dict()
-    out["load_s"] = round(load_s, 3)
-    out["peak_rss_mib_loading"] = round(peak_rss_mib(), 1)
-    out["rss_mib_loaded"] = process_stats()["rss_mib"]
     # This rank's share: its layers' weights (a stage), or the draft file (a draft rank).
     if loaded.engine is not None:
-        out["weight_bytes"] = loaded.engine.weight_bytes
+        weight_bytes = loaded.engine.weight_bytes
     else:
-        out["weight_bytes"] = Path(source.path).stat().st_size if source.path else None
-    return out
+        weight_bytes = Path(source.path).stat().st_size if source.path else None
+    return LoadedWeights(source, round(load_s, 3), round(peak_rss_mib(), 1), process_stats().rss_mib, weight_bytes)

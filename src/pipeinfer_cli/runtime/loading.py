@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from .topology import RankPlan, Topology
+from .weight_stream import LoadedWeights
 
 
 @dataclass
@@ -22,7 +23,7 @@ class Loaded:
     drafter: object | None = None  # the head's drafter, or the draft rank's model
     draft_vocab: str | None = None  # head: "direct" or "translated" (runtime/vocab.py); None without a draft
     draft_tokenizer: object | None = None  # head, translated drafts: the draft's tokenizer.Tokenizer
-    weights: dict | None = None  # where this rank's weights came from (runtime/weight_stream.py)
+    weights: LoadedWeights | None = None  # where this rank's weights came from (runtime/weight_stream.py)
 
 
 def spec_margin(cfg, req) -> int:
@@ -58,7 +59,7 @@ def _warn_if_profiled_elsewhere(cfg, rank: int) -> None:
     from .calibrate_probes import host_facts
 
     facts = host_facts()
-    warning = Profile.load(cfg.profile).machine_warning(rank, facts["host"], facts["cpu"], f"the profile {cfg.profile}")
+    warning = Profile.load(cfg.profile).machine_warning(rank, facts.host, facts.cpu, f"the profile {cfg.profile}")
     if warning:
         print(f"pipeinfer: warning: {warning}", file=sys.stderr, flush=True)
 

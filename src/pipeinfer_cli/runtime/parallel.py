@@ -154,7 +154,7 @@ class ParallelRunner:
             self.threads.pop(slot.index, None)
             self.freed.set()
 
-    def _holder_of_the_draft(self) -> dict | None:
+    def _holder_of_the_draft(self) -> dict[str, int | None] | None:
         """{"slot", "id_task"} of the request holding the job's draft model (None if it was just given back)."""
         holder = self.lease.holder
         info = self.service.slot_info.get(holder) if holder is not None else None
@@ -210,7 +210,7 @@ class ParallelRunner:
         return result
 
 
-def slot_rows(service) -> list[dict]:
+def slot_rows(service) -> list[dict[str, object]]:
     """What every slot of a service does (GET /slots, /metrics), in llama-server's manner: id,
     n_ctx, is_processing, and for a busy slot its request (id_task), mode, prompt tokens, tokens
     decoded so far, reused tokens and drafter; for a request that wanted the job's draft model

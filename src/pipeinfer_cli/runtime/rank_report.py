@@ -39,9 +39,10 @@ class RankReporter:
     CPU seconds since the previous report, so an idle rank that spins would show it."""
 
     def __init__(self, rank: int, role: str, layers, threads: int, trace, engine=None, link: Link | None = None,
-                 weights: dict | None = None):
+                 weights=None):
         self.rank, self.role, self.layers, self.threads = rank, role, layers, threads
-        self.weights = weights  # where the rank's weights came from, once per job (runtime/weight_stream.py)
+        # where the rank's weights came from, once per job (runtime/weight_stream.py LoadedWeights)
+        self.weights = weights.as_dict() if weights is not None else None
         self.trace, self.engine, self.link = trace, engine, link
         self.busy_s = 0.0  # seconds computing (stage evals, draft proposals)
         self.runs = 0  # runs computed or draft requests answered
