@@ -105,7 +105,7 @@ def record_of(i: int, res) -> dict:
     """What the checks need of one request's result (a GenerationResult; its trace events are dropped: memory)."""
     ranks = []
     for r in res.ranks:
-        r.trace = []
+        r.trace = None
         ranks.append({"rank": r.rank, "kv_used_cells": r.kv_used_cells,
                       "kv_used_cells_at_start": r.kv_used_cells_at_start, **r.process.as_dict()})
     return {"i": i, "label": res.prompt_id, "mode": res.mode, "n_prompt": res.n_prompt,

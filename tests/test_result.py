@@ -72,3 +72,4 @@ def test_rank_report_keys_keep_their_order():
                                              "kv_min_resume", "wire", "skipped_before_start", "clock_offset_s"]
     assert list(r.as_dict(trace=True))[-2:] == ["trace", "clock_offset_s"]
     assert list(_rank(rows_requested=4).as_dict()) == RANK_KEYS + ["rows_requested"]
+    assert "trace" not in _rank(trace=None).as_dict(trace=True)  # dropped (a server keeps none)

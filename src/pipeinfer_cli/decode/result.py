@@ -41,7 +41,7 @@ class RankReport:
     wire: dict | None = None  # bytes and messages sent and received, seconds waiting
     rows_requested: int | None = None  # head: rows asked of the pipeline
     skipped_before_start: int | None = None  # stage: runs cancelled before they started
-    trace: list = field(default_factory=list)  # trace events; never in the JSON of generate
+    trace: list | None = field(default_factory=list)  # trace events (None: dropped); never in generate's JSON
     clock_offset_s: float | None = None  # this rank's clock against the head's (set by the head)
 
     def as_dict(self, trace: bool = False) -> dict:
@@ -57,7 +57,7 @@ class RankReport:
         for key in ("wire", "rows_requested", "skipped_before_start"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
-        if trace:
+        if trace and self.trace is not None:
             d["trace"] = self.trace
         if self.clock_offset_s is not None:
             d["clock_offset_s"] = self.clock_offset_s

@@ -385,7 +385,7 @@ class Service:
 
     def _finish(self, t: Ticket, result: GenerationResult) -> None:
         for r in result.ranks:
-            r.pop("trace", None)  # a long-running server keeps no trace events
+            r.trace = None  # a long-running server keeps no trace events
         result.queue_s, result.request_seq, result.run_index = t.queue_s, t.seq, t.run_index
         t.emit(Event("done", result=result))
         for fn in self._observers:
