@@ -63,7 +63,7 @@ def run(args) -> int:
     from bench_llamacpp import resolve_target
 
     label, path = resolve_target(args.model)
-    cfg = JobConfig(model_path=path, model_label=label, draft_path=None, draft_label=None,
+    cfg = JobConfig(model_path=path, model_label=label, draft_path=None,
                     decode=DecodeOptions(n_predict=args.n_predict), n_ctx=args.ctx, reuse_prefix=True)
     records: list[dict] = []
 

@@ -76,14 +76,14 @@ def predict_profile(prof, n_nodes: int, acceptance: float, opts: DecodeOptions =
 
 
 def row(preds: dict) -> dict:
-    r = {m: summarize(p)["tok_per_s"] for m, p in preds.items()}
+    r = {m: summarize(p).tok_per_s for m, p in preds.items()}
     r["pipeinfer_vs_iterative"] = speedup(preds["pipeinfer"], preds["iterative"])
     r["pipeinfer_vs_speculative"] = speedup(preds["pipeinfer"], preds["speculative"])
     r["speculative_vs_iterative"] = speedup(preds["speculative"], preds["iterative"])
     r["winner"] = max(MODES, key=lambda m: r[m] or 0)
     # After the first token (the paper's generation speed leaves the prompt out).
-    r["decode_tok_per_s"] = {m: summarize(p)["decode_tok_per_s"] for m, p in preds.items()}
-    r["ttft_s"] = summarize(preds["iterative"])["ttft_s"]
+    r["decode_tok_per_s"] = {m: summarize(p).decode_tok_per_s for m, p in preds.items()}
+    r["ttft_s"] = summarize(preds["iterative"]).ttft_s
     return r
 
 

@@ -66,19 +66,19 @@ def build_requests(n: int, seed: int) -> list:
 
     rng = random.Random(seed)
     longest = max(PROMPTS, key=lambda p: len(p[1]))[1]
-    out = [Request(mode=m, chat=[{"role": "user", "content": longest}], label="warmup", n_predict=N_MAX, draft=d)
-           for m in MODES for d in (None, "lookup")]
+    out = [Request(mode=m, chat=[{"role": "user", "content": longest}], label="warmup", n_predict=N_MAX, lookup_only=d)
+           for m in MODES for d in (False, True)]
     n_warm = len(out)
     for i in range(n_warm, n):
         if (i - n_warm) % CONTROL_EVERY == 0:
             k = (i - n_warm) // CONTROL_EVERY
             out.append(Request(mode=MODES[k % 3], chat=[{"role": "user", "content": CONTROL}], label="control",
-                               n_predict=CONTROL_N, draft="lookup" if k % 2 else None))
+                               n_predict=CONTROL_N, lookup_only=bool(k % 2)))
             continue
         kind, text = rng.choice(PROMPTS)
         mode = rng.choice(MODES)
         req = Request(mode=mode, label=f"r{i}", n_predict=rng.randint(1, N_MAX),
-                      draft=rng.choice([None, "lookup"]), stop=["\n\n"] if rng.random() < 0.2 else [])
+                      lookup_only=rng.choice([False, True]), stop=["\n\n"] if rng.random() < 0.2 else [])
         if kind == "chat":
             req.chat = [{"role": "user", "content": text}]
         else:
@@ -88,12 +88,13 @@ def build_requests(n: int, seed: int) -> list:
 
 
 def job_config(model: Path, seed: int):
+    from pipeinfer_cli.decode.draft_spec import DraftSpec
     from pipeinfer_cli.runtime.job import JobConfig
     from pipeinfer_cli.decode.sampling import SamplingParams
     from pipeinfer_cli.decode.session import DecodeOptions
 
     return JobConfig(model_path=model, model_label="smollm2-135m-instruct", draft_path=model,
-                     draft_label="smollm2-135m-instruct",
+                     draft=DraftSpec.parse("smollm2-135m-instruct"),
                      sampling=SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0, seed=seed),
                      decode=DecodeOptions(n_predict=32, n_draft=4, p_accept=0.3, p_split=0.1, max_branches=3,
                                           max_inflight=4),
@@ -104,9 +105,9 @@ def record_of(i: int, res) -> dict:
     """What the checks need of one request's result (a GenerationResult; its trace events are dropped: memory)."""
     ranks = []
     for r in res.ranks:
-        r.pop("trace", None)
-        ranks.append({"rank": r["rank"], "kv_used_cells": r.get("kv_used_cells"),
-                      "kv_used_cells_at_start": r.get("kv_used_cells_at_start"), **r.get("process", {})})
+        r.trace = None
+        ranks.append({"rank": r.rank, "kv_used_cells": r.kv_used_cells,
+                      "kv_used_cells_at_start": r.kv_used_cells_at_start, **r.process.as_dict()})
     return {"i": i, "label": res.prompt_id, "mode": res.mode, "n_prompt": res.n_prompt,
             "n_gen": res.n_gen, "tokens": res.tokens, "ranks": ranks,
             "cancelled": res.runs.cancelled, "branches": res.runs.branches_launched}

@@ -13,14 +13,15 @@ import sys
 from pathlib import Path
 
 from pipeinfer_cli.runtime.job import JobConfig, Request, run_head_loop
+from pipeinfer_cli.decode.draft_spec import DraftSpec
 from pipeinfer_cli.decode.session import DecodeOptions
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    draft = spec.get("draft")
+    draft = DraftSpec.parse(spec.get("draft"))
     cfg = JobConfig(model_path=Path(spec["model"]), model_label="model",
-                    draft_path=None if draft in (None, "lookup") else Path(draft), draft_label=draft,
+                    draft_path=Path(draft.model) if draft.uses_model else None, draft=draft,
                     decode=DecodeOptions(n_predict=spec["n"], p_accept=spec.get("p_accept", 0.5)),
                     n_ctx=spec.get("ctx", 2048), layer_split=spec.get("layer_split"), reuse_prefix=spec["reuse"])
     mode = spec["mode"]

@@ -71,15 +71,15 @@ def test_two_ranks_measure_every_rank_and_both_links(smollm2_path, tmp_path):
     assert profile.model.kv_bytes_per_cell == 2 * 2 * 3 * 64  # SmolLM2: 3 KV heads of 64, f16 K and V
     facts = host_facts()
     for r in profile.ranks:
-        assert (r.threads, r.ranks_per_host, r.cpu, r.cores) == (1, 2, facts["cpu"], facts["cores"])
+        assert (r.threads, r.ranks_per_host, r.cpu, r.cores) == (1, 2, facts.cpu, facts.cores)
         assert 0 < r.usable_cpus <= r.cores
     # the job `generate --ranks 2` runs in iterative mode uses every core per rank: not this profile's
     plan = [sys.executable, "-m", "pipeinfer_cli", "plan", str(smollm2_path), "--profile", str(out), "-p", "Hi",
             "-n", "4"]
-    if facts["cores"] > 1 and facts["usable_cpus"] >= facts["cores"]:
+    if facts.cores > 1 and facts.usable_cpus >= facts.cores:
         r = subprocess.run(plan, capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and r.stderr.startswith("Error: the profile was made for 1 thread per rank, this job "
-                                                         f"uses {facts['cores']}"), r.stderr
+                                                         f"uses {facts.cores}"), r.stderr
     r = subprocess.run([*plan, "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "predicted:" in r.stdout, r.stderr
     # the table: a row per rank, a row per link

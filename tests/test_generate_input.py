@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from pipeinfer_cli.cli.app import app
 from pipeinfer_cli.cli.generate_cmd import summary_line
-from pipeinfer_cli.decode.metrics import Acceptance, GenerationMetrics, RunCounters
-from pipeinfer_cli.decode.result import GenerationResult
+from pipeinfer_cli.decode.metrics import Acceptance, GenerationMetrics, ProcessStats, RunCounters
+from pipeinfer_cli.decode.result import GenerationResult, RankReport
 from pipeinfer_cli.decode.sampling import SamplingParams, sample
 from pipeinfer_cli.decode.text_stream import TextStream
 
@@ -179,7 +179,8 @@ def test_summary_line_plurals_and_layer_ranges():
         prompt_id="", mode="pipeinfer", model="m", draft="d", layer_split="14,1", n_ctx=64, text="x", tokens=[1],
         finish_reason="length", n_prompt=3, n_gen=1, ttft_s=0.1, tok_per_s=2.0, decode_tok_per_s=None, itl_ms=None,
         acceptance=Acceptance(), runs=RunCounters(cancelled=1), wire={}, t_start=0.0, t_end=1.0,
-        ranks=[{"layers": [0, 14]}, {"layers": [14, 15]}, {"layers": None}])
+        ranks=[RankReport(i, "stage", layers, 1, 0.0, 0.0, 0.0, 0, "spin", ProcessStats())
+               for i, layers in enumerate([[0, 14], [14, 15], None])])
     line = summary_line(r)
     assert "1 token," in line and "1 run cancelled" in line
     assert "3 ranks (layers 0-13, 14, draft)" in line and "split" not in line

@@ -49,15 +49,18 @@ def test_head_receives_a_few_bytes_per_row(smollm2_path, mode, ranks):
 
 
 def test_handoff_gaps_come_from_the_trace_on_the_heads_clock():
+    from pipeinfer_cli.decode.metrics import ProcessStats
+    from pipeinfer_cli.decode.result import RankReport
     from pipeinfer_cli.runtime.handoff import handoff_ms
 
+    def report(rank, offset, trace):
+        return RankReport(rank, "stage", None, 1, 0.0, 0.0, 0.0, 0, "spin", ProcessStats(), trace=trace, clock_offset_s=offset)
+
     ranks = [
-        {"rank": 0, "clock_offset_s": 0.0, "trace": [("X", "stage", 1.000, 1.010, {"run": 1}),
-                                                     ("X", "stage", 1.020, 1.030, {"run": 2})]},
+        report(0, 0.0, [("X", "stage", 1.000, 1.010, {"run": 1}), ("X", "stage", 1.020, 1.030, {"run": 2})]),
         # rank 1's clock runs 5 s ahead of the head's
-        {"rank": 1, "clock_offset_s": 5.0, "trace": [("X", "stage", 6.012, 6.020, {"run": 1}),
-                                                     ("i", "skip", 6.034, 6.034, {"run": 2}),
-                                                     ("X", "draft", 6.0, 6.1, {})]},
+        report(1, 5.0, [("X", "stage", 6.012, 6.020, {"run": 1}), ("i", "skip", 6.034, 6.034, {"run": 2}),
+                        ("X", "draft", 6.0, 6.1, {})]),
     ]
     got = handoff_ms(ranks, 2)["0->1"]
     assert got["runs"] == 2 and got["max"] == pytest.approx(4.0) and got["p50"] == pytest.approx(3.0)

@@ -75,7 +75,7 @@ def test_plan_predicts_the_threads_generate_would_use(monkeypatch):
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     f = host_facts()
-    share = (f["cores"], f["affinity_cpus"], f["quota_cpus"])
+    share = (f.cores, f.affinity_cpus, f.quota_cpus)
     for n, per_host in ((1, 1), (2, 2), (2, 1), (4, 4)):
         assert default_threads(False, n, per_host, *share, per_host == n) == job_default(per_host, {})
     assert default_threads(True, 2, 2, *share, True) == job_default(2, {WHOLE_HOST_ENV: "1"})
@@ -103,11 +103,11 @@ def test_iterative_on_one_host_is_planned_with_all_the_cores(smollm2_path, tmp_p
     rank all the cores (generate --ranks 2), which the profile did not measure; the other modes fit."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     f = host_facts()
-    cores, share = f["cores"], max(1, f["cores"] // 2)
-    if cores < 2 or f["usable_cpus"] < cores or f["quota_cpus"] is not None:
+    cores, share = f.cores, max(1, f.cores // 2)
+    if cores < 2 or f.usable_cpus < cores or f.quota_cpus is not None:
         pytest.skip("needs a machine whose 2+ CPUs this process may all use")
-    prof = smollm2_profile(smollm2_path, tmp_path, host=f["host"], cpu=f["cpu"], cores=cores,
-                           usable_cpus=f["usable_cpus"], threads=share, ranks_per_host=2)
+    prof = smollm2_profile(smollm2_path, tmp_path, host=f.host, cpu=f.cpu, cores=cores,
+                           usable_cpus=f.usable_cpus, threads=share, ranks_per_host=2)
     err = one_line_error(run("plan", smollm2_path, "--profile", prof, "--draft", "lookup", "-p", "Hi", "-n", 4))
     assert f"Error: iterative: the profile was made for {share} thread" in err and f"this job uses {cores}" in err
     assert "or plan --modes speculative,pipeinfer alone" in err
@@ -118,12 +118,12 @@ def test_iterative_on_one_host_is_planned_with_all_the_cores(smollm2_path, tmp_p
 
 def test_ranks_per_host_and_the_machine_must_match(smollm2_path, tmp_path):
     f = host_facts()
-    prof = smollm2_profile(smollm2_path, tmp_path, host=f["host"], cpu="another cpu", usable_cpus=f["usable_cpus"],
-                           cores=f["cores"], ranks_per_host=1)
+    prof = smollm2_profile(smollm2_path, tmp_path, host=f.host, cpu="another cpu", usable_cpus=f.usable_cpus,
+                           cores=f.cores, ranks_per_host=1)
     err = one_line_error(run("plan", smollm2_path, "--profile", prof, "-p", "Hi", "-n", 4, "--modes", "pipeinfer",
                              "--draft", "lookup", "--threads", "2"))
     assert "shared its host with 0 other ranks, in this job it shares it with 1" in err
-    assert f"CPU another cpu (now {f['cpu']})" in err
+    assert f"CPU another cpu (now {f.cpu})" in err
 
 
 def test_an_older_profile_or_another_file_is_refused_unless_forced(smollm2_path, tmp_path):
@@ -147,7 +147,7 @@ def test_a_trace_carries_the_models_identity(smollm2_path, tmp_path):
     assert r.returncode == 0, r.stderr
     t = json.loads(trace.read_text())
     assert t["model"]["sha256"] == model_sha256(smollm2_path)
-    assert t["machine"]["host"] == host_facts()["host"] and t["machine"]["threads"] >= 1
+    assert t["machine"]["host"] == host_facts().host and t["machine"]["threads"] >= 1
     t["model"]["sha256"] = "0" * 64
     trace.write_text(json.dumps(t))
     err = one_line_error(run("plan", smollm2_path, "--profile", prof, "--trace", trace))

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import json
 
-from pipeinfer_cli.decode.metrics import Acceptance, GenerationMetrics, RunCounters
-from pipeinfer_cli.decode.result import GenerationResult
+from pipeinfer_cli.decode.metrics import Acceptance, GenerationMetrics, ProcessStats, RunCounters
+from pipeinfer_cli.decode.result import GenerationResult, RankReport
 
 KEYS = ["prompt_id", "mode", "model", "draft", "layer_split", "n_ctx", "text", "tokens", "finish_reason",
         "n_prompt", "n_gen", "ttft_s", "tok_per_s", "decode_tok_per_s", "itl_ms", "acceptance", "runs", "wire",
         "t_start", "t_end", "ranks", "reused_tokens", "common_prefix_tokens", "draft_vocab"]
+
+
+RANK_KEYS = ["rank", "role", "layers", "threads", "peak_rss_mib", "busy_s", "cpu_s", "runs", "wait", "process"]
+
+
+def _rank(rank: int = 0, **kw) -> RankReport:
+    return RankReport(rank, "head", [0, 10], 1, 50.0, 0.5, 0.6, 3, "spin", ProcessStats(50.0, 9, 2, 1), **kw)
 
 
 def _result(**kw) -> GenerationResult:
@@ -19,7 +26,7 @@ def _result(**kw) -> GenerationResult:
     base = dict(prompt_id="p", mode="speculative", model="t", draft="d", layer_split="10,10", n_ctx=64, text="abcd",
                 tokens=[1, 2, 3, 4], finish_reason="length", **vars(m.rates()), acceptance=m.acceptance, runs=m.runs,
                 wire={"links": []}, t_start=1.0, t_end=3.0,
-                ranks=[{"rank": 0, "layers": [0, 10], "trace": [("i", "commit", 1.5, 1.5, {})], "clock_offset_s": 0.0}])
+                ranks=[_rank(trace=[("i", "commit", 1.5, 1.5, {})], clock_offset_s=0.0)])
     return GenerationResult(**{**base, **kw})
 
 
@@ -31,8 +38,9 @@ def test_to_json_keeps_the_metrics_dict_and_the_key_order():
                           acceptance=Acceptance(drafted=4, accepted=3, verified_runs=2), runs=RunCounters(launched=3))
     assert {k: d[k] for k in m.to_dict()} == m.to_dict()
     assert d["acceptance"] == {"drafted": 4, "accepted": 3, "rate": 0.75, "mean_accepted_len": 1.5}
-    assert d["ranks"] == [{"rank": 0, "layers": [0, 10], "clock_offset_s": 0.0}]  # no trace events
-    assert "trace" in r.to_json(trace=True)["ranks"][0] and "trace" in r.ranks[0]  # to_json does not mutate
+    assert list(d["ranks"][0]) == RANK_KEYS + ["clock_offset_s"]  # no trace events
+    assert d["ranks"][0]["layers"] == [0, 10] and d["ranks"][0]["clock_offset_s"] == 0.0
+    assert "trace" in r.to_json(trace=True)["ranks"][0] and r.ranks[0].trace  # to_json does not mutate
     json.dumps(d)
 
 
@@ -52,4 +60,16 @@ def test_optional_fields_appear_only_when_set():
     d = _result(debug_diverged=True, queue_s=None, request_seq=4, run_index=2).to_json()
     assert list(d)[len(KEYS):] == ["debug_diverged", "queue_s", "request_seq", "run_index", "slot"]
     assert d["queue_s"] is None and d["request_seq"] == 4
-    assert _result().kv_used_cells() == {} and _result(ranks=[{"rank": 1, "kv_used_cells": 7}]).kv_used_cells() == {"1": 7}
+    assert _result().kv_used_cells() == {} and _result(ranks=[_rank(1, engine={}, kv_used_cells=7)]).kv_used_cells() == {"1": 7}
+
+
+def test_rank_report_keys_keep_their_order():
+    """A stage's report with an engine, a link and its extra count: the keys of the JSON before
+    RankReport was a dataclass, in their order; absent parts are left out."""
+    r = _rank(1, weights={"source": "sent"}, engine={"evals": 3}, kv_used_cells=9, kv_used_cells_at_start=None,
+              kv_min_resume=0, wire={"sent": {}}, skipped_before_start=2, trace=[], clock_offset_s=0.5)
+    assert list(r.as_dict()) == RANK_KEYS + ["weights", "engine", "kv_used_cells", "kv_used_cells_at_start",
+                                             "kv_min_resume", "wire", "skipped_before_start", "clock_offset_s"]
+    assert list(r.as_dict(trace=True))[-2:] == ["trace", "clock_offset_s"]
+    assert list(_rank(rows_requested=4).as_dict()) == RANK_KEYS + ["rows_requested"]
+    assert "trace" not in _rank(trace=None).as_dict(trace=True)  # dropped (a server keeps none)

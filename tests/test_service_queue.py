@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeinfer_cli.decode.draft_spec import DraftSpec
 from pipeinfer_cli.decode.metrics import Acceptance, RunCounters
 from pipeinfer_cli.decode.result import GenerationResult
 from pipeinfer_cli.runtime.job import JobConfig
@@ -16,7 +17,7 @@ from pipeinfer_cli.runtime.service import (
 
 def ready_service(max_queue: int, n_ctx: int = 64) -> Service:
     svc = Service(max_queue=max_queue)
-    svc.attach(JobConfig(Path("target.gguf"), "target", None, "lookup", n_ctx=n_ctx), None)
+    svc.attach(JobConfig(Path("target.gguf"), "target", None, DraftSpec.lookup(), n_ctx=n_ctx), None)
     svc.callbacks().on_start(None)  # what head.serve_requests calls once the models are loaded
     return svc
 
@@ -78,7 +79,7 @@ def test_parallel_slots_admission_and_the_slot_context():
     """--parallel 2 --queue 1: two generate and one waits; a request is checked against its slot's
     share of --ctx (in whole 256-cell blocks)."""
     svc = Service(max_queue=1, parallel=2)
-    cfg = JobConfig(Path("target.gguf"), "target", None, "lookup", n_ctx=1100, parallel=2)
+    cfg = JobConfig(Path("target.gguf"), "target", None, DraftSpec.lookup(), n_ctx=1100, parallel=2)
     assert cfg.slot_ctx == 512 and cfg.engine_ctx == 1024
     svc.attach(cfg, None)
     svc.callbacks().on_start(None)

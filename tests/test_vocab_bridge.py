@@ -7,7 +7,7 @@ import pytest
 
 from pipeinfer_cli.decode.async_draft import AsyncDraft
 from pipeinfer_cli.decode.drafters import Proposal
-from pipeinfer_cli.decode.hybrid import LOOKUP_FIRST_P, HybridAsyncDrafter, HybridDrafter, split_hybrid
+from pipeinfer_cli.decode.hybrid import LOOKUP_FIRST_P, HybridAsyncDrafter, HybridDrafter
 from pipeinfer_cli.decode.translated import TranslatedAsyncDrafter, TranslatedDrafter
 from pipeinfer_cli.decode.vocab_bridge import VocabBridge, combine, complete_utf8
 from pipeinfer_cli.runtime.tokenizer import Tokenizer
@@ -232,15 +232,3 @@ def test_hybrid_in_front_of_a_draft_rank():
     h.request([1, 2, 3, 8], 2, 0.0)
     assert remote.outstanding
     assert h.poll().source == "model" and not h.outstanding
-
-
-@pytest.mark.parametrize("text, want", [(None, (False, None)), ("lookup", (False, "lookup")),
-                                        ("lookup+smollm2-135m-instruct", (True, "smollm2-135m-instruct"))])
-def test_split_hybrid(text, want):
-    assert split_hybrid(text) == want
-
-
-@pytest.mark.parametrize("text", ["lookup+", "lookup+lookup", "lookup+ "])
-def test_split_hybrid_refuses(text):
-    with pytest.raises(ValueError):
-        split_hybrid(text)

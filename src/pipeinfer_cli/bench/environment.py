@@ -53,10 +53,10 @@ def model_facts(label: str | None, path: Path | None, registry_sha256: str | Non
             "sha256_source": "registry" if registry_sha256 else "computed"}
 
 
-def model_ref_facts(ref) -> dict | None:
-    """model_facts of a resolved model argument (a ModelRef, 'lookup' or None)."""
-    if ref is None or ref == "lookup":
-        return model_facts(ref, None, None)
+def model_ref_facts(ref, label: str | None = None) -> dict | None:
+    """model_facts of a resolved model (a ModelRef), or of `label` without one (lookup, or None)."""
+    if ref is None:
+        return model_facts(label, None, None)
     return model_facts(ref.label, ref.path, ref.entry.sha256 if ref.entry else None)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..decode.draft_spec import LOOKUP
 from ..errors import UsageError
 from ..planner.acceptance import DEFAULT_ACCEPTANCE, Acceptance
 
@@ -77,7 +78,7 @@ def choose(cfg, n_ranks: int, has_draft: bool, prompt_tokens: list[int] | None =
         raise UsageError(f"-M auto: the profile measured {len(prof.ranks)} rank(s) but the job has {n_ranks}; "
                          "calibrate with as many ranks as the job runs")
     threads = job_threads(prof, cfg, n_ranks)
-    lookup = cfg.draft_label == "lookup"
+    lookup = cfg.draft.is_lookup
     modes = [m for m in MODE_NAMES if not needs_draft(m) or (has_draft and (lookup or _has_model_costs(prof)))]
     acceptance = draft_acceptance(cfg, prof, prompt_tokens)
     n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
@@ -85,7 +86,7 @@ def choose(cfg, n_ranks: int, has_draft: bool, prompt_tokens: list[int] | None =
     replay = Replay([search.auto_request(prompt_tokens, n_gen)], rate, confidences=acceptance.confidences)
 
     def topo_of(mode: str):
-        return job_topology(cfg.model_path, cfg.model_label, n_ranks, cfg.layer_split, cfg.draft_path, cfg.draft_label,
+        return job_topology(cfg.model_path, cfg.model_label, n_ranks, cfg.layer_split, cfg.draft_path, cfg.draft,
                             needs_draft(mode), mode, cfg.profile, cfg.n_ctx)
 
     c = search.choose(prof, topo_of, modes, replay, cfg.decode, cfg.n_ctx)
@@ -100,16 +101,16 @@ def draft_acceptance(cfg, prof, prompt_tokens: list[int] | None) -> Acceptance:
     """The acceptance -M auto plans with: measured where it can be (the module doc), else assumed."""
     from ..planner.acceptance import assumed, from_profile, lookup_on_prompt
 
-    if cfg.draft_label is None:
+    if not cfg.draft:
         return Acceptance(None, False, "no draft")
-    if cfg.draft_label == "lookup":
+    if cfg.draft.is_lookup:
         if prompt_tokens:
             return lookup_on_prompt(prompt_tokens)
         return assumed("prompt lookup, before any prompt is known")
     return from_profile(prof.draft) or assumed("the profile's calibration did not measure the draft's acceptance")
 
 
-def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_path, draft_label, job_drafts: bool,
+def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_path, draft, job_drafts: bool,
                  mode: str, profile_path, n_ctx: int):
     """The planner's Topology of the job that runs `mode` (job_drafts: a draft model on the head takes
     layers from it), as `plan` and `-M auto` both plan it."""
@@ -118,12 +119,12 @@ def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_
     from ..runtime.topology import plan_job
 
     t = plan_job(model_path, model_label, n_ranks, n_ranks, layer_split, None, draft_path, job_drafts,
-                 has_draft=draft_label is not None, profile_path=profile_path, n_ctx=n_ctx, identity_checked=True)
+                 has_draft=bool(draft), profile_path=profile_path, n_ctx=n_ctx, identity_checked=True)
     stages = [r for r in t.ranks if r.role != "draft"]
-    draft = None
     if needs_draft(mode):
-        draft = "lookup" if draft_label == "lookup" else (t.draft_rank if t.draft_rank is not None else "head")
-    return Topology([r.rank for r in stages], [r.layers for r in stages], draft)
+        where = LOOKUP if draft.is_lookup else (t.draft_rank if t.draft_rank is not None else "head")
+        return Topology([r.rank for r in stages], [r.layers for r in stages], where)
+    return Topology([r.rank for r in stages], [r.layers for r in stages], None)
 
 
 def job_threads(prof, cfg, n_ranks: int) -> str:
@@ -178,8 +179,8 @@ def resolve(cfg, model: str, job, n_ranks: int, auto: bool, inside: bool, on_hea
 
     if cfg.model_path is None or cfg.profile is None or not (on_head or Path(cfg.profile).is_file()):
         return None  # a rank without the model or the profile: it takes the head's choice
-    tokens = prompt_tokens(cfg, given) if not inside and cfg.draft_label == "lookup" else None
-    choice = choose(cfg, n_ranks, cfg.draft_label is not None, tokens)
+    tokens = prompt_tokens(cfg, given) if not inside and cfg.draft.is_lookup else None
+    choice = choose(cfg, n_ranks, bool(cfg.draft), tokens)
     if not inside:
         os.environ[CHOICE_ENV] = json.dumps(choice.to_json())
     return choice

@@ -36,7 +36,7 @@ def job_key(cfg, n_ranks: int, threads: str | None, n_draft: int) -> dict:
 
     host = host_facts()
     draft = cfg.draft_label if cfg.draft_path is None else model_sha256(cfg.draft_path, cfg.draft_sha256, cfg.draft_size)
-    return {"machine": {k: host[k] for k in ("host", "cpu", "cores", "usable_cpus")},
+    return {"machine": {k: getattr(host, k) for k in ("host", "cpu", "cores", "usable_cpus")},
             "model": model_sha256(cfg.model_path, cfg.model_sha256, cfg.model_size), "draft": draft,
             "ranks": n_ranks, "threads": threads or "default", "ranks_per_host": n_ranks, "n_draft": n_draft,
             "hosts": os.environ.get("HYDRA_HOST_FILE")}

@@ -11,12 +11,11 @@ from typing import Annotated
 
 import typer
 
+from ..decode.draft_spec import DraftSpec
 from ..errors import PipeinferError, UsageError
 from .job_setup import (PreparedJob, check_chat_template, check_n_predict, make_job_config, ranks_wanted,
                         resolve_models, run_here_or_relaunch)
 from ..transport.start_waits import launcher_rank
-from ..decode.hybrid import split_hybrid
-from .draft_spec import mark_hybrid
 from .job_options import JobOptions, job_options
 from .options import ModelArg, SaveTraceOption
 from .wording import epilog, plural
@@ -83,16 +82,16 @@ def _bench_models(model: str, job, mode_list: list[str], prompt_set, inside: boo
     needs_draft = any(mode_needs_draft(m) for m in mode_list)
     from .draft_spec import resolve_draft_models
 
-    target, draft_ref, _ = resolve_draft_models(resolve_models, model, job.draft,
+    target, draft_ref, spec = resolve_draft_models(resolve_models, model, job.draft,
                                                 allow_pull=not inside and not job.no_pull,
                                                 on_head=not inside or launcher_rank() == 0)
     chats = [p.id for p in prompt_set if p.messages is not None]
     if chats:
         check_chat_template(target.path, target.label, f"the chat prompts of the prompt set ({', '.join(chats)})")
-    if needs_draft and draft_ref is None:
+    if needs_draft and spec.is_none:
         wants = ", ".join(m for m in mode_list if mode_needs_draft(m))
         raise UsageError(f"--modes {wants} need a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
-    return target, draft_ref, needs_draft
+    return target, draft_ref, spec, needs_draft
 
 
 def parse_modes(text: str) -> list[str]:
@@ -146,16 +145,16 @@ def bench(
     _check_save_trace(save_trace, job, levels, [json_out, csv_out, trace_out, plot_out])
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     inside = under_mpi_launcher()
-    target, draft_ref, needs_draft = _bench_models(model, job, mode_list, prompt_set, inside)
-    cfg = mark_hybrid(make_job_config(target, draft_ref, job), split_hybrid(job.draft)[0])  # checked by _bench_models
+    target, draft_ref, spec, needs_draft = _bench_models(model, job, mode_list, prompt_set, inside)
+    cfg = make_job_config(target, draft_ref, spec, job)
     if levels is not None:  # under load: one `pipeinfer serve` job (cli/bench_serve.py)
         return _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list, levels,
                                  (parallel or min(max(levels), 32), load_policy), prompt_set, prompts_file, repeat, warmup, want,
                                  json_out, allow_mismatch)
-    prep = PreparedJob(cfg, mode_list[0], want, bool(job.ranks or split_ranks), draft_ref is not None)
+    prep = PreparedJob(cfg, mode_list[0], want, bool(job.ranks or split_ranks), bool(spec))
     run_here_or_relaunch(prep, inside, needs_draft, lambda: _relaunch_job(want))
-    if not needs_draft and not (save_trace and draft_ref not in (None, "lookup")):
-        cfg.draft_path, cfg.draft_label = None, None  # iterative only: do not load a draft model
+    if not needs_draft and not (save_trace and spec.uses_model):
+        cfg.draft_path, cfg.draft = None, DraftSpec.none()  # iterative only: do not load a draft model
     traced: list | None = [] if save_trace else None
     records = _run(cfg, build_schedule(prompt_set, mode_list, repeat, warmup), traced)
     if records is None:  # a worker rank: the head reports
@@ -167,7 +166,7 @@ def bench(
 
     config = describe_config(cfg, mode_list, prompt_set, prompts_file, repeat=repeat, warmup=warmup, ranks=want,
                              layer_split=job.layer_split, threads=job.threads)
-    models = {"target": model_ref_facts(target), "draft": model_ref_facts(draft_ref) if needs_draft else None}
+    models = {"target": model_ref_facts(target), "draft": model_ref_facts(draft_ref, cfg.draft_label) if needs_draft else None}
     res = collect(records, mode_list, models, config, "pipeinfer " + shlex.join(sys.argv[1:]))
     _report(res, records, mode_list, len(prompt_set) > 1, {"json": json_out, "csv": csv_out, "trace": trace_out,
                                                            "plot": plot_out}, allow_mismatch)
@@ -245,7 +244,7 @@ def _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list
     from .job_setup import check_plan
 
     if not needs_draft:
-        cfg.draft_path, cfg.draft_label = None, None  # the server loads no draft model either
+        cfg.draft_path, cfg.draft = None, DraftSpec.none()  # the server loads no draft model either
     check_plan(cfg, ranks, needs_draft)
     pairs = load_registry().pairs
     # A pair name would make the server load the pair's draft; a mode that needs none gets the target alone.

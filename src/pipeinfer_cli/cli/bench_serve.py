@@ -241,7 +241,7 @@ def _header(cfg, target, draft_ref, needs_draft, mode_list, levels, serving: tup
         "command": "pipeinfer " + shlex.join(sys.argv[1:]),
         "versions": _versions(),
         "models": {"target": environment.model_ref_facts(target),
-                   "draft": environment.model_ref_facts(draft_ref) if needs_draft else None},
+                   "draft": environment.model_ref_facts(draft_ref, cfg.draft_label) if needs_draft else None},
         "host": environment.host_facts(),
         "config": config,
         "server": server,

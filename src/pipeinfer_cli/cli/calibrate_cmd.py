@@ -141,10 +141,9 @@ def probe_spec(cfg, quick: bool, n_ranks: int = 1):
     timed eval follows a sleep, as a stage's compute follows its wait (calibrate_probes.IDLE_GAP_S)."""
     from ..runtime.calibrate_probes import IDLE_GAP_S, KV_LENGTHS, QUICK_KV, ProbeSpec
 
-    kind = "lookup" if cfg.draft_label == "lookup" else ("model" if cfg.draft_path is not None else None)
     return ProbeSpec(str(cfg.model_path or ""), cfg.n_ctx, cfg.decode.n_draft, reps=3 if quick else 7,
-                     warmup=1 if quick else 2, overhead_tokens=16 if quick else 48, draft_kind=kind,
-                     draft_path=str(cfg.draft_path) if cfg.draft_path else None, draft_label=cfg.draft_label or "",
+                     warmup=1 if quick else 2, overhead_tokens=16 if quick else 48, draft=cfg.draft,
+                     draft_path=str(cfg.draft_path) if cfg.draft_path else None,
                      draft_prompt=128 if quick else 256, draft_proposals=4 if quick else 12,
                      link_reps=50 if quick else 200, kv_points=QUICK_KV if quick else KV_LENGTHS,
                      extra_rows=not quick, prefill_reps=2 if quick else 3, max_reps=6 if quick else 21,
@@ -174,7 +173,7 @@ def _check_on_this_node(cfg) -> None:
     from ..errors import ModelFileError
 
     for label, path, given in ((cfg.model_label, cfg.model_path, True),
-                               (cfg.draft_label, cfg.draft_path, cfg.draft_label not in (None, "lookup"))):
+                               (cfg.draft_label, cfg.draft_path, cfg.draft.uses_model)):
         if given and path is None:
             raise ModelFileError(f"model {label!r} is not on this node, the head of the calibration, which needs "
                                  "every model (the other ranks are sent what they time from it): pull or copy it here")
@@ -241,7 +240,7 @@ def print_tables(profile, n_draft: int) -> None:
         console.print(_links_table(profile))
     d = profile.draft
     if d is not None:
-        prompt = f", {_duration(d.prompt_token_s)} per prompt token" if d.kind == "model" else ""
+        prompt = f", {_duration(d.prompt_token_s)} per prompt token" if d.is_model else ""
         console.print(f"draft {d.name} on rank {d.rank} ({plural(d.threads, 'thread')}): {_duration(d.token_s)} per "
                       f"proposed token{prompt}", markup=False, highlight=False)
 

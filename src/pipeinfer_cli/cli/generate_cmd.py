@@ -220,5 +220,5 @@ def summary_line(r: GenerationResult, auto=None) -> str:
     if runs.cancelled:
         parts.append(f"{plural(runs.cancelled, 'run')} cancelled")
     parts.append(f"mode {r.mode}" if auto is None else f"mode {auto.summary(r.tok_per_s)}")
-    parts.append(f"{plural(len(r.ranks), 'rank')} (layers {format_layer_ranges([x.get('layers') for x in r.ranks])})")
+    parts.append(f"{plural(len(r.ranks), 'rank')} (layers {format_layer_ranges([x.layers for x in r.ranks])})")
     return "pipeinfer: " + ", ".join(p for p in parts if p)

@@ -14,6 +14,8 @@ from ..gguf_info import read_model_info
 from ..model_files import resolve_model
 from ..registry import load_registry
 from .console import out
+from ..decode.draft_spec import DraftSpec
+from .draft_spec import parse_draft
 from .options import JsonFlag, LayerSplitOption
 from .wording import human_bytes, plural
 
@@ -24,16 +26,16 @@ InspectDraftOption = Annotated[str | None, typer.Option(
     "--draft", "-md", help="Draft model (name or .gguf path) or 'lookup', to plan with it: a draft on the head gets the head fewer layers.")]
 
 
-def _draft_bytes(draft: str | None, reg) -> tuple[str | None, int]:
-    """(label, bytes of weights) of the draft; a registry model need not be downloaded."""
+def _draft_bytes(draft: DraftSpec, reg) -> tuple[DraftSpec, int]:
+    """(the draft, its model resolved; bytes of weights); a registry model need not be downloaded."""
     from ..model_files import looks_like_path
 
-    if draft is None or draft == "lookup":
+    if not draft.uses_model:
         return draft, 0
-    if draft in reg.models and not looks_like_path(draft):
-        return draft, reg.models[draft].size
-    ref = resolve_model(draft, reg)
-    return ref.label, ref.path.stat().st_size
+    if draft.model in reg.models and not looks_like_path(draft.model):
+        return draft, reg.models[draft.model].size
+    ref = resolve_model(draft.model, reg)
+    return draft.resolved(ref.label), ref.path.stat().st_size
 
 
 def inspect(
@@ -48,11 +50,13 @@ def inspect(
     The split is the one `generate` would use with the same --ranks, --layer-split and --draft (a pair name brings its draft): by default each rank gets consecutive layers so that the stage reading the most bytes of weights per token reads as few as possible. For a mixture-of-experts model the layer bytes count every expert (a stage holds them all), so the split balances memory too; the summary shows the experts, the experts used per token and the expert bytes per layer. The last stage also reads the LM head, the head also runs a draft model unless the split has a draft rank ('/1'). The head's token embedding table is shown apart: it is a lookup, one row per token, so it takes memory but next to no time.
     """
     reg = load_registry()
+    spec = parse_draft(draft)
     if model in reg.pairs:
         pair = reg.pairs[model]
-        model, draft = pair.target, draft or pair.draft
+        model, spec = pair.target, spec or parse_draft(pair.draft)
     ref = resolve_model(model, reg)
-    draft_label, draft_bytes = _draft_bytes(draft, reg)
+    spec, draft_bytes = _draft_bytes(spec, reg)
+    draft_label = spec.label
     if layer_split:
         fractions, n_draft_ranks = parse_layer_split(layer_split)
         if fractions is None:
@@ -61,7 +65,7 @@ def inspect(
         split_ranks = len(fractions) + n_draft_ranks
         if ranks is not None and ranks != split_ranks:
             raise UsageError(f"--layer-split {layer_split!r} describes {plural(split_ranks, 'rank')} but --ranks is {ranks}")
-        if n_draft_ranks and draft_label in (None, "lookup"):
+        if n_draft_ranks and not spec.uses_model:
             raise UsageError(f"--layer-split {layer_split!r} has a draft rank ('/1'), which needs a draft model: pass --draft MODEL")
         ranks = split_ranks
     info = read_model_info(ref.path)

@@ -5,17 +5,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import typer
 
+from ..decode.draft_spec import DraftSpec
 from ..errors import ModelFileError, OptionValueError, UsageError
 from ..registry import load_registry
 from ..transport.start_waits import launcher_rank
 
 
-def resolve_models(model: str, draft: str | None, allow_pull: bool, on_head: bool = True):
-    """(target ModelRef, draft ModelRef | 'lookup' | None) from a model/pair name or paths.
+def resolve_models(model: str, draft: DraftSpec, allow_pull: bool, on_head: bool = True):
+    """(target ModelRef, draft ModelRef or None, DraftSpec) from a model/pair name or paths: a
+    pair's draft stands in for no --draft; the spec names its model by the resolved label.
 
     allow_pull: a registry model missing from the cache is downloaded first, announced by one line
     on stderr; otherwise it is the error `model … is not downloaded; run pipeinfer models pull …`.
@@ -31,7 +32,7 @@ def resolve_models(model: str, draft: str | None, allow_pull: bool, on_head: boo
     reg = load_registry()
     if model in reg.pairs:
         pair = reg.pairs[model]
-        model, draft = pair.target, draft or pair.draft
+        model, draft = pair.target, draft or DraftSpec.parse(pair.draft)
 
     def ref(name: str):
         if allow_pull and name in reg.models and not cached_model_path(reg.models[name]).exists():
@@ -49,9 +50,10 @@ def resolve_models(model: str, draft: str | None, allow_pull: bool, on_head: boo
             raise _missing_on_head(name, exc) from None
 
     target = ref(model)
-    if draft is None or draft == "lookup":
-        return target, draft
-    return target, ref(draft)
+    if not draft.uses_model:
+        return target, None, draft
+    draft_ref = ref(draft.model)
+    return target, draft_ref, draft.resolved(draft_ref.label)
 
 
 def _missing_on_head(name: str, exc: ModelFileError) -> ModelFileError:
@@ -133,7 +135,7 @@ def check_plan(cfg, world_size: int, needs_draft: bool) -> None:
     plan_config(cfg, world_size, world_size, needs_draft)
 
 
-def make_job_config(target, draft_ref, job):
+def make_job_config(target, draft_ref, spec: DraftSpec, job):
     """The engine's JobConfig from resolved models and the shared job options (a JobOptions)."""
     from ..runtime.job import JobConfig
     from ..decode.sampling import SamplingParams
@@ -142,8 +144,7 @@ def make_job_config(target, draft_ref, job):
 
     return JobConfig(
         model_path=target.path, model_label=target.label,
-        draft_path=None if draft_ref in (None, "lookup") else draft_ref.path,
-        draft_label=draft_ref if draft_ref in (None, "lookup") else draft_ref.label,
+        draft_path=None if draft_ref is None else draft_ref.path, draft=spec,
         sampling=SamplingParams(temperature=job.temp, top_k=job.top_k, top_p=job.top_p, min_p=job.min_p, seed=job.seed),
         decode=DecodeOptions(n_predict=job.n_predict, n_draft=job.n_draft, n_min=_draft_min(job), p_min=job.p_min,
                              p_accept=job.p_accept,
@@ -239,23 +240,22 @@ def _announce(line: str, inside: bool) -> None:
 def prepare_job(model: str, mode: str | None, job, inside: bool, given=None) -> PreparedJob:
     """Ranks, models (pulled unless inside the MPI job or --no-pull), mode and JobConfig of a job command.
     given: the prompt the command read (for -M auto to measure prompt lookup's acceptance on)."""
-    from .draft_spec import mark_hybrid, resolve_draft_models
+    from .draft_spec import resolve_draft_models
 
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
-    target, draft_ref, hybrid = resolve_draft_models(resolve_models, model, job.draft,
+    target, draft_ref, spec = resolve_draft_models(resolve_models, model, job.draft,
                                                      allow_pull=not inside and not job.no_pull,
                                                      on_head=not inside or launcher_rank() == 0)
     from ..decode.modes import check_mode
     from .auto_mode import AUTO, resolve
 
     auto = mode == AUTO
-    mode = check_mode(None if auto else mode, draft_ref is not None)
-    cfg = make_job_config(target, draft_ref, job)
-    mark_hybrid(cfg, hybrid)
+    mode = check_mode(None if auto else mode, bool(spec))
+    cfg = make_job_config(target, draft_ref, spec, job)
     on_head = not inside or launcher_rank() == 0
     say = lambda line: _announce(line, inside)  # noqa: E731
     choice = resolve(cfg, model, job, want, auto, inside, on_head, given, say)
     if choice is not None:
         mode, cfg.decode, cfg.threads = choice.mode, choice.decode, choice.threads
         say(choice.announce())
-    return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), draft_ref is not None, choice)
+    return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), bool(spec), choice)

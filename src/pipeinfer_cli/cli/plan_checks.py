@@ -40,8 +40,8 @@ def job_shapes(prof, mode: str, threads: str | None, n_ranks: int) -> list[RankS
     shapes = []
     for r, t in enumerate(job_threads(prof, mode, threads, n_ranks)):
         mine = facts if hosts[r] == here else None
-        shapes.append(RankShape(r, t, hosts.count(hosts[r]), mine and mine["cpu"], mine and mine["cores"],
-                                mine and mine["usable_cpus"]))
+        shapes.append(RankShape(r, t, hosts.count(hosts[r]), mine and mine.cpu, mine and mine.cores,
+                                mine and mine.usable_cpus))
     return shapes
 
 

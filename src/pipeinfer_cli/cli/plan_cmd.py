@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
 from rich.table import Table
 
+from ..decode.draft_spec import DraftSpec
 from ..decode.modes import MODE_NAMES, get_mode, needs_draft
 from ..decode.session import DecodeOptions
 from ..errors import UsageError
@@ -20,6 +21,9 @@ from .plan_checks import check_job, check_trace
 from .options import (JsonFlag, LayerSplitOption, MaxInflightOption, NDraftOption, NPredictOption, PAcceptOption,
                       ThreadsOption)
 from .wording import epilog, plural
+
+if TYPE_CHECKING:
+    from ..planner.plan import ModeSummary
 
 EPILOG = epilog("""Examples:
 
@@ -104,7 +108,7 @@ def plan(
 
     prof = Profile.load(profile)
     setup = _setup(model, draft, prof, profile, ranks, layer_split, ctx)
-    mode_list = _modes(modes, setup.draft_label, prof)
+    mode_list = _modes(modes, setup.draft, prof)
     setup.job_drafts = any(needs_draft(m) for m in mode_list)
     check_job(setup, mode_list, threads, force, _warn)
     setup.force = force
@@ -115,11 +119,12 @@ def plan(
                     draft_confidences(setup.draft_label, prof.draft, traced))
     summary = plan_modes(prof, setup.topology, mode_list, replay, opts, ctx)
     for m, s in summary.items():
-        s["note"] = never_speculated(m, s, setup.topology(m).draft)
+        s.note = never_speculated(m, s, setup.topology(m).draft)
     choice = _search(prof, setup, mode_list, replay, opts, ctx, summary) if search else None
     if as_json:
         out.print_json(json.dumps({"model": setup.label, "draft": setup.draft_label, "profile": str(profile),
-                                   "modes": summary, **({"choice": choice} if choice else {})}))
+                                   "modes": {m: s.as_dict() for m, s in summary.items()},
+                                   **({"choice": choice} if choice else {})}))
         return
     _print_table(summary, setup, choice)
 
@@ -132,7 +137,7 @@ def _search(prof, setup, mode_list: list[str], replay, opts, ctx: int, summary: 
     c = choose(prof, lambda m: setup.topology(m, needs_draft(m)), mode_list, replay, opts, ctx,
                on_step=lambda m, i, n: _progress(f"search {m}", i, n))
     for m, b in c.per_mode.items():
-        summary[m]["best"] = {**_knobs(b.opts), "tok_per_s": b.tok_per_s, "note": b.note}
+        summary[m].best = {**_knobs(b.opts), "tok_per_s": b.tok_per_s, "note": b.note}
     return {"mode": c.mode, **_knobs(c.opts), "tok_per_s": c.tok_per_s}
 
 
@@ -143,13 +148,17 @@ def _knobs(o) -> dict:
 class _Setup:
     """The target, draft and topology a plan is for."""
 
-    def __init__(self, label, path, draft_label, draft_path, n_ranks, layer_split, profile, profile_path, n_ctx):
-        self.label, self.path, self.draft_label, self.draft_path = label, path, draft_label, draft_path
+    def __init__(self, label, path, draft: DraftSpec, draft_path, n_ranks, layer_split, profile, profile_path, n_ctx):
+        self.label, self.path, self.draft, self.draft_path = label, path, draft, draft_path
         self.n_ranks, self.layer_split, self.profile, self.profile_path = n_ranks, layer_split, profile, profile_path
         self.n_ctx = n_ctx
         self.job_drafts = False  # some planned mode needs the draft (set once the modes are known)
         self.sha256 = self.draft_sha256 = None  # the files' identities (set by _setup)
         self.force = False
+
+    @property
+    def draft_label(self) -> str | None:
+        return self.draft.label
 
     def topology(self, mode: str, job_drafts: bool | None = None):
         """The split of the job that runs the planned modes, as `bench` plans one job for them all:
@@ -157,7 +166,7 @@ class _Setup:
         the split `generate -M MODE` uses). job_drafts: whether it does, instead."""
         from .auto_mode import job_topology
 
-        return job_topology(self.path, self.label, self.n_ranks, self.layer_split, self.draft_path, self.draft_label,
+        return job_topology(self.path, self.label, self.n_ranks, self.layer_split, self.draft_path, self.draft,
                             self.job_drafts if job_drafts is None else job_drafts, mode, self.profile_path,
                             self.n_ctx)
 
@@ -167,16 +176,20 @@ def _setup(model: str, draft: str | None, prof, profile_path: Path, ranks: int |
     from ..planner.identity import model_sha256
     from .job_setup import ranks_wanted, resolve_models
 
-    target, draft_ref = resolve_models(model, draft, allow_pull=False)
+    from .draft_spec import parse_draft
+
+    target, draft_ref, spec = resolve_models(model, parse_draft(draft), allow_pull=False)
+    if spec.is_hybrid:
+        raise UsageError(f"plan predicts a draft model or prompt lookup, not both (--draft {spec.label}); "
+                         f"plan --draft {spec.model} or --draft lookup")
     prof.check_model(target.label, target.path.stat().st_size, "the profile")
     want, split_ranks = ranks_wanted(ranks, layer_split)
     n = want if (ranks or split_ranks) else len(prof.ranks)
     if n > len(prof.ranks):
         raise UsageError(f"the plan has {plural(n, 'rank')} but the profile measured {plural(len(prof.ranks), 'rank')}; "
                          f"calibrate with --ranks {n}")
-    draft_label = draft_ref if isinstance(draft_ref, str) or draft_ref is None else draft_ref.label
-    draft_path = None if isinstance(draft_ref, str) or draft_ref is None else draft_ref.path
-    setup = _Setup(target.label, target.path, draft_label, draft_path, n, layer_split, prof, profile_path, n_ctx)
+    draft_path = None if draft_ref is None else draft_ref.path
+    setup = _Setup(target.label, target.path, spec, draft_path, n, layer_split, prof, profile_path, n_ctx)
     setup.sha256 = model_sha256(target.path, *_registry(target))
     if draft_path is not None:
         setup.draft_sha256 = model_sha256(draft_path, *_registry(draft_ref))
@@ -192,20 +205,20 @@ def _warn(text: str) -> None:
     err.print(f"pipeinfer plan: {text}", markup=False, highlight=False)
 
 
-def _modes(text: str | None, draft_label: str | None, prof) -> list[str]:
+def _modes(text: str | None, draft: DraftSpec, prof) -> list[str]:
     """The modes to plan: those asked for, each checked against the draft and the profile's costs."""
     if text is None:
-        return list(MODE_NAMES) if draft_label is not None else ["iterative"]
+        return list(MODE_NAMES) if draft else ["iterative"]
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise UsageError("--modes is empty; give one or more of " + ", ".join(MODE_NAMES))
     modes = [get_mode(m, "--modes").name for m in names]
     drafting = [m for m in modes if needs_draft(m)]
-    if drafting and draft_label is None:
+    if drafting and draft.is_none:
         raise UsageError(f"--modes {','.join(drafting)} needs a draft: pass --draft MODEL (or lookup)")
-    if drafting and draft_label != "lookup" and (prof.draft is None or prof.draft.kind != "model"):
+    if drafting and draft.uses_model and (prof.draft is None or not prof.draft.is_model):
         raise UsageError(f"the profile has no draft model's costs for --modes {','.join(drafting)}: calibrate with "
-                         f"--draft {draft_label}")
+                         f"--draft {draft.label}")
     return modes
 
 
@@ -217,7 +230,7 @@ def _progress(what: str, i: int, n: int) -> None:
 def _trace(setup: _Setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, modes, job) -> list:
     from ..planner.replay import Trace
 
-    with_chains = acceptance is None and setup.draft_label not in (None, "lookup") and any(needs_draft(m) for m in modes)
+    with_chains = acceptance is None and setup.draft.uses_model and any(needs_draft(m) for m in modes)
     if trace is not None:
         if prompt or prompts or job["ranks"]:
             raise UsageError("--trace already holds its prompts; drop -p/--prompts/--record-ranks, or record a new "
@@ -243,7 +256,7 @@ def _trace(setup: _Setup, prof, prompt, prompts, limit, trace, record, acceptanc
     return t.prompts
 
 
-def _print_table(summary: dict, setup: _Setup, choice: dict | None) -> None:
+def _print_table(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | None) -> None:
     t = Table(title=f"predicted: {setup.label}" + (f" + {setup.draft_label}" if setup.draft_label else "")
               + f" on {plural(setup.n_ranks, 'rank')}", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
               pad_edge=False)
@@ -251,25 +264,25 @@ def _print_table(summary: dict, setup: _Setup, choice: dict | None) -> None:
         t.add_column(col, justify="left" if col in ("mode", "layers", "busy %") else "right", no_wrap=True,
                      min_width=len(col))
     for m, s in summary.items():
-        acc = s["acceptance"]["rate"]
-        vs = s["speedup"].get("vs_iterative")
-        t.add_row(m + (" *" if s["note"] else ""), s["settings"]["layer_split"], _f(s["tok_per_s"], 2),
-                  _f(s["decode_tok_per_s"], 2), _f(s["ttft_s"], 3), _f(s["itl_ms"]["p50"], 1),
-                  ("-" if s["note"] is None else "none") if acc is None else f"{acc:.0%}",
-                  "-" if vs is None else f"{vs:.2f}x", "/".join(f"{100 * u:.0f}" for u in s["utilisation"]))
+        acc = s.acceptance["rate"]
+        vs = (s.speedup or {}).get("vs_iterative")
+        t.add_row(m + (" *" if s.note else ""), s.settings["layer_split"], _f(s.tok_per_s, 2),
+                  _f(s.decode_tok_per_s, 2), _f(s.ttft_s, 3), _f(s.itl_ms["p50"], 1),
+                  ("-" if s.note is None else "none") if acc is None else f"{acc:.0%}",
+                  "-" if vs is None else f"{vs:.2f}x", "/".join(f"{100 * u:.0f}" for u in s.utilisation))
     out.print(t)
     say = lambda text: out.print(text, markup=False, highlight=False)  # noqa: E731
     say("decode: tok/s after the first token; ITL: median gap between token arrivals; speedup: against "
         "iterative (geometric mean over prompts); busy: each stage's share of the time computing")
     for m, s in summary.items():
-        if s["note"]:
-            say(f"* {m}: {s['note']}")
-        if "best" in s:
-            b = s["best"]
+        if s.note:
+            say(f"* {m}: {s.note}")
+        if s.best is not None:
+            b = s.best
             say(f"best {m}: n_draft {b['n_draft']}, p_accept {b['p_accept']}, max_inflight {b['max_inflight']}"
-                f" -> {_f(b['tok_per_s'], 2)} tok/s" + (f" ({b['note']})" if b["note"] and not s["note"] else ""))
-        if s["draft_misses"]:
-            say(f"note: {m}: the trace could not answer {s['draft_misses']} draft questions (beyond its "
+                f" -> {_f(b['tok_per_s'], 2)} tok/s" + (f" ({b['note']})" if b["note"] and not s.note else ""))
+        if s.draft_misses:
+            say(f"note: {m}: the trace could not answer {s.draft_misses} draft questions (beyond its "
                 "recorded depth); those drafts were cut short")
     if choice is not None:
         knobs = "" if choice["mode"] == "iterative" else f" (n_draft {choice['n_draft']}" + (

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import typer
 
+from ..decode.draft_spec import LOOKUP, MODEL
 from ..errors import UsageError
 from ..planner.record import CHAIN_DEPTH
 from .console import err
@@ -59,7 +60,7 @@ def _refuse_translated(tok, setup) -> None:
 
 def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | None, n_predict: int,
                  with_chains: bool):
-    from ..decode.drafters import LlamaDrafter
+    from ..runtime.draft_setup import local_drafter
     from ..decode.sampling import SamplingParams
     from ..native import LayerEngine
     from ..planner.record import draft_chains, target_tokens
@@ -83,7 +84,7 @@ def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | No
         traces.append(PromptTrace(pid, p, toks, why))
     del engine
     if with_chains:
-        drafter = LlamaDrafter(setup.draft_path, n_ctx=n_ctx, n_threads=threads)
+        drafter = local_drafter(setup.draft, setup.draft_path, n_ctx, threads)
         try:
             for i, pt in enumerate(traces, start=1):
                 _say(f"draft chains for prompt {pt.prompt_id} ({i}/{len(traces)}, {len(pt.tokens)} tokens)")
@@ -93,12 +94,13 @@ def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | No
     _say(f"trace recorded in {time.monotonic() - t0:.1f} s")
     tok.close()
     draft = None if setup.draft_label is None else {"name": setup.draft_label,
-                                                      "kind": "lookup" if setup.draft_label == "lookup" else "model",
+                                                      "kind": LOOKUP if setup.draft.is_lookup else MODEL,
                                                       "sha256": setup.draft_sha256}
     from ..runtime.calibrate_probes import host_facts
 
     facts = host_facts()
-    machine = {k: facts[k] for k in ("host", "cpu", "cores", "usable_cpus")} | {"threads": threads}
+    machine = {"host": facts.host, "cpu": facts.cpu, "cores": facts.cores, "usable_cpus": facts.usable_cpus,
+               "threads": threads}
     model = {"name": setup.label, "file_bytes": setup.path.stat().st_size, "sha256": setup.sha256}
     return Trace(model, draft, {"temp": 0.0, "seed": 0}, CHAIN_DEPTH if with_chains else 0, traces, machine)
 
@@ -198,7 +200,7 @@ def measure_draft_acceptance(cfg, draft, n_gen: int, say) -> None:
     from ..runtime.vocab import draft_vocab
 
     need = cfg.model_path.stat().st_size + cfg.draft_path.stat().st_size
-    if need > 0.8 * host_facts()["mem_available_bytes"]:
+    if need > 0.8 * host_facts().mem_available_bytes:
         say("draft acceptance not measured: the target and the draft do not both fit in this host's memory "
             "(-M auto will assume it)")
         return

@@ -116,17 +116,17 @@ def serve(
 
 def check_parallel(cfg) -> None:
     """--parallel N needs N slots of at least 256 cells and N shares of the engine's sequence ids."""
-    from ..runtime.loading import MAX_SEQUENCES, seqs_per_slot
+    from ..decode.slot_geometry import MAX_SEQUENCES, SLOT_CELL_BLOCK
 
-    n = cfg.parallel
+    n, geometry = cfg.parallel, cfg.geometry
     if n == 1:
         return
-    if cfg.slot_ctx < 256:
+    if geometry.cells_per_slot < SLOT_CELL_BLOCK:
         raise OptionValueError(f"--parallel {n} splits --ctx {cfg.n_ctx} into slots of fewer than 256 cells; "
                                f"raise --ctx to at least {256 * n} or lower --parallel")
-    per = seqs_per_slot(cfg)
-    if per * n > MAX_SEQUENCES:
-        most = max(1, (MAX_SEQUENCES // n - 2) // max(1, cfg.decode.max_branches))
+    per = geometry.seqs_per_slot
+    if not geometry.fits:
+        most = geometry.max_inflight_fitting(cfg.decode.max_branches)
         raise OptionValueError(f"--parallel {n} needs {per * n} KV sequences ({per} per request: --max-inflight "
                                f"{cfg.decode.max_inflight} x --max-branches {cfg.decode.max_branches} + 2), more "
                                f"than {MAX_SEQUENCES}; lower --parallel to {MAX_SEQUENCES // per}, or --max-inflight "

@@ -191,3 +191,16 @@ class LlamaDrafter:
             self.lib.llama_batch_free(self.batch)
             self.batch = None
         self.llm.close()
+
+
+class NoDraft:
+    """The drafter of a request that has none: every proposal is empty (single-token runs)."""
+
+    name = "none"
+
+    def start(self, prompt: list[int], reuse: int = 0) -> None: ...
+
+    def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
+        return Proposal([], [], [])
+
+    def close(self) -> None: ...

@@ -15,28 +15,10 @@ otherwise.
 
 from __future__ import annotations
 
+from .draft_spec import HYBRID_PREFIX
 from .drafters import Proposal
 from .lookup import LookupDrafter, hit_rate
 from .tree import confident
-
-HYBRID_PREFIX = "lookup+"  # --draft lookup+MODEL
-
-
-def is_hybrid(draft_label: str | None) -> bool:
-    return bool(draft_label) and draft_label.startswith(HYBRID_PREFIX)
-
-
-def split_hybrid(draft: str | None) -> tuple[bool, str | None]:
-    """'lookup+MODEL' -> (True, 'MODEL'); anything else -> (False, as given). ValueError if MODEL
-    is missing or is itself lookup."""
-    if not is_hybrid(draft):
-        return False, draft
-    model = draft[len(HYBRID_PREFIX):].strip()
-    if not model or model == "lookup" or is_hybrid(model):
-        raise ValueError(f"--draft {draft!r}: after 'lookup+' name a draft model (a registry name or a .gguf path), "
-                         "e.g. --draft lookup+smollm2-135m-instruct")
-    return True, model
-
 
 # Lookup goes first from a 3-token match whose earlier occurrences all agree: below that its
 # proposals are right less often than a draft model's of the same family.
@@ -51,7 +33,7 @@ class HybridDrafter:
 
     @property
     def name(self) -> str:
-        return "lookup+" + self.model.name
+        return HYBRID_PREFIX + self.model.name
 
     @property
     def has_prompt_pass(self) -> bool:

@@ -19,15 +19,28 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
-def process_stats() -> dict:
-    """This process now (Linux /proc; None where unknown): resident MiB, open file descriptors,
-    OS threads and Python threads. Reported after every request, so that leaks show (the soak)."""
-    out = {"rss_mib": None, "fds": None, "threads": None, "py_threads": threading.active_count()}
+@dataclass
+class ProcessStats:
+    """This process at one moment (Linux /proc; None where unknown): resident MiB, open file
+    descriptors, OS threads and Python threads."""
+
+    rss_mib: float | None = None
+    fds: int | None = None
+    threads: int | None = None
+    py_threads: int = 0
+
+    def as_dict(self) -> dict:
+        return {"rss_mib": self.rss_mib, "fds": self.fds, "threads": self.threads, "py_threads": self.py_threads}
+
+
+def process_stats() -> ProcessStats:
+    """This process now. Reported after every request, so that leaks show (the soak)."""
+    out = ProcessStats(py_threads=threading.active_count())
     try:
         with open("/proc/self/statm") as f:
-            out["rss_mib"] = round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
-        out["fds"] = len(os.listdir("/proc/self/fd"))
-        out["threads"] = len(os.listdir("/proc/self/task"))
+            out.rss_mib = round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+        out.fds = len(os.listdir("/proc/self/fd"))
+        out.threads = len(os.listdir("/proc/self/task"))
     except (OSError, ValueError, IndexError):
         pass
     return out

@@ -7,12 +7,61 @@ The JSON is a public interface: `to_json()` keeps its keys, their order and thei
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .metrics import Acceptance, RunCounters
+from .metrics import Acceptance, ProcessStats, RunCounters
 
 # Set by the service (`pipeinfer serve`) only; in the JSON once it set them.
 SERVICE_FIELDS = ("queue_s", "request_seq", "run_index", "slot")
+
+
+@dataclass
+class RankReport:
+    """One rank's share of a request (`runtime/rank_report.py` counts it; docs/json-output.md, "ranks").
+
+    Optional parts are left out of the JSON when None: `weights` (the first request's), the engine's
+    counters and KV cells (a rank with an engine), `wire` (a rank with a link), the head's
+    `rows_requested` and a stage's `skipped_before_start`."""
+
+    rank: int
+    role: str  # "head", "stage" or "draft"
+    layers: list[int] | None  # [begin, end) of the target's layers; None on a draft rank
+    threads: int
+    peak_rss_mib: float
+    busy_s: float  # seconds computing (stage evals, draft proposals)
+    cpu_s: float  # CPU seconds since the previous report
+    runs: int  # runs computed or draft requests answered
+    wait: str  # how the rank waits for messages (its wait policy)
+    process: ProcessStats
+    weights: dict | None = None
+    engine: dict | None = None  # the engine's counters for this request
+    kv_used_cells: int | None = None
+    kv_used_cells_at_start: int | None = None
+    kv_min_resume: int | None = None
+    wire: dict | None = None  # bytes and messages sent and received, seconds waiting
+    rows_requested: int | None = None  # head: rows asked of the pipeline
+    skipped_before_start: int | None = None  # stage: runs cancelled before they started
+    trace: list | None = field(default_factory=list)  # trace events (None: dropped); never in generate's JSON
+    clock_offset_s: float | None = None  # this rank's clock against the head's (set by the head)
+
+    def as_dict(self, trace: bool = False) -> dict:
+        """The JSON object, keys in their historical order."""
+        d = {"rank": self.rank, "role": self.role, "layers": self.layers, "threads": self.threads,
+             "peak_rss_mib": self.peak_rss_mib, "busy_s": self.busy_s, "cpu_s": self.cpu_s, "runs": self.runs,
+             "wait": self.wait, "process": self.process.as_dict()}
+        if self.weights is not None:
+            d["weights"] = self.weights
+        if self.engine is not None:
+            d.update(engine=self.engine, kv_used_cells=self.kv_used_cells,
+                     kv_used_cells_at_start=self.kv_used_cells_at_start, kv_min_resume=self.kv_min_resume)
+        for key in ("wire", "rows_requested", "skipped_before_start"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        if trace and self.trace is not None:
+            d["trace"] = self.trace
+        if self.clock_offset_s is not None:
+            d["clock_offset_s"] = self.clock_offset_s
+        return d
 
 
 @dataclass
@@ -37,8 +86,8 @@ class GenerationResult:
     wire: dict  # per link bytes and messages, head bytes per token and per row, wait_s per rank, handoff_ms
     t_start: float  # head clock (perf_counter) at the start of prompt processing
     t_end: float  # head clock once every rank's report was in
-    ranks: list[dict]  # per rank report: role, layers, threads, RSS, busy and CPU seconds, KV cells, engine
-    #                    counters, wire traffic; in process also its "trace" events, never in the JSON
+    ranks: list[RankReport]  # per rank: role, layers, threads, RSS, busy and CPU seconds, KV cells, engine
+    #                          counters, wire traffic; in process also its "trace" events, never in the JSON
     reused_tokens: int = 0  # prompt tokens whose KV cells were kept from the previous request (prefix reuse)
     common_prefix_tokens: int = 0  # prompt tokens in common with the previous request, reused or not
     draft_vocab: str | None = None  # "direct" (the draft's tokens are the target's) or "translated" (through text); None without a draft
@@ -60,7 +109,7 @@ class GenerationResult:
             "ttft_s": self.ttft_s, "tok_per_s": self.tok_per_s, "decode_tok_per_s": self.decode_tok_per_s,
             "itl_ms": self.itl_ms, "acceptance": self.acceptance.to_dict(), "runs": vars(self.runs).copy(),
             "wire": self.wire, "t_start": self.t_start, "t_end": self.t_end,
-            "ranks": [r if trace else {k: v for k, v in r.items() if k != "trace"} for r in self.ranks],
+            "ranks": [r.as_dict(trace) for r in self.ranks],
             "reused_tokens": self.reused_tokens, "common_prefix_tokens": self.common_prefix_tokens,
             "draft_vocab": self.draft_vocab,  # after the keys that came before it: their order is kept
         }
@@ -72,4 +121,4 @@ class GenerationResult:
 
     def kv_used_cells(self) -> dict[str, int]:
         """KV cells in use per rank (by rank number as a string) at the end of the request."""
-        return {str(r["rank"]): r["kv_used_cells"] for r in self.ranks if "kv_used_cells" in r}
+        return {str(r.rank): r.kv_used_cells for r in self.ranks if r.kv_used_cells is not None}

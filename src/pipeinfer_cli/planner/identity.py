@@ -75,7 +75,7 @@ def differences(profile, shapes: list[RankShape], sha256: str | None, draft_sha2
         out.append(f"the profile was made for another file of the model ({profile.model.name}, sha256 "
                    f"{profile.model.sha256[:12]}, this one is {(sha256 or '?')[:12]}): run {calibrate}")
     d = profile.draft
-    if draft_sha256 is not None and d is not None and d.kind == "model" and d.sha256 not in (None, draft_sha256):
+    if draft_sha256 is not None and d is not None and d.is_model and d.sha256 not in (None, draft_sha256):
         out.append(f"the profile's draft {d.name} is another file (sha256 {d.sha256[:12]}, this one is "
                    f"{draft_sha256[:12]}): run {calibrate}")
     out += _rank_differences(profile, shapes, calibrate)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..decode.session import DecodeOptions
 from .predict import Prediction, Topology, predict
@@ -34,23 +35,50 @@ def _median(vals: list[float]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def summarize(preds: list[Prediction]) -> dict:
+@dataclass
+class ModeSummary:
+    """One mode's predicted figures over the prompts (medians; an entry of `plan --json`'s "modes")."""
+
+    n_prompts: int
+    n_gen: int
+    tok_per_s: float | None
+    decode_tok_per_s: float | None
+    ttft_s: float | None
+    itl_ms: dict[str, float | None]  # p50, p90
+    acceptance: dict[str, float | None]  # drafted, accepted, rate
+    utilisation: list[float | None]  # per stage: its share of the time computing
+    draft_misses: int
+    settings: dict  # the prediction's settings (layer split, draft, n_draft, ...), as predict.py writes them
+    speedup: dict[str, float | None] | None = None  # vs_iterative, vs_speculative (plan_modes)
+    predictions: list[dict] | None = None  # every prompt's prediction (plan_modes)
+    best: dict | None = None  # plan --search: the best settings found and their tok/s
+    note: str | None = None  # why a drafting mode's figures equal iterative's (planner/search.never_speculated)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in vars(self).items() if k not in ("speedup", "predictions", "best", "note")}
+        for k in ("speedup", "predictions"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        d["note"] = self.note
+        if self.best is not None:
+            d["best"] = self.best
+        return d
+
+
+def summarize(preds: list[Prediction]) -> ModeSummary:
     drafted = sum(p.acceptance["drafted"] for p in preds)
     accepted = sum(p.acceptance["accepted"] for p in preds)
     n_stages = max(len(p.utilisation) for p in preds)
-    return {
-        "n_prompts": len(preds),
-        "n_gen": sum(p.n_gen for p in preds),
-        "tok_per_s": _median([p.tok_per_s for p in preds]),
-        "decode_tok_per_s": _median([p.decode_tok_per_s for p in preds]),
-        "ttft_s": _median([p.ttft_s for p in preds]),
-        "itl_ms": {"p50": _median([p.itl_ms["p50"] for p in preds if p.itl_ms]),
-                   "p90": _median([p.itl_ms["p90"] for p in preds if p.itl_ms])},
-        "acceptance": {"drafted": drafted, "accepted": accepted, "rate": accepted / drafted if drafted else None},
-        "utilisation": [_median([p.utilisation[i] for p in preds if i < len(p.utilisation)]) for i in range(n_stages)],
-        "draft_misses": sum(p.draft_misses for p in preds),
-        "settings": preds[0].settings,
-    }
+    return ModeSummary(
+        n_prompts=len(preds), n_gen=sum(p.n_gen for p in preds),
+        tok_per_s=_median([p.tok_per_s for p in preds]), decode_tok_per_s=_median([p.decode_tok_per_s for p in preds]),
+        ttft_s=_median([p.ttft_s for p in preds]),
+        itl_ms={"p50": _median([p.itl_ms["p50"] for p in preds if p.itl_ms]),
+                "p90": _median([p.itl_ms["p90"] for p in preds if p.itl_ms])},
+        acceptance={"drafted": drafted, "accepted": accepted, "rate": accepted / drafted if drafted else None},
+        utilisation=[_median([p.utilisation[i] for p in preds if i < len(p.utilisation)]) for i in range(n_stages)],
+        draft_misses=sum(p.draft_misses for p in preds), settings=preds[0].settings,
+    )
 
 
 def speedup(a: list[Prediction], b: list[Prediction]) -> float | None:
@@ -65,13 +93,13 @@ def run_mode(profile: Profile, topo: Topology, mode: str, replay: Replay, opts: 
 
 
 def plan_modes(profile: Profile, topo_of: Callable[[str], Topology], modes: list[str], replay: Replay,
-               opts: DecodeOptions, n_ctx: int) -> dict:
+               opts: DecodeOptions, n_ctx: int) -> dict[str, ModeSummary]:
     """{mode: summary with its predictions} and speedups against the baselines among `modes`."""
     runs = {m: run_mode(profile, topo_of(m), m, replay, opts, n_ctx) for m in modes}
     out = {}
     for m, preds in runs.items():
         s = summarize(preds)
-        s["speedup"] = {f"vs_{b}": speedup(preds, runs[b]) for b in ("iterative", "speculative") if b in runs}
-        s["predictions"] = [p.to_json() for p in preds]
+        s.speedup = {f"vs_{b}": speedup(preds, runs[b]) for b in ("iterative", "speculative") if b in runs}
+        s.predictions = [p.to_json() for p in preds]
         out[m] = s
     return out

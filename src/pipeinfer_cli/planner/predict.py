@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..decode.draft_economy import DraftMemory
+from ..decode.draft_spec import LOOKUP
 from ..decode.modes import decode, needs_draft
 from ..decode.sampling import SamplingParams
 from ..decode.session import DecodeOptions, Session
+from ..decode.slot_geometry import sequences_per_request
 from ..decode.sync import prefill
 from .costs import StageCost
 from .profile import DraftCosts, Profile, RankCosts
@@ -65,7 +67,7 @@ def build_pipeline(profile: Profile, topo: Topology, pt: PromptTrace, opts: Deco
     ranks = topo.stage_ranks
     links = [profile.link(ranks[i], ranks[i + 1]) for i in range(len(ranks) - 1)] + [profile.link(ranks[-1], ranks[0])]
     cancel_links = [profile.link(ranks[0], r) for r in ranks]
-    n_seq = min(64, 2 + opts.max_inflight * max(1, opts.max_branches))
+    n_seq = sequences_per_request(opts.max_inflight, opts.max_branches)
     return SimulatedPipeline(_stages(profile, topo), links, cancel_links, profile.model.n_embd,
                              lambda _context, pos: pt.token_after(pos), n_seq, n_ctx)
 
@@ -74,12 +76,12 @@ def make_drafter(profile: Profile, topo: Topology, pipe: SimulatedPipeline, inde
     d = profile.draft
     if topo.draft is None:
         return None
-    if topo.draft == "lookup":
-        costs = d if d is not None and d.kind == "lookup" else DraftCosts("lookup", "lookup", 0, 1, 2e-5, 0.0)
+    if topo.draft == LOOKUP:
+        costs = d if d is not None and d.is_lookup else DraftCosts("lookup", "lookup", 0, 1, 2e-5, 0.0)
         if isinstance(index, SyntheticChains):  # an acceptance rate given for lookup: a draft of that rate, at its cost
             return ReplayDrafter(pipe, index, costs)
         return TimedLookup(pipe, costs)
-    if d is None or d.kind != "model":
+    if d is None or not d.is_model:
         raise ValueError("the profile has no draft model's costs: calibrate with --draft MODEL")
     if index is None:
         raise ValueError("a draft model needs a trace with its chains (or a synthetic acceptance rate)")

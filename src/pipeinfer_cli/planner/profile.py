@@ -27,6 +27,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..decode.draft_spec import LOOKUP, MODEL
 from ..errors import UsageError
 from .json_file import read_json, write_atomic
 
@@ -100,6 +101,14 @@ class DraftCosts:
     acceptance_tokens: int = 0
     confidence_right: list[float] | None = None
     confidence_wrong: list[float] | None = None
+
+    @property
+    def is_lookup(self) -> bool:
+        return self.kind == LOOKUP
+
+    @property
+    def is_model(self) -> bool:
+        return self.kind == MODEL
 
 
 @dataclass

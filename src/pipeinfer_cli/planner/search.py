@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..decode.modes import needs_draft
+from ..decode.draft_spec import LOOKUP
 from ..decode.session import DecodeOptions
 from .plan import Replay, run_mode, summarize
 from .predict import Topology
@@ -68,7 +69,7 @@ def search_settings(profile: Profile, topo: Topology, mode: str, replay: Replay,
     cands = candidate_options(mode, opts, len(topo.stage_ranks))
     for i, cand in enumerate(cands, start=1):
         s = summarize(run_mode(profile, topo, mode, replay, cand, n_ctx))
-        speed = s["tok_per_s"]
+        speed = s.tok_per_s
         if best is None or (speed is not None and (best.tok_per_s is None or speed > best.tok_per_s)):
             best = ModeBest(mode, cand, speed, s)
         if on_step is not None:
@@ -94,11 +95,11 @@ def choose(profile: Profile, topo_of: Callable[[str], Topology], modes: list[str
     return Choice(best.mode, best.opts, best.tok_per_s, per_mode)
 
 
-def never_speculated(mode: str, summary: dict, draft) -> str | None:
+def never_speculated(mode: str, summary, draft) -> str | None:
     """Why a drafting mode's figures equal iterative's: its draft never proposed a token."""
-    if not needs_draft(mode) or summary["acceptance"]["drafted"]:
+    if not needs_draft(mode) or summary.acceptance["drafted"]:
         return None
-    if draft == "lookup":
+    if draft == LOOKUP:
         return ("never speculated: prompt lookup found no earlier occurrence of the text's last tokens to propose "
                 "from, so every step ran as iterative does (--acceptance RATE assumes a rate instead)")
     return "never speculated: the draft proposed no token, so every step ran as iterative does"

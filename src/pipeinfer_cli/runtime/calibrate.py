@@ -91,14 +91,14 @@ def times_draft(spec: ProbeSpec, topo: Topology, rank: int) -> bool:
     """Whether a rank of this topology times a draft model (and so needs its file): the draft rank,
     else the head."""
     where = topo.draft_rank if topo.draft_rank is not None else 0
-    return spec.draft_kind == "model" and rank == where
+    return spec.draft.uses_model and rank == where
 
 
 def identities(cfg, draft: DraftCosts | None) -> str:
     """The target's sha256 (and the draft model's, set on `draft`): what a profile is matched by."""
     from ..planner.identity import model_sha256
 
-    if draft is not None and draft.kind == "model" and cfg.draft_path is not None:
+    if draft is not None and draft.is_model and cfg.draft_path is not None:
         draft.sha256 = model_sha256(cfg.draft_path, cfg.draft_sha256, cfg.draft_size)
     return model_sha256(cfg.model_path, cfg.model_sha256, cfg.model_size)
 
@@ -136,7 +136,7 @@ class _Job:
     def runs_draft(self, rank: int) -> bool:
         """Whether the draft is measured on this rank: where the job would run it."""
         where = self.topo.draft_rank if self.topo.draft_rank is not None else 0
-        return self.spec.draft_kind is not None and rank == where
+        return not self.spec.draft.is_none and rank == where
 
     def measure(self) -> tuple[RankCosts, DraftCosts | None]:
         r = self.link.rank

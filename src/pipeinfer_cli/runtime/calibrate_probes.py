@@ -27,11 +27,12 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from ..decode.draft_spec import DraftSpec
 from ..decode.sampling import SamplingParams, sample_rows
 from ..decode.session import CANONICAL_SEQ, PREFILL_CHUNK, Session
 from ..decode.sync import decode_iterative, prefill
@@ -63,9 +64,8 @@ class ProbeSpec:
     reps: int  # timed repetitions per point (the median is kept)
     warmup: int  # untimed repetitions first
     overhead_tokens: int  # tokens of the head loop timed for the per-run overhead
-    draft_kind: str | None = None  # "model", "lookup" or None
+    draft: DraftSpec = field(default_factory=DraftSpec.none)  # the job's --draft
     draft_path: str | None = None
-    draft_label: str = ""
     draft_prompt: int = 256  # tokens of the draft's timed prompt pass
     draft_proposals: int = 8  # timed proposals of n_draft tokens
     link_reps: int = 30  # timed round trips per message size
@@ -268,11 +268,11 @@ def run_overhead(front: _EmbeddingFront, n_vocab: int, n_tokens: int, sampling: 
 
 def draft_costs(spec: ProbeSpec, rank: int, threads: int) -> DraftCosts:
     """The draft's seconds per proposed token and per token of its prompt pass, on this rank."""
-    if spec.draft_kind == "lookup":
+    if spec.draft.is_lookup:
         return _lookup_costs(spec, rank)
-    from ..decode.drafters import LlamaDrafter
+    from .draft_setup import local_drafter
 
-    drafter = LlamaDrafter(Path(spec.draft_path), n_ctx=spec.n_ctx, n_threads=threads)
+    drafter = local_drafter(spec.draft, spec.draft_path, spec.n_ctx, threads)
     try:
         rng = np.random.default_rng(3)
         n_prompt = max(1, min(spec.draft_prompt, spec.n_ctx - (spec.draft_proposals + 2) * (spec.n_draft + 1)))
@@ -295,14 +295,14 @@ def draft_costs(spec: ProbeSpec, rank: int, threads: int) -> DraftCosts:
             path = path + prop.tokens  # as if every token was accepted: n_draft evals per proposal
     finally:
         drafter.close()
-    return DraftCosts("model", spec.draft_label, rank, threads, statistics.median(per_token), prompt_s)
+    return DraftCosts("model", spec.draft.label, rank, threads, statistics.median(per_token), prompt_s)
 
 
 def _lookup_costs(spec: ProbeSpec, rank: int) -> DraftCosts:
     """Prompt lookup: a path of 1,000 tokens that repeats itself, so that every proposal is full."""
-    from ..decode.lookup import LookupDrafter
+    from .draft_setup import lookup_drafter
 
-    drafter = LookupDrafter()
+    drafter = lookup_drafter()
     base = [int(t) for t in np.random.default_rng(4).integers(0, 32000, 500)]
     path = base + base
 
@@ -315,7 +315,24 @@ def _lookup_costs(spec: ProbeSpec, rank: int) -> DraftCosts:
     return DraftCosts("lookup", "lookup", rank, 1, token_s, 0.0)
 
 
-def host_facts() -> dict:
+@dataclass(frozen=True)
+class HostFacts:
+    """This host, as a profile's rank records it (planner/profile.py `RankCosts`)."""
+
+    host: str
+    cpu: str  # the CPU model
+    cores: int  # logical CPUs of the host
+    usable_cpus: float  # what this process may use: the smaller of its affinity and a cgroup quota
+    affinity_cpus: int
+    quota_cpus: float | None
+    mem_total_bytes: int
+    mem_available_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def host_facts() -> HostFacts:
     """This host: name, CPU model, logical CPUs, the CPU this process may use (runtime/cpu_share.py:
     its affinity, a cgroup quota, and the smaller of them), total and available memory (bytes)."""
     cpu = ""
@@ -335,9 +352,8 @@ def host_facts() -> dict:
     except (OSError, ValueError, IndexError):
         pass
     share = cpu_share()
-    return {"host": socket.gethostname(), "cpu": cpu or "unknown", "cores": share.host_cpus,
-            "usable_cpus": share.cpus, "affinity_cpus": share.affinity_cpus, "quota_cpus": share.quota_cpus,
-            "mem_total_bytes": mem.get("MemTotal", 0), "mem_available_bytes": _available(mem.get("MemAvailable", 0))}
+    return HostFacts(socket.gethostname(), cpu or "unknown", share.host_cpus, share.cpus, share.affinity_cpus,
+                     share.quota_cpus, mem.get("MemTotal", 0), _available(mem.get("MemAvailable", 0)))
 
 
 def _available(mem_available: int) -> int:
@@ -373,10 +389,10 @@ def measure_rank(spec: ProbeSpec, info, rank: int, threads: int, runs_draft: boo
     del last
     draft = None
     if runs_draft:
-        say(f"draft {spec.draft_label}")
+        say(f"draft {spec.draft.label}")
         draft = draft_costs(spec, rank, threads)
     costs = RankCosts(rank=rank, threads=threads, decode=decode, prefill=prefill_grid, output_row_s=head_s + sample_s,
-                      run_overhead_s=overhead_s, probe_layers=[begin, end], spread=dict(noise.worst), **facts)
+                      run_overhead_s=overhead_s, probe_layers=[begin, end], spread=dict(noise.worst), **facts.as_dict())
     return costs, draft
 
 

@@ -67,7 +67,7 @@ def share_probe_weights(link: Link, startup, cfg, spec: ProbeSpec,
     if link.rank == 0:
         info = read_model_info(cfg.model_path)
         counts = {hosts.count(h) for h in hosts}
-        topos = {c: plan_config(cfg, link.size, c, cfg.draft_label is not None) for c in counts}
+        topos = {c: plan_config(cfg, link.size, c, not cfg.draft.is_none) for c in counts}
         digests = _digests(cfg, files, spec, topos[hosts.count(hosts[0])], runs_draft)
         startup.check_in("plan", (topos, info, digests, spec))
         needs = startup.check_in("weights", [])

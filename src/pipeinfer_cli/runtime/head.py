@@ -16,17 +16,17 @@ from dataclasses import dataclass, replace
 from ..transport.mpi_link import Link
 from ..decode.sync import prefill
 from ..decode.draft_economy import DraftMemory
-from .handoff import handoff_ms
+from .handoff import wire_summary
 from .loading import Loaded, n_predict_for, tokenize_request
 from ..decode.metrics import now
 from ..decode.modes import decode, needs_draft
 from .pipeline import Pipeline
 from ..decode.prefix_cache import PrefixCache
-from ..decode.result import GenerationResult
+from ..decode.result import GenerationResult, RankReport
 from ..decode.session import CANONICAL_SEQ, Session
 from ..decode.text_stream import TextStream
 from ..decode.trace import TraceRecorder
-from .rank_report import RankReport, fault_injection
+from .rank_report import RankReporter, fault_injection
 from .worker import abort_job
 
 # PIPEINFER_DEBUG_DIVERGE=MODE changes the last generated token of every MODE result (the result
@@ -77,7 +77,7 @@ class Head:
         self.pipe = Pipeline(link if topo.world_size > 1 else None, loaded.engine, topo.n_stages, trace, topo.draft_rank,
                              wait_policy=link.wait_policy if link is not None else None)
         me = topo.ranks[0]
-        self.report = RankReport(0, "head", list(me.layers), me.threads, trace, loaded.engine, link, loaded.weights)
+        self.report = RankReporter(0, "head", list(me.layers), me.threads, trace, loaded.engine, link, loaded.weights)
         self.prefix = PrefixCache()
         self.draft_used = False  # a request has run the draft (its cache may hold tokens)
         self.draft_memory = DraftMemory()  # whether drafting can pay on one stage, learned by earlier requests
@@ -125,7 +125,7 @@ class Head:
         self.report.runs = s.metrics.runs.launched
         ranks = [self.report.take(rows_requested=counters.rows_requested)] + reports
         if self.cfg.reuse_prefix:
-            self.prefix.after_request(prompt, s.tokens, max(r.get("kv_min_resume", 0) for r in ranks))
+            self.prefix.after_request(prompt, s.tokens, max(r.kv_min_resume or 0 for r in ranks))
         else:
             self.pipe.kv_clear()
         self.draft_used |= needs_draft(req.mode)
@@ -187,11 +187,11 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
     opts = getattr(req, "decode", None) or cfg.decode
     s = Session(prompt, req.sampling or cfg.sampling, n_predict_for(cfg, req, len(prompt)), tok.is_eog, cb.on_token,
                 text=TextStream(tok.piece, req.stop), on_text=cb.on_text, cancelled=req.cancelled)
-    if req.draft == "lookup" and drafter is not None:
-        from ..decode.lookup import LookupDrafter
+    if req.lookup_only and drafter is not None:
+        from .draft_setup import lookup_drafter
 
-        drafter = LookupDrafter()
-    local_draft = loaded.topo.draft_rank is None or req.draft == "lookup"  # a draft rank traces its own work
+        drafter = lookup_drafter()
+    local_draft = loaded.topo.draft_rank is None or req.lookup_only  # a draft rank traces its own work
     draft_prefill = None
     if drafter is not None and needs_draft(req.mode):
         def draft_prefill() -> None:
@@ -211,13 +211,13 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
     return s
 
 
-def assemble_result(cfg, req, topo, tok, s: Session, ranks: list[dict], offsets: list[float],
+def assemble_result(cfg, req, topo, tok, s: Session, ranks: list[RankReport], offsets: list[float],
                     t_end: float) -> GenerationResult:
     """One request's result: text, tokens, metrics (docs/json-output.md) and every rank's report."""
     runs = replace(s.metrics.runs)  # the session's counters, plus what the stages' engines counted
     for r in ranks:
-        r["clock_offset_s"] = offsets[r["rank"]] if r["rank"] < len(offsets) else 0.0
-        engine = r.get("engine") or {}
+        r.clock_offset_s = offsets[r.rank] if r.rank < len(offsets) else 0.0
+        engine = r.engine or {}
         runs.cancelled_mid_compute += engine.get("cancelled_mid_compute", 0)
         runs.layer_evals_skipped += engine.get("layer_evals_skipped", 0)
     return GenerationResult(
@@ -226,26 +226,9 @@ def assemble_result(cfg, req, topo, tok, s: Session, ranks: list[dict], offsets:
         text=s.text.text if s.text is not None else tok.llm.detokenize(s.generated).decode("utf-8", errors="replace"),
         tokens=s.generated, finish_reason=s.finish_reason,
         **vars(s.metrics.rates()), acceptance=replace(s.metrics.acceptance), runs=runs,
-        wire={**wire_summary(ranks, len(s.generated)), "handoff_ms": handoff_ms(ranks, topo.n_stages)},
+        wire=wire_summary(ranks, len(s.generated), topo.n_stages).as_dict(),
         t_start=s.metrics.t_start, t_end=t_end, ranks=ranks,
     )
-
-
-def wire_summary(ranks: list[dict], n_gen: int) -> dict:
-    """Bytes and messages per link (array payloads: run headers, hidden states, results, KV
-    operations, cancels, draft requests), per generated token, and each rank's time waiting."""
-    per = max(n_gen, 1)
-    links = []
-    for r in ranks:
-        for dest, row in (r.get("wire") or {}).get("sent", {}).items():
-            links.append({"from": r["rank"], "to": int(dest), "bytes": row["bytes"], "messages": row["messages"],
-                          "bytes_per_token": round(row["bytes"] / per, 1),
-                          "messages_per_token": round(row["messages"] / per, 2)})
-    head_in = sum(row["bytes"] for row in ((ranks[0].get("wire") or {}).get("received") or {}).values())
-    rows = ranks[0].get("rows_requested") or 0
-    return {"links": links, "head_received_bytes_per_token": round(head_in / per, 1),
-            "head_received_bytes_per_row": round(head_in / rows, 1) if rows else None,
-            "wait_s": {str(r["rank"]): (r.get("wire") or {}).get("wait_s", 0.0) for r in ranks}}
 
 
 def _failing_on_token(fail_at: int, on_token):

@@ -25,14 +25,16 @@ from ..transport.liveness import Liveness
 from ..transport.mpi_link import Link
 from ..transport.start_waits import start_timeout_s
 from ..transport.startup import job_startup
+from ..decode.draft_spec import DraftSpec
 from ..decode.result import GenerationResult
+from ..decode.slot_geometry import SlotGeometry
 from .head import Callbacks, Head, serve_requests
 from .loading import Loaded, load_rank
 from ..decode.sampling import SamplingParams
 from ..decode.modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
 from ..decode.session import DecodeOptions
 from .topology import Topology, alone_on_cores
-from .weight_stream import local_files, share_plan_and_weights
+from .weight_stream import LoadedWeights, WeightsSource, local_files, share_plan_and_weights
 from ..decode.trace import TraceRecorder
 from .worker import abort_job, serve_worker
 
@@ -50,7 +52,7 @@ class Request:
     sampling: SamplingParams | None = None
     n_predict: int | None = None  # tokens to generate; -1: until end of text or a full context
     cancelled: Callable[[], bool] | None = None  # polled at each commit: True ends it ("cancelled")
-    draft: str | None = None  # "lookup": draft this request by prompt lookup, not with the job's draft model
+    lookup_only: bool = False  # draft this request by prompt lookup, not with the job's draft model
     decode: DecodeOptions | None = None  # this request's speculation settings (a server request's); None: the job's
     # Record this request's trace once it has run (`--save-trace`, planner/record.request_trace): its
     # prompt and committed tokens and, with a draft model of the target's vocabulary, the draft's
@@ -64,7 +66,7 @@ class JobConfig:
     model_path: Path
     model_label: str
     draft_path: Path | None  # GGUF draft model, or None
-    draft_label: str | None  # registry name / path / "lookup"
+    draft: DraftSpec = field(default_factory=DraftSpec.none)  # parsed from --draft, its model resolved
     sampling: SamplingParams = field(default_factory=SamplingParams)
     decode: DecodeOptions = field(default_factory=DecodeOptions)
     n_ctx: int = 4096
@@ -89,14 +91,25 @@ class JobConfig:
     load_policy: str = "yield"
 
     @property
+    def draft_label(self) -> str | None:
+        """The draft's name in reports: None, "lookup", the model's label or "lookup+" and it."""
+        return self.draft.label
+
+    @property
+    def geometry(self) -> SlotGeometry:
+        """The KV sequences and cells every stage opens, per request slot (decode/slot_geometry.py)."""
+        return SlotGeometry.for_job(self.n_ctx, self.parallel, self.decode.max_inflight, self.decode.max_branches,
+                                    drafts=not self.draft.is_none)
+
+    @property
     def slot_ctx(self) -> int:
         """KV cells of one request: all of --ctx with one slot, else its share in whole 256-cell blocks."""
-        return self.n_ctx if self.parallel == 1 else self.n_ctx // self.parallel // 256 * 256
+        return self.geometry.cells_per_slot
 
     @property
     def engine_ctx(self) -> int:
         """KV cells every stage opens: the slots' cells together."""
-        return self.slot_ctx * self.parallel
+        return self.geometry.n_ctx
 
 
 def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,
@@ -126,7 +139,7 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
     an error it raises ends the job like a failed load. Returns once the job is over; a rank's
     failure is raised on the head after service.fail() told every waiting client.
     """
-    link, trace, loaded, offsets = _load_job(cfg, [], cfg.draft_label is not None, before_load)
+    link, trace, loaded, offsets = _load_job(cfg, [], not cfg.draft.is_none, before_load)
     if link.rank != 0:
         serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return
@@ -251,20 +264,16 @@ def _say(text: str) -> None:
     print(f"pipeinfer: {text}", file=sys.stderr, flush=True)
 
 
-def _weights_report(source, load_s: float, loaded: Loaded) -> dict | None:
+def _weights_report(source: WeightsSource | None, load_s: float, loaded: Loaded) -> LoadedWeights | None:
     """This rank's "weights" report: where they came from, bytes received, time to get and load
     them, and its memory: the peak while loading and what stays resident once loaded."""
     from ..decode.metrics import peak_rss_mib, process_stats
 
     if source is None:
         return None
-    out = source.to_dict()
-    out["load_s"] = round(load_s, 3)
-    out["peak_rss_mib_loading"] = round(peak_rss_mib(), 1)
-    out["rss_mib_loaded"] = process_stats()["rss_mib"]
     # This rank's share: its layers' weights (a stage), or the draft file (a draft rank).
     if loaded.engine is not None:
-        out["weight_bytes"] = loaded.engine.weight_bytes
+        weight_bytes = loaded.engine.weight_bytes
     else:
-        out["weight_bytes"] = Path(source.path).stat().st_size if source.path else None
-    return out
+        weight_bytes = Path(source.path).stat().st_size if source.path else None
+    return LoadedWeights(source, round(load_s, 3), round(peak_rss_mib(), 1), process_stats().rss_mib, weight_bytes)

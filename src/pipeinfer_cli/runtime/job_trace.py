@@ -48,9 +48,10 @@ def _machine(results: list[GenerationResult]) -> dict:
 
     facts = host_facts()
     ranks = results[0].ranks if results else []
-    head = next((r for r in ranks if r.get("rank") == 0), {})
-    out = {k: facts[k] for k in ("host", "cpu", "cores", "usable_cpus")} | {"threads": head.get("threads")}
-    out["ranks"] = [{k: r.get(k) for k in ("rank", "role", "threads", "layers")} for r in ranks]
+    head = next((r for r in ranks if r.rank == 0), None)
+    out = {k: getattr(facts, k) for k in ("host", "cpu", "cores", "usable_cpus")}
+    out["threads"] = None if head is None else head.threads
+    out["ranks"] = [{k: getattr(r, k) for k in ("rank", "role", "threads", "layers")} for r in ranks]
     out["layer_split"] = results[0].layer_split if results else None
     return out
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from .topology import RankPlan, Topology
+from .weight_stream import LoadedWeights
 
 
 @dataclass
@@ -22,20 +23,7 @@ class Loaded:
     drafter: object | None = None  # the head's drafter, or the draft rank's model
     draft_vocab: str | None = None  # head: "direct" or "translated" (runtime/vocab.py); None without a draft
     draft_tokenizer: object | None = None  # head, translated drafts: the draft's tokenizer.Tokenizer
-    weights: dict | None = None  # where this rank's weights came from (runtime/weight_stream.py)
-
-
-MAX_SEQUENCES = 64  # the engine's sequence ids
-
-
-def seqs_per_slot(cfg) -> int:
-    """KV sequences one request uses: the canonical one, one per in-flight run and tree branch, and
-    a spare; one slot's share of the engine's MAX_SEQUENCES. A parallel server without a draft only
-    decodes iteratively: the canonical sequence and a spare."""
-    if getattr(cfg, "parallel", 1) > 1 and cfg.draft_label is None:
-        return 2
-    decode = cfg.decode
-    return min(MAX_SEQUENCES, 2 + decode.max_inflight * max(1, decode.max_branches))
+    weights: LoadedWeights | None = None  # where this rank's weights came from (runtime/weight_stream.py)
 
 
 def spec_margin(cfg, req) -> int:
@@ -71,18 +59,15 @@ def _warn_if_profiled_elsewhere(cfg, rank: int) -> None:
     from .calibrate_probes import host_facts
 
     facts = host_facts()
-    warning = Profile.load(cfg.profile).machine_warning(rank, facts["host"], facts["cpu"], f"the profile {cfg.profile}")
+    warning = Profile.load(cfg.profile).machine_warning(rank, facts.host, facts.cpu, f"the profile {cfg.profile}")
     if warning:
         print(f"pipeinfer: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def make_drafter(cfg, threads: int):
-    from ..decode.drafters import LlamaDrafter
-    from ..decode.lookup import LookupDrafter
+    from .draft_setup import local_drafter
 
-    if cfg.draft_label == "lookup":
-        return LookupDrafter()
-    return LlamaDrafter(cfg.draft_path, n_ctx=cfg.n_ctx, n_threads=threads)
+    return local_drafter(cfg.draft, cfg.draft_path, cfg.n_ctx, threads)
 
 
 def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool) -> Loaded:
@@ -96,13 +81,11 @@ def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool)
         if needs_draft:
             out.drafter = make_drafter(cfg, me.threads)
         return out
-    # Sequences: the canonical one, plus one per in-flight run and tree branch (pipeinfer), per slot.
-    parallel = getattr(cfg, "parallel", 1)
-    n_seq = seqs_per_slot(cfg) * parallel
+    geometry = cfg.geometry  # sequences and cells per request slot
     check_memory_limit(cfg, me, rank, topo.n_stages)
     try:
-        out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=cfg.engine_ctx,
-                                 n_threads=me.threads, n_seq_max=n_seq, n_slots=parallel, slowdown=slowdown_for(rank))
+        out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=geometry.n_ctx,
+                                 n_threads=me.threads, n_seq_max=geometry.n_seq, n_slots=geometry.n_slots, slowdown=slowdown_for(rank))
     except RuntimeError as e:
         if "cannot allocate a KV cache" not in str(e):
             raise
@@ -148,7 +131,7 @@ def _load_head(cfg, out: Loaded, requests: list, needs_draft: bool) -> None:
     out.prompts = [tokenize_request(cfg, tok, req) for req in requests]
     if not needs_draft:
         return
-    if cfg.draft_label is None:
+    if cfg.draft.is_none:
         raise UsageError("speculative and pipeinfer modes need a draft: pass --draft MODEL, --draft lookup, or a pair name")
     out.draft_vocab = "direct"  # lookup drafts in the target's own tokens
     if cfg.draft_path is not None:

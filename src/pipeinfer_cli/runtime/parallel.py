@@ -17,30 +17,17 @@ from __future__ import annotations
 
 import threading
 
-from ..decode.drafters import AsyncDrafter, Proposal
-from ..decode.hybrid import is_hybrid
-from ..decode.lookup import LookupDrafter
+from ..decode.draft_spec import DraftSpec
+from ..decode.drafters import AsyncDrafter
 from ..decode.metrics import now
 from ..decode.modes import needs_draft
 from ..decode.parallel_policy import Slot, SlotTable
 from ..decode.session import CANONICAL_SEQ
+from .draft_setup import fallback_drafter, lookup_drafter
 from .head import Head, _trace_commits, assemble_result, run_request
 from .slot_pipeline import MuxFailed, PipelineMux
 
 JOIN_AFTER_FAILURE_S = 5.0  # how long the other slots' threads get to stop once one failed
-
-
-class NoDraft:
-    """The drafter of a request that has none: every proposal is empty (single-token runs)."""
-
-    name = "none"
-
-    def start(self, prompt: list[int], reuse: int = 0) -> None: ...
-
-    def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
-        return Proposal([], [], [])
-
-    def close(self) -> None: ...
 
 
 class _Locked:
@@ -65,10 +52,9 @@ class _Locked:
 class DraftLease:
     """The job's draft model, lent to one request at a time."""
 
-    def __init__(self, drafter, draft_label: str | None, lock):
-        self.drafter, self.lock = drafter, lock
-        self.lookup_only = draft_label == "lookup"
-        self.hybrid = is_hybrid(draft_label)
+    def __init__(self, drafter, draft: DraftSpec, lock):
+        self.drafter, self.lock, self.spec = drafter, lock, draft
+        self.lookup_only = draft.is_lookup
         self.holder: int | None = None  # the slot holding it
         self.last_slot: int | None = None  # the slot whose tokens its cache holds
         self._mutex = threading.Lock()
@@ -78,7 +64,7 @@ class DraftLease:
         if self.drafter is None:
             return None, reuse, False
         if self.lookup_only:
-            return LookupDrafter(), reuse, False  # stateless: every request may have one
+            return lookup_drafter(), reuse, False  # stateless: every request may have one
         with self._mutex:
             if self.holder is None:
                 self.holder = slot
@@ -86,7 +72,7 @@ class DraftLease:
                 self.last_slot = slot
                 drafter = _Locked(self.drafter, self.lock) if isinstance(self.drafter, AsyncDrafter) else self.drafter
                 return drafter, draft_reuse, True
-        return (LookupDrafter() if self.hybrid else NoDraft()), reuse, False
+        return fallback_drafter(self.spec), reuse, False
 
     @property
     def lent(self) -> bool:
@@ -107,7 +93,7 @@ class ParallelRunner:
         self.head, self.service, self.cfg = head, service, cfg
         self.mux = PipelineMux(head.pipe, cfg.parallel, cfg.load_policy)
         self.table = SlotTable(cfg.parallel, cfg.reuse_prefix)
-        self.lease = DraftLease(head.drafter, cfg.draft_label, self.mux.lock)
+        self.lease = DraftLease(head.drafter, cfg.draft, self.mux.lock)
         self.threads: dict[int, threading.Thread] = {}
         self.failure: BaseException | None = None
         self.freed = threading.Event()
@@ -168,7 +154,7 @@ class ParallelRunner:
             self.threads.pop(slot.index, None)
             self.freed.set()
 
-    def _holder_of_the_draft(self) -> dict | None:
+    def _holder_of_the_draft(self) -> dict[str, int | None] | None:
         """{"slot", "id_task"} of the request holding the job's draft model (None if it was just given back)."""
         holder = self.lease.holder
         info = self.service.slot_info.get(holder) if holder is not None else None
@@ -212,7 +198,7 @@ class ParallelRunner:
             head.report.runs = s.metrics.runs.launched
             ranks = [head.report.take(rows_requested=counters.rows_requested)] + reports
         if cfg.reuse_prefix:
-            slot.prefix.after_request(prompt, s.tokens, max(r.get("kv_min_resume", 0) for r in ranks))
+            slot.prefix.after_request(prompt, s.tokens, max(r.kv_min_resume or 0 for r in ranks))
         else:
             view.seq_rm(CANONICAL_SEQ)
         result = assemble_result(cfg, req, head.topo, head.tokenizer, s, ranks, head.offsets, t_end)
@@ -224,7 +210,7 @@ class ParallelRunner:
         return result
 
 
-def slot_rows(service) -> list[dict]:
+def slot_rows(service) -> list[dict[str, object]]:
     """What every slot of a service does (GET /slots, /metrics), in llama-server's manner: id,
     n_ctx, is_processing, and for a busy slot its request (id_task), mode, prompt tokens, tokens
     decoded so far, reused tokens and drafter; for a request that wanted the job's draft model

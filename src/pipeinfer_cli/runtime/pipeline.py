@@ -20,6 +20,7 @@ from ..transport.messages import KV_USAGE, REPORT, RUN_FLAG_INVARIANT, SHUTDOWN,
 from ..transport.mpi_link import Backoff, Link, RankFailedError, WaitPolicy
 from ..decode.metrics import now
 from ..decode.sampling import SamplingParams, sample_rows, to_spec
+from ..decode.result import RankReport
 from ..decode.pipeline_protocol import RunResult  # noqa: F401 - part of this module's API
 
 PipelineError = RankFailedError  # a rank of the job failed; the message names the rank
@@ -187,7 +188,7 @@ class Pipeline:
             self.link.raise_reported_error()
 
     # -- between requests and at the end ------------------------------------------------------
-    def report(self) -> list[dict]:
+    def report(self) -> list[RankReport]:
         """Collect every other rank's counters and trace events (in stream order, after all runs)."""
         return self._ask_everyone(REPORT)
 
@@ -196,10 +197,10 @@ class Pipeline:
         order: after the KV operations sent so far."""
         usage = {0: self.engine.kv_used_cells()}
         for r in self._ask_everyone(KV_USAGE):
-            usage[r["rank"]] = r["kv_used_cells"]
+            usage[r.rank] = r.cells
         return usage
 
-    def _ask_everyone(self, msg) -> list[dict]:
+    def _ask_everyone(self, msg) -> list:
         """Send a control message down the stream (and to the draft rank); one pickled reply per rank."""
         if self.link is None:
             return []

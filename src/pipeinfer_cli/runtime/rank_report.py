@@ -4,9 +4,19 @@ abort signal, and the debug fault injection (stages, draft rank and head alike).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from ..transport.mpi_link import Link, WaitPolicy
 from ..decode.metrics import peak_rss_mib, process_stats
+from ..decode.result import RankReport
+
+
+@dataclass(frozen=True)
+class KvUsage:
+    """A rank's answer to KV_USAGE: the KV cells it holds (a draft rank: tokens in its model's cache)."""
+
+    rank: int
+    cells: int
 
 
 class JobAborted(Exception):
@@ -21,16 +31,18 @@ def fault_injection(link: Link | None) -> int | None:
     return faults.raise_at if faults is not None else None
 
 
-class RankReport:
-    """One rank's counters for the current request, sent to (or kept by) the head at each REPORT.
+class RankReporter:
+    """One rank's counters for the current request, sent to (or kept by) the head at each REPORT
+    as a `RankReport`.
 
     Every count restarts at each report, so a report is exactly one request's share. cpu_s counts
     CPU seconds since the previous report, so an idle rank that spins would show it."""
 
     def __init__(self, rank: int, role: str, layers, threads: int, trace, engine=None, link: Link | None = None,
-                 weights: dict | None = None):
+                 weights=None):
         self.rank, self.role, self.layers, self.threads = rank, role, layers, threads
-        self.weights = weights  # where the rank's weights came from, once per job (runtime/weight_stream.py)
+        # where the rank's weights came from, once per job (runtime/weight_stream.py LoadedWeights)
+        self.weights = weights.as_dict() if weights is not None else None
         self.trace, self.engine, self.link = trace, engine, link
         self.busy_s = 0.0  # seconds computing (stage evals, draft proposals)
         self.runs = 0  # runs computed or draft requests answered
@@ -44,26 +56,22 @@ class RankReport:
         if self.link is not None:
             self.link.traffic.take()
 
-    def take(self, **extra) -> dict:
+    def take(self, rows_requested: int | None = None, skipped_before_start: int | None = None) -> RankReport:
         """The report since the previous one (trace events included); counting starts again."""
         events = list(self.trace.events)
         self.trace.events.clear()
-        out = {"rank": self.rank, "role": self.role, "layers": self.layers, "threads": self.threads,
-               "peak_rss_mib": round(peak_rss_mib(), 1), "busy_s": round(self.busy_s, 4),
-               "cpu_s": round(time.process_time() - self._cpu0, 3), "runs": self.runs, "wait": self._wait_style()}
-        out["process"] = process_stats()
-        if self.weights is not None:
-            out["weights"] = self.weights
+        out = RankReport(self.rank, self.role, self.layers, self.threads, round(peak_rss_mib(), 1),
+                         round(self.busy_s, 4), round(time.process_time() - self._cpu0, 3), self.runs,
+                         self._wait_style(), process_stats(), weights=self.weights,
+                         rows_requested=rows_requested, skipped_before_start=skipped_before_start, trace=events)
         if self.engine is not None:
             stats = dict(self.engine.stats())
-            out["engine"] = {k: v - self._engine0.get(k, 0) for k, v in stats.items()}
-            out["kv_used_cells"] = self.engine.kv_used_cells()
-            out["kv_used_cells_at_start"] = self.kv_at_start
-            out["kv_min_resume"] = self.engine.kv_min_resume(0)  # the canonical sequence (window cache)
+            out.engine = {k: v - self._engine0.get(k, 0) for k, v in stats.items()}
+            out.kv_used_cells = self.engine.kv_used_cells()
+            out.kv_used_cells_at_start = self.kv_at_start
+            out.kv_min_resume = self.engine.kv_min_resume(0)  # the canonical sequence (window cache)
         if self.link is not None:
-            out["wire"] = self.link.traffic.take()
-        out.update(extra)
-        out["trace"] = events
+            out.wire = self.link.traffic.take()
         self._reset()
         return out
 

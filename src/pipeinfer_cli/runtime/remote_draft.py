@@ -11,7 +11,7 @@ from ..transport.messages import DraftReply, DraftRequest, Msg, Tag
 from ..transport.mpi_link import Link
 from ..decode.drafters import Proposal
 from ..decode.metrics import now
-from .rank_report import JobAborted, RankReport, fault_injection
+from .rank_report import JobAborted, KvUsage, RankReporter, fault_injection
 
 
 class RemoteDrafter:
@@ -80,7 +80,7 @@ def serve_draft(link: Link, drafter, threads: int, trace, weights: dict | None =
 
     fail_at = fault_injection(link)
     n_req = 0  # over the whole job, for fault injection
-    report = RankReport(link.rank, "draft", None, threads, trace, link=link, weights=weights)
+    report = RankReporter(link.rank, "draft", None, threads, trace, link=link, weights=weights)
     while True:
         st = link.wait_probe(0, Tag.DRAFT_REQ, on_idle=check_abort)
         req = DraftRequest.decode(link.recv_array(0, Tag.DRAFT_REQ, np.int64, st))
@@ -92,7 +92,7 @@ def serve_draft(link: Link, drafter, threads: int, trace, weights: dict | None =
             link.send_pickled(report.take(), 0, Tag.STATS)
             continue
         if req.kind == Msg.KV_USAGE:  # tokens in the draft model's cache (0 for lookup drafting)
-            link.send_pickled({"rank": link.rank, "kv_used_cells": len(getattr(drafter, "kv_tokens", []))}, 0, Tag.STATS)
+            link.send_pickled(KvUsage(link.rank, len(getattr(drafter, "kv_tokens", []))), 0, Tag.STATS)
             continue
         t0 = now()
         if req.kind == Msg.DRAFT_START:

@@ -166,7 +166,7 @@ class Service:
 
     @property
     def has_draft(self) -> bool:
-        return self.cfg is not None and self.cfg.draft_label is not None
+        return self.cfg is not None and not self.cfg.draft.is_none
 
     def default_mode(self) -> str:
         return self.mode or default_mode(self.has_draft)
@@ -385,7 +385,7 @@ class Service:
 
     def _finish(self, t: Ticket, result: GenerationResult) -> None:
         for r in result.ranks:
-            r.pop("trace", None)  # a long-running server keeps no trace events
+            r.trace = None  # a long-running server keeps no trace events
         result.queue_s, result.request_seq, result.run_index = t.queue_s, t.seq, t.run_index
         t.emit(Event("done", result=result))
         for fn in self._observers:

@@ -25,6 +25,7 @@ import numpy as np
 from ..decode.parallel_policy import may_speculate
 from ..decode.pipeline_protocol import RunResult
 from ..decode.sampling import SamplingParams
+from ..decode.slot_geometry import SlotGeometry
 from .pipeline import Pipeline, PipelineCounters
 
 
@@ -48,8 +49,7 @@ class PipelineMux:
     def __init__(self, pipe: Pipeline, n_slots: int, load_policy: str = "yield"):
         eng = pipe.engine
         self.pipe, self.n_slots, self.load_policy = pipe, n_slots, load_policy
-        self.seqs_per_slot = eng.n_seq_max // n_slots
-        self.slot_ctx = eng.n_ctx // n_slots
+        self.geometry = SlotGeometry.of_engine(eng.n_seq_max, eng.n_ctx, n_slots)
         self.lock = threading.RLock()
         self.owner: dict[int, SlotPipeline] = {}  # run id -> the slot that launched it
         self.sent_sampling: SamplingParams | None = None
@@ -95,8 +95,8 @@ class SlotPipeline:
         self.mux, self.index = mux, index
         pipe = mux.pipe
         self.n_stages, self.trace = pipe.n_stages, pipe.trace
-        self.seq_base = index * mux.seqs_per_slot
-        self.engine = SlotEngine(mux.seqs_per_slot, mux.slot_ctx, pipe.engine)
+        self.seq_base = index * mux.geometry.seqs_per_slot
+        self.engine = SlotEngine(mux.geometry.seqs_per_slot, mux.geometry.cells_per_slot, pipe.engine)
         self.ready: deque[RunResult] = deque()
         self.inflight = 0  # runs launched whose result has not arrived
         self.sampling = SamplingParams()
@@ -107,8 +107,8 @@ class SlotPipeline:
 
     # -- the slot's sequences ----------------------------------------------------------------
     def _seq(self, s: int) -> int:
-        if not 0 <= s < self.mux.seqs_per_slot:
-            raise ValueError(f"sequence {s} is outside slot {self.index}'s {self.mux.seqs_per_slot} sequences")
+        if not 0 <= s < self.mux.geometry.seqs_per_slot:
+            raise ValueError(f"sequence {s} is outside slot {self.index}'s {self.mux.geometry.seqs_per_slot} sequences")
         return self.seq_base + s
 
     # -- PipelineLike ----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from ..transport.messages import (
 from ..transport.mpi_link import Link
 from ..decode.metrics import now
 from ..decode.sampling import SamplingParams, from_spec, sample_rows
-from .rank_report import JobAborted, RankReport, fault_injection
+from .rank_report import JobAborted, KvUsage, RankReporter, fault_injection
 
 
 class CancelListener(threading.Thread):
@@ -104,7 +104,7 @@ class _StageLoop:
         self.nxt = None if self.is_last else link.rank + 1
         self.fail_at = fault_injection(link)
         self.n_runs = 0  # over the whole job, for fault injection
-        self.report = RankReport(link.rank, "stage", [engine.layer_begin, engine.layer_end], threads, trace, engine, link,
+        self.report = RankReporter(link.rank, "stage", [engine.layer_begin, engine.layer_end], threads, trace, engine, link,
                                  weights)
         self.sampling = SamplingParams()  # set by the head at the start of every request (Msg.SAMPLING)
         self.skipped_before_start = 0  # runs cancelled before this stage started them (this request)
@@ -142,11 +142,11 @@ class _StageLoop:
             self.report.kv_at_start = self.engine.kv_used_cells()
         elif kind == Msg.REPORT:
             out = self.report.take(skipped_before_start=self.skipped_before_start)
-            out["engine"]["layer_evals_skipped"] = out["engine"].get("layer_evals_skipped", 0) + self.layers_unstarted
+            out.engine["layer_evals_skipped"] = out.engine.get("layer_evals_skipped", 0) + self.layers_unstarted
             self.skipped_before_start = self.layers_unstarted = 0
             self.link.send_pickled(out, 0, Tag.STATS)
         elif kind == Msg.KV_USAGE:
-            self.link.send_pickled({"rank": self.link.rank, "kv_used_cells": self.engine.kv_used_cells()}, 0, Tag.STATS)
+            self.link.send_pickled(KvUsage(self.link.rank, self.engine.kv_used_cells()), 0, Tag.STATS)
 
     def run_one(self, hdr: RunHeader) -> None:
         engine = self.engine
@@ -171,7 +171,7 @@ class _StageLoop:
         _forward(self.link, hdr, out, self.nxt, self.trace)
 
 
-def _compute(engine, hdr: RunHeader, payload: np.ndarray, is_last: bool, report: RankReport, trace):
+def _compute(engine, hdr: RunHeader, payload: np.ndarray, is_last: bool, report: RankReporter, trace):
     """This stage's layers for one run; None if it was cancelled while computing."""
     t0 = now()
     try:

@@ -251,7 +251,7 @@ def plan_config(cfg, world_size: int, ranks_per_host: int, needs_draft: bool) ->
     """plan_job for a job's configuration (a runtime.job.JobConfig): the one call that plans a job,
     in the launching command (from the header, before any process starts) and on every rank."""
     return plan_job(cfg.model_path, cfg.model_label, world_size, ranks_per_host, cfg.layer_split, cfg.threads,
-                    cfg.draft_path, needs_draft, has_draft=cfg.draft_label is not None,
+                    cfg.draft_path, needs_draft, has_draft=not cfg.draft.is_none,
                     profile_path=getattr(cfg, "profile", None), n_ctx=getattr(cfg, "engine_ctx", cfg.n_ctx))
 
 

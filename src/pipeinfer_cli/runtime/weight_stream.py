@@ -69,13 +69,40 @@ class WeightsSource:
                 "path": self.path, "peak_rss_mib_streamed": self.peak_rss_mib_streamed}
 
 
-def local_files(cfg) -> dict:
-    """The model files this rank has ("start" check-in value)."""
-    return {"target": identify(cfg.model_path, cfg.model_sha256, cfg.model_size),
-            "draft": identify(cfg.draft_path, cfg.draft_sha256, cfg.draft_size)}
+@dataclass(frozen=True)
+class LoadedWeights:
+    """A rank's "weights" report (once per job): where they came from, and loading them."""
+
+    source: WeightsSource
+    load_s: float
+    peak_rss_mib_loading: float
+    rss_mib_loaded: float | None
+    weight_bytes: int | None  # this rank's share: its layers' weights (a stage), or the draft file
+
+    def as_dict(self) -> dict:
+        return {**self.source.to_dict(), "load_s": self.load_s, "peak_rss_mib_loading": self.peak_rss_mib_loading,
+                "rss_mib_loaded": self.rss_mib_loaded, "weight_bytes": self.weight_bytes}
 
 
-def share_plan_and_weights(link: Link, startup, cfg, needs_draft: bool, files: list[dict],
+@dataclass(frozen=True)
+class ModelFiles:
+    """The model files one rank has ("start" check-in value); None where it has none."""
+
+    target: FileIdentity | None
+    draft: FileIdentity | None
+
+    def of(self, what: str) -> FileIdentity | None:
+        """The file of `what` ("target" or "draft", as a `Need` names it)."""
+        return getattr(self, what)
+
+
+def local_files(cfg) -> ModelFiles:
+    """The model files this rank has."""
+    return ModelFiles(identify(cfg.model_path, cfg.model_sha256, cfg.model_size),
+                      identify(cfg.draft_path, cfg.draft_sha256, cfg.draft_size))
+
+
+def share_plan_and_weights(link: Link, startup, cfg, needs_draft: bool, files: list[ModelFiles],
                            say: Callable[[str], None]) -> tuple[Topology, WeightsSource | None]:
     """Plan on the head, agree on the configuration and get every rank its weights (see the module
     docstring). files: every rank's `local_files` from the "start" check-in. On every rank, cfg is
@@ -97,12 +124,12 @@ def share_plan_and_weights(link: Link, startup, cfg, needs_draft: bool, files: l
     role = topo.ranks[link.rank].role
     source, needs = None, []
     if role == "stage":
-        cfg.model_path, source = _pick(mine["target"], files[0]["target"], digests.get("target"),
+        cfg.model_path, source = _pick(mine.target, files[0].target, digests.get("target"),
                                        tuple(topo.ranks[link.rank].layers), _whoami(link, startup))
         if cfg.model_path is None:
             needs.append(Need("target", tuple(topo.ranks[link.rank].layers)))
     elif role == "draft" and needs_draft and head_cfg.draft_path is not None:
-        cfg.draft_path, source = _pick(mine["draft"], files[0]["draft"], digests.get("draft"), None,
+        cfg.draft_path, source = _pick(mine.draft, files[0].draft, digests.get("draft"), None,
                                        _whoami(link, startup))
         if cfg.draft_path is None:
             needs.append(Need("draft", None))
@@ -142,7 +169,7 @@ def _adopt(cfg, head_cfg) -> None:
     cfg.model_path, cfg.draft_path = own
 
 
-def _digests_for_others(cfg, topo: Topology, files: list[dict], needs_draft: bool) -> dict:
+def _digests_for_others(cfg, topo: Topology, files: list[ModelFiles], needs_draft: bool) -> dict[str, str]:
     """The sha256 of each model some rank needs and cannot use the head's very file for. Hashing
     a model the registry does not know takes a few seconds once (it is remembered)."""
     out = {}
@@ -151,9 +178,9 @@ def _digests_for_others(cfg, topo: Topology, files: list[dict], needs_draft: boo
         what = "target" if plan.role == "stage" else "draft" if needs_draft and cfg.draft_path is not None else None
         if what is None or what in out:
             continue
-        theirs = files[plan.rank][what]
-        if theirs is None or not theirs.same_file(head[what]):
-            out[what] = file_sha256(head[what])
+        theirs = files[plan.rank].of(what)
+        if theirs is None or not theirs.same_file(head.of(what)):
+            out[what] = file_sha256(head.of(what))
     return out
 
 
