@@ -142,16 +142,17 @@ def test_the_acceptance_auto_plans_with_is_measured_where_it_can_be():
     from types import SimpleNamespace
 
     from pipeinfer_cli.cli.auto_mode import draft_acceptance
+    from pipeinfer_cli.decode.draft_spec import DraftSpec
     from pipeinfer_cli.planner.acceptance import DEFAULT_ACCEPTANCE, lookup_on_prompt
     from pipeinfer_cli.planner.profile import DraftCosts
 
     on_prompt = lookup_on_prompt([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 9])
     assert on_prompt.measured and on_prompt.rate == 7 / 8 and len(on_prompt.confidences.right) == 7
     assert lookup_on_prompt(list(range(40))).rate == 0.0  # nothing repeats: nothing proposed
-    lookup = SimpleNamespace(draft_label="lookup")
+    lookup = SimpleNamespace(draft=DraftSpec.parse("lookup"))
     assert draft_acceptance(lookup, None, [1, 2, 1, 2, 1]).measured
     assert not draft_acceptance(lookup, None, None).measured  # chat, serve: no prompt yet
-    model = SimpleNamespace(draft_label="draft")
+    model = SimpleNamespace(draft=DraftSpec.parse("draft"))
     costs = DraftCosts("model", "draft", 0, 1, 1e-3, 1e-4)
     assert draft_acceptance(model, SimpleNamespace(draft=costs), None).rate == DEFAULT_ACCEPTANCE
     costs.acceptance, costs.acceptance_tokens, costs.confidence_right, costs.confidence_wrong = 0.75, 4, [.9] * 3, [.2]
@@ -160,13 +161,15 @@ def test_the_acceptance_auto_plans_with_is_measured_where_it_can_be():
 
 
 def test_recorded_chains_give_the_confidences():
+    from pipeinfer_cli.decode.draft_spec import DraftSpec
     from pipeinfer_cli.planner.acceptance import confidences
     from pipeinfer_cli.planner.replay import PromptTrace
 
     pt = PromptTrace("p", [1, 2], [3, 4, 5], "length", chains_from=3, chains=[[4, 9], [7]], chain_probs=[[.8, .1], [.3]])
-    got = confidences("draft", None, [pt])
+    model = DraftSpec.parse("draft")
+    got = confidences(model, None, [pt])
     assert got.right == [.8] and got.wrong == [.3]
-    assert confidences("draft", None, [PromptTrace("q", [1], [2], "length")]) is None  # nothing measured: the rate
+    assert confidences(model, None, [PromptTrace("q", [1], [2], "length")]) is None  # nothing measured: the rate
 
 
 def test_chat_says_what_auto_chose_and_that_its_acceptance_is_assumed(smollm2_path, profile):

@@ -104,7 +104,7 @@ def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, tmp_path):
     assert profile.model.file_bytes == smollm2_path.stat().st_size and profile.model.n_layer == 30
     facts = host_facts()
     for r in profile.ranks:
-        assert (r.threads, r.ranks_per_host, r.cpu, r.cores) == (1, 2, facts["cpu"], facts["cores"])
+        assert (r.threads, r.ranks_per_host, r.cpu, r.cores) == (1, 2, facts.cpu, facts.cores)
     assert sorted(p.name.split(".", 1)[1] for p in (empty / "slices").glob("*.gguf")) == [
         "layers-0-28.gguf", "layers-29-29.gguf"]
     # the planner takes it: a prediction, and the auto split

@@ -116,7 +116,7 @@ def plan(
     job = {"ranks": record_ranks, "layer_split": layer_split, "threads": threads, "ctx": ctx}
     traced = _trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list, job)
     replay = Replay(traced, acceptance, confidences=None if acceptance is None else
-                    draft_confidences(setup.draft_label, prof.draft, traced))
+                    draft_confidences(setup.draft, prof.draft, traced))
     summary = plan_modes(prof, setup.topology, mode_list, replay, opts, ctx)
     for m, s in summary.items():
         s.note = never_speculated(m, s, setup.topology(m).draft)

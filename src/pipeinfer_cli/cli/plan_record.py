@@ -123,7 +123,7 @@ def job_command(setup, prompt: str | None, prompts: str | None, limit: int | Non
         cmd = ["bench", setup.label, "--modes", "iterative", "--prompts", prompts, "--warmup", "0", "--repeat", "1"]
         cmd += ["--limit", str(limit)] if limit else []
     cmd += ["-n", str(n_predict), "--ranks", str(ranks), "--no-pull", "--save-trace", str(out)]
-    if with_chains or setup.draft_label == "lookup":  # a draft model only to record its chains
+    if with_chains or setup.draft.is_lookup:  # a draft model only to record its chains
         cmd += ["--draft", setup.draft_label]
     split = job.get("layer_split")
     if split and "auto" not in split:

@@ -59,14 +59,14 @@ def from_profile(draft) -> Acceptance | None:
                       conf if conf.right or conf.wrong else None)
 
 
-def confidences(draft_label: str | None, draft, prompts: list) -> Confidences | None:
+def confidences(spec, draft, prompts: list) -> Confidences | None:
     """The measured per-token confidences a synthetic draft (an acceptance rate given or assumed)
     reports, over `prompts` (PromptTraces): a trace's recorded draft chains where it has them (the
     probability of each chain's first token, right or wrong against the target's), prompt lookup's
     on the prompts, a draft model's as calibrate measured them; None where nothing measured them
     (the rate itself is reported then)."""
     recorded = [c for c in (chain_confidences(pt) for pt in prompts) if c is not None]
-    if draft_label == "lookup":
+    if spec.is_lookup:  # spec: the DraftSpec planned for
         recorded = [c for c in (lookup_on_prompt(pt.prompt).confidences for pt in prompts) if c is not None]
     if recorded:
         return Confidences([x for c in recorded for x in c.right], [x for c in recorded for x in c.wrong])

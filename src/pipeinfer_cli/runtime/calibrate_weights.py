@@ -86,33 +86,33 @@ def share_probe_weights(link: Link, startup, cfg, spec: ProbeSpec,
     return topo, info, _with_paths(spec, paths, probe_parts(info.layer_bytes))
 
 
-def _digests(cfg, files: list[dict], spec: ProbeSpec, topo: Topology,
-             runs_draft: Callable[[ProbeSpec, Topology, int], bool]) -> dict:
+def _digests(cfg, files: list, spec: ProbeSpec, topo: Topology,
+             runs_draft: Callable[[ProbeSpec, Topology, int], bool]) -> dict[str, str]:
     """The sha256 of the target when some rank lacks the head's very file (every rank times it),
     and of the draft when the rank that times it does."""
     out = {}
     head = files[0]
-    if any(f["target"] is None or not f["target"].same_file(head["target"]) for f in files[1:]):
-        out["target"] = file_sha256(head["target"])
+    if any(f.target is None or not f.target.same_file(head.target) for f in files[1:]):
+        out["target"] = file_sha256(head.target)
     for r in range(1, len(files)):
-        theirs = files[r]["draft"]
-        if runs_draft(spec, topo, r) and cfg.draft_path is not None and (theirs is None or not theirs.same_file(head["draft"])):
-            out["draft"] = file_sha256(head["draft"])
+        theirs = files[r].draft
+        if runs_draft(spec, topo, r) and cfg.draft_path is not None and (theirs is None or not theirs.same_file(head.draft)):
+            out["draft"] = file_sha256(head.draft)
     return out
 
 
-def _pick_probe(link: Link, startup, files: list[dict], digests: dict, parts: list[tuple[int, int]],
-                draft: bool) -> tuple[dict, list[Need]]:
+def _pick_probe(link: Link, startup, files: list, digests: dict, parts: list[tuple[int, int]],
+                draft: bool) -> tuple[dict[object, str | None], list[Need]]:
     """This rank's paths (by part, and "draft") it has without a stream, and the Needs it asks for."""
     mine, head = files[link.rank], files[0]
     paths, needs = {}, []
-    whole, _ = _pick(mine["target"], head["target"], digests.get("target"), None, _whoami(link, startup))
+    whole, _ = _pick(mine.target, head.target, digests.get("target"), None, _whoami(link, startup))
     for part in parts:
         paths[part] = whole or covering_slice(digests.get("target"), part)
         if paths[part] is None:
             needs.append(Need("target", part))
-    if draft and head["draft"] is not None:
-        paths["draft"], _ = _pick(mine["draft"], head["draft"], digests.get("draft"), None, _whoami(link, startup))
+    if draft and head.draft is not None:
+        paths["draft"], _ = _pick(mine.draft, head.draft, digests.get("draft"), None, _whoami(link, startup))
         if paths["draft"] is None:
             needs.append(Need("draft", None))
     return paths, needs

@@ -144,11 +144,10 @@ class Head:
         """The request's trace (planner/record.py), after its result is complete: the draft's chains
         are asked of the job's own draft model (on the head or its draft rank) when it drafts in
         the target's tokens; prompt lookup and translated or hybrid drafts record tokens only."""
-        from ..decode.hybrid import is_hybrid
         from ..planner.record import request_trace
 
         chains = (req.trace_depth and self.drafter is not None and self.cfg.draft_path is not None
-                  and self.loaded.draft_vocab == "direct" and not is_hybrid(self.cfg.draft_label))
+                  and self.loaded.draft_vocab == "direct" and not self.cfg.draft.is_hybrid)
         self.draft_used |= bool(chains)
         return request_trace(req.label or "p", prompt, s.generated, s.finish_reason,
                              self.drafter if chains else None, req.trace_depth or 0)

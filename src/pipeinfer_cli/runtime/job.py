@@ -238,7 +238,7 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
     """Plan and load on every rank: (this rank's models, every rank's busy threads). A failure on
     any rank is reported once, by the head, naming the rank and its host (transport/startup.py)."""
     if needs_draft is None:
-        draft_model = cfg.draft_label not in (None, "lookup")
+        draft_model = cfg.draft.uses_model
         needs_draft = any(needs_draft_for(r.mode) or (r.trace_depth and draft_model) for r in requests)
     startup = job_startup()
     # Every rank checks in before planning, whatever fails later, so that the head learns the

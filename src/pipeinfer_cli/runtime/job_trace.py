@@ -35,15 +35,15 @@ def job_trace(cfg, results: list[GenerationResult]) -> Trace:
     model = {"name": cfg.model_label, "file_bytes": Path(cfg.model_path).stat().st_size,
              "sha256": model_sha256(Path(cfg.model_path), cfg.model_sha256, cfg.model_size)}
     draft = None
-    if cfg.draft_label is not None:
-        draft = {"name": cfg.draft_label, "kind": "lookup" if cfg.draft_label == "lookup" else "model",
+    if cfg.draft:
+        draft = {"name": cfg.draft_label, "kind": "lookup" if cfg.draft.is_lookup else "model",
                  "sha256": (model_sha256(Path(cfg.draft_path), cfg.draft_sha256, cfg.draft_size)
                             if cfg.draft_path is not None else None)}
     sampling = {"temp": cfg.sampling.temperature, "seed": cfg.sampling.seed}
     return Trace(model, draft, sampling, depth, prompts, _machine(results))
 
 
-def _machine(results: list[GenerationResult]) -> dict:
+def _machine(results: list[GenerationResult]) -> dict[str, object]:
     from .calibrate_probes import host_facts
 
     facts = host_facts()
