@@ -58,8 +58,8 @@ def main() -> None:
     tiny_seeds()
     model = args.smollm2
     if model is None:
-        from pipeinfer_cli.cache import cached_model_path
-        from pipeinfer_cli.registry import load_registry
+        from pipeinfer_cli.models.cache import cached_model_path
+        from pipeinfer_cli.models.registry import load_registry
 
         model = cached_model_path(load_registry().model("smollm2-135m-instruct"))
     real_header_seeds(model)

@@ -44,7 +44,7 @@ def run_metadata(path: Path) -> None:
     from rich.console import Console
 
     from pipeinfer_cli.cli.inspect_cmd import _layer_bytes_table, _summary_table
-    from pipeinfer_cli.gguf_info import read_model_info
+    from pipeinfer_cli.models.gguf_info import read_model_info
     from pipeinfer_cli.runtime.topology import plan_split
 
     info = read_model_info(path)
@@ -66,7 +66,7 @@ def _layer_range(n_layer: int, data: bytes) -> tuple[int, int]:
 def run_native(path: Path, data: bytes) -> None:
     import numpy as np
 
-    from pipeinfer_cli.gguf_info import read_model_info
+    from pipeinfer_cli.models.gguf_info import read_model_info
     from pipeinfer_cli.native import LayerEngine
 
     info = read_model_info(path)  # the job plans its ranks from this before any rank loads

@@ -71,10 +71,10 @@ def parse_config(text: str) -> dict:
 
 def balanced_fractions(model: str, n_stages: int) -> str:
     """--layer-split fractions of the default (byte-balanced) split of n_stages stages."""
-    from pipeinfer_cli.gguf_info import read_model_info
-    from pipeinfer_cli.layer_split import balanced_split, fractions_of
-    from pipeinfer_cli.model_files import resolve_model
-    from pipeinfer_cli.registry import load_registry
+    from pipeinfer_cli.models.gguf_info import read_model_info
+    from pipeinfer_cli.models.layer_split import balanced_split, fractions_of
+    from pipeinfer_cli.models.model_files import resolve_model
+    from pipeinfer_cli.models.registry import load_registry
 
     info = read_model_info(resolve_model(model, load_registry()).path)
     ranges = balanced_split(info.layer_bytes, n_stages, last_extra=info.output_bytes)

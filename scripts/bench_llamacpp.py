@@ -28,8 +28,8 @@ from pathlib import Path
 
 def resolve_target(spec: str) -> tuple[str, Path]:
     """(label, path) of the target model: a pair name's target, a registry name (pulled if needed), or a path."""
-    from pipeinfer_cli.fetch import pull_model
-    from pipeinfer_cli.registry import load_registry
+    from pipeinfer_cli.models.fetch import pull_model
+    from pipeinfer_cli.models.registry import load_registry
 
     reg = load_registry()
     if spec in reg.pairs:

@@ -40,8 +40,8 @@ def resolve_model(name_or_path: str) -> Path:
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return p
-    from pipeinfer_cli.fetch import pull_model
-    from pipeinfer_cli.registry import load_registry
+    from pipeinfer_cli.models.fetch import pull_model
+    from pipeinfer_cli.models.registry import load_registry
 
     return pull_model(load_registry().model(name_or_path))
 

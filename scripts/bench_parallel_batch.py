@@ -22,8 +22,8 @@ import statistics
 import time
 
 from pipeinfer_cli.native import LayerEngine
-from pipeinfer_cli.model_files import resolve_model
-from pipeinfer_cli.registry import load_registry
+from pipeinfer_cli.models.model_files import resolve_model
+from pipeinfer_cli.models.registry import load_registry
 
 
 def main() -> None:

@@ -469,9 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     procs = None
     try:
         from pipeinfer_cli.bench.prompts import load_prompts, resolve_prompts
-        from pipeinfer_cli.gguf_info import read_model_info
-        from pipeinfer_cli.model_files import resolve_model
-        from pipeinfer_cli.registry import load_registry
+        from pipeinfer_cli.models.gguf_info import read_model_info
+        from pipeinfer_cli.models.model_files import resolve_model
+        from pipeinfer_cli.models.registry import load_registry
 
         if os.geteuid() != 0:
             raise Failure("the emulated cluster's hosts need root (namespaces)")

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from pipeinfer_cli.bench import concurrency as cc
 from pipeinfer_cli.bench.prompts import load_prompts, resolve_prompts
-from pipeinfer_cli.model_files import resolve_model
-from pipeinfer_cli.registry import load_registry
+from pipeinfer_cli.models.model_files import resolve_model
+from pipeinfer_cli.models.registry import load_registry
 
 
 def free_port() -> int:

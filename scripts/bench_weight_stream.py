@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from pipeinfer_cli.cache import cached_model_path  # noqa: E402
-from pipeinfer_cli.registry import load_registry  # noqa: E402
+from pipeinfer_cli.models.cache import cached_model_path  # noqa: E402
+from pipeinfer_cli.models.registry import load_registry  # noqa: E402
 
 EMU = [str(ROOT / "scripts" / "emulate-cluster.sh"), "--prefix", "wsb", "--subnet", "10.216.9.0/24"]
 PIPEINFER = str(ROOT / ".venv" / "bin" / "pipeinfer")

@@ -13,8 +13,8 @@ import sys
 import time
 
 from pipeinfer_cli.decode.drafters import LlamaDrafter
-from pipeinfer_cli.model_files import resolve_model
-from pipeinfer_cli.registry import load_registry
+from pipeinfer_cli.models.model_files import resolve_model
+from pipeinfer_cli.models.registry import load_registry
 
 DEFAULT = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
 

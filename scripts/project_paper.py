@@ -142,8 +142,8 @@ def main() -> None:
 def measured_draft_bytes(prof, given: int | None) -> int:
     if given:
         return given
-    from pipeinfer_cli.model_files import resolve_model
-    from pipeinfer_cli.registry import load_registry
+    from pipeinfer_cli.models.model_files import resolve_model
+    from pipeinfer_cli.models.registry import load_registry
 
     if prof.draft is None or prof.draft.kind != "model":
         raise SystemExit("Error: the profile has no model draft; calibrate with --draft MODEL")

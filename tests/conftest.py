@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tinygguf import write_tiny_model  # noqa: E402
 
-from pipeinfer_cli.fetch import pull_model  # noqa: E402
-from pipeinfer_cli.registry import load_registry  # noqa: E402
+from pipeinfer_cli.models.fetch import pull_model  # noqa: E402
+from pipeinfer_cli.models.registry import load_registry  # noqa: E402
 
 
 def _registry_model(name: str) -> Path:

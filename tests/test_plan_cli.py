@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from planning import make_profile, rank_costs
-from pipeinfer_cli.gguf_info import read_model_info
+from pipeinfer_cli.models.gguf_info import read_model_info
 from pipeinfer_cli.planner.identity import model_sha256
 
 

@@ -14,11 +14,11 @@ import pytest
 
 from planning import make_profile, rank_costs
 from pipeinfer_cli.errors import UsageError
-from pipeinfer_cli.gguf_info import read_model_info
+from pipeinfer_cli.models.gguf_info import read_model_info
 from pipeinfer_cli.planner.identity import RankShape, default_threads, differences
 from pipeinfer_cli.planner.identity import model_sha256
 from pipeinfer_cli.planner.split import JobMemory, auto_split
-from pipeinfer_cli.runtime.calibrate_probes import host_facts
+from pipeinfer_cli.runtime.host_facts import host_facts
 
 
 def run(*args, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from pipeinfer_cli import fetch
+from pipeinfer_cli.models import fetch
 from pipeinfer_cli.cli.app import app
 from pipeinfer_cli.errors import PipeinferError
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from pipeinfer_cli.cli.app import app
 from pipeinfer_cli.errors import RegistryError
-from pipeinfer_cli.registry import load_registry, parse_registry
+from pipeinfer_cli.models.registry import load_registry, parse_registry
 
 runner = CliRunner()
 

@@ -37,8 +37,8 @@ LAYERS = [
     {"runtime"},  # the processes of a job
     {"planner"},  # predictions from a profile: runs the policies in virtual time
     {"decode", "transport"},  # pure policies; the wire and its waits
-    {"native", "gguf_info", "layer_split", "registry", "model_files", "cache", "fetch", "errors", "_native", "wording",
-     "model_identity", "weight_slices", "slice_cache"},
+    {"models"},  # model files: registry, fetching and cache, GGUF headers, identities, layer splits, slices
+    {"native", "_native", "errors", "wording"},  # the C++ engine's wrapper; what every layer shares
 ]
 
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from jobprocs import finish_job, marked_pids, start_job
 
-from pipeinfer_cli.weight_slices import stage_slice, stage_tensor_names, iter_chunks
+from pipeinfer_cli.models.weight_slices import stage_slice, stage_tensor_names, iter_chunks
 from pipeinfer_cli.wording import human_bytes
 
 BIN = Path(sys.executable).parent
@@ -114,7 +114,7 @@ def cache(tmp_path, monkeypatch):
 def _store(data: bytes, layers=(3, 7), sha=None):
     import hashlib
 
-    from pipeinfer_cli.slice_cache import SliceWriter
+    from pipeinfer_cli.models.slice_cache import SliceWriter
 
     with SliceWriter("m", "ab" * 32, layers, len(data)) as w:
         w.write(data[: len(data) // 2])
@@ -123,7 +123,7 @@ def _store(data: bytes, layers=(3, 7), sha=None):
 
 
 def test_a_cached_slice_is_found_and_a_flipped_byte_is_caught(cache):
-    from pipeinfer_cli import slice_cache
+    from pipeinfer_cli.models import slice_cache
 
     data = os.urandom(100_000)
     path = _store(data)
@@ -140,7 +140,7 @@ def test_a_cached_slice_is_found_and_a_flipped_byte_is_caught(cache):
 
 
 def test_a_truncated_cached_slice_is_caught_by_its_size_and_fetched_again(cache):
-    from pipeinfer_cli import slice_cache
+    from pipeinfer_cli.models import slice_cache
 
     data = os.urandom(50_000)
     path = _store(data)
@@ -191,7 +191,7 @@ def test_prune_unused_days_honours_the_age_of_partial_files(cache):
 
 
 def test_a_damaged_or_interrupted_stream_leaves_no_file(cache):
-    from pipeinfer_cli import slice_cache
+    from pipeinfer_cli.models import slice_cache
 
     with pytest.raises(OSError, match="arrived damaged"):
         _store(b"x" * 1000, sha="0" * 64)
@@ -203,7 +203,7 @@ def test_a_damaged_or_interrupted_stream_leaves_no_file(cache):
 
 
 def test_partial_files_of_ended_writers_are_removed(cache):
-    from pipeinfer_cli import slice_cache
+    from pipeinfer_cli.models import slice_cache
 
     (cache / "slices").mkdir(parents=True)
     dead = cache / "slices" / f".x.gguf~{socket.gethostname()}~999999999.partial"
@@ -241,8 +241,8 @@ def test_models_list_shows_slices_and_prune_removes_them(cache):
 
 
 def test_models_rm_removes_a_models_slices(cache):
-    from pipeinfer_cli.registry import load_registry
-    from pipeinfer_cli.slice_cache import SliceWriter, list_cached
+    from pipeinfer_cli.models.registry import load_registry
+    from pipeinfer_cli.models.slice_cache import SliceWriter, list_cached
 
     entry = load_registry().model(MODEL)
     import hashlib
@@ -398,7 +398,7 @@ def test_a_rank_killed_mid_stream_leaves_a_partial_file_that_the_next_job_remove
 
 
 def test_prune_spares_a_file_a_running_job_writes_and_rm_takes_a_path(cache, tmp_path):
-    from pipeinfer_cli.slice_cache import SliceWriter, list_cached
+    from pipeinfer_cli.models.slice_cache import SliceWriter, list_cached
 
     env = {**os.environ, "PIPEINFER_CACHE": str(cache)}
     with SliceWriter("m", "ef" * 32, (0, 2), 4) as w:  # this process is alive: its partial file stays
@@ -416,7 +416,7 @@ def test_prune_spares_a_file_a_running_job_writes_and_rm_takes_a_path(cache, tmp
             w.commit(__import__("hashlib").sha256(b"abcd").hexdigest())
     model = tmp_path / "mine.gguf"
     model.write_bytes(b"GGUF" + b"\0" * 60)
-    from pipeinfer_cli.model_identity import file_sha256, identify
+    from pipeinfer_cli.models.model_identity import file_sha256, identify
 
     with SliceWriter(str(model), file_sha256(identify(model)), (0, 3), 3) as w:
         w.write(b"xyz")

@@ -32,7 +32,7 @@ PROFILES_DIR = "profiles"
 def job_key(cfg, n_ranks: int, threads: str | None, n_draft: int) -> dict:
     """What a cached profile must match: the machine, the models and the job's shape."""
     from ..planner.identity import model_sha256
-    from ..runtime.calibrate_probes import host_facts
+    from ..runtime.host_facts import host_facts
 
     host = host_facts()
     draft = cfg.draft_label if cfg.draft_path is None else model_sha256(cfg.draft_path, cfg.draft_sha256, cfg.draft_size)
@@ -43,7 +43,7 @@ def job_key(cfg, n_ranks: int, threads: str | None, n_draft: int) -> dict:
 
 
 def profile_path(cfg, key: dict) -> Path:
-    from ..cache import cache_dir
+    from ..models.cache import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(cfg.model_path).stem)[:60]
@@ -63,7 +63,7 @@ def ensure_profile(cfg, model: str, job, n_ranks: int, why: str, inside: bool, s
     if inside:  # already a rank of an MPI job: calibrating would start a job inside this one
         raise UsageError(f"{why} needs a profile of these ranks and none is cached for this job; run "
                          f"`mpiexec -n {n_ranks} pipeinfer {_shown(command)}` first (or pass --profile FILE)")
-    from ..cache import ensure_writable_cache
+    from ..models.cache import ensure_writable_cache
 
     ensure_writable_cache()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -239,7 +239,7 @@ def _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list
                       prompts_file, repeat, warmup, ranks, json_out, allow_mismatch) -> None:
     """--concurrency: the plan checked here (a split that cannot work fails now), then the load.
     server: the server's (--parallel, --load-policy or None)."""
-    from ..registry import load_registry
+    from ..models.registry import load_registry
     from .bench_serve import run_concurrency
     from .job_setup import check_plan
 

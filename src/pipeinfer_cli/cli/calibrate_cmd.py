@@ -116,14 +116,18 @@ def calibrate(
 
     profile = run_calibration(prep.cfg, probe_spec(prep.cfg, quick, prep.ranks), "pipeinfer " + shlex.join(sys.argv[1:]),
                               _progress)
-    if profile is None:  # another rank: the head reports
-        return
+    if profile is not None:  # the head reports; the other ranks are done
+        _finish(profile, prep.cfg, quick, out_path, as_json, started)
+
+
+def _finish(profile, cfg, quick: bool, out_path: Path, as_json: bool, started: float) -> None:
+    """On the head: the calibration's warnings, the draft's acceptance, the profile written and shown."""
     for line in profile.warnings:
         err.print(f"calibrate: warning: {line}", markup=False, highlight=False)
-    if profile.draft is not None and profile.draft.kind == "model" and prep.cfg.draft_path is not None:
+    if profile.draft is not None and profile.draft.is_model and cfg.draft_path is not None:
         from .plan_record import measure_draft_acceptance
 
-        measure_draft_acceptance(prep.cfg, profile.draft, DRAFT_ACCEPTANCE_TOKENS[quick], lambda line: _progress(0, line))
+        measure_draft_acceptance(cfg, profile.draft, DRAFT_ACCEPTANCE_TOKENS[quick], lambda line: _progress(0, line))
     try:
         profile.save(out_path)
     except OSError as e:
@@ -131,7 +135,7 @@ def calibrate(
     if as_json:
         sys.stdout.write(profile.to_json() + "\n")
     else:
-        print_tables(profile, prep.cfg.decode.n_draft)
+        print_tables(profile, cfg.decode.n_draft)
     err.print(f"pipeinfer calibrate: {plural(len(profile.ranks), 'rank')} measured in {time.time() - started:.1f} s; "
               f"profile written to {out_path.resolve()}", markup=False, highlight=False)
 
@@ -180,7 +184,7 @@ def _check_on_this_node(cfg) -> None:
 
 
 def _check_layers(cfg) -> None:
-    from ..gguf_info import read_model_info
+    from ..models.gguf_info import read_model_info
 
     n_layer = read_model_info(cfg.model_path).n_layer
     if n_layer < 2:

@@ -10,9 +10,9 @@ from rich.table import Table
 
 from ..runtime.topology import parse_layer_split, plan_split
 from ..errors import UsageError
-from ..gguf_info import read_model_info
-from ..model_files import resolve_model
-from ..registry import load_registry
+from ..models.gguf_info import read_model_info
+from ..models.model_files import resolve_model
+from ..models.registry import load_registry
 from .console import out
 from ..decode.draft_spec import DraftSpec
 from .draft_spec import parse_draft
@@ -28,7 +28,7 @@ InspectDraftOption = Annotated[str | None, typer.Option(
 
 def _draft_bytes(draft: DraftSpec, reg) -> tuple[DraftSpec, int]:
     """(the draft, its model resolved; bytes of weights); a registry model need not be downloaded."""
-    from ..model_files import looks_like_path
+    from ..models.model_files import looks_like_path
 
     if not draft.uses_model:
         return draft, 0

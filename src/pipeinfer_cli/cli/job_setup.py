@@ -10,7 +10,7 @@ import typer
 
 from ..decode.draft_spec import DraftSpec
 from ..errors import ModelFileError, OptionValueError, UsageError
-from ..registry import load_registry
+from ..models.registry import load_registry
 from ..transport.start_waits import launcher_rank
 
 
@@ -22,9 +22,9 @@ def resolve_models(model: str, draft: DraftSpec, allow_pull: bool, on_head: bool
     on stderr; otherwise it is the error `model … is not downloaded; run pipeinfer models pull …`.
     on_head: False on the other ranks of an MPI job, which may lack the files (the head sends
     them their weights), so a missing model is not an error there."""
-    from ..cache import cached_model_path, ensure_writable_cache
-    from ..fetch import pull_model
-    from ..model_files import resolve_model
+    from ..models.cache import cached_model_path, ensure_writable_cache
+    from ..models.fetch import pull_model
+    from ..models.model_files import resolve_model
     from .console import byte_progress, err
     from .options import NO_PULL_ENV
     from .wording import human_bytes
@@ -75,7 +75,7 @@ def check_chat_template(model_path, model_label: str, what: str) -> None:
     """A chat prompt (what: the options or prompts that ask for one) needs the target's chat
     template; refuse it from the GGUF header before any process starts. Base models such as
     Gemma 3 270M have none."""
-    from ..gguf_info import read_model_info
+    from ..models.gguf_info import read_model_info
 
     if model_path is None:
         return  # a rank without the file: the head checks

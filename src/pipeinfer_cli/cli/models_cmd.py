@@ -10,10 +10,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..cache import cache_dir, cached_model_path, ensure_writable_cache
-from ..fetch import pull_model
-from ..registry import load_registry
-from ..slice_cache import leftovers, list_cached, part_name, partial_files, remove
+from ..models.cache import cache_dir, cached_model_path, ensure_writable_cache
+from ..models.fetch import pull_model
+from ..models.registry import load_registry
+from ..models.slice_cache import leftovers, list_cached, part_name, partial_files, remove
 from .console import byte_progress, err, out
 from .options import JsonFlag
 from .wording import epilog, human_bytes, plural
@@ -107,7 +107,7 @@ def _remove_path_slices(name: str) -> bool:
     False when the name is no path and labels no slice (it is then looked up in the registry)."""
     from pathlib import Path
 
-    from ..model_identity import file_sha256, identify
+    from ..models.model_identity import file_sha256, identify
 
     ident = identify(Path(name).expanduser()) if name.endswith(".gguf") or "/" in name else None
     sha = file_sha256(ident) if ident is not None else None
@@ -230,6 +230,6 @@ def pull(
 @app.command("path")
 def path(name: Annotated[str, typer.Argument(help="Model name.")]) -> None:
     """Print the local path of a downloaded model (for scripts: `$(pipeinfer models path NAME)`)."""
-    from ..model_files import resolve_model
+    from ..models.model_files import resolve_model
 
     out.print(str(resolve_model(name, load_registry()).path), markup=False, highlight=False)

@@ -32,7 +32,7 @@ def job_threads(prof, mode: str, threads: str | None, n_ranks: int) -> list[int]
 
 def job_shapes(prof, mode: str, threads: str | None, n_ranks: int) -> list[RankShape]:
     """The ranks of the planned job; this machine's facts for the ranks the profile measured here."""
-    from ..runtime.calibrate_probes import host_facts
+    from ..runtime.host_facts import host_facts
 
     here = socket.gethostname()
     facts = host_facts() if any(prof.ranks[r].host == here for r in range(n_ranks)) else None

@@ -96,7 +96,7 @@ def record_trace(setup, prompt: str | None, prompts: str | None, limit: int | No
     draft = None if setup.draft_label is None else {"name": setup.draft_label,
                                                       "kind": LOOKUP if setup.draft.is_lookup else MODEL,
                                                       "sha256": setup.draft_sha256}
-    from ..runtime.calibrate_probes import host_facts
+    from ..runtime.host_facts import host_facts
 
     facts = host_facts()
     machine = {"host": facts.host, "cpu": facts.cpu, "cores": facts.cores, "usable_cpus": facts.usable_cpus,
@@ -192,10 +192,10 @@ def measure_draft_acceptance(cfg, draft, n_gen: int, say) -> None:
     vocabulary. say(line): progress on stderr."""
     from ..decode.drafters import LlamaDrafter
     from ..decode.sampling import SamplingParams
-    from ..gguf_info import read_model_info
+    from ..models.gguf_info import read_model_info
     from ..native import LayerEngine
     from ..planner.record import draft_agreement, target_tokens
-    from ..runtime.calibrate_probes import host_facts
+    from ..runtime.host_facts import host_facts
     from ..runtime.tokenizer import Tokenizer
     from ..runtime.vocab import draft_vocab
 

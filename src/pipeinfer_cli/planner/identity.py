@@ -35,7 +35,7 @@ class RankShape:
 
 def model_sha256(path: Path, registry_sha256: str | None = None, registry_size: int | None = None) -> str:
     """A model file's identity, as weight streaming computes it (remembered per path, size and mtime)."""
-    from ..model_identity import file_sha256, identify
+    from ..models.model_identity import file_sha256, identify
 
     ident = identify(path, registry_sha256, registry_size)
     if ident is None:

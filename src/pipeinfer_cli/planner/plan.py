@@ -1,6 +1,6 @@
 """Plans: predictions for every mode over a set of prompts, summarised as `pipeinfer bench`
-summarises runs (medians over prompts, speedup as the geometric mean of per-prompt ratios), and a
-search of the settings that the prediction says are fastest (planner/search.py).
+summarises runs (medians over prompts, speedup as the geometric mean of per-prompt ratios); the
+search of the settings over them is planner/search.py.
 """
 
 from __future__ import annotations

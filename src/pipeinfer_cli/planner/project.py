@@ -1,4 +1,4 @@
-"""Projection: a profile for a cluster that is not here, from stated figures.
+"""Projection: a profile for a cluster that is not here, from stated figures or scaled from a measured one.
 
 Decoding a quantized model on a CPU reads every weight once per run, so one row of a layer costs
 its bytes over the node's effective memory bandwidth. Each further row of a batch costs `row_cost`

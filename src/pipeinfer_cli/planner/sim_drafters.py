@@ -1,4 +1,4 @@
-"""Drafters in virtual time, with the real drafters' interfaces (`drafters.py`):
+"""Drafters in virtual time, with the real drafters' interfaces (`decode/drafters.py`):
 
 - `ReplayDrafter`: a draft model on the head. It answers from the trace's chains and charges the
   head the evals `LlamaDrafter` would make (it keeps the same KV bookkeeping: the longest prefix

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..layer_split import min_max_split
+from ..models.layer_split import min_max_split
 from .costs import grid_seconds
 from ..wording import human_bytes, plural
 from .profile import Profile

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from ..model_identity import file_sha256
+from ..models.model_identity import file_sha256
 from ..transport.mpi_link import Link
 from .calibrate_probes import ProbeSpec, probe_layers
 from .topology import Topology, plan_config
@@ -37,7 +37,7 @@ def probe_parts(layer_bytes: list[int]) -> list[tuple[int, int]]:
 def covering_slice(model_sha256: str | None, part: tuple[int, int]) -> Path | None:
     """A cached slice of this model that holds the layers [begin, end) of `part` (the probe's own
     slice first), its bytes checked; None when the node cache has none."""
-    from .. import slice_cache
+    from ..models import slice_cache
 
     if model_sha256 is None:
         return None
@@ -59,7 +59,7 @@ def share_probe_weights(link: Link, startup, cfg, spec: ProbeSpec,
     """(this rank's topology, the model's header facts, this rank's ProbeSpec with its own paths).
     Runs on every rank after the "start" check-in, whose values are every rank's model files. The
     head's ProbeSpec wins (a rank without the draft file would not know it times a draft)."""
-    from ..gguf_info import read_model_info
+    from ..models.gguf_info import read_model_info
 
     files = startup.start_values
     hosts = startup.hosts

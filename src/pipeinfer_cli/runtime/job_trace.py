@@ -44,7 +44,7 @@ def job_trace(cfg, results: list[GenerationResult]) -> Trace:
 
 
 def _machine(results: list[GenerationResult]) -> dict[str, object]:
-    from .calibrate_probes import host_facts
+    from .host_facts import host_facts
 
     facts = host_facts()
     ranks = results[0].ranks if results else []

@@ -56,7 +56,7 @@ def _warn_if_profiled_elsewhere(cfg, rank: int) -> None:
     import sys
 
     from ..planner.profile import Profile
-    from .calibrate_probes import host_facts
+    from .host_facts import host_facts
 
     facts = host_facts()
     warning = Profile.load(cfg.profile).machine_warning(rank, facts.host, facts.cpu, f"the profile {cfg.profile}")
@@ -103,7 +103,7 @@ def check_memory_limit(cfg, me, rank: int, n_stages: int) -> None:
     out-of-memory killer ends it half-way through loading, and the job can only say "killed".
     The weights counted are those the rank copies into its own memory (its layers, repacked, and
     the LM head on the last stage); the embedding table stays in the file's pages."""
-    from ..gguf_info import read_model_info
+    from ..models.gguf_info import read_model_info
     from .cpu_share import memory_limit_bytes
 
     limit = memory_limit_bytes()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from ..layer_split import balanced_split, fractions_of
+from ..models.layer_split import balanced_split, fractions_of
 from .cpu_share import cpu_share
 
 
@@ -268,7 +268,7 @@ def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host
     if layer_split and "/" in layer_split and not has_draft:
         raise UsageError(f"--layer-split {layer_split!r} has a draft rank ('/1'), which needs a draft: "
                          "pass --draft MODEL (or lookup), or drop '/1'")
-    from ..gguf_info import read_model_info
+    from ..models.gguf_info import read_model_info
     from ..native import SUPPORTED_ARCHS
 
     info = read_model_info(model_path)
@@ -296,7 +296,7 @@ def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host
 def job_memory(info, n_ctx: int, draft_path: Path | None, world_size: int, draft_rank: bool):
     """What the job holds besides the target's weights (planner.split.JobMemory): the KV cache at
     n_ctx cells, and a draft model's weights and its own KV cache on the rank that runs it."""
-    from ..gguf_info import read_model_info
+    from ..models.gguf_info import read_model_info
     from ..planner.split import JobMemory
 
     draft_bytes = 0

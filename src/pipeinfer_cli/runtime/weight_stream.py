@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import PipeinferError
-from ..model_identity import FileIdentity, file_sha256, identify
+from ..models.model_identity import FileIdentity, file_sha256, identify
 from ..transport.faults import stream_rate_limit
 from ..transport.messages import Tag
 from ..transport.mpi_link import Link
@@ -147,7 +147,7 @@ def _remove_cut_streams(whoami: str) -> None:
     """Every rank at start: the partial files that cut streams of this host left in its node cache
     (a rank killed by SIGKILL while it was sent its weights cannot remove its own) are removed, and
     said in one line on stderr."""
-    from .. import slice_cache
+    from ..models import slice_cache
 
     try:
         removed = slice_cache.remove_dead_partials()
@@ -190,7 +190,7 @@ def _whoami(link: Link, startup) -> str:
 
 def _pick(mine: FileIdentity | None, head: FileIdentity, digest: str | None, layers, whoami: str):
     """(path, WeightsSource) of the weights this rank can load without a stream, or (None, None)."""
-    from .. import slice_cache
+    from ..models import slice_cache
 
     if mine is not None and mine.same_file(head):
         return Path(mine.path), WeightsSource("local", path=mine.path)
@@ -207,7 +207,7 @@ def _pick(mine: FileIdentity | None, head: FileIdentity, digest: str | None, lay
 # -- the stream ------------------------------------------------------------------------------
 
 def _source_for(cfg, need: Need, digests: dict):
-    from ..weight_slices import stage_slice, whole_file
+    from ..models.weight_slices import stage_slice, whole_file
 
     if need.what == "target":
         return stage_slice(cfg.model_path, digests["target"], *need.layers)
@@ -221,7 +221,7 @@ def _stream_to(link: Link, cfg, rank: int, host: str, need: Need, digests: dict,
     the chunks for PIPEINFER_START_TIMEOUT seconds."""
     import hashlib
 
-    from ..weight_slices import iter_chunks
+    from ..models.weight_slices import iter_chunks
 
     src = _source_for(cfg, need, digests)
     label = cfg.model_label if need.what == "target" else cfg.draft_label
@@ -277,7 +277,7 @@ _TIMEOUT_HINT = "PIPEINFER_START_TIMEOUT sets how long to wait"
 
 def _receive(link: Link, cfg, need: Need, digests: dict) -> tuple[Path, WeightsSource]:
     """A rank: take the stream of one Need into the node cache; its path and source."""
-    from ..slice_cache import SliceWriter
+    from ..models.slice_cache import SliceWriter
 
     stall_s = start_timeout_s()
     _, total = _recv_ctl(link, stall_s, "the start of the stream")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cache import cached_model_path
-from .errors import ModelFileError, UnknownModelError
+from ..errors import ModelFileError, UnknownModelError
 from .registry import ModelEntry, Registry
 
 GGUF_MAGIC = b"GGUF"

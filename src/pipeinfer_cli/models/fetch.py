@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .cache import cached_model_path, ensure_writable_cache
-from .errors import DownloadError
+from ..errors import DownloadError
 from .registry import ModelEntry
 
 CHUNK = 8 << 20

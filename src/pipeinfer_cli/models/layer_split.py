@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 def balanced_split(layer_costs: Sequence[int], n_ranks: int, last_extra: int = 0,

@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import RegistryError, UnknownModelError
+from ..errors import RegistryError, UnknownModelError
 
 _SHA256_HEX = set("0123456789abcdef")
 
@@ -106,7 +106,7 @@ def default_registry_path() -> Path:
     if env:
         return Path(env)
     here = Path(__file__).resolve()
-    source_tree = here.parents[2] / "models.toml"
+    source_tree = here.parents[3] / "models.toml"
     if source_tree.is_file():
         return source_tree
     return here.parent / "models.toml"

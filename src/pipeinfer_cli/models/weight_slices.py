@@ -53,7 +53,7 @@ class SliceSource:
 
 
 def stage_slice(path: Path, sha256: str, begin: int, end: int) -> SliceSource:
-    from . import _native
+    from .. import _native
 
     md = _native.gguf_metadata(str(path))
     arch = md["kv"].get("general.architecture")

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 from .model_files import check_gguf_file
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -66,7 +66,7 @@ class ModelInfo:
 
 def read_model_info(path: Path) -> ModelInfo:
     """Parse the header and tensor table; a truncated or malformed file raises ModelFileError."""
-    from . import _native
+    from .. import _native
 
     path = Path(path)
     check_gguf_file(path)

@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import CacheError
+from ..errors import CacheError
 from .registry import ModelEntry
 
 
