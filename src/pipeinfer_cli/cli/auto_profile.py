@@ -79,7 +79,7 @@ def ensure_profile(cfg, model: str, job, n_ranks: int, why: str, inside: bool, s
 def calibrate_command(model: str, job, n_ranks: int, out: Path) -> list[str]:
     """`calibrate --quick` for the job's models, ranks and threads (its argv after `pipeinfer`)."""
     argv = ["calibrate", model, "--ranks", str(n_ranks), "--quick", "--out", str(out), "--no-pull",
-            "--n-draft", str(job.n_draft), "--ctx", str(job.ctx), "--rank-timeout", str(job.rank_timeout)]
+            "--n-draft", str(job.n_draft), "--ctx", str(job.ctx), "--rank-timeout", str(_calibrate_timeout(job.rank_timeout))]
     if job.draft:
         argv += ["--draft", job.draft]
     if job.threads:
@@ -93,3 +93,10 @@ def _shown(argv: list[str]) -> str:
     import shlex
 
     return shlex.join([a for a in argv if a != "--no-pull"])
+
+
+def _calibrate_timeout(job_timeout: float) -> float:
+    """The job's --rank-timeout, at least calibrate's own default (a measuring rank is silent)."""
+    from .calibrate_cmd import CALIBRATE_RANK_TIMEOUT_S
+
+    return job_timeout if job_timeout == 0 else max(job_timeout, CALIBRATE_RANK_TIMEOUT_S)
