@@ -32,3 +32,20 @@ def prompt_trace(n_gen: int = 41, n_prompt: int = 20) -> PromptTrace:
     prompt = list(range(100, 100 + n_prompt))
     tokens = [200 + (i * 7) % 50 for i in range(n_gen)]
     return PromptTrace("t", prompt, tokens, "length")
+
+
+def smollm2_profile(model_path, directory):
+    """A profile for SmolLM2's header: two ranks on hosts of their own, the second twice as slow,
+    with a draft model's costs; saved as directory/profile.json."""
+    from pathlib import Path
+
+    from pipeinfer_cli.models.gguf_info import read_model_info
+    from pipeinfer_cli.planner.identity import model_sha256
+
+    info = read_model_info(model_path)
+    prof = make_profile(2, n_layer=info.n_layer, ranks=[rank_costs(0), rank_costs(1, speed=0.5)],
+                        file_bytes=info.file_size, latency_s=2e-4, draft_token_s=1e-3, sha256=model_sha256(model_path))
+    prof.model.layer_bytes, prof.model.n_embd = info.layer_bytes, info.n_embd
+    path = Path(directory) / "profile.json"
+    prof.save(path)
+    return path

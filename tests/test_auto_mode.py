@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from planning import make_profile, rank_costs
+from planning import smollm2_profile
 from pipeinfer_cli.models.gguf_info import read_model_info
 from pipeinfer_cli.planner.identity import model_sha256
 
@@ -27,14 +27,7 @@ def run(*args, env: dict | None = None, timeout: float = 600) -> subprocess.Comp
 @pytest.fixture(scope="module")
 def profile(smollm2_path, tmp_path_factory):
     """Two ranks, the second twice as slow, for SmolLM2's header."""
-    info = read_model_info(smollm2_path)
-    prof = make_profile(2, n_layer=info.n_layer, ranks=[rank_costs(0), rank_costs(1, speed=0.5)],
-                        file_bytes=info.file_size, latency_s=2e-4, draft_token_s=1e-3,
-                        sha256=model_sha256(smollm2_path))
-    prof.model.layer_bytes, prof.model.n_embd = info.layer_bytes, info.n_embd
-    path = tmp_path_factory.mktemp("auto") / "profile.json"
-    prof.save(path)
-    return path
+    return smollm2_profile(smollm2_path, tmp_path_factory.mktemp("auto"))
 
 
 def _trace(smollm2_path, path, prompt: list[int], n_gen: int):

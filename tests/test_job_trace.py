@@ -13,8 +13,7 @@ import sys
 
 import pytest
 
-from planning import make_profile, rank_costs
-from pipeinfer_cli.models.gguf_info import read_model_info
+from planning import smollm2_profile
 from pipeinfer_cli.planner.identity import model_sha256
 from pipeinfer_cli.planner.json_file import write_atomic
 
@@ -38,14 +37,7 @@ def one_line_error(r: subprocess.CompletedProcess) -> str:
 @pytest.fixture(scope="module")
 def profile(smollm2_path, tmp_path_factory):
     """Two ranks on hosts of their own, the second twice as slow, with a draft model's costs."""
-    info = read_model_info(smollm2_path)
-    prof = make_profile(2, n_layer=info.n_layer, ranks=[rank_costs(0), rank_costs(1, speed=0.5)],
-                        file_bytes=info.file_size, latency_s=2e-4, draft_token_s=1e-3,
-                        sha256=model_sha256(smollm2_path))
-    prof.model.layer_bytes, prof.model.n_embd = info.layer_bytes, info.n_embd
-    path = tmp_path_factory.mktemp("jobtrace") / "profile.json"
-    prof.save(path)
-    return path
+    return smollm2_profile(smollm2_path, tmp_path_factory.mktemp("jobtrace"))
 
 
 def generate_with_trace(model, draft, out, *args) -> dict:
