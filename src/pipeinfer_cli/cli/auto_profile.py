@@ -97,6 +97,6 @@ def _shown(argv: list[str]) -> str:
 
 def _calibrate_timeout(job_timeout: float) -> float:
     """The job's --rank-timeout, at least calibrate's own default (a measuring rank is silent)."""
-    from .calibrate_cmd import CALIBRATE_RANK_TIMEOUT_S
+    from ..transport.deadlines import CALIBRATE_RANK_TIMEOUT_S
 
     return job_timeout if job_timeout == 0 else max(job_timeout, CALIBRATE_RANK_TIMEOUT_S)

@@ -13,11 +13,7 @@ import typer
 from rich.table import Table
 
 from ..errors import PipeinferError, UsageError
-from ..transport.deadlines import DEFAULT_RANK_TIMEOUT_S
-
-# A rank that measures is silent until its figures are settled: on a host held to half a CPU, a
-# quick calibration of 7 layers with its repeats took over 60 s (4 emulated hosts, 0.5 CPU each).
-CALIBRATE_RANK_TIMEOUT_S = max(DEFAULT_RANK_TIMEOUT_S, 600.0)
+from ..transport.deadlines import CALIBRATE_RANK_TIMEOUT_S
 from .console import err, out
 from .job_options import JobOptions
 from .job_setup import begin_job, run_here_or_relaunch
