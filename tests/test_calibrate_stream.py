@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from node_cache import cache_with
 
 from jobprocs import finish_job, start_job
 from pipeinfer_cli.planner.identity import model_sha256
@@ -69,15 +70,6 @@ def test_a_cached_slice_that_holds_the_probe_layers_is_used(cache):
     assert covering_slice(sha, (0, 12)) is None and not first.exists()
 
 
-def _cache_with(tmp_path: Path, name: str, *models: Path) -> Path:
-    d = tmp_path / name
-    d.mkdir(exist_ok=True)
-    for m in models:
-        if not (d / m.name).exists():
-            os.link(m, d / m.name)
-    return d
-
-
 def _mpmd(caches: list[Path], args: list) -> tuple[int, str, str]:
     cmd = [MPIEXEC]
     for k, c in enumerate(caches):
@@ -88,7 +80,7 @@ def _mpmd(caches: list[Path], args: list) -> tuple[int, str, str]:
 
 @pytest.mark.mpi
 def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, tmp_path):
-    head, empty = _cache_with(tmp_path, "head", smollm2_path), tmp_path / "empty"
+    head, empty = cache_with(tmp_path, "head", smollm2_path), tmp_path / "empty"
     out = tmp_path / "p.json"
     args = ["calibrate", MODEL, "--quick", "--threads", 1, "--no-pull", "--out", out]
     rc, _, err = _mpmd([head, empty], args)
@@ -127,7 +119,7 @@ def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, tmp_path):
 
 @pytest.mark.mpi
 def test_a_draft_rank_without_the_models_is_sent_the_probe_and_the_draft(smollm2_path, tmp_path):
-    head, empty = _cache_with(tmp_path, "head", smollm2_path), tmp_path / "empty"
+    head, empty = cache_with(tmp_path, "head", smollm2_path), tmp_path / "empty"
     out = tmp_path / "d.json"
     args = ["calibrate", MODEL, "--draft", MODEL, "--layer-split", "1/1", "--quick", "--threads", 1, "--ctx", 512,
             "--no-pull", "--out", out]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from node_cache import cache_with
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -267,16 +268,6 @@ def _umask() -> int:
 
 # -- real jobs: rank 1 without the model ----------------------------------------------------------
 
-def _cache_with(tmp_path: Path, name: str, *models: Path) -> Path:
-    """A cache directory holding these model files (hard links: no copy)."""
-    d = tmp_path / name
-    d.mkdir(exist_ok=True)
-    for m in models:
-        if not (d / m.name).exists():
-            os.link(m, d / m.name)
-    return d
-
-
 def _mpmd(caches: list[Path], args: list, **env) -> tuple[int, str, str]:
     cmd = [MPIEXEC]
     for k, c in enumerate(caches):
@@ -299,7 +290,7 @@ MODES = {"iterative": [], "speculative": ["--draft", "lookup"], "pipeinfer": ["-
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode", list(MODES))
 def test_streamed_layers_give_the_tokens_of_one_rank(smollm2_path, tmp_path, mode):
-    head = _cache_with(tmp_path, "head", smollm2_path)
+    head = cache_with(tmp_path, "head", smollm2_path)
     args = ["generate", MODEL, "-p", PROMPT, "-n", 24, "--threads", 1, "--json", "--no-pull",
             "-M", mode.split("-")[0], *MODES[mode]]
     solo = _solo(head, args)
@@ -323,7 +314,7 @@ def test_streamed_layers_give_the_tokens_of_one_rank(smollm2_path, tmp_path, mod
 
 @pytest.mark.mpi
 def test_a_draft_rank_is_sent_the_whole_draft_and_a_corrupt_slice_is_sent_again(smollm2_path, tmp_path):
-    head = _cache_with(tmp_path, "head", smollm2_path)
+    head = cache_with(tmp_path, "head", smollm2_path)
     args = ["generate", MODEL, "-p", PROMPT, "-n", 24, "--threads", 1, "--json", "--no-pull",
             "-M", "pipeinfer", "--draft", MODEL, "--layer-split", "0.5,0.5/1"]
     solo = _solo(head, [a for a in args if a not in ("--layer-split", "0.5,0.5/1")])
@@ -352,7 +343,7 @@ def _signal_rank_1_mid_stream(smollm2_path, tmp_path, signum: int) -> tuple[list
     """A 2-rank job whose rank 1 has an empty cache and is streamed its slice slowly (about 12 s);
     once its partial file exists, rank 1 gets `signum`. Returns ([head's cache, rank 1's cache], the
     job's arguments, rc, stdout, stderr)."""
-    head, empty = _cache_with(tmp_path, "head", smollm2_path), tmp_path / "empty"
+    head, empty = cache_with(tmp_path, "head", smollm2_path), tmp_path / "empty"
     args = ["generate", MODEL, "-p", PROMPT, "-n", 8, "--threads", 1, "--no-pull"]
     cmd = [MPIEXEC, "-n", 1, "-env", "PIPEINFER_CACHE", str(head), PIPEINFER, *args, ":",
            "-n", 1, "-env", "PIPEINFER_CACHE", str(empty), PIPEINFER, *args]
@@ -388,7 +379,7 @@ def test_a_rank_killed_mid_stream_leaves_a_partial_file_that_the_next_job_remove
     (left,) = list((empty / "slices").glob("*.partial"))
     size = human_bytes(left.stat().st_size)
     # The next job: rank 1's host now has the model itself, so nothing is streamed; its start removes the file.
-    _cache_with(tmp_path, "empty", smollm2_path)
+    cache_with(tmp_path, "empty", smollm2_path)
     rc, out, err = _mpmd([head, empty], args)
     assert rc == 0, err
     said = [ln for ln in err.splitlines() if "partial file" in ln]
