@@ -136,3 +136,51 @@ def test_a_draft_rank_on_the_head_s_host_competes_with_it():
                        SyntheticChains(pt, 0.8, 24)).to_json()
 
     assert run(one_host(3, **costs))["tok_per_s"] < run(own_hosts(3, **costs))["tok_per_s"]
+
+
+# -- a job the model cannot describe is refused -----------------------------------------------------
+def test_unmodelled_names_the_host_and_the_fix():
+    from pipeinfer_cli.planner.shared_cores import unmodelled
+
+    assert unmodelled([(0, "vm", 1, 2.0), (1, "vm", 1, 2.0), (2, "vm", 1, 2.0)]) is None  # one thread each
+    assert unmodelled([(0, "vm", 2, 2.0), (1, "other", 2, 2.0)]) is None  # a host each
+    assert unmodelled([(0, "vm", 2, 4.0), (1, "vm", 2, 4.0)]) is None  # enough CPUs
+    line = unmodelled([(0, "vm", 2, 2.0), (1, "vm", 2, 2.0)])
+    assert line.startswith("ranks 0, 1 compute at once on vm with 2/2 threads, 4 threads on its 2 usable CPUs")
+    assert "--threads 1" in line
+
+
+def test_plan_refuses_multi_thread_ranks_overlapping_on_too_few_cpus(smollm2_path, tmp_path):
+    """Two ranks of 2 threads on one host of 2 CPUs (as calibrated): iterative computes one at a time
+    and is planned; pipeinfer overlaps them and is refused in one line, --force plans it anyway."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from pipeinfer_cli.models.gguf_info import read_model_info
+    from pipeinfer_cli.planner.identity import model_sha256
+
+    info = read_model_info(smollm2_path)
+    ranks = [replace(rank_costs(r), host="nodeA", threads=2, usable_cpus=2.0, ranks_per_host=2) for r in range(2)]
+    prof = make_profile(2, n_layer=info.n_layer, ranks=ranks, file_bytes=info.file_size,
+                        sha256=model_sha256(smollm2_path))
+    prof.model.layer_bytes, prof.model.n_embd = info.layer_bytes, info.n_embd
+    path = tmp_path / "p.json"
+    prof.save(path)
+
+    def plan(*args):
+        return subprocess.run([sys.executable, "-m", "pipeinfer_cli", "plan", str(smollm2_path), "--profile", str(path),
+                               "-p", "Hi", "-n", "4", "--draft", "lookup", "--threads", "2", *args],
+                              capture_output=True, text=True, timeout=300, env=dict(os.environ))
+
+    r = plan("--modes", "iterative,pipeinfer")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("Error: pipeinfer: ranks 0, 1 compute at once on nodeA with 2/2 threads"), line
+    assert "or plan --modes iterative alone; or pass --force to plan anyway" in line
+    ok = plan("--modes", "iterative", "--json")
+    assert ok.returncode == 0, ok.stderr
+    forced = plan("--modes", "pipeinfer", "--json", "--force")
+    assert forced.returncode == 0 and "--force: planning anyway" in forced.stderr, forced.stderr
+    assert json.loads(forced.stdout)["modes"]["pipeinfer"]["tok_per_s"] > 0

@@ -255,3 +255,25 @@ def core_sim(pipe, draft_rank=None, draft_threads: int | None = None) -> CoreSim
     sim = CoreSim(pipe, [rc.host for rc in ranks], threads, usable)
     sim.head_draft_threads = draft_threads if draft_rank is None else None
     return sim
+
+
+def unmodelled(ranks: list[tuple[int, str, int, float]]) -> str | None:
+    """Why a job whose ranks compute at once cannot be predicted this way, or None. ranks: (rank,
+    host, threads, usable CPUs) of each rank of the job. Processor sharing is what the kernel does
+    to ranks of one thread; ranks of several threads on too few CPUs are worse off than that (a
+    rank's threads meet at every operation, and one preempted thread holds up the others), by an
+    amount the planner cannot know. So: several ranks of one host, more threads than its CPUs, any
+    of them with more than one thread."""
+    by_host: dict[str, list[tuple[int, int, float]]] = {}
+    for rank, host, threads, usable in ranks:
+        by_host.setdefault(host, []).append((rank, threads, usable))
+    for host, rs in by_host.items():
+        total, usable = sum(t for _, t, _ in rs), min(u for _, _, u in rs)
+        if len(rs) > 1 and total > usable and any(t > 1 for _, t, _ in rs):
+            names = ", ".join(str(r) for r, _, _ in rs)
+            threads = "/".join(str(t) for _, t, _ in rs)
+            return (f"ranks {names} compute at once on {host} with {threads} threads, {total} threads on its "
+                    f"{usable:g} usable CPUs: the planner models ranks of one thread sharing cores, not ranks "
+                    f"of several threads that wait on each other's preempted threads; calibrate and run with "
+                    f"--threads 1, or with fewer ranks on {host}")
+    return None
