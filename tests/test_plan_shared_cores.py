@@ -184,3 +184,46 @@ def test_plan_refuses_multi_thread_ranks_overlapping_on_too_few_cpus(smollm2_pat
     forced = plan("--modes", "pipeinfer", "--json", "--force")
     assert forced.returncode == 0 and "--force: planning anyway" in forced.stderr, forced.stderr
     assert json.loads(forced.stdout)["modes"]["pipeinfer"]["tok_per_s"] > 0
+
+
+def test_the_head_and_a_stage_on_one_cpu_stretch_each_other_in_the_pipeline():
+    """Two single-thread ranks on a host of 1 CPU, 10 layers of 1 ms each. Run A: the head alone,
+    0-10 ms. Run B, launched at once: the head's layers of B and stage 1's of A share the CPU from
+    10 ms, both end at 30 ms; stage 1 then computes B alone until 40 ms."""
+    prof = make_profile(2, ranks=one_host(2, usable=1.0))
+    pipe = build_pipeline(prof, Topology([0, 1], [(0, 10), (10, 20)]), prompt_trace(), DecodeOptions(), 4096)
+    assert pipe.sim is not None
+    a = pipe.launch([1], [0], [[0]], [True])
+    assert pipe.t == pytest.approx(0.010)
+    b = pipe.launch([2], [1], [[0]], [True])
+    assert pipe.t == pytest.approx(0.030)  # the head's 10 ms took 20
+    ra, rb = pipe.inflight
+    assert (ra.starts, ra.ends) == (pytest.approx([0.010]), pytest.approx([0.030]))
+    assert (rb.starts, rb.ends) == (pytest.approx([0.030]), pytest.approx([0.040]))
+    assert [pipe.next_result().run_id for _ in range(2)] == [a, b]
+    assert pipe.t == pytest.approx(0.040)
+    assert pipe.busy_s == pytest.approx([0.030, 0.030])  # stretched time counts as busy
+
+
+def test_a_cancel_under_contention_skips_or_stops_the_run():
+    """As above; B cancelled once the head has sent it: its cancel overtakes it, stage 1 skips it
+    (its fixed cost only, nil here). Cancelled while stage 1 computes it: it stops after one layer
+    at the stretched rate (alone by then: 1 ms)."""
+    prof = make_profile(2, ranks=one_host(2, usable=1.0))
+    topo = Topology([0, 1], [(0, 10), (10, 20)])
+    pipe = build_pipeline(prof, topo, prompt_trace(), DecodeOptions(), 4096)
+    pipe.launch([1], [0], [[0]], [True])
+    b = pipe.launch([2], [1], [[0]], [True])
+    pipe.cancel([b])
+    rb = pipe.inflight[1]
+    assert rb.computed == [False] and rb.ends[0] - rb.starts[0] == pytest.approx(0.0, abs=1e-9)
+    assert pipe.next_result().tokens is not None and pipe.next_result().tokens is None
+
+    pipe = build_pipeline(prof, topo, prompt_trace(), DecodeOptions(), 4096)
+    pipe.launch([1], [0], [[0]], [True])
+    b = pipe.launch([2], [1], [[0]], [True])
+    pipe.next_result()  # A's result, at 30 ms: stage 1 starts B then, alone
+    pipe.t = 0.035
+    pipe.cancel([b])
+    rb = pipe.inflight[0]
+    assert rb.computed == [False] and rb.ends == pytest.approx([0.036])

@@ -10,6 +10,11 @@ Discrete events, as the real job does them:
   it (its fixed cost only), one that is computing it stops at the next layer;
 - the last stage samples and sends token ids back to the head.
 
+Ranks of one host compute at their measured speed while their threads fit its usable CPUs; when
+they could outnumber them, every computation goes through `planner/shared_cores.py` (processor
+sharing, event by event) instead of the closed-form schedule here, with the same figures wherever
+nothing contends.
+
 Virtual time moves only when the head waits (`next_result`, `wait_until`), computes (`launch`) or
 drafts (the replay drafter advances it). The KV cache, the sampled tokens and the operation log
 are the `VirtualPipeline`'s, so a policy's KV mistake shows here as in the tests.
