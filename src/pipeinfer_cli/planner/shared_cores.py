@@ -117,7 +117,33 @@ class CoreSim:
         self.head_draft_threads: int | None = None  # a draft model on the head computes with these
 
     def clone(self) -> CoreSim:
-        return copy.deepcopy(self, memo={id(self.pipe): self.pipe})
+        """A copy to look ahead with (the pipeline's costs shared, every moving part copied)."""
+        new = copy.copy(self)
+        tasks: dict[int, Task] = {}
+        comps: dict[int, Computation] = {}
+
+        def task(t: Task) -> Task:
+            if id(t) not in tasks:
+                tasks[id(t)] = copy.copy(t)
+            return tasks[id(t)]
+
+        def comp(c: Computation) -> Computation:
+            if id(c) not in comps:
+                comps[id(c)] = copy.copy(c)
+                comps[id(c)].task = task(c.task)
+            return comps[id(c)]
+
+        new.tasks = {k: task(t) for k, t in self.tasks.items()}
+        new.workers = [Worker(w.host, w.threads, [task(t) for t in w.queue], w.busy and comp(w.busy))
+                       for w in self.workers]
+        new.cpus = {}
+        for h, cpu in self.cpus.items():
+            new.cpus[h] = HostCPU(cpu.usable)
+            new.cpus[h].running = [comp(c) for c in cpu.running]
+        new.runs = {k: SimRun(r.rows, r.n_out, r.kv, r.invariant, r.t_cancel, r.arrival, list(r.starts),
+                              list(r.ends), list(r.computed)) for k, r in self.runs.items()}
+        new.cancels = list(self.cancels)
+        return new
 
     # -- inputs, at the head's present ----------------------------------------------------------
     def add(self, worker: int, task: Task) -> None:
