@@ -1,6 +1,7 @@
 """`pipeinfer plan`'s checks that the profile and the trace describe the job being planned
 (planner/identity.py): the model's files, the threads each mode's job would use, the ranks per
-host and, for the ranks that the profile measured on this host, this machine."""
+host and, for the ranks that the profile measured on this host, this machine; and that ranks
+which compute at once on one host are ones the planner can model (planner/shared_cores.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from ..decode.modes import needs_draft
 from ..planner.identity import RankShape, check, default_threads, differences
+from ..planner.shared_cores import unmodelled, usable_cpus
 
 
 def job_threads(prof, mode: str, threads: str | None, n_ranks: int) -> list[int]:
@@ -58,13 +60,20 @@ def check_job(setup, modes: list[str], threads: str | None, force: bool, warn: C
     prof = setup.profile
     cmd = calibrate_command(prof, setup)
     seen: dict[str, list[str]] = {}
+    sharing: set[str] = set()
     for m in modes:
-        for d in differences(prof, job_shapes(prof, m, threads, setup.n_ranks), setup.sha256,
-                             setup.draft_sha256 if needs_draft(m) else None, cmd):
+        shapes = job_shapes(prof, m, threads, setup.n_ranks)
+        for d in differences(prof, shapes, setup.sha256, setup.draft_sha256 if needs_draft(m) else None, cmd):
             seen.setdefault(d, []).append(m)
+        if overlaps(m, setup.topology(m).draft):
+            d = unmodelled([(s.rank, prof.ranks[s.rank].host, s.threads, usable_cpus(prof.ranks[s.rank]))
+                            for s in shapes])
+            if d is not None:
+                seen.setdefault(d, []).append(m)
+                sharing.add(d)
     lines = []
     for d, ms in seen.items():
-        if "thread" in d.split(":")[0] and not threads:
+        if "thread" in d.split(":")[0] and not threads and d not in sharing:
             d = f"{d}, or plan (and run) the job with --threads {prof.ranks[0].threads}"
         lines.append(d if len(ms) == len(modes) else f"{'/'.join(ms)}: {d}")
     fine = [m for m in modes if not any(m in ms for ms in seen.values())]
@@ -73,6 +82,12 @@ def check_job(setup, modes: list[str], threads: str | None, force: bool, warn: C
     check(lines, force, warn)
     for line in prof.warnings:  # what calibrate said about its figures (noise, twins that disagree)
         warn(f"warning: the profile's calibration said: {line}")
+
+
+def overlaps(mode: str, draft) -> bool:
+    """Whether ranks of the job compute at the same time: pipeinfer's runs in flight, and a draft
+    rank reading the prompt while the head does (in any mode that drafts)."""
+    return mode == "pipeinfer" or (needs_draft(mode) and isinstance(draft, int))
 
 
 def check_trace(trace, path: Path, setup, force: bool, warn: Callable[[str], None]) -> None:

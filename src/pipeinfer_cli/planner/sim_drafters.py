@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..decode.drafters import Proposal
 from ..decode.lookup import LookupDrafter
 from .profile import DraftCosts, LinkCosts
@@ -57,11 +59,13 @@ class ReplayDrafter:
         self.free_at = self.pipe.t + self.model.read(prompt, reuse)
 
     def read_context(self, tokens: list[int]) -> None:
-        self.pipe.t = max(self.pipe.t, self.free_at) + self.model.read(tokens)
+        self.pipe.t = max(self.pipe.t, self.free_at)
+        self.pipe.head_compute(self.model.read(tokens), self.model.costs.threads)
 
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
         prop, seconds = self.model.propose(path, n_max, p_min)
-        self.pipe.t = max(self.pipe.t, self.free_at) + seconds
+        self.pipe.t = max(self.pipe.t, self.free_at)
+        self.pipe.head_compute(seconds, self.model.costs.threads)
         return prop
 
     def close(self) -> None:
@@ -77,11 +81,15 @@ class ReplayDraftRank:
                  to_head: LinkCosts):
         self.pipe, self.model = pipe, _DraftModel(index, costs)
         self.to_rank, self.to_head = to_rank, to_head
-        self.free_at = 0.0  # the draft rank is busy until then
         self.requested: list[int] | None = None
         self.reply: Proposal | None = None
-        self.reply_at = 0.0
+        self.done: Callable[[], float] = lambda: 0.0  # when the draft rank has the reply (as now foreseen)
+        self.reply_bytes = 0
         pipe.event_sources.append(lambda: self.reply_at if self.requested is not None else None)
+
+    @property
+    def reply_at(self) -> float:
+        return self.done() + self.to_head.seconds(self.reply_bytes)
 
     @property
     def outstanding(self) -> bool:
@@ -89,14 +97,14 @@ class ReplayDraftRank:
 
     def start(self, prompt: list[int], reuse: int = 0) -> None:
         arrive = self.pipe.t + self.to_rank.seconds(8 * len(prompt))
-        self.free_at = max(arrive, self.free_at) + self.model.read(prompt, reuse)
+        self.pipe.draft_job(arrive, self.model.read(prompt, reuse))
 
     def request(self, path: list[int], n_max: int, p_min: float) -> None:
         assert self.requested is None, "one draft request at a time"
         arrive = self.pipe.t + self.to_rank.seconds(8 * len(path))
         prop, seconds = self.model.propose(path, n_max, p_min)
-        self.free_at = max(arrive, self.free_at) + seconds
-        self.reply_at = self.free_at + self.to_head.seconds(12 * len(prop.tokens))
+        self.done = self.pipe.draft_job(arrive, seconds)  # behind whatever the rank is doing
+        self.reply_bytes = 12 * len(prop.tokens)
         self.requested, self.reply = list(path), prop
 
     def ready(self) -> bool:

@@ -10,6 +10,11 @@ Discrete events, as the real job does them:
   it (its fixed cost only), one that is computing it stops at the next layer;
 - the last stage samples and sends token ids back to the head.
 
+Ranks of one host compute at their measured speed while their threads fit its usable CPUs; when
+they could outnumber them, every computation goes through `planner/shared_cores.py` (processor
+sharing, event by event) instead of the closed-form schedule here, with the same figures wherever
+nothing contends.
+
 Virtual time moves only when the head waits (`next_result`, `wait_until`), computes (`launch`) or
 drafts (the replay drafter advances it). The KV cache, the sampled tokens and the operation log
 are the `VirtualPipeline`'s, so a policy's KV mistake shows here as in the tests.
@@ -25,9 +30,8 @@ import numpy as np
 from ..decode.pipeline_protocol import RunResult
 from ..decode.virtual_pipeline import VirtualPipeline
 from .costs import StageCost
-from .profile import LinkCosts
-
-HEADER_BYTES = 64  # a run header or a result header on the wire (ids, flags, positions)
+from .profile import LinkCosts, RankCosts
+from .shared_cores import HEADER_BYTES, CoreSim, SimRun, Task, core_sim
 MAX_WAITS = 1_000_000
 
 
@@ -53,7 +57,9 @@ class SimulatedPipeline(VirtualPipeline):
     the target gives after a row (a replayed trace)."""
 
     def __init__(self, stages: list[StageCost], links: list[LinkCosts], cancel_links: list[LinkCosts],
-                 n_embd: int, token_of: Callable[[tuple[int, ...], int], int], n_seq_max: int, n_ctx: int):
+                 n_embd: int, token_of: Callable[[tuple[int, ...], int], int], n_seq_max: int, n_ctx: int,
+                 draft_rank: RankCosts | None = None, draft_threads: int | None = None,
+                 shared_cores: bool | None = None):
         super().__init__(logits_of=None, latency=0, n_seq_max=n_seq_max, n_ctx=n_ctx)
         self.stages, self.links, self.cancel_links = stages, links, cancel_links
         self.n_stages = len(stages)
@@ -64,6 +70,15 @@ class SimulatedPipeline(VirtualPipeline):
         self.free_at = [0.0] * len(stages)  # per stage >= 1: done with every delivered run
         self.busy_s = [0.0] * len(stages)  # per stage: seconds computing (skips included)
         self.event_sources: list[Callable[[], float | None]] = []  # e.g. a draft rank's reply time
+        self.draft_free = 0.0  # a draft rank is busy until then (when no host is shared)
+        self.draft_threads = draft_threads
+        # Ranks whose threads together exceed their host's usable CPUs compute slower when they
+        # compute at once: then every computation goes through the hosts' CPU model (shared_cores.py);
+        # otherwise the closed-form schedule below, the same figures without the events.
+        sim = core_sim(self, draft_rank, draft_threads)
+        self.sim: CoreSim | None = sim if (shared_cores if shared_cores is not None else sim.oversubscribed()) else None
+        self.jobs = 0
+        self.predicted: dict[tuple[str, int], float | None] = {}  # CoreSim: each task's end, as now foreseen
 
     # -- time ---------------------------------------------------------------------------------
     def clock(self) -> float:
@@ -82,8 +97,15 @@ class SimulatedPipeline(VirtualPipeline):
         sampled = self.ready.pop().tokens  # the base class answers at once; here the answer travels
         rows, n_out, kv = len(tokens), int(np.count_nonzero(output)), int(max(pos)) + 1
         head = self.stages[0].run_seconds(rows, n_out if self.n_stages == 1 else 0, kv, invariant)
-        self.busy_s[0] += head
-        self.t += head
+        if self.sim is None:
+            self.busy_s[0] += head
+            self.t += head
+        else:
+            self.sim.run(before=self.t)
+            self.sim.launch(run_id, SimRun(rows, n_out, kv, invariant), self.t, head)
+            end = self._foresee(("head", run_id))
+            self.busy_s[0] += head if end == self.t + head else end - self.t  # unstretched: the same sum
+            self.t = end
         if self.n_stages == 1:
             self.ready.append(RunResult(run_id, sampled))
             return run_id
@@ -94,14 +116,51 @@ class SimulatedPipeline(VirtualPipeline):
     def cancel(self, run_ids: list[int]) -> None:
         super().cancel(run_ids)
         ids = set(run_ids)
+        if self.sim is not None:
+            self.sim.run(before=self.t)
         for r in self.inflight:
             if r.run_id in ids and r.t_cancel is None:
                 r.t_cancel = self.t
+                if self.sim is not None:
+                    self.sim.cancel(r.run_id, self.t)
         self._schedule()
+
+    # -- computations besides the runs ----------------------------------------------------------
+    def head_compute(self, seconds: float, threads: int) -> None:
+        """The head computes something else (a draft model's evals) for `seconds` alone."""
+        if self.sim is None:
+            self.t += seconds
+            return
+        self.jobs += 1
+        self.sim.run(before=self.t)
+        self.sim.add(0, Task("compute", self.jobs, self.t, seconds, threads=threads))
+        self.t = self._foresee(("compute", self.jobs))
+
+    def draft_job(self, arrive: float, seconds: float) -> Callable[[], float]:
+        """A draft rank's job that reaches it at `arrive`: the function gives when it is done, as
+        now foreseen (another rank of its host computing meanwhile delays it)."""
+        if self.sim is None:
+            end = self.draft_free = max(arrive, self.draft_free) + seconds
+            return lambda: end
+        self.jobs += 1
+        key = ("draft", self.jobs)
+        self.sim.run(before=self.t)
+        self.sim.add(self.n_stages, Task("draft", self.jobs, arrive, seconds))
+        self._schedule()
+        return lambda: self.predicted[key]
+
+    def _foresee(self, key: tuple[str, int]) -> float:
+        """When a task of the head's ends, with nothing new from the head meanwhile (it is busy)."""
+        look = self.sim.clone()
+        look.run(until=lambda sim: sim.tasks[key].end is not None)
+        return look.tasks[key].end
 
     def _schedule(self) -> None:
         """Every run in flight through stages 1.., in launch order, from what is known now. Past
         events never change: a cancel arrives after the moment it was sent."""
+        if self.sim is not None:
+            self._foresee_all()
+            return
         free = list(self.free_at)
         for r in self.inflight:
             r.starts, r.ends, r.computed = [], [], []
@@ -125,6 +184,16 @@ class SimulatedPipeline(VirtualPipeline):
                 t = end
             n_back = r.n_out if payload else 0
             r.arrival = t + self.links[-1].seconds(HEADER_BYTES + 8 * n_back)
+
+    def _foresee_all(self) -> None:
+        """Every run in flight and every job, through the hosts' CPU model, from what is known now."""
+        self.sim.forget(r.run_id for r in self.inflight)
+        look = self.sim.clone()
+        look.run()
+        self.predicted.update((key, task.end) for key, task in look.tasks.items())
+        for r in self.inflight:
+            sr = look.runs[r.run_id]
+            r.starts, r.ends, r.computed, r.arrival = sr.starts, sr.ends, sr.computed, sr.arrival
 
     def poll(self) -> bool:
         got = False
