@@ -33,19 +33,16 @@ to --json. Not a test: nothing asserts.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import shlex
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchlib import ROOT, fmt, log, markdown_table, median, paired_ratio, per_prompt, run_json, shown, write_json
+
 TARGET = "qwen2.5-coder-1.5b-instruct"
 PAIR = "qwen-coder"
 
@@ -135,10 +132,6 @@ SPINNER = "while True:\n    pass"
 NEIGHBOURS = {"sleeper": SLEEPER, "spinner": SPINNER}
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def command(a, c: Config, out: Path) -> list[str]:
     if c.llamacpp:
         return [sys.executable, str(ROOT / "scripts" / "bench_llamacpp.py"), c.model, "-n", str(a.n_predict),
@@ -150,26 +143,22 @@ def command(a, c: Config, out: Path) -> list[str]:
 
 def run_config(a, c: Config, rnd: int) -> dict:
     out = a.work_dir / f"{a.suite}_{abs(hash(c.label)) % 10**8}_r{rnd}.json"
-    out.unlink(missing_ok=True)
     cmd = command(a, c, out)
     env_shown = " ".join(f"{k}={v}" for k, v in c.env.items())
-    shown = (env_shown + " " if env_shown else "") + shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
-    log(f"[round {rnd}] {c.label}: {shown}")
-    t0 = time.monotonic()
-    sleeper = subprocess.Popen([sys.executable, "-c", NEIGHBOURS[c.neighbour]]) if c.neighbour else None
+    cmd_shown = (env_shown + " " if env_shown else "") + shown(cmd)
+    log(f"[round {rnd}] {c.label}: {cmd_shown}")
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOURS[c.neighbour]]) if c.neighbour else None
     try:
-        proc = subprocess.run(cmd, env={**os.environ, **c.env}, capture_output=True, text=True, check=False)
+        job = run_json(cmd, out, c.env)
     finally:
-        if sleeper is not None:
-            sleeper.kill()
-            sleeper.wait()
-    run = {"label": c.label, "round": rnd, "command": shown, "returncode": proc.returncode,
-           "wall_s": round(time.monotonic() - t0, 2), "loadavg_end": list(os.getloadavg())}
-    if out.exists():
-        run["doc"] = json.loads(out.read_text())
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait()
+    run = {"label": c.label, "round": rnd, "command": cmd_shown, **job.facts()}
+    if job.doc is not None:
+        run["doc"] = job.doc
     else:
-        run["error"] = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-        log(f"  failed (exit {proc.returncode}): {run['error']}")
+        run["error"] = job.error
     return run
 
 
@@ -179,19 +168,6 @@ def records_of(run: dict) -> list[dict]:
     if "header" not in doc:
         return [{**r, "mode": "llama.cpp", "warmup": False} for r in doc.get("records", [])]
     return [r for r in doc.get("records", []) if not r["warmup"]]
-
-
-def per_prompt(records: list[dict], key: str) -> dict[str, float]:
-    groups: dict[str, list[float]] = {}
-    for r in records:
-        if r.get(key):
-            groups.setdefault(r["prompt_id"], []).append(r[key])
-    return {p: statistics.median(v) for p, v in groups.items()}
-
-
-def paired_ratio(a: dict[str, float], b: dict[str, float]) -> float | None:
-    rs = [a[p] / b[p] for p in a if p in b and a[p] > 0 and b[p] > 0]
-    return math.exp(statistics.fmean(math.log(x) for x in rs)) if rs else None
 
 
 def summarize(configs: list[Config], runs: list[dict]) -> list[dict]:
@@ -211,13 +187,11 @@ def summarize(configs: list[Config], runs: list[dict]) -> list[dict]:
             mine = [r for r in recs if r["mode"] == mode]
             base_mode = [r for r in base if r["mode"] == mode] or base
             iterative = [r for r in recs if r["mode"] == "iterative"]
-            toks = [r["tok_per_s"] for r in mine if r.get("tok_per_s")]
-            dec = [r["decode_tok_per_s"] for r in mine if r.get("decode_tok_per_s")]
             acc = [r["acceptance"]["rate"] for r in mine if (r.get("acceptance") or {}).get("rate") is not None]
             rows.append({
                 "config": c.label, "mode": mode, "n_records": len(mine),
-                "tok_per_s": statistics.median(toks) if toks else None,
-                "decode_tok_per_s": statistics.median(dec) if dec else None,
+                "tok_per_s": median(r.get("tok_per_s") for r in mine),
+                "decode_tok_per_s": median(r.get("decode_tok_per_s") for r in mine),
                 "ttft_ms": statistics.median(r["ttft_s"] * 1e3 for r in mine) if mine else None,
                 "acceptance": statistics.fmean(acc) if acc else None,
                 "x_first": paired_ratio(per_prompt(mine, "tok_per_s"), per_prompt(base_mode, "tok_per_s")),
@@ -230,19 +204,14 @@ def summarize(configs: list[Config], runs: list[dict]) -> list[dict]:
     return rows
 
 
-def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    return "–" if x is None else f"{x:{spec}}{suffix}"
-
-
 def table(rows: list[dict], first: str) -> str:
-    lines = [f"| configuration | mode | tok/s | decode tok/s | TTFT ms | acceptance | × {first} (tok/s, decode) "
-             "| × iterative | tokens |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r['config']} | {r['mode']} | {fmt(r['tok_per_s'])} | {fmt(r['decode_tok_per_s'])} "
-                     f"| {fmt(r['ttft_ms'], '.0f')} | {fmt(r['acceptance'] and 100 * r['acceptance'], '.0f', ' %')} "
-                     f"| {fmt(r['x_first'], '.3f')}, {fmt(r['x_first_decode'], '.3f')} "
-                     f"| {fmt(r['x_iterative'], '.3f')} | {'same' if r['tokens_same'] else 'DIFFERENT'} |")
-    return "\n".join(lines)
+    head = ["configuration", "mode", "tok/s", "decode tok/s", "TTFT ms", "acceptance", f"× {first} (tok/s, decode)",
+            "× iterative", "tokens"]
+    cells = [[r["config"], r["mode"], fmt(r["tok_per_s"]), fmt(r["decode_tok_per_s"]), fmt(r["ttft_ms"], ".0f"),
+              fmt(r["acceptance"] and 100 * r["acceptance"], ".0f", " %"),
+              f"{fmt(r['x_first'], '.3f')}, {fmt(r['x_first_decode'], '.3f')}", fmt(r["x_iterative"], ".3f"),
+              "same" if r["tokens_same"] else "DIFFERENT"] for r in rows]
+    return markdown_table(head, cells, "llrrrrrrl")
 
 
 def parse_args(argv=None):
@@ -280,9 +249,7 @@ def main(argv=None) -> int:
     print(table(rows, configs[0].label))
     doc = {"suite": a.suite, "finished": datetime.now(UTC).isoformat(timespec="seconds"),
            "argv": sys.argv[1:], "rows": rows, "runs": runs}
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(doc, indent=1) + "\n")
-    log(f"wrote {a.json}")
+    write_json(a.json, doc)
     return 0 if all("doc" in r for r in runs) else 1
 
 
