@@ -18,9 +18,7 @@ design.md: tok_per_s = n_gen / (t_last_token - t_start), decode_tok_per_s = (n_g
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -99,6 +97,7 @@ def main() -> int:
 
     import llama_cpp
 
+    from benchlib import median, write_json
     from pipeinfer_cli.bench.environment import host_facts, versions
     from pipeinfer_cli.bench.prompts import load_prompts
     from pipeinfer_cli.runtime.tokenizer import Tokenizer
@@ -127,7 +126,7 @@ def main() -> int:
             records.append({"prompt_id": p.id, "repeat": rep, **r})
             print(f"{name} {p.id}: {r['n_prompt']} prompt tokens, {r['n_gen']} tokens, {r['tok_per_s']:.2f} tok/s, "
                   f"decode {r['decode_tok_per_s'] or 0:.2f} tok/s", file=sys.stderr)
-    med = {k: statistics.median(r[k] for r in records if r[k] is not None) for k in ("tok_per_s", "decode_tok_per_s")}
+    med = {k: median(r[k] for r in records) for k in ("tok_per_s", "decode_tok_per_s")}
     engine = ("llama.cpp prompt-lookup decoding (llama-cpp-python LlamaPromptLookupDecoding, "
               f"max_ngram_size={args.lookup_ngram}, num_pred_tokens={args.lookup_tokens}, greedy, one process)"
               if args.lookup else "llama.cpp (llama-cpp-python, greedy, one process)")
@@ -135,8 +134,7 @@ def main() -> int:
            "threads": args.threads, "n_predict": args.n_predict, "repeat": args.repeat, "warmup": args.warmup,
            "command": " ".join(["python", *sys.argv]), "versions": versions(), "host": host_facts(),
            "prompts": args.prompts or "default", "median": med, "records": records}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(args.json, doc)
     print(f"{name} median: {med['tok_per_s']:.2f} tok/s, decode {med['decode_tok_per_s']:.2f} tok/s "
           f"({args.threads} threads) -> {args.json}", file=sys.stderr)
     return 0

@@ -30,8 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# The installed command, which a user types; PIPEINFER= points the scripts at another install.
-PIPEINFER = os.environ.get("PIPEINFER", str(ROOT / ".venv" / "bin" / "pipeinfer"))
+# The installed command, which a user types: beside this Python (`.venv/bin/python scripts/...`), else
+# the checkout's venv; PIPEINFER= points the scripts at another install.
+_BESIDE = Path(sys.executable).with_name("pipeinfer")
+PIPEINFER = os.environ.get("PIPEINFER", str(_BESIDE if _BESIDE.exists() else ROOT / ".venv" / "bin" / "pipeinfer"))
 
 
 def log(msg: str) -> None:
