@@ -167,7 +167,10 @@ def command(a, c: Config, out: Path) -> list[str]:
         return [sys.executable, str(ROOT / "scripts" / "bench_llamacpp.py"), c.model, "-n", str(a.n_predict),
                 "--limit", str(a.limit), *c.args, "--json", str(out), *a.prompts]
     pinned = ["taskset", "-c", c.cpus] if c.cpus else []
-    return [*pinned, a.pipeinfer, "bench", c.model, *c.args, "-n", str(a.n_predict), "--limit", str(a.limit),
+    args = list(c.args)
+    if a.modes and "--modes" in args:  # --modes given: every configuration runs those modes
+        args[args.index("--modes") + 1] = a.modes
+    return [*pinned, a.pipeinfer, "bench", c.model, *args, "-n", str(a.n_predict), "--limit", str(a.limit),
             "--warmup", str(a.warmup), "--repeat", "1", "--temp", "0", "--json", str(out), *a.prompts]
 
 
@@ -333,6 +336,7 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="cores the jobs have (default: this machine's)")
     ap.add_argument("--prompts", default=None, help="a prompt set or file, given to every run")
+    ap.add_argument("--modes", default=None, help="bench's --modes for every configuration (default: each suite's own)")
     ap.add_argument("--only", default=None, help="comma-separated configuration numbers (1-based) to run")
     ap.add_argument("--pipeinfer", default=str(Path(sys.executable).with_name("pipeinfer")))
     ap.add_argument("--work-dir", type=Path, default=ROOT / "build" / "bench_topologies")
