@@ -24,19 +24,6 @@ import time
 from pathlib import Path
 
 
-def resolve_target(spec: str) -> tuple[str, Path]:
-    """(label, path) of the target model: a pair name's target, a registry name (pulled if needed), or a path."""
-    from pipeinfer_cli.models.fetch import pull_model
-    from pipeinfer_cli.models.registry import load_registry
-
-    reg = load_registry()
-    if spec in reg.pairs:
-        spec = reg.pairs[spec].target
-    if spec in reg.models:
-        return spec, pull_model(reg.models[spec])
-    return spec, Path(spec).expanduser()
-
-
 def generate(llm, lib, prompt: list[int], n_predict: int, is_eog) -> dict:
     import numpy as np
 
@@ -97,12 +84,12 @@ def main() -> int:
 
     import llama_cpp
 
-    from benchlib import median, write_json
+    from benchlib import median, target_model, write_json
     from pipeinfer_cli.bench.environment import host_facts, versions
     from pipeinfer_cli.bench.prompts import load_prompts
     from pipeinfer_cli.runtime.tokenizer import Tokenizer
 
-    label, path = resolve_target(args.model)
+    label, path = target_model(args.model)
     prompts = load_prompts(args.prompts, args.limit)
     tok = Tokenizer(path)
     ids = {p.id: tok.chat_messages(list(p.messages)) if p.messages else tok.encode(p.prompt) for p in prompts}

@@ -62,9 +62,9 @@ def main() -> int:
 def run(args) -> int:
     from pipeinfer_cli.runtime.job import JobConfig, Request, run_head_loop
     from pipeinfer_cli.decode.session import DecodeOptions
-    from bench_llamacpp import resolve_target
+    from benchlib import target_model
 
-    label, path = resolve_target(args.model)
+    label, path = target_model(args.model)
     cfg = JobConfig(model_path=path, model_label=label, draft_path=None,
                     decode=DecodeOptions(n_predict=args.n_predict), n_ctx=args.ctx, reuse_prefix=True)
     records: list[dict] = []

@@ -46,6 +46,20 @@ def shown(cmd: Iterable[str]) -> str:
     return shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
 
 
+def target_model(spec: str) -> tuple[str, Path]:
+    """(label, path) of the model a script measures: a pair name's target, a registry name (pulled
+    on first use, as `pipeinfer` pulls it), or a GGUF path."""
+    from pipeinfer_cli.models.fetch import pull_model
+    from pipeinfer_cli.models.registry import load_registry
+
+    reg = load_registry()
+    if spec in reg.pairs:
+        spec = reg.pairs[spec].target
+    if spec in reg.models:
+        return spec, pull_model(reg.models[spec])
+    return spec, Path(spec).expanduser()
+
+
 # -- running a job ------------------------------------------------------------------------------
 
 @dataclass
@@ -208,5 +222,5 @@ def write_json(path: Path | None, doc: dict, indent: int | None = 1) -> None:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=indent) + "\n")
+    path.write_text(json.dumps(doc, indent=indent, default=str) + "\n")
     log(f"wrote {shown([str(path)])}")
