@@ -7,7 +7,7 @@ with paths relative to the checkout, so that BENCHMARKS.md can quote it), lets `
 (or scripts/bench_llamacpp.py) write its JSON into a file, and pools the records of several rounds.
 The jobs themselves are started by the package's launcher (`pipeinfer ... --ranks N` relaunches
 itself under mpiexec; a script that drives the runtime directly uses `relaunch_self`), so no
-script builds an mpiexec command line of its own.
+benchmark builds an mpiexec command line of its own.
 
     import benchlib
     run = benchlib.run_json([benchlib.PIPEINFER, "bench", ...], out_path)
