@@ -25,7 +25,7 @@ help:
 	@echo "make bench-prefix-reuse  TTFT of a second chat turn with and without prefix reuse"
 	@echo "make bench-parallel serve --parallel against the FIFO server at 1/2/4/8 clients, and the load policies"
 	@echo "make bench-native-gemma3 native layer engine vs llama.cpp on Gemma 3 270M"
-	@echo "make bench-topologies job shapes side by side: BENCH_SUITE=overhead|topologies|threads (Qwen pair)"
+	@echo "make bench-topologies job shapes side by side: BENCH_SUITE=overhead|topologies|threads|pages|drafts (Qwen pair)"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
 	@echo "make bench-cluster the scaling curve: 1-8 emulated hosts with their own CPU (2/N cores each), every mode and draft (root)"
 	@echo "make llama-rpc    build llama.cpp's rpc-server, llama-completion, llama-speculative into build/llama-rpc (from the PyPI sdist)"
@@ -126,7 +126,9 @@ bench-prefix-reuse: install
 
 # Job shapes side by side, in alternated rounds (scripts/bench_topologies.py): `overhead` (iterative on
 # 1 rank against 2), `topologies` (iterative and pipeinfer on each placement of the Qwen pair, with
-# llama.cpp as reference), `threads` (ranks given their share of the cores or all of them).
+# llama.cpp as reference), `threads` (ranks given their share of the cores or all of them), `pages`
+# (huge pages or not), `drafts` (each draft on each topology). `--report cores|overhead FILE...` on
+# its JSON afterwards: CPU per committed token, or the wall time outside the layers' compute.
 BENCH_SUITE ?= topologies
 bench-topologies: install
 	$(PY) scripts/bench_topologies.py --suite $(BENCH_SUITE) --rounds 2 --json build/bench_$(BENCH_SUITE).json

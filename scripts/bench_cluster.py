@@ -32,27 +32,17 @@ figure and the raw bench documents to --json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shlex
-import signal
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from emulate_cluster import Cluster, Failure, require_root  # noqa: E402
+from benchlib import (PIPEINFER, ROOT, emulated_cluster, fmt, log, main_guard, markdown_table, median, run_json,
+                      run_stdout_json, shown, write_json)
+from emulate_cluster import Cluster, Failure, require_root
 
 DEFAULT_CONFIGS = ("iterative,speculative:qwen2.5-coder-0.5b-instruct,pipeinfer:qwen2.5-coder-0.5b-instruct,"
                    "pipeinfer:smollm2-135m-instruct,pipeinfer:lookup,pipeinfer:lookup+qwen2.5-coder-0.5b-instruct,"
                    "pipeinfer:smollm2-135m-instruct@own")
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def parse_config(text: str) -> dict:
@@ -106,37 +96,30 @@ def layer_split(a, n_hosts: int, cfg: dict) -> str | None:
 def run_one(a, c: Cluster, n_hosts: int, rate: str, cfg: dict, mem: str | None) -> dict:
     out = a.work_dir / f"{rate}_h{n_hosts}_{cfg['label'].replace(':', '_').replace('@', '_').replace('+', '_')}" \
                        f"{'_mem' if mem else ''}.json"
-    out.unlink(missing_ok=True)
     cmd = bench_cmd(a, n_hosts, cfg, out)
-    shown = shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
-    log(f"[{n_hosts} hosts x {c.cpus[0]:g} CPU, {rate}{', mem ' + mem if mem else ''}] {cfg['label']}: {shown}")
+    log(f"[{n_hosts} hosts x {c.cpus[0]:g} CPU, {rate}{', mem ' + mem if mem else ''}] {cfg['label']}: {shown(cmd)}")
     # One host: the job runs in the launching process (no MPI relaunch), so it must start on host 0.
     run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if n_hosts == 1 and cfg["placement"] != "shared" else cmd
     before = c.usage()
-    t0 = time.monotonic()
-    proc = subprocess.run(run, env={**os.environ, **c.env()}, capture_output=True, text=True, check=False)
-    wall = time.monotonic() - t0
+    job = run_json(run, out, c.env())
     after = c.usage()
     row = {"hosts": n_hosts, "cpus_per_host": c.cpus[0], "rate": rate, "mem_per_host": mem, **cfg,
            "command": f"scripts/emulate-cluster.sh up {n_hosts} --rate {rate} --cpus {c.cpus[0]:g}"
-                      f"{' --mem ' + mem if mem else ''}; scripts/emulate-cluster.sh {'on 0' if n_hosts == 1 else 'exec'} -- {shown}",
-           "returncode": proc.returncode, "wall_s": round(wall, 1),
+                      f"{' --mem ' + mem if mem else ''}; scripts/emulate-cluster.sh {'on 0' if n_hosts == 1 else 'exec'} -- {shown(cmd)}",
+           "returncode": job.returncode, "wall_s": round(job.wall_s, 1),
            "host_cpu_s": {h: round(after[h]["cpu_s"] - before[h]["cpu_s"], 2) for h in after},
            "host_throttled_s": {h: round(after[h]["throttled_s"] - before[h]["throttled_s"], 2) for h in after},
            "host_mem_peak": {h: after[h]["mem_peak"] for h in after},
            "oom": c.memory_failures(before)}
-    if out.exists():
-        doc = json.loads(out.read_text())
+    if job.doc is not None:
         row["records"] = [{k: r.get(k) for k in ("prompt_id", "mode", "tokens", "n_prompt", "n_gen", "tok_per_s",
                                                   "decode_tok_per_s", "ttft_s", "acceptance", "ranks")}
-                          for r in doc["records"]]
+                          for r in job.doc["records"]]
     else:
-        lines = [x for x in (proc.stderr or proc.stdout).strip().splitlines() if x.startswith("Error")]
-        row["error"] = lines[0] if lines else "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        log(f"  no result (exit {proc.returncode}): {row['error']}")
+        row["error"] = job.error
     figures(row)
     if "records" in row:
-        log(f"  {wall:.0f} s: {row['tok_per_s']:.2f} tok/s, TTFT {row['ttft_s']:.2f} s, "
+        log(f"  {job.wall_s:.0f} s: {row['tok_per_s']:.2f} tok/s, TTFT {row['ttft_s']:.2f} s, "
             f"acceptance {row['acceptance'] if row['acceptance'] is not None else '-'}; "
             f"throttled {sum(row['host_throttled_s'].values()):.1f} s over the hosts")
     return row
@@ -145,7 +128,7 @@ def run_one(a, c: Cluster, n_hosts: int, rate: str, cfg: dict, mem: str | None) 
 def figures(row: dict) -> None:
     """Per row: medians over prompts of tok/s, decode tok/s and TTFT; acceptance pooled."""
     recs = row.get("records") or []
-    med = (lambda k: statistics.median([r[k] for r in recs if r.get(k)]) if any(r.get(k) for r in recs) else None)
+    med = (lambda k: median(r.get(k) for r in recs))  # noqa: E731
     row["tok_per_s"], row["decode_tok_per_s"], row["ttft_s"] = med("tok_per_s"), med("decode_tok_per_s"), med("ttft_s")
     drafted = sum((r.get("acceptance") or {}).get("drafted", 0) for r in recs)
     accepted = sum((r.get("acceptance") or {}).get("accepted", 0) for r in recs)
@@ -184,19 +167,15 @@ def speedups(rows: list[dict]) -> None:
         r["x_speculative"] = round(r["tok_per_s"] / spec, 3) if r.get("tok_per_s") and spec else None
 
 
-def fmt(v, spec: str) -> str:
-    return "–" if v is None else format(v, spec)
-
-
 def table(rows: list[dict]) -> str:
     head = ["link", "hosts", "CPU/host", "mem/host", "config", "draft at", "tok/s", "decode", "TTFT s", "accept",
             "× iter", "× spec", "plan tok/s", "plan err", "CPU s (max host)", "throttled s (sum)", "texts"]
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 6 + ["---:"] * (len(head) - 7) + ["---"]) + "|"]
+    lines = []
     for r in rows:
         cells = [r["rate"], str(r["hosts"]), f"{r['cpus_per_host']:g}", r.get("mem_per_host") or "–", f"`{r['label'].split('@')[0]}`",
                  r["placement"] or "–"]
         if "records" not in r:
-            out.append("| " + " | ".join(cells + [f"cannot run: {r.get('error', '')}"] + [""] * (len(head) - 8)) + " |")
+            lines.append(cells + [f"cannot run: {r.get('error', '')}"] + [""] * (len(head) - 8))
             continue
         cells += [fmt(r["tok_per_s"], ".2f"), fmt(r["decode_tok_per_s"], ".2f"), fmt(r["ttft_s"], ".2f"),
                   fmt(r["acceptance"], ".2f"), fmt(r.get("x_iterative"), ".2f"), fmt(r.get("x_speculative"), ".2f"),
@@ -205,8 +184,8 @@ def table(rows: list[dict]) -> str:
                   + (" (at the measured acceptance)" if "plan_acceptance_given" in r else ""),
                   f"{max(r['host_cpu_s'].values()):.1f}", f"{sum(r['host_throttled_s'].values()):.1f}",
                   "same" if r.get("texts_identical") else "DIFFER"]
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
+        lines.append(cells)
+    return markdown_table(head, lines, "l" * 6 + "r" * (len(head) - 7) + "l")
 
 
 def plan_rows(a, c: Cluster, n: int, rows: list[dict]) -> None:
@@ -226,14 +205,12 @@ def plan_rows(a, c: Cluster, n: int, rows: list[dict]) -> None:
             cmd = [a.pipeinfer, "calibrate", a.model, "--ranks", str(ranks), "--threads", "1", "--quick", "--out", str(out)]
             cmd += (["--draft", model_draft] if model_draft else []) + (["--layer-split", split] if split else [])
             run = [str(c.wrapper), c.host(0), shlex.join(cmd)] if ranks == 1 else cmd
-            log(f"  calibrate: {shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)}")
-            t0 = time.monotonic()
-            proc = subprocess.run(run, env={**os.environ, **c.env()}, capture_output=True, text=True, check=False)
-            if proc.returncode != 0 or not out.exists():
-                row["plan_error"] = (proc.stderr.strip().splitlines() or ["calibrate failed"])[-1]
-                log(f"  calibrate failed: {row['plan_error']}")
+            log(f"  calibrate: {shown(cmd)}")
+            job = run_json(run, out, c.env())  # the profile is a JSON document too
+            if job.returncode != 0 or job.doc is None:
+                row["plan_error"] = job.error or "calibrate failed"
                 continue
-            row["calibrate_s"] = round(time.monotonic() - t0)
+            row["calibrate_s"] = round(job.wall_s)
             log(f"  calibrated in {row['calibrate_s']} s")
             profiles[key] = out
         row["profile"] = str(profiles[key])
@@ -244,16 +221,16 @@ def plan_row(a, row: dict, profile: Path, ranks: int, split: str | None) -> None
     cmd = [a.pipeinfer, "plan", a.model, "--profile", str(profile), "--modes", row["mode"], "--ranks", str(ranks),
            "--threads", "1", "--prompts", a.prompts, "--limit", str(a.limit), "-n", str(a.n_predict), "--json"]
     cmd += (["--draft", row["draft"]] if row["draft"] else []) + (["--layer-split", split] if split else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0 and "--acceptance" in proc.stderr and row.get("acceptance") is not None:
+    plan, error = run_stdout_json(cmd)
+    if plan is None and "--acceptance" in error and row.get("acceptance") is not None:
         # A draft of another vocabulary has no recordable chains: plan at the acceptance the run measured.
         row["plan_acceptance_given"] = row["acceptance"]
-        proc = subprocess.run(cmd + ["--acceptance", str(row["acceptance"])], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        row["plan_error"] = (proc.stderr.strip().splitlines() or ["plan failed"])[-1]
+        plan, error = run_stdout_json(cmd + ["--acceptance", str(row["acceptance"])])
+    if plan is None:
+        row["plan_error"] = error
         log(f"  plan failed: {row['plan_error']}")
         return
-    pred = json.loads(proc.stdout)["modes"][row["mode"]]
+    pred = plan["modes"][row["mode"]]
     row["predicted"] = {k: pred.get(k) for k in ("tok_per_s", "decode_tok_per_s", "ttft_s", "acceptance")}
     row["predicted_error"] = round(pred["tok_per_s"] / row["tok_per_s"] - 1, 3) if row.get("tok_per_s") else None
     log(f"  plan: {pred['tok_per_s']:.2f} tok/s predicted, {row['tok_per_s']:.2f} measured "
@@ -261,22 +238,25 @@ def plan_row(a, row: dict, profile: Path, ranks: int, split: str | None) -> None
 
 
 def run_cluster(a, n: int, rate: str, configs: list[dict], mem: str | None = None) -> list[dict]:
-    c = Cluster(a.prefix, a.subnet)
-    if c.is_up or c._leftovers():
-        raise Failure(f"an emulated cluster {a.prefix} exists already; run `scripts/emulate-cluster.sh down` first")
-    cpus = a.total_cpus / n
     rows = []
-    try:
-        c.up(n, rate, f"{cpus:g}", mem)
+    with emulated_cluster(a.prefix, a.subnet, n, rate, f"{a.total_cpus / n:g}", mem) as c:
         for cfg in configs:
             if cfg["placement"] == "own" and n < 2:
                 continue  # a draft host needs a target host beside it
             rows.append(run_one(a, c, n, rate, cfg, mem))
         if a.plan:
             plan_rows(a, c, n, rows)
-    finally:
-        c.down()
     return rows
+
+
+def campaign(a, rows: list[dict]) -> int:
+    """Every link rate and host count, its rows appended to `rows` (kept when a later one fails)."""
+    require_root()
+    configs = [parse_config(x) for x in a.configs.split(",") if x]
+    for rate in a.rates.split(","):
+        for n in (int(x) for x in a.hosts.split(",")):
+            rows += run_cluster(a, n, rate, configs, a.mem)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="pi-cl")
     p.add_argument("--subnet", default="10.214.0.0/24")
     p.add_argument("--json", type=Path, help="write every figure and row here")
-    p.add_argument("--pipeinfer", default=str(ROOT / ".venv" / "bin" / "pipeinfer"))
+    p.add_argument("--pipeinfer", default=PIPEINFER)
     a = p.parse_args(argv)
     a.plan = set(x for x in a.plan.split(",") if x)
     if "all" in a.plan:
@@ -306,35 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     a.work_dir = ROOT / "build" / "cluster"
     a.work_dir.mkdir(parents=True, exist_ok=True)
 
-    def interrupted(_signum, _frame):
-        raise KeyboardInterrupt
-
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, interrupted)
     rows: list[dict] = []
     try:
-        require_root()
-        configs = [parse_config(x) for x in a.configs.split(",") if x]
-        for rate in a.rates.split(","):
-            for n in (int(x) for x in a.hosts.split(",")):
-                rows += run_cluster(a, n, rate, configs, a.mem)
-    except KeyboardInterrupt:
-        log("Error: interrupted")
-        return 130
-    except Failure as e:
-        log(f"Error: {e}")
-        return 1
+        status = main_guard(lambda: campaign(a, rows))
     finally:
         bad = check_texts(rows)
         speedups(rows)
         print(table(rows))
-        if a.json:
-            a.json.parent.mkdir(parents=True, exist_ok=True)
-            a.json.write_text(json.dumps({"prompts": a.prompts, "limit": a.limit, "n_predict": a.n_predict,
-                                          "total_cpus": a.total_cpus, "rows": rows, "text_differences": bad}, indent=1))
+        write_json(a.json, {"prompts": a.prompts, "limit": a.limit, "n_predict": a.n_predict,
+                            "total_cpus": a.total_cpus, "rows": rows, "text_differences": bad})
     for line in bad:
         log(f"Error: texts differ: {line}")
-    return 1 if bad else 0
+    return status or (1 if bad else 0)
 
 
 if __name__ == "__main__":

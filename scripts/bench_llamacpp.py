@@ -18,25 +18,10 @@ design.md: tok_per_s = n_gen / (t_last_token - t_start), decode_tok_per_s = (n_g
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
-
-
-def resolve_target(spec: str) -> tuple[str, Path]:
-    """(label, path) of the target model: a pair name's target, a registry name (pulled if needed), or a path."""
-    from pipeinfer_cli.models.fetch import pull_model
-    from pipeinfer_cli.models.registry import load_registry
-
-    reg = load_registry()
-    if spec in reg.pairs:
-        spec = reg.pairs[spec].target
-    if spec in reg.models:
-        return spec, pull_model(reg.models[spec])
-    return spec, Path(spec).expanduser()
 
 
 def generate(llm, lib, prompt: list[int], n_predict: int, is_eog) -> dict:
@@ -99,11 +84,12 @@ def main() -> int:
 
     import llama_cpp
 
+    from benchlib import median, target_model, write_json
     from pipeinfer_cli.bench.environment import host_facts, versions
     from pipeinfer_cli.bench.prompts import load_prompts
     from pipeinfer_cli.runtime.tokenizer import Tokenizer
 
-    label, path = resolve_target(args.model)
+    label, path = target_model(args.model)
     prompts = load_prompts(args.prompts, args.limit)
     tok = Tokenizer(path)
     ids = {p.id: tok.chat_messages(list(p.messages)) if p.messages else tok.encode(p.prompt) for p in prompts}
@@ -127,7 +113,7 @@ def main() -> int:
             records.append({"prompt_id": p.id, "repeat": rep, **r})
             print(f"{name} {p.id}: {r['n_prompt']} prompt tokens, {r['n_gen']} tokens, {r['tok_per_s']:.2f} tok/s, "
                   f"decode {r['decode_tok_per_s'] or 0:.2f} tok/s", file=sys.stderr)
-    med = {k: statistics.median(r[k] for r in records if r[k] is not None) for k in ("tok_per_s", "decode_tok_per_s")}
+    med = {k: median(r[k] for r in records) for k in ("tok_per_s", "decode_tok_per_s")}
     engine = ("llama.cpp prompt-lookup decoding (llama-cpp-python LlamaPromptLookupDecoding, "
               f"max_ngram_size={args.lookup_ngram}, num_pred_tokens={args.lookup_tokens}, greedy, one process)"
               if args.lookup else "llama.cpp (llama-cpp-python, greedy, one process)")
@@ -135,8 +121,7 @@ def main() -> int:
            "threads": args.threads, "n_predict": args.n_predict, "repeat": args.repeat, "warmup": args.warmup,
            "command": " ".join(["python", *sys.argv]), "versions": versions(), "host": host_facts(),
            "prompts": args.prompts or "default", "median": med, "records": records}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(args.json, doc)
     print(f"{name} median: {med['tok_per_s']:.2f} tok/s, decode {med['decode_tok_per_s']:.2f} tok/s "
           f"({args.threads} threads) -> {args.json}", file=sys.stderr)
     return 0

@@ -31,19 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
+from benchlib import markdown_table, target_model, write_json
+
 PROMPT_TEXT = (b"def quicksort(items):\n    \"\"\"Sort a list with quicksort and return a new list.\"\"\"\n"
                b"    if len(items) <= 1:\n        return items\n")
 N_PROMPT = 64
-
-
-def resolve_model(name_or_path: str) -> Path:
-    p = Path(name_or_path).expanduser()
-    if p.is_file():
-        return p
-    from pipeinfer_cli.models.fetch import pull_model
-    from pipeinfer_cli.models.registry import load_registry
-
-    return pull_model(load_registry().model(name_or_path))
 
 
 def prompt_tokens(path: Path) -> list[int]:
@@ -248,25 +240,22 @@ def print_table(results: list[dict], batch_sizes: list[int]) -> None:
                   f"weights {m['weight_bytes'] / 2**20:.0f} MiB + KV {m['kv_bytes'] / 2**20:.0f} MiB (n_ctx {m['n_ctx']})")
 
 
-def markdown_table(results: list[dict], batch_sizes: list[int]) -> str:
+def native_table(results: list[dict], batch_sizes: list[int]) -> str:
     """The table for BENCHMARKS.md: per model and thread count, both engines and the ratios."""
-    head = ("| model | threads | engine | decode tok/s | CPU ms/token | " +
-            " | ".join(f"batch {b}: ms (CPU ms)" for b in batch_sizes) + " |")
-    lines = [head, "|" + "---|" * (5 + len(batch_sizes))]
+    rows = []
     for res in results:
         model = res["model"].replace(".gguf", "")
         for nt, s in res["threads"].items():
             for name in ENGINES:
                 if name in s:
                     row = s[name]
-                    lines.append(f"| {model} | {nt} | {name} | {row['decode_tok_s']:.2f} | {row['decode_cpu_ms']:.2f} | " +
-                                 " | ".join(f"{row['batch_ms'][b]:.1f} ({row['batch_cpu_ms'][b]:.1f})"
-                                            for b in batch_sizes) + " |")
-            lines.append(f"| {model} | {nt} | **native / llama.cpp** | **{s['ratio_decode']:.3f}** | "
-                         f"**{s['ratio_decode_cpu']:.3f}** | " +
-                         " | ".join(f"{s['ratio_batch'][b]:.3f} ({s['ratio_batch_cpu'][b]:.3f})"
-                                    for b in batch_sizes) + " |")
-    return "\n".join(lines)
+                    rows.append([model, str(nt), name, f"{row['decode_tok_s']:.2f}", f"{row['decode_cpu_ms']:.2f}"]
+                                + [f"{row['batch_ms'][b]:.1f} ({row['batch_cpu_ms'][b]:.1f})" for b in batch_sizes])
+            rows.append([model, str(nt), "**native / llama.cpp**", f"**{s['ratio_decode']:.3f}**",
+                         f"**{s['ratio_decode_cpu']:.3f}**"]
+                        + [f"{s['ratio_batch'][b]:.3f} ({s['ratio_batch_cpu'][b]:.3f})" for b in batch_sizes])
+    head = ["model", "threads", "engine", "decode tok/s", "CPU ms/token"] + [f"batch {b}: ms (CPU ms)" for b in batch_sizes]
+    return markdown_table(head, rows, "l" * len(head))
 
 
 def main() -> None:
@@ -304,7 +293,7 @@ def main() -> None:
                             row[key] = {int(k): v for k, v in row[key].items()}
         sizes = sorted(next(iter(results[0]["threads"].values()))["ratio_batch"])
         print_table(results, sizes)
-        print(markdown_table(results, sizes))
+        print(native_table(results, sizes))
         return
 
     models = args.model or ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
@@ -312,7 +301,7 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     results = []
     for m in models:
-        path = resolve_model(m)
+        path = target_model(m)[1]
         print(f"benchmarking {path.name} ...", file=sys.stderr, flush=True)
         res = bench_model(path, threads, args.n_decode, batch_sizes, args.batch_reps, args.n_ctx, args.flash_attn,
                           args.invariant)
@@ -327,13 +316,11 @@ def main() -> None:
            "settings": vars(args) | {"json": str(args.json) if args.json else None}}
     print_table(results, batch_sizes)
     if args.markdown:
-        print(markdown_table(results, batch_sizes))
-    text = json.dumps(doc, indent=1, default=str)
+        print(native_table(results, batch_sizes))
     if args.json:
-        args.json.write_text(text)
-        print(f"wrote {args.json}", file=sys.stderr)
+        write_json(args.json, doc)
     else:
-        print(text)
+        print(json.dumps(doc, indent=1, default=str))
 
 
 if __name__ == "__main__":

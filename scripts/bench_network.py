@@ -32,19 +32,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import shlex
-import signal
-import statistics
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from benchlib import (PIPEINFER, ROOT, emulated_cluster, log, main_guard, median, paired_ratio, per_prompt,
+                      run_json, shown, write_json)
 from emulate_cluster import Cluster, Failure, parse_rate, require_root
 
 SHM = "shm"  # the link label of the shared-memory baseline
@@ -62,42 +56,26 @@ def bench_cmd(a, n_hosts: int, json_path: Path) -> list[str]:
     return cmd + list(a.bench_arg)
 
 
-def shown(cmd: list[str]) -> str:
-    """A command as printed: paths inside the checkout made relative to it."""
-    return shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
-
-
 def run_bench(a, n_hosts: int, link: str, rnd: int, cluster: Cluster | None) -> dict:
     out = a.work_dir / f"h{n_hosts}_{link}_r{rnd}.json"
-    out.unlink(missing_ok=True)
     cmd = bench_cmd(a, n_hosts, out)
-    env = dict(os.environ)
-    if cluster is not None:
-        env.update(cluster.env())
-        shown_cmd = f"scripts/emulate-cluster.sh {cluster_opts(a)} exec -- {shown(cmd)}"
-        before = cluster.counters()
-    else:
-        shown_cmd = shown(cmd)
+    shown_cmd = shown(cmd) if cluster is None else f"scripts/emulate-cluster.sh {cluster_opts(a)} exec -- {shown(cmd)}"
+    before = cluster.counters() if cluster is not None else None
     log(f"[{n_hosts} hosts, {link}, round {rnd}] {shown_cmd}")
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    wall = time.monotonic() - t0
-    run = {"hosts": n_hosts, "link": link, "round": rnd, "command": shown_cmd, "returncode": proc.returncode,
-           "wall_s": round(wall, 2), "loadavg_end": list(os.getloadavg())}
+    job = run_json(cmd, out, cluster.env() if cluster is not None else None)
+    run = {"hosts": n_hosts, "link": link, "round": rnd, "command": shown_cmd, **job.facts()}
     if cluster is not None:
         after = cluster.counters()
         # Bytes through the hosts' links at the interface (payload plus TCP/IP and MPI framing, the
         # bench's warmup and the launcher's control traffic): proof that the job used the links.
         run["link_counter_bytes"] = sum(after[h][k] - before[h][k] for h in after for k in after[h])
-    if out.exists():
-        run["doc"] = json.loads(out.read_text())
+    if job.doc is not None:
+        run["doc"] = job.doc
     else:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        run["error"] = "\n".join(tail)
-        log(f"  failed (exit {proc.returncode}): {run['error']}")
-    if (proc.returncode not in (0, 1) or "doc" not in run) and not a.keep_going:
-        raise Failure(f"bench failed on {n_hosts} hosts, link {link} (exit {proc.returncode})")
-    log(f"  {wall:.1f} s, exit {proc.returncode}")
+        run["error"] = job.error
+    if (job.returncode not in (0, 1) or job.doc is None) and not a.keep_going:
+        raise Failure(f"bench failed on {n_hosts} hosts, link {link} (exit {job.returncode})")
+    log(f"  {job.wall_s:.1f} s, exit {job.returncode}")
     return run
 
 
@@ -107,19 +85,9 @@ def cluster_opts(a) -> str:
 
 # -- figures ------------------------------------------------------------------------------------
 
-def per_prompt(records: list[dict], mode: str, key: str = "tok_per_s") -> dict[str, float]:
+def mode_prompts(records: list[dict], mode: str, key: str = "tok_per_s") -> dict[str, float]:
     """{prompt: median of key over the mode's measured records of that prompt}."""
-    groups: dict[str, list[float]] = {}
-    for r in records:
-        if r["mode"] == mode and not r["warmup"] and r.get(key):
-            groups.setdefault(r["prompt_id"], []).append(r[key])
-    return {p: statistics.median(v) for p, v in groups.items()}
-
-
-def paired_ratio(a: dict[str, float], b: dict[str, float]) -> float | None:
-    """Geometric mean over the prompts of both of a/b."""
-    rs = [a[p] / b[p] for p in a if p in b and a[p] > 0 and b[p] > 0]
-    return math.exp(statistics.fmean(math.log(x) for x in rs)) if rs else None
+    return per_prompt((r for r in records if r["mode"] == mode and not r["warmup"]), key)
 
 
 def reference_tokens(records: list[dict]) -> dict[str, list[int]]:
@@ -151,17 +119,17 @@ def mode_figures(records: list[dict], mode: str, base: list[dict], ref: dict[str
     mismatched = sorted({r["prompt_id"] for r in rs if r["prompt_id"] in ref and r["tokens"] != ref[r["prompt_id"]]})
     return {
         "n_records": len(measured), "n_gen": n_gen,
-        "tok_per_s_median": statistics.median(toks) if toks else None,
+        "tok_per_s_median": median(toks),
         "tok_per_s_min": min(toks) if toks else None, "tok_per_s_max": max(toks) if toks else None,
-        "per_prompt_tok_per_s": per_prompt(records, mode),
-        "x_shm": paired_ratio(per_prompt(records, mode), per_prompt(base, mode)),
-        "x_shm_decode": paired_ratio(per_prompt(records, mode, "decode_tok_per_s"),
-                                     per_prompt(base, mode, "decode_tok_per_s")),
+        "per_prompt_tok_per_s": mode_prompts(records, mode),
+        "x_shm": paired_ratio(mode_prompts(records, mode), mode_prompts(base, mode)),
+        "x_shm_decode": paired_ratio(mode_prompts(records, mode, "decode_tok_per_s"),
+                                     mode_prompts(base, mode, "decode_tok_per_s")),
         "wire_bytes_per_token": link_bytes / n_gen if n_gen else None,
         "wire_messages_per_token": link_msgs / n_gen if n_gen else None,
         "wire_bytes_per_token_by_link": {k: v / n_gen for k, v in per_link.items()} if n_gen else {},
         "head_received_bytes_per_token": head_bytes / n_gen if n_gen else None,
-        "head_received_bytes_per_row_median": statistics.median(rows) if rows else None,
+        "head_received_bytes_per_row_median": median(rows),
         "wait_s_by_rank": {k: round(v, 3) for k, v in wait.items()},
         "tokens_same_as_shm": not mismatched, "prompts_differing_from_shm": mismatched,
     }
@@ -186,8 +154,8 @@ def summarize(a, runs: list[dict]) -> list[dict]:
                    "link_counter_bytes": sum(r.get("link_counter_bytes", 0) for r in mine) if link != SHM else None,
                    "modes": {m: mode_figures(records, m, base, ref) for m in a.modes if records}}
             if "pipeinfer" in row["modes"] and "speculative" in row["modes"]:
-                row["pipeinfer_x_speculative"] = paired_ratio(per_prompt(records, "pipeinfer"),
-                                                              per_prompt(records, "speculative"))
+                row["pipeinfer_x_speculative"] = paired_ratio(mode_prompts(records, "pipeinfer"),
+                                                              mode_prompts(records, "speculative"))
             rows.append(row)
     return rows
 
@@ -257,8 +225,25 @@ def goal_text(checks: list[dict]) -> str:
     return "\n".join(out)
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+def measure(a, runs: list[dict]) -> int:
+    """Every (hosts, round, link) in turn, its runs appended to `runs`; one cluster per host count."""
+    require_root()
+    for r in a.rates:
+        parse_rate(r)
+    a.work_dir.mkdir(parents=True, exist_ok=True)
+    for n in a.hosts:
+        with emulated_cluster(a.prefix, a.subnet, n, a.rates[0]) as cluster:
+            for rnd in range(a.rounds):
+                order = [SHM, *a.rates]
+                for link in (order if rnd % 2 == 0 else order[::-1]):
+                    if link == SHM:
+                        runs.append(run_bench(a, n, SHM, rnd, None))
+                        continue
+                    if cluster.rate != link:
+                        log(f"scripts/emulate-cluster.sh {cluster_opts(a)} rate {link}")
+                        cluster.set_rate(link)
+                    runs.append(run_bench(a, n, link, rnd, cluster))
+    return 0
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -287,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-json", type=Path, help="do not measure: print the table of an earlier --json")
     ap.add_argument("--keep-going", action="store_true", help="record a failed bench run and go on")
     a = ap.parse_args(argv)
-    a.pipeinfer = os.environ.get("PIPEINFER", str(ROOT / ".venv" / "bin" / "pipeinfer"))
+    a.pipeinfer = PIPEINFER
     a.work_dir = a.json.with_suffix("")  # the raw bench documents of every run
     a.work_dir = a.work_dir.parent / (a.work_dir.name + ".runs")
 
@@ -302,53 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         print(goal_text(goal_check(rows)))
         return 0
 
-    def interrupted(signum, _frame):
-        raise KeyboardInterrupt
-
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, interrupted)
     started = datetime.now(UTC)
     runs: list[dict] = []
-    try:
-        require_root()
-        for r in a.rates:
-            parse_rate(r)
-        a.work_dir.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
-        for n in a.hosts:
-            cluster = Cluster(a.prefix, a.subnet)
-            if cluster.is_up or cluster._leftovers():  # someone else's: never taken down here
-                raise Failure(f"an emulated cluster {a.prefix} exists already; `scripts/emulate-cluster.sh "
-                              f"{cluster_opts(a)} down` it or choose another --prefix and --subnet")
-            log(f"scripts/emulate-cluster.sh {cluster_opts(a)} up {n} --rate {a.rates[0]}")
-            cluster.up(n, a.rates[0])
-            try:
-                for rnd in range(a.rounds):
-                    order = [SHM, *a.rates]
-                    for link in (order if rnd % 2 == 0 else order[::-1]):
-                        if link == SHM:
-                            runs.append(run_bench(a, n, SHM, rnd, None))
-                        else:
-                            if cluster.rate != link:
-                                log(f"scripts/emulate-cluster.sh {cluster_opts(a)} rate {link}")
-                                cluster.set_rate(link)
-                            runs.append(run_bench(a, n, link, rnd, cluster))
-            finally:
-                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                    signal.signal(s, signal.SIG_IGN)
-                log(f"scripts/emulate-cluster.sh {cluster_opts(a)} down")
-                cluster.down()
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                for s in (signal.SIGTERM, signal.SIGHUP):
-                    signal.signal(s, interrupted)
-        wall = time.monotonic() - t0
-    except KeyboardInterrupt:
-        log("Error: interrupted")
-        return 130
-    except Failure as e:
-        log(f"Error: {e}")
-        return 1
-
+    t0 = time.monotonic()
+    status = main_guard(lambda: measure(a, runs))
+    if status != 0:
+        return status
+    wall = time.monotonic() - t0
     rows = summarize(a, runs)
     checks = goal_check(rows)
     doc = {
@@ -363,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [{k: v for k, v in r.items() if k != "doc"} | ({"bench": r["doc"]} if "doc" in r else {})
                  for r in runs],
     }
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(a.json, doc)
     print(table(rows, a.modes, a.markdown))
     print()
     print(goal_text(checks))

@@ -21,6 +21,7 @@ import json
 import statistics
 import time
 
+from benchlib import write_json
 from pipeinfer_cli.native import LayerEngine
 from pipeinfer_cli.models.model_files import resolve_model
 from pipeinfer_cli.models.registry import load_registry
@@ -64,9 +65,7 @@ def main() -> None:
            "one_invariant_vs_two_graphs": round(med["one_invariant"] / med["two_graphs"], 3),
            "one_plain_vs_two_graphs": round(med["one_plain"] / med["two_graphs"], 3)}
     print(json.dumps(out, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ tokenizer); the second asks a short question about it. Per repeat, on models loa
 The two arms alternate (reuse first on even repeats, fresh first on odd ones), and the script checks
 that both printed the same tokens. TTFT is the engine's `ttft_s` (start of prompt processing →
 first token at the head). Prints a table and writes JSON (--json). Starts itself under the bundled
-mpiexec with --ranks R (default 2); under an external launcher the world size decides.
+mpiexec with --ranks R (default 2), through pipeinfer's launcher; under an external launcher the
+world size decides.
 
     .venv/bin/python scripts/bench_prefix_reuse.py smollm2-135m-instruct --ranks 2 --repeat 5 --json out.json
 """
@@ -21,8 +22,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
+from pathlib import Path
 
 NOTES = "Here are my notes from this week:\n" + "\n".join(
     f"{i + 1}. The {colour} {animal} {verb} near the {place} on {day}."
@@ -45,11 +46,12 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--json", dest="json_path", help="write the records and the summary here")
     args = ap.parse_args()
-    from pipeinfer_cli.transport.launch import find_mpiexec, under_mpi_launcher
+    from pipeinfer_cli.transport.launch import under_mpi_launcher
 
     if not under_mpi_launcher() and args.ranks > 1:
-        cmd = [find_mpiexec(), "-n", str(args.ranks), sys.executable, __file__, *sys.argv[1:]]
-        return subprocess.call(cmd, env={**os.environ, "PIPEINFER_RELAUNCHED": "1"})
+        from benchlib import relaunch_self
+
+        return relaunch_self(args.ranks, sys.argv[1:])
     from pipeinfer_cli.cli.app import omp_wait_policy
 
     if (policy := omp_wait_policy()) is not None:  # as `pipeinfer` sets it, before libgomp loads
@@ -60,9 +62,9 @@ def main() -> int:
 def run(args) -> int:
     from pipeinfer_cli.runtime.job import JobConfig, Request, run_head_loop
     from pipeinfer_cli.decode.session import DecodeOptions
-    from bench_llamacpp import resolve_target
+    from benchlib import target_model
 
-    label, path = resolve_target(args.model)
+    label, path = target_model(args.model)
     cfg = JobConfig(model_path=path, model_label=label, draft_path=None,
                     decode=DecodeOptions(n_predict=args.n_predict), n_ctx=args.ctx, reuse_prefix=True)
     records: list[dict] = []
@@ -107,16 +109,16 @@ def report(args, label: str, records: list[dict]) -> int:
                "ttft_reuse_ms": {"median": med["reuse"] * 1e3, "min": min(r["ttft_s"] for r in by["reuse"]) * 1e3,
                                  "max": max(r["ttft_s"] for r in by["reuse"]) * 1e3},
                "speedup": med["fresh"] / med["reuse"], "tokens_identical": same}
-    print("| model | ranks | turn-2 prompt | reused | TTFT fresh (ms) | TTFT reuse (ms) | speedup | same tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    from benchlib import markdown_table, write_json
+
     f, r = summary["ttft_fresh_ms"], summary["ttft_reuse_ms"]
-    print(f"| {label} | {args.ranks} | {summary['second_turn_prompt_tokens']} | {summary['reused_tokens']} | "
-          f"{f['median']:.0f} ({f['min']:.0f}–{f['max']:.0f}) | {r['median']:.0f} ({r['min']:.0f}–{r['max']:.0f}) | "
-          f"{summary['speedup']:.2f}× | {'yes' if same else 'NO'} |")
+    print(markdown_table(["model", "ranks", "turn-2 prompt", "reused", "TTFT fresh (ms)", "TTFT reuse (ms)", "speedup",
+                          "same tokens"],
+                         [[label, str(args.ranks), str(summary["second_turn_prompt_tokens"]), str(summary["reused_tokens"]),
+                           f"{f['median']:.0f} ({f['min']:.0f}–{f['max']:.0f})", f"{r['median']:.0f} ({r['min']:.0f}–{r['max']:.0f})",
+                           f"{summary['speedup']:.2f}×", "yes" if same else "NO"]], "l" * 8))
     print(json.dumps(summary))
-    if args.json_path:
-        with open(args.json_path, "w") as fh:
-            json.dump({"summary": summary, "records": records}, fh, indent=1)
+    write_json(args.json_path and Path(args.json_path), {"summary": summary, "records": records})
     return 0 if same else 1
 
 

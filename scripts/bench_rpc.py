@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import emulate_cluster as ec  # noqa: E402  (the cluster's state, launcher and link counters)
+from benchlib import PIPEINFER, write_json  # noqa: E402
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_PORT = 50052  # rpc-server's own default
@@ -276,7 +277,7 @@ def counts_from_pipeinfer(result: dict) -> list[int] | None:
 def run_pipeinfer(args, cluster: ec.Cluster, procs: Procs, p: dict, tmp: Path) -> dict:
     """`pipeinfer generate --ranks N --threads 1` on the hosts (the environment of
     `emulate-cluster.sh exec`), iterative unless --pipeinfer-mode says otherwise, --json."""
-    cmd = [os.environ.get("PIPEINFER", str(Path(sys.executable).parent / "pipeinfer")), "generate", args.model, "--ranks", str(cluster.n_hosts),
+    cmd = [PIPEINFER, "generate", args.model, "--ranks", str(cluster.n_hosts),
            "--threads", str(args.threads), "-M", args.pipeinfer_mode, "--temp", "0", "-n", str(args.n_predict),
            "--json", "--no-pull"]
     if args.pipeinfer_mode != "iterative" and args.draft:
@@ -559,9 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                 "all_texts_match_pipeinfer": all(r.get("text_matches_pipeinfer") for r in records)
                 if all("pipeinfer" in r for r in records) and records else None,
             }
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
         return 0 if result["all_texts_match_pipeinfer"] in (None, True) else 2
     except KeyboardInterrupt:
         print("Error: interrupted", file=sys.stderr)

@@ -22,12 +22,30 @@ Suites:
               briefly (GOMP_SPINCOUNT), in each mode;
 - pages       `iterative` with the engine's weights and KV cache on transparent huge pages (the
               default) against 4 KiB pages (PIPEINFER_HUGEPAGES=0): 1 rank and 2 ranks at half
-              the cores per rank, and 1 rank at all of them.
+              the cores per rank, and 1 rank at all of them;
+- drafts      `iterative` and `pipeinfer` on the Qwen2.5-Coder-1.5B target with each draft
+              (SmolLM2-135M and Gemma 3 270M, translated; the pair's 0.5B; lookup+SmolLM2) on each
+              topology (1 rank, 2 stages, 3 stages, a stage plus a draft rank); --prompts grounded
+              for the other prompt set.
 
 Prints a table on stdout, progress on stderr, and writes every figure and the raw bench documents
 to --json. Not a test: nothing asserts.
 
     python scripts/bench_topologies.py --suite overhead --rounds 3 --json build/bench_overhead.json
+
+Reports on the JSON of earlier runs (several files pooled), without measuring:
+- --report cores      CPU ms per committed token per configuration and mode, summed over the ranks
+                      and split head + stages + draft rank (each rank's CPU time during the request),
+                      the cores kept busy, and the bound cores × 1000 / CPU ms: the tok/s the same
+                      work would reach with every core busy. Also reads plain `pipeinfer bench --json`.
+- --report overhead   each request's wall time split into the layers' compute (the engine's time,
+                      summed over the ranks) and the rest (hand-offs, waits, MPI, sampling, Python),
+                      and, paired by file, round and prompt with --reference (default: the first
+                      configuration), the speed ratio and the compute ratio: when the compute ratio
+                      explains the speed ratio, the gap is in how fast the layers computed.
+
+    python scripts/bench_topologies.py --report cores build/bench_topologies_default.json --cores 2
+    python scripts/bench_topologies.py --report overhead build/overhead.json --reference "2 ranks × 1 thread(s)"
 """
 
 from __future__ import annotations
@@ -36,16 +54,15 @@ import argparse
 import json
 import math
 import os
-import shlex
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchlib import ROOT, fmt, log, markdown_table, measured, median, paired_ratio, per_prompt, run_json, shown, write_json
+
 TARGET = "qwen2.5-coder-1.5b-instruct"
 PAIR = "qwen-coder"
 
@@ -124,7 +141,17 @@ def suite_configs(suite: str, cores: int) -> list[Config]:
                        {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "10000"}),
                 Config(f"2 ranks × {cores}, spin 100k", PAIR, [*modes, "--threads", str(cores)],
                        {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "100000"})]
-    raise SystemExit(f"Error: unknown suite {suite!r}; choose overhead, topologies, threads or pages")
+    if suite == "drafts":
+        drafts = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "qwen0.5b": "qwen2.5-coder-0.5b-instruct",
+                  "lookup+smollm2": "lookup+smollm2-135m-instruct"}
+        shapes = {"1 rank": ["--ranks", "1"], "2 stages": ["--ranks", "2"], "3 stages": ["--ranks", "3"],
+                  "1/1": ["--layer-split", "1/1"]}
+        return [Config(f"{shape}, {short}", TARGET, ["--modes", "iterative,pipeinfer", "--draft", draft, *args])
+                for shape, args in shapes.items() for short, draft in drafts.items()]
+    raise SystemExit(f"Error: unknown suite {suite!r}; choose one of {', '.join(SUITES)}")
+
+
+SUITES = ("overhead", "topologies", "threads", "pages", "drafts")
 
 
 # The neighbour: wakes ten thousand times a second and does nothing else, as a pipeline rank
@@ -135,41 +162,36 @@ SPINNER = "while True:\n    pass"
 NEIGHBOURS = {"sleeper": SLEEPER, "spinner": SPINNER}
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def command(a, c: Config, out: Path) -> list[str]:
     if c.llamacpp:
         return [sys.executable, str(ROOT / "scripts" / "bench_llamacpp.py"), c.model, "-n", str(a.n_predict),
                 "--limit", str(a.limit), *c.args, "--json", str(out), *a.prompts]
     pinned = ["taskset", "-c", c.cpus] if c.cpus else []
-    return [*pinned, a.pipeinfer, "bench", c.model, *c.args, "-n", str(a.n_predict), "--limit", str(a.limit),
+    args = list(c.args)
+    if a.modes and "--modes" in args:  # --modes given: every configuration runs those modes
+        args[args.index("--modes") + 1] = a.modes
+    return [*pinned, a.pipeinfer, "bench", c.model, *args, "-n", str(a.n_predict), "--limit", str(a.limit),
             "--warmup", str(a.warmup), "--repeat", "1", "--temp", "0", "--json", str(out), *a.prompts]
 
 
 def run_config(a, c: Config, rnd: int) -> dict:
     out = a.work_dir / f"{a.suite}_{abs(hash(c.label)) % 10**8}_r{rnd}.json"
-    out.unlink(missing_ok=True)
     cmd = command(a, c, out)
     env_shown = " ".join(f"{k}={v}" for k, v in c.env.items())
-    shown = (env_shown + " " if env_shown else "") + shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
-    log(f"[round {rnd}] {c.label}: {shown}")
-    t0 = time.monotonic()
-    sleeper = subprocess.Popen([sys.executable, "-c", NEIGHBOURS[c.neighbour]]) if c.neighbour else None
+    cmd_shown = (env_shown + " " if env_shown else "") + shown(cmd)
+    log(f"[round {rnd}] {c.label}: {cmd_shown}")
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOURS[c.neighbour]]) if c.neighbour else None
     try:
-        proc = subprocess.run(cmd, env={**os.environ, **c.env}, capture_output=True, text=True, check=False)
+        job = run_json(cmd, out, c.env)
     finally:
-        if sleeper is not None:
-            sleeper.kill()
-            sleeper.wait()
-    run = {"label": c.label, "round": rnd, "command": shown, "returncode": proc.returncode,
-           "wall_s": round(time.monotonic() - t0, 2), "loadavg_end": list(os.getloadavg())}
-    if out.exists():
-        run["doc"] = json.loads(out.read_text())
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait()
+    run = {"label": c.label, "round": rnd, "command": cmd_shown, **job.facts()}
+    if job.doc is not None:
+        run["doc"] = job.doc
     else:
-        run["error"] = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-        log(f"  failed (exit {proc.returncode}): {run['error']}")
+        run["error"] = job.error
     return run
 
 
@@ -179,19 +201,6 @@ def records_of(run: dict) -> list[dict]:
     if "header" not in doc:
         return [{**r, "mode": "llama.cpp", "warmup": False} for r in doc.get("records", [])]
     return [r for r in doc.get("records", []) if not r["warmup"]]
-
-
-def per_prompt(records: list[dict], key: str) -> dict[str, float]:
-    groups: dict[str, list[float]] = {}
-    for r in records:
-        if r.get(key):
-            groups.setdefault(r["prompt_id"], []).append(r[key])
-    return {p: statistics.median(v) for p, v in groups.items()}
-
-
-def paired_ratio(a: dict[str, float], b: dict[str, float]) -> float | None:
-    rs = [a[p] / b[p] for p in a if p in b and a[p] > 0 and b[p] > 0]
-    return math.exp(statistics.fmean(math.log(x) for x in rs)) if rs else None
 
 
 def summarize(configs: list[Config], runs: list[dict]) -> list[dict]:
@@ -211,13 +220,11 @@ def summarize(configs: list[Config], runs: list[dict]) -> list[dict]:
             mine = [r for r in recs if r["mode"] == mode]
             base_mode = [r for r in base if r["mode"] == mode] or base
             iterative = [r for r in recs if r["mode"] == "iterative"]
-            toks = [r["tok_per_s"] for r in mine if r.get("tok_per_s")]
-            dec = [r["decode_tok_per_s"] for r in mine if r.get("decode_tok_per_s")]
             acc = [r["acceptance"]["rate"] for r in mine if (r.get("acceptance") or {}).get("rate") is not None]
             rows.append({
                 "config": c.label, "mode": mode, "n_records": len(mine),
-                "tok_per_s": statistics.median(toks) if toks else None,
-                "decode_tok_per_s": statistics.median(dec) if dec else None,
+                "tok_per_s": median(r.get("tok_per_s") for r in mine),
+                "decode_tok_per_s": median(r.get("decode_tok_per_s") for r in mine),
                 "ttft_ms": statistics.median(r["ttft_s"] * 1e3 for r in mine) if mine else None,
                 "acceptance": statistics.fmean(acc) if acc else None,
                 "x_first": paired_ratio(per_prompt(mine, "tok_per_s"), per_prompt(base_mode, "tok_per_s")),
@@ -230,41 +237,126 @@ def summarize(configs: list[Config], runs: list[dict]) -> list[dict]:
     return rows
 
 
-def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    return "–" if x is None else f"{x:{spec}}{suffix}"
-
-
 def table(rows: list[dict], first: str) -> str:
-    lines = [f"| configuration | mode | tok/s | decode tok/s | TTFT ms | acceptance | × {first} (tok/s, decode) "
-             "| × iterative | tokens |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r['config']} | {r['mode']} | {fmt(r['tok_per_s'])} | {fmt(r['decode_tok_per_s'])} "
-                     f"| {fmt(r['ttft_ms'], '.0f')} | {fmt(r['acceptance'] and 100 * r['acceptance'], '.0f', ' %')} "
-                     f"| {fmt(r['x_first'], '.3f')}, {fmt(r['x_first_decode'], '.3f')} "
-                     f"| {fmt(r['x_iterative'], '.3f')} | {'same' if r['tokens_same'] else 'DIFFERENT'} |")
-    return "\n".join(lines)
+    head = ["configuration", "mode", "tok/s", "decode tok/s", "TTFT ms", "acceptance", f"× {first} (tok/s, decode)",
+            "× iterative", "tokens"]
+    cells = [[r["config"], r["mode"], fmt(r["tok_per_s"]), fmt(r["decode_tok_per_s"]), fmt(r["ttft_ms"], ".0f"),
+              fmt(r["acceptance"] and 100 * r["acceptance"], ".0f", " %"),
+              f"{fmt(r['x_first'], '.3f')}, {fmt(r['x_first_decode'], '.3f')}", fmt(r["x_iterative"], ".3f"),
+              "same" if r["tokens_same"] else "DIFFERENT"] for r in rows]
+    return markdown_table(head, cells, "llrrrrrrl")
 
+
+# -- reports on earlier runs --------------------------------------------------------------------
+
+def requests_of(doc: dict) -> list[tuple[str, int, dict]]:
+    """(configuration label, round, record) of every measured request that has its ranks' figures,
+    from this script's JSON or from a `pipeinfer bench --json` document."""
+    if "runs" in doc:
+        return [(run["label"], run.get("round", 0), r) for run in doc["runs"] for r in measured(run.get("doc"))
+                if "ranks" in r]
+    label = (doc.get("header") or {}).get("topology", {}).get("layer_split", "job")
+    return [(str(label), 0, r) for r in measured(doc) if "ranks" in r]
+
+
+def cores_report(requests: list[tuple[str, int, dict]], cores: int) -> str:
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for label, _, rec in requests:
+        n, wall_ms = max(rec["n_gen"], 1), (rec["t_end"] - rec["t_start"]) * 1e3
+        by_role: dict[str, float] = {}
+        for rank in rec["ranks"]:
+            by_role[rank["role"]] = by_role.get(rank["role"], 0.0) + rank["cpu_s"] * 1e3
+        cpu_ms = sum(by_role.values())
+        groups.setdefault((label, rec["mode"]), []).append(
+            {"wall": wall_ms / n, "cpu": cpu_ms / n, "busy": cpu_ms / wall_ms if wall_ms > 0 else 0.0,
+             "tok_per_s": rec["tok_per_s"], **{role: ms / n for role, ms in by_role.items()}})
+    rows = []
+    for (label, mode), bs in groups.items():
+        med = {k: statistics.median(b[k] for b in bs if k in b) for k in bs[0]}
+        parts = " + ".join(f"{med[k]:.0f}" for k in ("head", "stage", "draft") if k in med)
+        rows.append([label, mode, fmt(med["tok_per_s"]), fmt(med["wall"], ".1f"), f"{med['cpu']:.1f} ({parts})",
+                     fmt(med["busy"]), fmt(cores * 1e3 / med["cpu"], ".1f")])
+    return markdown_table(["configuration", "mode", "tok/s", "wall ms/token", "CPU ms/token (head + stages + draft rank)",
+                           "cores busy", "bound tok/s"], rows, "llrrlrr")
+
+
+def overhead_report(files: list[tuple[str, dict]], reference: str | None) -> str:
+    splits: dict[str, dict[tuple, dict]] = {}  # label -> (file, round, prompt) -> wall and compute
+    for path, doc in files:
+        for label, rnd, rec in requests_of(doc):
+            wall = rec["t_end"] - rec["t_start"]
+            compute = sum(r["engine"]["t_compute_us"] for r in rec["ranks"]) / 1e6
+            runs = max(rec["ranks"][0].get("runs", rec["n_gen"]), 1)
+            splits.setdefault(label, {})[(path, rnd, rec["prompt_id"])] = {
+                "wall": wall, "compute": compute, "rest": (wall - compute) / wall, "rest_ms": (wall - compute) * 1e3 / runs}
+    if not splits:
+        raise SystemExit("Error: no measured requests in these files; give the JSON of scripts/bench_topologies.py")
+    ref = reference or next(iter(splits))
+    if ref not in splits:
+        raise SystemExit(f"Error: --reference {ref!r} is not a configuration of these files")
+    rows = []
+    for label, got in splits.items():
+        shares = [s["rest"] for s in got.values()]
+        pairs = [(splits[ref][k], s) for k, s in got.items() if k in splits[ref]]
+        speed, comp = [r["wall"] / s["wall"] for r, s in pairs], [r["compute"] / s["compute"] for r, s in pairs]
+        geo = lambda xs: math.exp(statistics.fmean(math.log(x) for x in xs))  # noqa: E731
+        rows.append([label, str(len(got)), f"{100 * statistics.median(shares):.2f} % ({100 * min(shares):.2f}–"
+                     f"{100 * max(shares):.2f} %)", f"{statistics.median(s['rest_ms'] for s in got.values()):.2f}"]
+                    + ([f"{geo(speed):.3f} ({min(speed):.2f}–{max(speed):.2f})", f"{geo(comp):.3f} ({min(comp):.2f}–"
+                        f"{max(comp):.2f})"] if pairs else ["–", "–"]))
+    return markdown_table(["configuration", "requests", "the rest, share of wall time (median, range)", "rest ms per run",
+                           f"× {ref}: speed (geomean, range)", f"× {ref}: compute"], rows, "lrlrrr")
+
+
+def report(a) -> int:
+    files = []
+    for path in a.files:
+        try:
+            files.append((str(path), json.loads(path.read_text())))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"Error: cannot read {path}: {exc}; give the JSON of scripts/bench_topologies.py") from None
+    if a.report == "overhead":
+        print(overhead_report(files, a.reference))
+        return 0
+    requests = [req for _, doc in files for req in requests_of(doc)]
+    if not requests:
+        raise SystemExit("Error: no measured pipeinfer requests in the given files")
+    print(cores_report(requests, a.cores))
+    return 0
+
+
+# -- main ---------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", required=True, choices=["overhead", "topologies", "threads", "pages"])
+    ap.add_argument("--suite", choices=SUITES, help="the configurations to measure")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--limit", type=int, default=3, help="prompts of the set (default 3)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--cores", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="cores the jobs have (default: this machine's)")
     ap.add_argument("--prompts", default=None, help="a prompt set or file, given to every run")
+    ap.add_argument("--modes", default=None, help="bench's --modes for every configuration (default: each suite's own)")
     ap.add_argument("--only", default=None, help="comma-separated configuration numbers (1-based) to run")
     ap.add_argument("--pipeinfer", default=str(Path(sys.executable).with_name("pipeinfer")))
     ap.add_argument("--work-dir", type=Path, default=ROOT / "build" / "bench_topologies")
-    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--json", type=Path, help="write every figure and the raw bench documents here (required to measure)")
+    ap.add_argument("--report", choices=("cores", "overhead"), help="do not measure: report on the JSON FILES of earlier runs")
+    ap.add_argument("--reference", default=None, help="--report overhead: the configuration to pair with (default: the first)")
+    ap.add_argument("files", nargs="*", type=Path, help="with --report: this script's (or pipeinfer bench's) JSON")
     a = ap.parse_args(argv)
+    if a.report is not None and not a.files:
+        ap.error("--report reads the JSON of earlier runs: give one or more files")
+    if a.report is None and (a.suite is None or a.json is None or a.files):
+        ap.error("to measure, give --suite and --json (and no files); to report on earlier runs, --report and files")
     a.prompts = ["--prompts", a.prompts] if a.prompts else []
     return a
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.report is not None:
+        return report(a)
     a.work_dir.mkdir(parents=True, exist_ok=True)
     configs = suite_configs(a.suite, a.cores)
     if a.only:
@@ -280,9 +372,7 @@ def main(argv=None) -> int:
     print(table(rows, configs[0].label))
     doc = {"suite": a.suite, "finished": datetime.now(UTC).isoformat(timespec="seconds"),
            "argv": sys.argv[1:], "rows": rows, "runs": runs}
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(doc, indent=1) + "\n")
-    log(f"wrote {a.json}")
+    write_json(a.json, doc)
     return 0 if all("doc" in r for r in runs) else 1
 
 

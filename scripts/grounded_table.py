@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 from pathlib import Path
+
+from benchlib import markdown_table, median, paired_ratio, per_prompt
 
 
 def ref_column(path: Path) -> dict:
@@ -42,33 +42,29 @@ def bench_columns(path: Path) -> list[dict]:
 
 
 def med(col: dict, key: str) -> float:
-    vals = [r[key] for r in col["records"].values() if r.get(key) is not None]
-    return statistics.median(vals) if vals else float("nan")
+    value = median(r.get(key) for r in col["records"].values())
+    return float("nan") if value is None else value
 
 
 def geo_ratio(a: dict, b: dict) -> float:
-    common = [p for p in a["records"] if p in b["records"]]
-    logs = [math.log(a["records"][p]["tok_per_s"] / b["records"][p]["tok_per_s"]) for p in common]
-    return math.exp(sum(logs) / len(logs)) if logs else float("nan")
+    value = paired_ratio(per_prompt(a["records"].values()), per_prompt(b["records"].values()))
+    return float("nan") if value is None else value
 
 
 def table(cols: list[dict]) -> list[str]:
     prompts = list(cols[0]["records"])
-    out = ["| prompt | n_prompt | " + " | ".join(c["label"] for c in cols) + " |",
-           "|---|---:|" + "---:|" * len(cols)]
-    for p in prompts:
-        cells = [f"{c['records'][p]['tok_per_s']:.2f}" if p in c["records"] else "–" for c in cols]
-        out.append(f"| {p} | {cols[0]['records'][p]['n_prompt']} | " + " | ".join(cells) + " |")
-    out.append("| **median tok/s (end to end)** | | " + " | ".join(f"**{med(c, 'tok_per_s'):.2f}**" for c in cols) + " |")
-    out.append("| median decode tok/s | | " + " | ".join(f"{med(c, 'decode_tok_per_s'):.2f}" for c in cols) + " |")
-    out.append("| median TTFT s | | " + " | ".join(f"{med(c, 'ttft_s'):.2f}" for c in cols) + " |")
+    rows = [[p, str(cols[0]["records"][p]["n_prompt"])]
+            + [f"{c['records'][p]['tok_per_s']:.2f}" if p in c["records"] else "–" for c in cols] for p in prompts]
+    rows.append(["**median tok/s (end to end)**", ""] + [f"**{med(c, 'tok_per_s'):.2f}**" for c in cols])
+    rows.append(["median decode tok/s", ""] + [f"{med(c, 'decode_tok_per_s'):.2f}" for c in cols])
+    rows.append(["median TTFT s", ""] + [f"{med(c, 'ttft_s'):.2f}" for c in cols])
     acc = []
     for c in cols:
         recs = [r for r in c["records"].values() if r.get("acceptance", {}).get("drafted")]
         d = sum(r["acceptance"]["drafted"] for r in recs)
         acc.append(f"{sum(r['acceptance']['accepted'] for r in recs) / d:.0%}" if d else "–")
-    out.append("| acceptance | | " + " | ".join(acc) + " |")
-    return out
+    rows.append(["acceptance", ""] + acc)
+    return markdown_table(["prompt", "n_prompt"] + [c["label"] for c in cols], rows).splitlines()
 
 
 def main() -> int:

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the "The rooms" tables at the end of docs/layout.md from the modules' docstrings
-(the first paragraph of each), in the order of the data path. tests/test_layout_doc.py checks the
+(the first paragraph of each), in the order of the data path, and the table of scripts/ (each
+script's first paragraph, and the make targets that run it). tests/test_layout_doc.py checks the
 result names every module.
 
     python scripts/layout_rooms.py
@@ -9,6 +10,7 @@ result names every module.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,6 +18,62 @@ SRC = ROOT / "src" / "pipeinfer_cli"
 LAYOUT = ROOT / "docs" / "layout.md"
 ORDER = ["cli", "server", "bench", "runtime", "planner", "decode", "transport", "models", ""]
 MARK = "## The rooms"
+
+
+def _first_paragraph(path: Path) -> str:
+    """A Python file's docstring, or a shell file's leading comment, up to its first blank line."""
+    text = path.read_text()
+    if path.suffix == ".py":
+        para = (ast.get_docstring(ast.parse(text)) or "").split("\n\n")[0]
+    else:
+        lines = [x for x in text.splitlines() if not x.startswith("#!")]
+        comment = []
+        for line in lines:
+            if not line.startswith("#") or not line.strip("# "):
+                break
+            comment.append(line.lstrip("# "))
+        para = " ".join(comment)
+    first = " ".join(para.split())
+    if len(first) > 260:
+        first = first[:257].rsplit(" ", 1)[0] + " …"
+    return first.replace("|", chr(92) + "|")
+
+
+def _make_targets() -> dict[str, list[str]]:
+    """{script file name: the make targets whose recipe runs it}; a file target such as
+    $(VENV)/.deps-stamp is named by the target that needs it (deps)."""
+    runs: dict[str, list[str]] = {}
+    prereqs: dict[str, str] = {}
+    target = None
+    for line in (ROOT / "Makefile").read_text().splitlines():
+        if m := re.match(r"^([\w.$()/-]+):(.*)", line):
+            target = m.group(1)
+            prereqs[target] = m.group(2)
+        elif line.startswith("\t") and target:
+            for name in re.findall(r"scripts/([\w.-]+)", line):
+                runs.setdefault(name, [])
+                if target not in runs[name]:
+                    runs[name].append(target)
+
+    def named(t: str) -> str:
+        for _ in range(5):  # file targets needed by file targets, a few deep at most
+            if not t.startswith("$"):
+                break
+            t = next((u for u, pre in prereqs.items() if t in pre.split()), t)
+        return t
+
+    return {name: list(dict.fromkeys(named(t) for t in ts)) for name, ts in runs.items()}
+
+
+def scripts_room() -> list[str]:
+    targets = _make_targets()
+    out = ["\n### `scripts/`\n", "Outside the package: what `make` runs (install, benchmarks, the fault matrix, the soak), "
+           "the emulated cluster, and the launch files for a real one. The benchmarks share `scripts/benchlib.py`.\n",
+           "| script | what it does | make |", "|---|---|---|"]
+    for p in sorted(x for x in (ROOT / "scripts").iterdir() if x.is_file()):
+        made = ", ".join(f"`{t}`" for t in targets.get(p.name, [])) or "–"
+        out.append(f"| `scripts/{p.name}` | {_first_paragraph(p)} | {made} |")
+    return out
 
 
 def rooms() -> str:
@@ -29,7 +87,7 @@ def rooms() -> str:
             if len(first) > 260:
                 first = first[:257].rsplit(" ", 1)[0] + " …"
             out.append(f"| `{(folder + '/' if folder else '') + p.name}` | {first.replace('|', chr(92) + '|')} |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out + scripts_room()) + "\n"
 
 
 def main() -> None:

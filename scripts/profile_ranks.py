@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchlib import PIPEINFER, markdown_table, write_json
+
 PROMPT = "Write a detailed, long technical essay on the history of compilers, with many sections."
 CATEGORIES = ("compute", "graph", "waiting", "mpi", "sampling", "python")
 
@@ -90,8 +92,7 @@ def main(argv=None) -> int:
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(py_spy).exists():
         raise SystemExit('Error: py-spy is not installed; run: pip install -e ".[profile]"')
-    pipeinfer = str(Path(sys.executable).with_name("pipeinfer"))
-    cmd = [pipeinfer, "generate", a.model, "--ranks", str(a.ranks), "-n", "400", "-p", PROMPT, "--json", *job_args]
+    cmd = [PIPEINFER, "generate", a.model, "--ranks", str(a.ranks), "-n", "400", "-p", PROMPT, "--json", *job_args]
     out_dir = a.json.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -117,13 +118,10 @@ def main(argv=None) -> int:
                       "helper_threads_samples": dict(helper_c)})
     doc = {"command": " ".join(cmd), "decode_tok_per_s": result["decode_tok_per_s"], "ms_per_token": ms_per_token,
            "layer_split": result.get("layer_split"), "ranks": ranks}
-    a.json.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(a.json, doc)
     print(f"decode {result['decode_tok_per_s']:.2f} tok/s = {ms_per_token:.1f} ms per token; `{' '.join(cmd[1:])}`")
-    print("| rank | " + " | ".join(CATEGORIES) + " |")
-    print("|---|" + "---:|" * len(CATEGORIES))
-    for rk in ranks:
-        print(f"| {rk['rank']} | " + " | ".join(f"{rk['ms_per_token'][c]:.1f} ms ({100 * rk['fraction'][c]:.0f} %)"
-                                               for c in CATEGORIES) + " |")
+    print(markdown_table(["rank", *CATEGORIES], [[str(rk["rank"])] + [f"{rk['ms_per_token'][c]:.1f} ms "
+                                                 f"({100 * rk['fraction'][c]:.0f} %)" for c in CATEGORIES] for rk in ranks]))
     return 0
 
 

@@ -19,7 +19,7 @@ threads. Checked:
 - file descriptors and threads on every rank never exceed their count at the end of warm-up;
 - the control prompt's tokens never change (same tokens in every mode, every time).
 
-Exit status 1 if a check failed. The script starts the job itself under the bundled mpiexec.
+Exit status 1 if a check failed. The script starts the job itself, through pipeinfer's launcher.
 """
 
 from __future__ import annotations
@@ -200,16 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.records:
         serve(args)
         return 0
-    from pipeinfer_cli.transport.launch import find_mpiexec
+    from benchlib import relaunch_self
 
     model = args.model or subprocess.check_output(
         [sys.executable, "-m", "pipeinfer_cli", "models", "path", "smollm2-135m-instruct"], text=True).strip()
     records_path = Path(args.json or "build/soak.json").with_suffix(".records.json")
     records_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [find_mpiexec(), "-n", str(args.ranks), sys.executable, __file__, "--requests", str(args.requests),
-           "--seed", str(args.seed), "--model", model, "--records", str(records_path)]
+    job_args = ["--requests", str(args.requests), "--seed", str(args.seed), "--model", model, "--records", str(records_path)]
     t0 = time.monotonic()
-    if subprocess.run(cmd, env={**__import__("os").environ, "OMP_WAIT_POLICY": "passive"}).returncode != 0:
+    if relaunch_self(args.ranks, job_args, {"OMP_WAIT_POLICY": "passive"}) != 0:
         print("Error: the soak job failed", file=sys.stderr)
         return 1
     records = json.loads(records_path.read_text())

@@ -46,7 +46,7 @@ def no_models(monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("bench resolved a model before rejecting bad input")
 
-    monkeypatch.setattr(bench_cmd, "resolve_models", forbidden)
+    monkeypatch.setattr(bench_cmd, "prepare_job", forbidden)  # the set-up that resolves (and pulls) the models
 
 
 def _one_error_line(r) -> str:

@@ -1,9 +1,9 @@
 """A `pipeinfer serve` job for `bench --concurrency`: started as a child command on a free localhost
 port, waited for (GET /health), and stopped with nothing left behind.
 
-The server is the ordinary `pipeinfer serve` command (this Python, `-m pipeinfer_cli serve …`), so
-it launches its own ranks (`--ranks N`: its relaunch under mpiexec) and stops them in order on
-SIGTERM, as when a user stops it. It runs in a session of its own, so a Ctrl-C at the terminal
+The server is the ordinary `pipeinfer serve` command (this Python, `-m pipeinfer_cli serve …`),
+started through transport/launch.py, so it launches its own ranks (`--ranks N`: its relaunch under
+mpiexec) and stops them in order on SIGTERM, as when a user stops it. It runs in a session of its own, so a Ctrl-C at the terminal
 reaches only the bench, which then stops the server; if the bench dies without stopping it, the
 server gets SIGTERM from the kernel (transport/launch.py's parent-death signal). A server that does
 not end within ORDERLY_STOP_S + STOP_WAIT_S of SIGTERM is stopped by force, every process of its
@@ -19,14 +19,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import PipeinferError
-from ..transport.launch import ORDERLY_STOP_S, _die_with_parent
+from ..transport.launch import ORDERLY_STOP_S, pipeinfer_command, start_own_session
 from ..transport.process_tree import JobProcesses
 
 HOST = "127.0.0.1"
@@ -67,9 +66,8 @@ class ServerJob:
         argv = ["serve", *serve_args, "--host", HOST, "--port", str(port)]
         fd, log = tempfile.mkstemp(prefix="pipeinfer-bench-serve-", suffix=".log")
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "pipeinfer_cli", *argv], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=fd, start_new_session=True,
-                                    preexec_fn=_die_with_parent())
+            proc = start_own_session(pipeinfer_command(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=fd)
         except BaseException:
             os.close(fd)
             os.unlink(log)

@@ -13,9 +13,7 @@ import typer
 
 from ..decode.draft_spec import DraftSpec
 from ..errors import PipeinferError, UsageError
-from .job_setup import (PreparedJob, check_chat_template, check_n_predict, make_job_config, ranks_wanted,
-                        resolve_models, run_here_or_relaunch)
-from ..transport.start_waits import launcher_rank
+from .job_setup import PreparedJob, check_chat_template, check_n_predict, prepare_job, run_here_or_relaunch
 from .job_options import JobOptions, job_options
 from .options import ModelArg, SaveTraceOption
 from .wording import epilog, plural
@@ -74,24 +72,20 @@ def _check_plot_support(plot_out: Path | None) -> None:
             raise UsageError("--plot needs matplotlib; install it with `pip install 'matplotlib>=3.8,<4'`")
 
 
-def _bench_models(model: str, job, mode_list: list[str], prompt_set, inside: bool):
-    """(target, draft, whether a mode needs the draft): the models resolved (pulled unless inside
-    the job or --no-pull), checked against the prompts (chat ones need a template) and the modes."""
+def _check_models(prep: PreparedJob, mode_list: list[str], prompt_set) -> bool:
+    """Whether a mode needs the draft, once the models are resolved (prepare_job): the prompts checked
+    against the target (chat ones need a template) and the modes against the draft."""
     from ..decode.modes import needs_draft as mode_needs_draft
 
     needs_draft = any(mode_needs_draft(m) for m in mode_list)
-    from .draft_spec import resolve_draft_models
-
-    target, draft_ref, spec = resolve_draft_models(resolve_models, model, job.draft,
-                                                allow_pull=not inside and not job.no_pull,
-                                                on_head=not inside or launcher_rank() == 0)
     chats = [p.id for p in prompt_set if p.messages is not None]
     if chats:
-        check_chat_template(target.path, target.label, f"the chat prompts of the prompt set ({', '.join(chats)})")
-    if needs_draft and spec.is_none:
+        check_chat_template(prep.cfg.model_path, prep.cfg.model_label,
+                            f"the chat prompts of the prompt set ({', '.join(chats)})")
+    if needs_draft and prep.cfg.draft.is_none:
         wants = ", ".join(m for m in mode_list if mode_needs_draft(m))
         raise UsageError(f"--modes {wants} need a draft: pass --draft MODEL, --draft lookup, or a pair name such as qwen-coder")
-    return target, draft_ref, spec, needs_draft
+    return needs_draft
 
 
 def parse_modes(text: str) -> list[str]:
@@ -143,15 +137,15 @@ def bench(
     prompt_set = load_prompts(prompts_file, limit)
     levels = _check_outputs(json_out, csv_out, trace_out, plot_out, concurrency, parallel, load_policy)  # --concurrency
     _check_save_trace(save_trace, job, levels, [json_out, csv_out, trace_out, plot_out])
-    want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
+    # Every job command's set-up (models, ranks, JobConfig), then its one launcher (run_here_or_relaunch).
     inside = under_mpi_launcher()
-    target, draft_ref, spec, needs_draft = _bench_models(model, job, mode_list, prompt_set, inside)
-    cfg = make_job_config(target, draft_ref, spec, job)
+    prep = prepare_job(model, None, job, inside)
+    cfg, target, draft_ref, spec, want = prep.cfg, prep.target, prep.draft_ref, prep.cfg.draft, prep.ranks
+    needs_draft = _check_models(prep, mode_list, prompt_set)
     if levels is not None:  # under load: one `pipeinfer serve` job (cli/bench_serve.py)
         return _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list, levels,
                                  (parallel or min(max(levels), 32), load_policy), prompt_set, prompts_file, repeat, warmup, want,
                                  json_out, allow_mismatch)
-    prep = PreparedJob(cfg, mode_list[0], want, bool(job.ranks or split_ranks), bool(spec))
     run_here_or_relaunch(prep, inside, needs_draft, lambda: _relaunch_job(want))
     if not needs_draft and not (save_trace and spec.uses_model):
         cfg.draft_path, cfg.draft = None, DraftSpec.none()  # iterative only: do not load a draft model

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from ..errors import PipeinferError, UsageError, error_line
+from ..errors import PipeinferError, error_line
 from .job_options import JobOptions
 from .wording import plural
 

@@ -1,4 +1,5 @@
-"""What `generate` and `bench` share before a job starts: models, rank count, MPI world, JobConfig."""
+"""What every job command (generate, chat, serve, calibrate, bench) does before its job starts: models,
+rank count, MPI world, JobConfig, and the relaunch under mpiexec (transport/launch.py)."""
 
 from __future__ import annotations
 
@@ -181,6 +182,8 @@ class PreparedJob:
     explicit_ranks: bool  # --ranks or --layer-split said how many
     has_draft: bool
     auto: object = None  # auto_mode.AutoChoice when -M auto chose the mode and its settings
+    target: object = None  # the target's ModelRef (its registry facts: what bench records)
+    draft_ref: object = None  # the draft model's ModelRef, None for lookup or no draft
 
 
 @dataclass
@@ -258,4 +261,4 @@ def prepare_job(model: str, mode: str | None, job, inside: bool, given=None) -> 
     if choice is not None:
         mode, cfg.decode, cfg.threads = choice.mode, choice.decode, choice.threads
         say(choice.announce())
-    return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), bool(spec), choice)
+    return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), bool(spec), choice, target, draft_ref)

@@ -42,7 +42,7 @@ from .calibrate_noise import SPREAD_LIMIT, NoiseLog, repeat_until_settled
 from .host_facts import host_facts
 from .pipeline import Pipeline
 
-IDLE_GAP_S = 0.025  # a stage's wait before it computes, as scripts/idle_gap.py measures it
+IDLE_GAP_S = 0.025  # a stage's wait before it computes, as idle_gap.py measured it (BENCHMARKS.md)
 PROBE_BYTES = 512 * 2**20  # weights of the layer probe: enough layers that one eval is well above timer noise
 KV_LENGTHS = (16, 256, 1024)  # KV lengths of the decode grid (those that fit --ctx)
 QUICK_KV = (16, 512)  # --quick: two, for a shorter fill

@@ -88,11 +88,22 @@ def _die_with_parent():
     return child
 
 
+def pipeinfer_command(argv: list[str]) -> list[str]:
+    """`pipeinfer ARGV` as this very Python runs it: each rank of a job, a child server, a script's job."""
+    return [sys.executable, "-m", "pipeinfer_cli", *argv]
+
+
+def start_own_session(cmd: list[str], **popen_kw) -> subprocess.Popen:
+    """Start cmd in a session of its own (a Ctrl-C at the terminal reaches only this process, which
+    stops the child itself) that gets SIGTERM when this process dies, even by SIGKILL."""
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent(), **popen_kw)
+
+
 PUMP_DRAIN_S = 10
 
 
 def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | None = None,
-             rank_timeout_s: float = 0.0) -> int:
+             rank_timeout_s: float = 0.0, program: list[str] | None = None) -> int:
     """Run this same command as an MPI job of n_ranks processes and return its exit code.
 
     The job runs in a session of its own, so a Ctrl-C at the terminal reaches only this process,
@@ -110,16 +121,16 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
     could answer the requests in flight), and by force only after ORDERLY_STOP_S.
 
     The head prints its own errors; an abnormal end it could not report (a rank killed or
-    crashed) is reported here, in one line.
+    crashed) is reported here, in one line. program: what each rank runs before argv, when it is
+    not `pipeinfer` (a benchmark script that drives the runtime itself, as scripts/soak.py).
     """
-    cmd, env, ends = _job_command(n_ranks, argv, guarded=clean_stop is not None)
+    cmd, env, ends = _job_command(n_ranks, argv, guarded=clean_stop is not None, program=program)
     debug = debug_enabled()
     stop = _StopRequest(clean_stop is not None)
     # The handlers come first: a stop that arrives while mpiexec starts stops it right after.
     previous = {s: signal.signal(s, stop.on_signal) for s in _STOP_SIGNALS}
     try:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=_die_with_parent())
+        proc = start_own_session(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except BaseException:
         _restore_handlers(previous)
         if ends is not None:
@@ -153,12 +164,13 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
     return _job_status(rc, pumps, job, stop.signum, clean_stop)
 
 
-def _job_command(n_ranks: int, argv: list[str], guarded: bool) -> tuple[list[str], dict, str | None]:
+def _job_command(n_ranks: int, argv: list[str], guarded: bool,
+                 program: list[str] | None = None) -> tuple[list[str], dict, str | None]:
     """(mpiexec command, environment, directory of the guards' reports or None). guarded: each rank
     runs under transport/rank_guard.py, without the launcher's cleanup, so that a server outlives a
     rank killed by a signal and can tell its clients."""
     mpiexec = find_mpiexec()
-    rank_cmd = [sys.executable, "-m", "pipeinfer_cli", *argv]
+    rank_cmd = [*program, *argv] if program else pipeinfer_command(argv)
     env = {**os.environ, RELAUNCHED: "1"}
     if not guarded:
         return [mpiexec, "-n", str(n_ranks), *rank_cmd], env, None

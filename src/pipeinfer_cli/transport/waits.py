@@ -36,7 +36,7 @@ PREDICT_ENV = "PIPEINFER_WAIT_PREDICT"
 # With PIPEINFER_WAIT_SPIN=tail, a rank alone on its cores probes without sleeping once a predicted
 # wait's sleep is over, for at most SPIN_TAIL_S, so that its core is awake when the other stage's
 # message arrives: on the test VM a computation that follows a sleep runs slower than one that
-# follows work (scripts/idle_gap.py). Through the CLI the gain did not hold up and the spin costs
+# follows work (BENCHMARKS.md, idle_gap.py). Through the CLI the gain did not hold up and the spin costs
 # CPU, so it is not the default (BENCHMARKS.md, "Pipeline overhead: 2 ranks against 1").
 # Ranks that share cores never spin. PIPEINFER_WAIT_SPIN=1 is a diagnostic, not a mode for users:
 # every wait a busy probe loop.
