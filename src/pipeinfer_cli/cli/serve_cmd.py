@@ -49,7 +49,10 @@ One request is generated at a time, or up to --parallel N at once: each then has
 (--ctx / N cells, in whole 256-cell blocks, and its own prefix reuse), and their runs follow each
 other through the stages, so while one request's run is on stage 2 another's is on stage 1. Every
 request gets exactly the tokens it would get alone. --load-policy says when a request may
-speculate beside others; GET /slots shows what each slot does. Up to --queue more requests wait in
+speculate beside others; GET /slots shows what each slot does. On several ranks without
+--layer-split, --parallel N balances the layers by measured time for N requests at once
+(--layer-split auto on --profile, else on a quick calibration cached per machine, model and job
+shape, made at the first start); `pipeinfer plan MODEL --parallel N` predicts it. Up to --queue more requests wait in
 order, and beyond that the server answers 503 with Retry-After. Ctrl-C, SIGTERM or SIGHUP stops every rank: requests in progress end
 with an error, the server prints `pipeinfer serve: stopped by SIGTERM` (or SIGINT, SIGHUP) and exits
 with status 0.
