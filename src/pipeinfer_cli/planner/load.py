@@ -68,6 +68,22 @@ class LoadPrediction:
         return dict(vars(self))
 
 
+@dataclass
+class RequestRecord:
+    """One request of the load, as the client saw it (virtual seconds from the load's start)."""
+
+    prompt_id: str
+    slot: int
+    start_s: float  # sent: when its client's previous request ended (0 for the first)
+    ttft_s: float | None  # from its sending: a request that found the head busy with another's waited
+    end_s: float | None  # its last token
+    n_gen: int
+    itl_ms: list[float]  # the gaps between its token arrivals
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in vars(self).items() if k != "itl_ms"}
+
+
 def _pct(values: list[float]) -> dict[str, float | None]:
     """p50 and p99, linear between closest ranks (as bench --concurrency computes them)."""
     if not values:
@@ -91,7 +107,7 @@ class _Server:
         self.lender = DraftLender()
         self.memory = DraftMemory()
         self.queue: deque[PromptTrace] = deque(replay.prompts)
-        self.records: list[dict] = []
+        self.records: list[RequestRecord] = []
         self._draft_rank_free_at = 0.0  # a draft rank serves one request after the other
 
     def client(self) -> None:
@@ -106,7 +122,7 @@ class _Server:
                 self.table.release(slot)
             sent = self.sim.t
 
-    def serve(self, view: SimSlot, pt: PromptTrace, sent: float) -> dict:
+    def serve(self, view: SimSlot, pt: PromptTrace, sent: float) -> RequestRecord:
         """One request in its slot, as runtime/parallel.ParallelRunner.run serves it."""
         view.token_of = pt.token_after
         drafter, held = self._drafter(view.index, pt)
@@ -120,10 +136,9 @@ class _Server:
                 self.lender.give_back(view.index)
         view.seq_rm(CANONICAL_SEQ)  # no prefix reuse: the slot's next request starts empty
         times = s.metrics.token_times
-        # TTFT from the request's sending: a request that found the head busy with another's waited
-        return {"prompt_id": pt.prompt_id, "slot": view.index, "start_s": sent,
-                "ttft_s": times[0] - sent if times else None, "end_s": times[-1] if times else None,
-                "n_gen": len(s.generated), "itl_ms": (np.diff(np.unique(np.asarray(times))) * 1e3).tolist()}
+        return RequestRecord(pt.prompt_id, view.index, sent, times[0] - sent if times else None,
+                             times[-1] if times else None, len(s.generated),
+                             (np.diff(np.unique(np.asarray(times))) * 1e3).tolist())
 
     def _drafter(self, slot: int, pt: PromptTrace):
         """(drafter, held): lookup for every request; the draft model for the one holding it, no draft
@@ -165,14 +180,14 @@ def run_load(profile: Profile, topo: Topology, mode: str, replay, opts: DecodeOp
     for i in range(min(parallel, len(replay.prompts))):
         server.turns.spawn(f"client-{i}", server.client)
     server.turns.run()
-    recs = sorted(server.records, key=lambda r: (r["start_s"], r["slot"]))
-    n_gen = sum(r["n_gen"] for r in recs)
-    wall = max((r["end_s"] for r in recs if r["end_s"] is not None), default=0.0)
-    ttft = [r["ttft_s"] * 1e3 for r in recs if r["ttft_s"] is not None]
-    itl = [g for r in recs for g in r.pop("itl_ms")]
+    recs = sorted(server.records, key=lambda r: (r.start_s, r.slot))
+    n_gen = sum(r.n_gen for r in recs)
+    wall = max((r.end_s for r in recs if r.end_s is not None), default=0.0)
+    ttft = [r.ttft_s * 1e3 for r in recs if r.ttft_s is not None]
+    itl = [g for r in recs for g in r.itl_ms]
     return LoadPrediction(mode, parallel, load_policy, len(recs), n_gen, wall, n_gen / wall if wall > 0 else None,
                           _pct(ttft), _pct(itl), [b / wall if wall > 0 else 0.0 for b in server.sim.busy_s],
-                          {"layer_split": topo.describe(), "draft": topo.draft}, recs)
+                          {"layer_split": topo.describe(), "draft": topo.draft}, [r.to_json() for r in recs])
 
 
 def plan_load(profile: Profile, topo_of: Callable[[str], Topology], modes: list[str], replay, opts: DecodeOptions,
