@@ -138,6 +138,9 @@ def test_under_load_a_draft_on_the_head_takes_no_layers_from_it(smollm2_path, pr
     assert loaded == auto_split(prof, [0, 1], draft_on_head=False)
     assert alone[0][1] < loaded[0][1]  # alone, the head keeps fewer layers
     assert auto_split(prof, [0, 1], draft_on_head=True, parallel=3) == loaded
+    # round-robin: every request speculates as if alone, and the draft counts; no-spec: it never does.
+    assert auto_split(prof, [0, 1], draft_on_head=True, parallel=2, load_policy="round-robin") == alone
+    assert auto_split(prof, [0, 1], draft_on_head=True, parallel=2, load_policy="no-spec") == loaded
 
 
 @pytest.mark.parametrize("args, message", [

@@ -127,7 +127,7 @@ def plan(
     prof = Profile.load(profile)
     setup = _setup(model, draft, prof, profile, ranks, layer_split, ctx)
     check_load(parallel, load_policy, search, ctx, opts, bool(setup.draft))
-    setup.parallel = parallel
+    setup.load = (parallel, load_policy)
     mode_list = _modes(modes, setup.draft, prof)
     setup.job_drafts = any(needs_draft(m) for m in mode_list)
     check_job(setup, mode_list, threads, force, _warn)
@@ -187,7 +187,7 @@ class _Setup:
         self.job_drafts = False  # some planned mode needs the draft (set once the modes are known)
         self.sha256 = self.draft_sha256 = None  # the files' identities (set by _setup)
         self.force = False
-        self.parallel = 1  # requests at once (--parallel), which --layer-split auto balances for
+        self.load = (1, "yield")  # --parallel and --load-policy, which --layer-split auto balances for
 
     @property
     def draft_label(self) -> str | None:
@@ -201,7 +201,7 @@ class _Setup:
 
         return job_topology(self.path, self.label, self.n_ranks, self.layer_split, self.draft_path, self.draft,
                             self.job_drafts if job_drafts is None else job_drafts, mode, self.profile_path,
-                            self.n_ctx, self.parallel)
+                            self.n_ctx, self.load)
 
 
 def _setup(model: str, draft: str | None, prof, profile_path: Path, ranks: int | None, layer_split: str | None,

@@ -14,8 +14,9 @@ fast as the slowest stage's work per request allows, and the split that minimise
 time maximises the aggregate (`parallel_bottleneck`). The work counted is the same typical
 request, except the draft: under the default load policy (`yield`) nobody speculates once the
 requests running fill the stages (N >= stages), so a draft model on the head costs it nothing
-then and does not take layers from it. With fewer requests than stages the spare stages carry
-speculation, and the draft counts as for one request.
+then and does not take layers from it; with fewer requests than stages the spare stages carry
+speculation, and the draft counts as for one request. Under `round-robin` requests speculate as
+if alone (the draft counts), under `no-spec` never (it does not).
 """
 
 from __future__ import annotations
@@ -49,17 +50,19 @@ class JobMemory:
         return n_layers * self.n_ctx * self.kv_bytes_per_cell
 
 
-def drafts_under_load(parallel: int, n_stages: int) -> bool:
-    """Whether requests still speculate with `parallel` of them on `n_stages` stages (the yield
-    policy of decode/parallel_policy.py: only while they leave a stage free)."""
-    return parallel <= 1 or parallel < n_stages
+def drafts_under_load(parallel: int, n_stages: int, load_policy: str = "yield") -> bool:
+    """Whether requests still speculate with `parallel` of them on `n_stages` stages, under the load
+    policy of decode/parallel_policy.py (yield: only while they leave a stage free)."""
+    if parallel <= 1 or load_policy == "round-robin":
+        return True
+    return load_policy == "yield" and parallel < n_stages
 
 
 def parallel_bottleneck(profile: Profile, stage_ranks: list[int], layers: list[tuple[int, int]],
-                        draft_on_head: bool = False, parallel: int = 1) -> float:
+                        draft_on_head: bool = False, parallel: int = 1, load_policy: str = "yield") -> float:
     """The slowest stage's seconds of a typical request with `parallel` requests at once: at most
-    `parallel / this` typical requests per second go through the pipeline, whatever the split."""
-    drafts = draft_on_head and drafts_under_load(parallel, len(stage_ranks))
+    `1 / this` typical requests per second go through the pipeline, whatever the split."""
+    drafts = draft_on_head and drafts_under_load(parallel, len(stage_ranks), load_policy)
     return max(stage_seconds(profile, r, b, e, drafts and i == 0)
                for i, (r, (b, e)) in enumerate(zip(stage_ranks, layers)))
 
@@ -101,13 +104,13 @@ def stage_bytes(profile: Profile, mem: JobMemory, b: int, e: int, draft_here: bo
 
 
 def auto_split(profile: Profile, stage_ranks: list[int], draft_on_head: bool = False,
-               mem: JobMemory | None = None, parallel: int = 1) -> list[tuple[int, int]]:
+               mem: JobMemory | None = None, parallel: int = 1, load_policy: str = "yield") -> list[tuple[int, int]]:
     """Layer ranges for the stages (profile ranks, in pipeline order) that minimise the slowest
     stage's time on a typical request, within each rank's share of its host's memory.
-    parallel: requests at once; with as many as the stages or more, the draft on the head is not
-    counted (see the module doc): the split that gives the most aggregate throughput."""
+    parallel, load_policy: requests at once and when they speculate; a draft on the head that
+    does not speculate under that load is not counted (see the module doc)."""
     mem = mem or JobMemory()
-    draft_on_head = draft_on_head and drafts_under_load(parallel, len(stage_ranks))
+    draft_on_head = draft_on_head and drafts_under_load(parallel, len(stage_ranks), load_policy)
     n_ranks = len(stage_ranks) + (mem.draft_rank is not None)
     heads_draft = mem.draft_rank is None and mem.draft_bytes > 0
     room = [rank_memory(profile, r, n_ranks) for r in stage_ranks]
