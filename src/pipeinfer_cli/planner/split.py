@@ -11,7 +11,7 @@ host's available memory, divided among the ranks that share the host.
 For N requests at once (`serve --parallel N`, `plan --parallel N`) the objective is the aggregate
 throughput: every stage does its part of every request, so N requests in flight finish at most as
 fast as the slowest stage's work per request allows, and the split that minimises that stage's
-time maximises the aggregate (`parallel_bottleneck`). The work counted is the same typical
+time (what auto_split minimises anyway) maximises the aggregate. The work counted is the same typical
 request, except the draft: under the default load policy (`yield`) nobody speculates once the
 requests running fill the stages (N >= stages), so a draft model on the head costs it nothing
 then and does not take layers from it; with fewer requests than stages the spare stages carry
@@ -56,15 +56,6 @@ def drafts_under_load(parallel: int, n_stages: int, load_policy: str = "yield") 
     if parallel <= 1 or load_policy == "round-robin":
         return True
     return load_policy == "yield" and parallel < n_stages
-
-
-def parallel_bottleneck(profile: Profile, stage_ranks: list[int], layers: list[tuple[int, int]],
-                        draft_on_head: bool = False, parallel: int = 1, load_policy: str = "yield") -> float:
-    """The slowest stage's seconds of a typical request with `parallel` requests at once: at most
-    `1 / this` typical requests per second go through the pipeline, whatever the split."""
-    drafts = draft_on_head and drafts_under_load(parallel, len(stage_ranks), load_policy)
-    return max(stage_seconds(profile, r, b, e, drafts and i == 0)
-               for i, (r, (b, e)) in enumerate(zip(stage_ranks, layers)))
 
 
 def stage_seconds(profile: Profile, rank: int, b: int, e: int, draft_on_head: bool = False) -> float:
