@@ -108,7 +108,6 @@ class _Server:
         self.memory = DraftMemory()
         self.queue: deque[PromptTrace] = deque(replay.prompts)
         self.records: list[RequestRecord] = []
-        self._draft_rank_free_at = 0.0  # a draft rank serves one request after the other
 
     def client(self) -> None:
         """One client: the next prompt of the set as soon as its previous request ended."""
@@ -132,7 +131,6 @@ class _Server:
         finally:
             self.mux.active.discard(view.index)
             if held:
-                self._draft_rank_free_at = getattr(drafter, "free_at", 0.0)
                 self.lender.give_back(view.index)
         view.seq_rm(CANONICAL_SEQ)  # no prefix reuse: the slot's next request starts empty
         times = s.metrics.token_times
@@ -150,10 +148,9 @@ class _Server:
         held, _ = self.lender.take(slot, 0)
         if not held:
             return NoDraft(), False
-        drafter = make_drafter(self.profile, self.topo, self.sim, self.replay.index(pt))
-        if hasattr(drafter, "free_at") and isinstance(self.topo.draft, int):
-            drafter.free_at = self._draft_rank_free_at
-        return drafter, True
+        # A drafter per request (its chains are the request's); a draft rank's busy time is the
+        # shared pipeline's, so it serves one request after the other.
+        return make_drafter(self.profile, self.topo, self.sim, self.replay.index(pt)), True
 
 
 def run_request(view: SimSlot, mode: str, pt: PromptTrace, opts: DecodeOptions, drafter, draft_on_head: bool,
