@@ -110,10 +110,12 @@ bench-native: install
 bench-native-gemma3: install
 	$(PY) scripts/bench_native.py --model gemma3-270m --threads 1,2 --markdown --json build/bench_native_gemma3.json
 
-# serve --parallel against today's FIFO server, the load policies, and batching two rows in one graph
-# (BENCHMARKS.md, "Parallel requests").
+# serve --parallel against today's FIFO server (its default split, balanced in time for the load, with
+# plan --parallel's prediction beside it; then the split picked by hand), the load policies, and batching
+# two rows in one graph (BENCHMARKS.md, "Parallel requests").
 bench-parallel: install
 	@mkdir -p build
+	$(PY) scripts/bench_parallel.py qwen2.5-coder-0.5b-instruct --draft lookup --ranks 2 --levels 1,2 --limit 8 -n 64 --json build/parallel_default.json
 	$(PY) scripts/bench_parallel.py qwen2.5-coder-0.5b-instruct --draft lookup --ranks 2 3 --levels 1,2,4,8 --limit 8 -n 64 --split 2=0.65,0.35 --json build/parallel.json
 	$(PY) scripts/bench_parallel.py qwen2.5-coder-0.5b-instruct --draft lookup --ranks 2 3 --modes pipeinfer --levels 1,2 --policies --prompts grounded --limit 6 -n 64 --split 2=0.65,0.35 --json build/parallel_policies.json
 	$(PY) scripts/bench_parallel_batch.py qwen2.5-coder-0.5b-instruct --ctx 512 --json build/parallel_batch.json

@@ -211,9 +211,10 @@ def _decoded(server) -> dict[int, int]:
 
 @pytest.mark.mpi
 def test_a_rank_failure_with_requests_in_flight_ends_every_request_and_the_server(smollm2_path, tmp_path):
-    # Rank 1 raises on its 40th run, while two requests are generating.
+    # Rank 1 raises on its 40th run, while two requests are generating. The split is given: the
+    # default one of --parallel 2 may need a quick calibration, which the injected fault would end.
     server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 1024, "--parallel", 2,
-                          log_dir=tmp_path, PIPEINFER_DEBUG_FAIL="1:40")
+                          "--layer-split", "0.5,0.5", log_dir=tmp_path, PIPEINFER_DEBUG_FAIL="1:40")
     try:
         results: list = [None, None]
 

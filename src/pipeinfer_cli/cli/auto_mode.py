@@ -111,15 +111,17 @@ def draft_acceptance(cfg, prof, prompt_tokens: list[int] | None) -> Acceptance:
 
 
 def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_path, draft, job_drafts: bool,
-                 mode: str, profile_path, n_ctx: int):
+                 mode: str, profile_path, n_ctx: int, load: tuple[int, str] = (1, "yield")):
     """The planner's Topology of the job that runs `mode` (job_drafts: a draft model on the head takes
-    layers from it), as `plan` and `-M auto` both plan it."""
+    layers from it), as `plan` and `-M auto` both plan it; load: requests at once and the load
+    policy (serve --parallel N --load-policy P), which --layer-split auto balances the stages for."""
     from ..decode.modes import needs_draft
     from ..planner.predict import Topology
     from ..runtime.topology import plan_job
 
     t = plan_job(model_path, model_label, n_ranks, n_ranks, layer_split, None, draft_path, job_drafts,
-                 has_draft=bool(draft), profile_path=profile_path, n_ctx=n_ctx, identity_checked=True)
+                 has_draft=bool(draft), profile_path=profile_path, n_ctx=n_ctx, identity_checked=True,
+                 load=load)
     stages = [r for r in t.ranks if r.role != "draft"]
     if needs_draft(mode):
         where = LOOKUP if draft.is_lookup else (t.draft_rank if t.draft_rank is not None else "head")

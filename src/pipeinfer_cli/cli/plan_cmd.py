@@ -47,6 +47,9 @@ EPILOG = epilog("""Examples:
   pipeinfer plan qwen-coder --profile cluster.json --trace fib.trace \\
       --layer-split auto
 
+  pipeinfer plan qwen2.5-coder-0.5b-instruct --profile cluster.json \\
+      --prompts default --limit 8 --parallel 2 --layer-split auto
+
 How it predicts: the decoding policies that `generate` runs (the same code) run in virtual time
 against a simulated pipeline built from the profile: each stage busy for its measured seconds per
 layer at the run's rows and KV length, hidden states crossing each link as latency plus bytes over
@@ -57,6 +60,15 @@ exactly the draft it would meet in a run. A trace comes from this machine (--rec
 with the whole target; --record-ranks N: an MPI job with the layers split), or from a real job
 (`generate`/`bench --save-trace FILE`, on any ranks and hosts). --acceptance RATE replaces the draft by one that is right
 with that probability (sweeps, or a draft model that is not here).
+
+--parallel N predicts `serve --parallel N` under N clients that each send their next prompt when
+one ends (`bench --concurrency N`): the server's own slot choice, load policy and draft lending
+run the N requests on one simulated pipeline, each in its slot of --ctx / N cells, their runs
+interleaved in the stages. It prints the aggregate tok/s (against the same prompts one at a time),
+TTFT and ITL p50/p99 per mode; with --layer-split auto, the split balanced for N requests at once
+(what `serve --parallel N` runs by default on several ranks). Not modelled: HTTP and tokenizing,
+prefix reuse between requests, requests queued for a slot, the head's own time per request beside
+the others.
 """)
 
 ProfileOption = Annotated[Path, typer.Option("--profile", help="The profile `pipeinfer calibrate` wrote.")]
@@ -70,6 +82,8 @@ SearchFlag = Annotated[bool, typer.Option("--search", help="Also search n_draft,
 ForceFlag = Annotated[bool, typer.Option("--force", help="Plan even when the profile or the trace was made for another job (model file, threads, ranks per host, machine): one warning line instead of the error.")]
 RecordRanksOption = Annotated[int | None, typer.Option("--record-ranks", min=1, show_default=False, help="Record the trace as an MPI job of N ranks, the target's layers split across them (`pipeinfer generate`/`bench --save-trace`, started as `--ranks N` starts them), instead of one process holding the whole target; with --layer-split, --threads and --ctx as given.")]
 PlanRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help="Ranks to plan for (default: the profile's).")]
+ParallelOption = Annotated[int, typer.Option("--parallel", "-np", min=1, max=32, help="Requests at once, as `serve --parallel N` serves N clients that each send their next prompt when one ends: aggregate tok/s, TTFT and ITL p50/p99 per mode (1: each prompt alone).")]
+PlanLoadPolicyOption = Annotated[str, typer.Option("--load-policy", metavar="yield|round-robin|no-spec", help="With --parallel: when a request may speculate beside others, as `serve --load-policy`.")]
 
 
 def plan(
@@ -91,6 +105,8 @@ def plan(
     p_accept: PAcceptOption = 0.5,
     max_inflight: MaxInflightOption = 4,
     search: SearchFlag = False,
+    parallel: ParallelOption = 1,
+    load_policy: PlanLoadPolicyOption = "yield",
     ctx: Annotated[int, typer.Option("--ctx", "-c", min=16, help="Context size (KV cells), as the job would use.")] = 4096,
     threads: ThreadsOption = None,
     force: ForceFlag = False,
@@ -105,28 +121,44 @@ def plan(
     """
     from ..planner.plan import Replay, plan_modes
     from ..planner.profile import Profile
+    from .plan_load import check_load, plan_parallel
 
+    opts = DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_accept=p_accept, max_inflight=max_inflight)
     prof = Profile.load(profile)
     setup = _setup(model, draft, prof, profile, ranks, layer_split, ctx)
+    check_load(parallel, load_policy, search, ctx, opts, bool(setup.draft))
+    setup.load = (parallel, load_policy)
     mode_list = _modes(modes, setup.draft, prof)
     setup.job_drafts = any(needs_draft(m) for m in mode_list)
     check_job(setup, mode_list, threads, force, _warn)
     setup.force = force
-    opts = DecodeOptions(n_predict=n_predict, n_draft=n_draft, p_accept=p_accept, max_inflight=max_inflight)
     job = {"ranks": record_ranks, "layer_split": layer_split, "threads": threads, "ctx": ctx}
     traced = _trace(setup, prof, prompt, prompts, limit, trace, record, acceptance, n_predict, mode_list, job)
     replay = Replay(traced, acceptance, confidences=None if acceptance is None else
                     draft_confidences(setup.draft, prof.draft, traced))
+    if parallel > 1:
+        plan_parallel(prof, setup, mode_list, replay, opts, ctx, parallel, load_policy, as_json, profile)
+        return
     summary = plan_modes(prof, setup.topology, mode_list, replay, opts, ctx)
     for m, s in summary.items():
         s.note = never_speculated(m, s, setup.topology(m).draft)
     choice = _search(prof, setup, mode_list, replay, opts, ctx, summary) if search else None
+    _emit(summary, setup, choice, profile, as_json, mode_list[0])
+
+
+def _emit(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | None, profile: Path, as_json: bool,
+          first_mode: str) -> None:
+    """The plan of one request at a time: --json's object, or the table (and the split auto chose)."""
+    from .plan_load import split_line
+
     if as_json:
         out.print_json(json.dumps({"model": setup.label, "draft": setup.draft_label, "profile": str(profile),
                                    "modes": {m: s.as_dict() for m, s in summary.items()},
                                    **({"choice": choice} if choice else {})}))
         return
     _print_table(summary, setup, choice)
+    if (line := split_line(setup, first_mode, 1)) is not None:
+        out.print(line, markup=False, highlight=False)
 
 
 def _search(prof, setup, mode_list: list[str], replay, opts, ctx: int, summary: dict) -> dict:
@@ -155,6 +187,7 @@ class _Setup:
         self.job_drafts = False  # some planned mode needs the draft (set once the modes are known)
         self.sha256 = self.draft_sha256 = None  # the files' identities (set by _setup)
         self.force = False
+        self.load = (1, "yield")  # --parallel and --load-policy, which --layer-split auto balances for
 
     @property
     def draft_label(self) -> str | None:
@@ -168,7 +201,7 @@ class _Setup:
 
         return job_topology(self.path, self.label, self.n_ranks, self.layer_split, self.draft_path, self.draft,
                             self.job_drafts if job_drafts is None else job_drafts, mode, self.profile_path,
-                            self.n_ctx)
+                            self.n_ctx, self.load)
 
 
 def _setup(model: str, draft: str | None, prof, profile_path: Path, ranks: int | None, layer_split: str | None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -48,7 +49,10 @@ One request is generated at a time, or up to --parallel N at once: each then has
 (--ctx / N cells, in whole 256-cell blocks, and its own prefix reuse), and their runs follow each
 other through the stages, so while one request's run is on stage 2 another's is on stage 1. Every
 request gets exactly the tokens it would get alone. --load-policy says when a request may
-speculate beside others; GET /slots shows what each slot does. Up to --queue more requests wait in
+speculate beside others; GET /slots shows what each slot does. On several ranks without
+--layer-split, --parallel N balances the layers by measured time for N requests at once
+(--layer-split auto on --profile, else on a quick calibration cached per machine, model and job
+shape, made at the first start); `pipeinfer plan MODEL --parallel N` predicts it. Up to --queue more requests wait in
 order, and beyond that the server answers 503 with Retry-After. Ctrl-C, SIGTERM or SIGHUP stops every rank: requests in progress end
 with an error, the server prints `pipeinfer serve: stopped by SIGTERM` (or SIGINT, SIGHUP) and exits
 with status 0.
@@ -98,11 +102,13 @@ def serve(
             raise OptionValueError(f"--load-policy {load_policy} applies to parallel requests; give --parallel N "
                                    "(N > 1) too")
 
+    split_rule = default_split(job, parallel)
     start = begin_job(model, model_opt, mode, job, check_api_key)
     prep = start.prep
     prep.cfg.reuse_prefix = prefix_reuse
     prep.cfg.parallel, prep.cfg.load_policy = parallel, load_policy
     check_parallel(prep.cfg)
+    announce_split(split_rule, prep)
     if not start.inside:
         from ..server.http_thread import bind
 
@@ -112,6 +118,63 @@ def serve(
                          lambda: relaunch(prep.ranks, sys.argv[1:], clean_stop=stopped_line,
                                           rank_timeout_s=prep.cfg.rank_timeout_s))
     _serve_on_this_rank(prep.cfg, prep.mode, host, port, queue, api_key, prep.auto)
+
+
+def default_split(job, parallel: int, environ=os.environ) -> str | None:
+    """The split of `serve --parallel N` (N > 1) on several ranks when --layer-split is not given
+    (docs/server.md, "The default split"): the layers balanced by measured time for N requests at
+    once (`auto`), since parallel requests go as fast as the slowest stage and the byte-balanced
+    split leaves the stage with the LM head short of work. Its profile is --profile, else the quick
+    calibration cached for this job's shape, else one made now (as for -M auto). Under a launcher
+    of the user's own (mpiexec ... pipeinfer serve, not relaunched by pipeinfer) a calibration
+    cannot start inside the job, so there the default is auto only with --profile, else by bytes.
+
+    Sets job.layer_split to "auto" when the rule applies; returns "auto", "bytes" (the rule applies
+    but no profile can be had) or None (not a parallel job on several ranks, or a split given)."""
+    from ..transport.launch import RELAUNCHED, under_mpi_launcher
+
+    if parallel <= 1 or job.layer_split is not None or (job.ranks or 1) <= 1:
+        return None
+    if under_mpi_launcher() and not environ.get(RELAUNCHED) and job.profile is None:
+        return "bytes"
+    job.layer_split = "auto"
+    _say(f"--parallel {parallel} on {job.ranks} ranks without --layer-split: the layers go to the stages by "
+         f"measured time for {parallel} requests at once (--layer-split auto), not by bytes; give --layer-split "
+         "to choose")
+    return "auto"
+
+
+def announce_split(rule: str | None, prep) -> None:
+    """Which split default_split's rule gave, beside the byte-balanced one (stderr, once per job)."""
+    from dataclasses import replace
+
+    from ..runtime.topology import format_layer_ranges, plan_config
+
+    if rule is None or not _speaks():
+        return
+    cfg = prep.cfg
+    if rule == "bytes":
+        _say(f"--parallel {cfg.parallel} under your MPI launcher without --profile: the layers are split by bytes "
+             "(no quick calibration inside a job); pass --profile FILE (`pipeinfer calibrate`) to balance them by "
+             "measured time for parallel requests")
+        return
+    layers = lambda c: format_layer_ranges([r.layers for r in plan_config(c, prep.ranks, prep.ranks, prep.has_draft).ranks])  # noqa: E731
+    _say(f"split for {cfg.parallel} requests at once: layers {layers(cfg)} (profile {cfg.profile}); by bytes they "
+         f"would be {layers(replace(cfg, layer_split=None))}")
+
+
+def _speaks() -> bool:
+    """Whether this process says the job's start-up lines: the launching command (or rank 0 under a
+    launcher of the user's own), not every rank of the job."""
+    from ..transport.launch import RELAUNCHED, under_mpi_launcher
+    from ..transport.start_waits import launcher_rank
+
+    return not under_mpi_launcher() or (not os.environ.get(RELAUNCHED) and launcher_rank() == 0)
+
+
+def _say(text: str) -> None:
+    if _speaks():
+        err.print(f"pipeinfer serve: {text}", markup=False, highlight=False)
 
 
 def check_parallel(cfg) -> None:

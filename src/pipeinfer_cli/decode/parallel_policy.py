@@ -17,6 +17,12 @@ where a stage would otherwise idle, so:
   stages carry speculation.
 - `round-robin`: every request runs its mode as if alone; the stages take runs in arrival order.
 - `no-spec`: no speculation at all while two or more requests run.
+
+The draft model. A job has one draft model (on the head or on a draft rank), and it drafts for one
+request at a time (`DraftLender`): the request that finds it free holds it until it ends; another
+request drafts meanwhile with the fallback (prompt lookup when the job's draft includes it, else
+nothing). The server (runtime/parallel.py) and the planner's simulated server
+(planner/sim_slots.py) both lend it through this class.
 """
 
 from __future__ import annotations
@@ -81,3 +87,27 @@ class SlotTable:
 
     def release(self, slot: Slot) -> None:
         slot.busy = False
+
+
+class DraftLender:
+    """Who holds the job's draft model: one request at a time, the first that finds it free, until
+    it ends. Not thread-safe on its own: the server calls it under a lock."""
+
+    def __init__(self) -> None:
+        self.holder: int | None = None  # the slot holding it
+        self.last_slot: int | None = None  # the slot whose tokens the draft's cache holds
+
+    def take(self, slot: int, reuse: int) -> tuple[bool, int]:
+        """(held, draft_reuse) for a request in `slot` whose target keeps `reuse` prompt tokens:
+        held, the request drafts with the model, whose cache keeps draft_reuse tokens (its own
+        slot's, if it served that slot last, else none); not held, it drafts with the fallback."""
+        if self.holder is not None:
+            return False, reuse
+        self.holder = slot
+        draft_reuse = reuse if self.last_slot == slot else 0
+        self.last_slot = slot
+        return True, draft_reuse
+
+    def give_back(self, slot: int) -> None:
+        if self.holder == slot:
+            self.holder = None

@@ -7,6 +7,16 @@ there. Both phases count, so neither the prompt (where the LM head reads one row
 balanced at the other's expense. A rank gets no share its memory cannot hold: its weights, the KV
 cache of its layers at the job's --ctx and the draft model it runs must fit in MEMORY_USE of its
 host's available memory, divided among the ranks that share the host.
+
+For N requests at once (`serve --parallel N`, `plan --parallel N`) the objective is the aggregate
+throughput: every stage does its part of every request, so N requests in flight finish at most as
+fast as the slowest stage's work per request allows, and the split that minimises that stage's
+time (what auto_split minimises anyway) maximises the aggregate. The work counted is the same typical
+request, except the draft: under the default load policy (`yield`) nobody speculates once the
+requests running fill the stages (N >= stages), so a draft model on the head costs it nothing
+then and does not take layers from it; with fewer requests than stages the spare stages carry
+speculation, and the draft counts as for one request. Under `round-robin` requests speculate as
+if alone (the draft counts), under `no-spec` never (it does not).
 """
 
 from __future__ import annotations
@@ -38,6 +48,14 @@ class JobMemory:
 
     def kv_bytes(self, n_layers: int) -> int:
         return n_layers * self.n_ctx * self.kv_bytes_per_cell
+
+
+def drafts_under_load(parallel: int, n_stages: int, load_policy: str = "yield") -> bool:
+    """Whether requests still speculate with `parallel` of them on `n_stages` stages, under the load
+    policy of decode/parallel_policy.py (yield: only while they leave a stage free)."""
+    if parallel <= 1 or load_policy == "round-robin":
+        return True
+    return load_policy == "yield" and parallel < n_stages
 
 
 def stage_seconds(profile: Profile, rank: int, b: int, e: int, draft_on_head: bool = False) -> float:
@@ -77,10 +95,13 @@ def stage_bytes(profile: Profile, mem: JobMemory, b: int, e: int, draft_here: bo
 
 
 def auto_split(profile: Profile, stage_ranks: list[int], draft_on_head: bool = False,
-               mem: JobMemory | None = None) -> list[tuple[int, int]]:
+               mem: JobMemory | None = None, parallel: int = 1, load_policy: str = "yield") -> list[tuple[int, int]]:
     """Layer ranges for the stages (profile ranks, in pipeline order) that minimise the slowest
-    stage's time on a typical request, within each rank's share of its host's memory."""
+    stage's time on a typical request, within each rank's share of its host's memory.
+    parallel, load_policy: requests at once and when they speculate; a draft on the head that
+    does not speculate under that load is not counted (see the module doc)."""
     mem = mem or JobMemory()
+    draft_on_head = draft_on_head and drafts_under_load(parallel, len(stage_ranks), load_policy)
     n_ranks = len(stage_ranks) + (mem.draft_rank is not None)
     heads_draft = mem.draft_rank is None and mem.draft_bytes > 0
     room = [rank_memory(profile, r, n_ranks) for r in stage_ranks]

@@ -21,7 +21,7 @@ from ..decode.draft_spec import DraftSpec
 from ..decode.drafters import AsyncDrafter
 from ..decode.metrics import now
 from ..decode.modes import needs_draft
-from ..decode.parallel_policy import Slot, SlotTable
+from ..decode.parallel_policy import DraftLender, Slot, SlotTable
 from ..decode.session import CANONICAL_SEQ
 from .draft_setup import fallback_drafter, lookup_drafter
 from .head import Head, _trace_commits, assemble_result, run_request
@@ -50,14 +50,19 @@ class _Locked:
 
 
 class DraftLease:
-    """The job's draft model, lent to one request at a time."""
+    """The job's draft model, lent to one request at a time (decode/parallel_policy.DraftLender
+    decides who holds it; this builds each request's drafter and serialises the decisions)."""
 
     def __init__(self, drafter, draft: DraftSpec, lock):
         self.drafter, self.lock, self.spec = drafter, lock, draft
         self.lookup_only = draft.is_lookup
-        self.holder: int | None = None  # the slot holding it
-        self.last_slot: int | None = None  # the slot whose tokens its cache holds
+        self.lender = DraftLender()
         self._mutex = threading.Lock()
+
+    @property
+    def holder(self) -> int | None:
+        """The slot holding the draft model (None: nobody)."""
+        return self.lender.holder
 
     def take(self, slot: int, reuse: int):
         """(drafter, draft_reuse, held) for a request in `slot` whose target keeps `reuse` tokens."""
@@ -66,13 +71,11 @@ class DraftLease:
         if self.lookup_only:
             return lookup_drafter(), reuse, False  # stateless: every request may have one
         with self._mutex:
-            if self.holder is None:
-                self.holder = slot
-                draft_reuse = reuse if self.last_slot == slot else 0
-                self.last_slot = slot
-                drafter = _Locked(self.drafter, self.lock) if isinstance(self.drafter, AsyncDrafter) else self.drafter
-                return drafter, draft_reuse, True
-        return fallback_drafter(self.spec), reuse, False
+            held, draft_reuse = self.lender.take(slot, reuse)
+        if not held:
+            return fallback_drafter(self.spec), reuse, False
+        drafter = _Locked(self.drafter, self.lock) if isinstance(self.drafter, AsyncDrafter) else self.drafter
+        return drafter, draft_reuse, True
 
     @property
     def lent(self) -> bool:
@@ -81,8 +84,7 @@ class DraftLease:
 
     def give_back(self, slot: int) -> None:
         with self._mutex:
-            if self.holder == slot:
-                self.holder = None
+            self.lender.give_back(slot)
 
 
 class ParallelRunner:

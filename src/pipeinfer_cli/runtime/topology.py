@@ -42,8 +42,11 @@ class Topology:
 
 
 
-def _auto_ranges(profile, n_stages: int, draft_on_head: bool, memory=None) -> list[tuple[int, int]]:
-    """memory: a planner.split.JobMemory (the job's KV cache and draft), None: the weights alone."""
+def _auto_ranges(profile, n_stages: int, draft_on_head: bool, memory=None,
+                 load: tuple[int, str] = (1, "yield")) -> list[tuple[int, int]]:
+    """memory: a planner.split.JobMemory (the job's KV cache and draft), None: the weights alone;
+    load: the requests generated at once (serve --parallel) and the load policy, whose aggregate
+    the split serves."""
     from ..planner.split import auto_split
 
     if profile is None:
@@ -56,7 +59,7 @@ def _auto_ranges(profile, n_stages: int, draft_on_head: bool, memory=None) -> li
                          f"{n_stages} target stage(s); calibrate with as many ranks as the job runs")
     if memory is not None and memory.draft_rank is not None and len(profile.ranks) <= memory.draft_rank:
         memory = type(memory)(memory.n_ctx, memory.kv_bytes_per_cell)  # the draft rank was not measured
-    return auto_split(profile, list(range(n_stages)), draft_on_head, memory)
+    return auto_split(profile, list(range(n_stages)), draft_on_head, memory, *load)
 
 
 def format_layer_ranges(ranks: list) -> str:
@@ -172,18 +175,20 @@ def alone_on_cores(threads_here: int, threads_mine: int) -> bool:
 
 def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[int], output_bytes: int,
                   threads: str | None, ranks_per_host: int, head_extra: int = 0, profile=None,
-                  memory=None) -> Topology:
+                  memory=None, load: tuple[int, str] = (1, "yield")) -> Topology:
     """Assign roles and layers to world_size ranks (checked against --layer-split if given).
 
     head_extra: bytes of a draft model that runs on the head; the default split then gives the
     head fewer layers, since it reads the draft's weights for every drafted token as well.
     profile: a planner Profile, for --layer-split auto (the layers balanced by measured time);
-    memory: what the job holds besides the weights (planner.split.JobMemory), which auto fits in.
+    memory: what the job holds besides the weights (planner.split.JobMemory), which auto fits in;
+    load: requests generated at once and the load policy (serve --parallel N --load-policy P), which
+    auto balances the stages for (planner/split.py).
     """
     n_layer = len(layer_bytes)
     if layer_split and parse_layer_split(layer_split)[0] is None:
         n_draft = parse_layer_split(layer_split)[1]
-        ranges = _auto_ranges(profile, world_size - n_draft, head_extra > 0, memory)
+        ranges = _auto_ranges(profile, world_size - n_draft, head_extra > 0, memory, load)
     elif layer_split:
         fractions, n_draft = parse_layer_split(layer_split)
         if len(fractions) + n_draft != world_size:
@@ -252,19 +257,22 @@ def plan_config(cfg, world_size: int, ranks_per_host: int, needs_draft: bool) ->
     in the launching command (from the header, before any process starts) and on every rank."""
     return plan_job(cfg.model_path, cfg.model_label, world_size, ranks_per_host, cfg.layer_split, cfg.threads,
                     cfg.draft_path, needs_draft, has_draft=not cfg.draft.is_none,
-                    profile_path=getattr(cfg, "profile", None), n_ctx=getattr(cfg, "engine_ctx", cfg.n_ctx))
+                    profile_path=getattr(cfg, "profile", None), n_ctx=getattr(cfg, "engine_ctx", cfg.n_ctx),
+                    load=(getattr(cfg, "parallel", 1), getattr(cfg, "load_policy", "yield")))
 
 
 def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host: int, layer_split: str | None,
              threads: str | None, draft_path: Path | None = None, needs_draft: bool = False,
              has_draft: bool = True, profile_path: Path | None = None, n_ctx: int = 0,
-             identity_checked: bool = False) -> Topology:
+             identity_checked: bool = False, load: tuple[int, str] = (1, "yield")) -> Topology:
     """The topology of a job on this model, from its GGUF header alone (well under a second, no MPI):
     the relaunching command checks it before it starts any process.
 
     has_draft: a draft was given (a model or lookup); a draft rank ('/1') needs one. n_ctx: the
     job's KV cells, which --layer-split auto fits in each rank's memory with the weights.
-    identity_checked: the caller matched the profile to the model (plan, which --force may override)."""
+    identity_checked: the caller matched the profile to the model (plan, which --force may override).
+    load: requests generated at once and the load policy (serve --parallel N --load-policy P), for
+    --layer-split auto."""
     if layer_split and "/" in layer_split and not has_draft:
         raise UsageError(f"--layer-split {layer_split!r} has a draft rank ('/1'), which needs a draft: "
                          "pass --draft MODEL (or lookup), or drop '/1'")
@@ -290,7 +298,7 @@ def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host
                                 model_sha256(Path(model_path)))
         memory = job_memory(info, n_ctx, draft_path if needs_draft else None, world_size, "/" in layer_split)
     return plan_topology(world_size, layer_split, info.layer_bytes, info.output_bytes, threads, ranks_per_host,
-                         head_extra=head_extra, profile=profile, memory=memory)
+                         head_extra=head_extra, profile=profile, memory=memory, load=load)
 
 
 def job_memory(info, n_ctx: int, draft_path: Path | None, world_size: int, draft_rank: bool):
