@@ -91,8 +91,7 @@ def predict(model: str, args, ranks: int, mode: str, levels: list[int]) -> dict[
         if trace.is_file():
             source = ["--trace", str(trace)]
         else:
-            source = ["--limit", str(args.limit), "--record", str(trace)] + (
-                ["--prompts", args.prompts] if args.prompts else [])
+            source = ["--limit", str(args.limit), "--record", str(trace), "--prompts", args.prompts or "default"]
         doc = json.loads(pipeinfer(base + source + ["--parallel", str(level)], "plan", capture=True).stdout)
         p = doc["modes"][mode]
         out[level] = {k: p[k] for k in ("tok_per_s", "ttft_ms", "itl_ms")} | {"layer_split": p["settings"]["layer_split"]}
