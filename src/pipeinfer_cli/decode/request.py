@@ -1,8 +1,11 @@
-"""One request, start to end: prefill, the mode's decode loop, the finished session. The head
-(`runtime/head.py`, over MPI on the wall clock) and the planner (`planner/predict.py`, on a
-simulated pipeline in virtual time) both run their requests here, so a prediction walks exactly
-the steps of a real run; only what differs is passed in (the clock, where the draft computes,
-the trace, the streaming callbacks). `prefill` and the mode dispatch are called nowhere else.
+"""One request, start to end: prefill, the mode's decode loop, the finished session, for the head
+and the planner alike.
+
+The head (`runtime/head.py`, over MPI on the wall clock) and the planner (`planner/predict.py`, on
+a simulated pipeline in virtual time) both run their requests here, so a prediction walks exactly
+the steps of a real run; only what differs is passed in (the clock, where the draft computes, the
+trace, the streaming callbacks). `prefill` and the mode dispatch are called nowhere else
+(tests/test_request_runner.py checks).
 
 Importing this starts no MPI: the pipeline is a `PipelineLike` (pipeline_protocol.py).
 """

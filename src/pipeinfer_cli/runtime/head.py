@@ -1,10 +1,11 @@
 """The head (rank 0): run each request through the pipeline in its mode, then assemble its result.
 
 For one request (`Head.run`): keep the reusable prefix of the previous request's KV cells or clear
-them (`prefix_cache.py`), prefill the rest (the draft's own prefill overlapping the stages; on one
-stage in pipeinfer mode deferred until drafting shows it may pay, `draft_economy.py`), decode
-in the request's mode, collect every rank's report (they travel behind the request's runs), and
-turn the session and reports into a `GenerationResult` (its `to_json()` is `generate --json`).
+them (`prefix_cache.py`), prefill the rest and decode in the request's mode with the request
+runner (`decode/request.py`: the draft's own prefill overlapping the stages; on one stage in
+pipeinfer mode deferred until drafting shows it may pay, `draft_economy.py`), collect every
+rank's report (they travel behind the request's runs), and turn the session and reports into a
+`GenerationResult` (its `to_json()` is `generate --json`).
 """
 
 from __future__ import annotations
