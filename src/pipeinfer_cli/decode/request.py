@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .draft_economy import DraftMemory
+from .drafters import AsyncDrafter, Drafter, Proposal
 from .metrics import now
 from .modes import PIPEINFER, SPECULATIVE, decode, needs_draft
 from .pipeline_protocol import PipelineLike
@@ -57,7 +58,8 @@ class Streaming:
     cancelled: Callable[[], bool] | None = None
 
 
-def run_request(pipe: PipelineLike, mode: str, prompt: list[int], opts: DecodeOptions, drafter, *,
+def run_request(pipe: PipelineLike, mode: str, prompt: list[int], opts: DecodeOptions,
+                drafter: Drafter | AsyncDrafter | None, *,
                 sampling: SamplingParams, n_predict: int, is_eog: Callable[[int], bool],
                 streaming: Streaming = Streaming(), site: DraftSite = DraftSite(), reuse: int = 0,
                 draft_reuse: int | None = None, memory: DraftMemory | None = None,
@@ -86,7 +88,7 @@ def run_request(pipe: PipelineLike, mode: str, prompt: list[int], opts: DecodeOp
     return s
 
 
-def _prompt_pass(drafter, prompt: list[int], keep: int, n_new: int,
+def _prompt_pass(drafter: Drafter | AsyncDrafter, prompt: list[int], keep: int, n_new: int,
                  trace: TraceRecorder | None) -> Callable[[], None]:
     """The draft's pass over the prompt (keeping the first `keep` tokens of its cache), traced as a
     'draft' slice of n_new tokens when `trace` is given."""
@@ -102,10 +104,10 @@ def _prompt_pass(drafter, prompt: list[int], keep: int, n_new: int,
 class _TracedDrafter:
     """An on-head drafter whose propose() calls become 'draft' slices on the head's track."""
 
-    def __init__(self, drafter, trace: TraceRecorder):
+    def __init__(self, drafter: Drafter, trace: TraceRecorder):
         self._drafter, self._trace = drafter, trace
 
-    def propose(self, path: list[int], n_max: int, p_min: float):
+    def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
         t0 = now()
         prop = self._drafter.propose(path, n_max, p_min)
         self._trace.slice("draft", t0, now(), n_tokens=len(prop.tokens))
