@@ -31,13 +31,14 @@ import numpy as np
 
 from ..decode.draft_economy import DraftMemory
 from ..decode.draft_spec import LOOKUP
-from ..decode.drafters import NoDraft
-from ..decode.modes import decode, needs_draft
+from ..decode.drafters import Drafter, NoDraft
+from ..decode.modes import needs_draft
 from ..decode.parallel_policy import DraftLender, SlotTable
+from ..decode.request import DraftSite
+from ..decode.request import run_request as decode_request
 from ..decode.sampling import SamplingParams
 from ..decode.session import CANONICAL_SEQ, DecodeOptions, Session
 from ..decode.slot_geometry import SlotGeometry
-from ..decode.sync import prefill
 from .predict import Topology, build_pipeline, make_drafter
 from .profile import Profile
 from .replay import PromptTrace
@@ -127,7 +128,7 @@ class _Server:
         drafter, held = self._drafter(view.index, pt)
         self.mux.active.add(view.index)
         try:
-            s = run_request(view, self.mode, pt, self.opts, drafter, self.topo.draft == "head", self.memory)
+            s = run_slot_request(view, self.mode, pt, self.opts, drafter, self.topo.draft == "head", self.memory)
         finally:
             self.mux.active.discard(view.index)
             if held:
@@ -153,17 +154,13 @@ class _Server:
         return make_drafter(self.profile, self.topo, self.sim, self.replay.index(pt)), True
 
 
-def run_request(view: SimSlot, mode: str, pt: PromptTrace, opts: DecodeOptions, drafter, draft_on_head: bool,
-                memory: DraftMemory) -> Session:
-    """A request of the trace in `mode` on its slot: prefill, then the mode's decode loop, as the
-    head runs a request (planner/predict.py runs one alone the same way)."""
-    s = Session(list(pt.prompt), SamplingParams(), len(pt.tokens), pt.is_eog, clock=view.clock)
-    draft_prefill = (lambda: drafter.start(pt.prompt)) if drafter is not None else None
-    deferred = (draft_prefill is not None and mode == "pipeinfer" and draft_on_head and view.n_stages == 1
-                and opts.spec_policy == "auto" and getattr(drafter, "has_prompt_pass", False))
-    prefill(view, s, None if deferred else draft_prefill, draft_in_thread=False)
-    decode(mode, view, s, replace(opts, n_predict=len(pt.tokens)), drafter,
-           prompt_pass=draft_prefill if deferred else None, memory=memory)
+def run_slot_request(view: SimSlot, mode: str, pt: PromptTrace, opts: DecodeOptions, drafter: Drafter | None,
+                     draft_on_head: bool, memory: DraftMemory) -> Session:
+    """A request of the trace in `mode` on its slot, through the request runner the head uses
+    (decode/request.py), on the slot's virtual clock; its tokens must be the trace's."""
+    s = decode_request(view, mode, list(pt.prompt), replace(opts, n_predict=len(pt.tokens)), drafter,
+                       sampling=SamplingParams(), n_predict=len(pt.tokens), is_eog=pt.is_eog,
+                       site=DraftSite(on_head=draft_on_head, threaded=False), memory=memory, clock=view.clock)
     if s.generated != pt.tokens[:len(s.generated)]:
         raise AssertionError(f"{mode} replayed tokens other than the trace's beside other requests: the simulation "
                              "lost a token")

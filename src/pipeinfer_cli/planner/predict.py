@@ -1,8 +1,8 @@
 """One prediction: a request of a trace, in one mode, on one topology, in virtual time.
 
-The head's request is run as `runtime/head.py` runs it — `prefill`, then `decode(mode, …)`, the
-very functions `generate` calls — against a `SimulatedPipeline` built from the profile, with the
-replayed target and draft. The metrics are the session's own (`GenerationMetrics.rates`), so a
+The head's request is run by the runner `generate` uses (`decode/request.py`: prefill, the mode's
+decode loop) against a `SimulatedPipeline` built from the profile, with the replayed target and
+draft. The metrics are the session's own (`GenerationMetrics.rates`), so a
 prediction and a run compare field by field.
 """
 
@@ -12,11 +12,11 @@ from dataclasses import dataclass, field, replace
 
 from ..decode.draft_economy import DraftMemory
 from ..decode.draft_spec import LOOKUP
-from ..decode.modes import decode, needs_draft
+from ..decode.modes import needs_draft
+from ..decode.request import DraftSite, run_request
 from ..decode.sampling import SamplingParams
-from ..decode.session import DecodeOptions, Session
+from ..decode.session import DecodeOptions
 from ..decode.slot_geometry import sequences_per_request
-from ..decode.sync import prefill
 from .costs import StageCost
 from .profile import DraftCosts, Profile, RankCosts
 from .replay import ChainIndex, PromptTrace, SyntheticChains
@@ -99,13 +99,13 @@ def predict(profile: Profile, topo: Topology, mode: str, pt: PromptTrace, opts: 
     """Run the request of `pt` in `mode` on `topo`, in virtual time."""
     pipe = build_pipeline(profile, topo, pt, opts, n_ctx)
     drafter = make_drafter(profile, topo, pipe, index) if needs_draft(mode) else None
-    s = Session(list(pt.prompt), SamplingParams(), len(pt.tokens), pt.is_eog, clock=pipe.clock)
-    draft_prefill = (lambda: drafter.start(pt.prompt)) if drafter is not None else None
-    deferred = (draft_prefill is not None and mode == "pipeinfer" and topo.draft == "head" and pipe.n_stages == 1
-                and opts.spec_policy == "auto")
-    prefill(pipe, s, None if deferred else draft_prefill, draft_in_thread=False)
     opts = replace(opts, n_predict=len(pt.tokens))
-    decode(mode, pipe, s, opts, drafter, prompt_pass=draft_prefill if deferred else None, memory=DraftMemory())
+    # Only a draft model on the head has a prompt pass that competes with the target for its
+    # cores (prompt lookup, even replayed at a synthetic rate, has none); in virtual time the pass
+    # is charged to the clock, not run in a thread.
+    site = DraftSite(on_head=topo.draft == "head", threaded=False)
+    s = run_request(pipe, mode, list(pt.prompt), opts, drafter, sampling=SamplingParams(), n_predict=len(pt.tokens),
+                    is_eog=pt.is_eog, site=site, memory=DraftMemory(), clock=pipe.clock)
     if s.generated != pt.tokens[:len(s.generated)]:
         raise AssertionError(f"{mode} replayed tokens other than the trace's: the simulation lost a token")
     rates = s.metrics.rates()

@@ -2,7 +2,7 @@
 mode gives), then the draft's greedy chain from every committed prefix.
 
 Two ways to the target's tokens: `target_tokens` runs the whole target in this process, through the
-real `prefill` and `decode_iterative` over the native engine (`plan --record`), and
+real request runner (`decode/request.py`, iterative) over the native engine (`plan --record`), and
 `request_trace` takes them from a request a job has just run, in any mode and on any split
 (`generate --save-trace`, `bench --save-trace`, `plan --record --record-ranks N`): decoding is
 lossless, so both are the tokens `pipeinfer generate` prints. Then `draft_chains` asks the job's
@@ -18,8 +18,9 @@ from collections.abc import Callable
 
 from ..decode.pipeline_protocol import RunResult
 from ..decode.sampling import SamplingParams, sample_rows
-from ..decode.session import Session
-from ..decode.sync import decode_iterative, prefill
+from ..decode.modes import ITERATIVE
+from ..decode.request import run_request
+from ..decode.session import DecodeOptions
 from ..decode.trace import TraceRecorder
 from .replay import PromptTrace
 
@@ -77,9 +78,8 @@ def target_tokens(engine, prompt: list[int], n_predict: int, is_eog: Callable[[i
     """The target's tokens after `prompt` (and why it stopped), as iterative decoding gives them."""
     engine.kv_clear()
     pipe = EnginePipeline(engine)
-    s = Session(list(prompt), sampling, n_predict, is_eog)
-    prefill(pipe, s)
-    decode_iterative(pipe, s)
+    s = run_request(pipe, ITERATIVE.name, list(prompt), DecodeOptions(), None, sampling=sampling,
+                    n_predict=n_predict, is_eog=is_eog)
     engine.kv_clear()
     return s.generated, s.finish_reason or "length"
 

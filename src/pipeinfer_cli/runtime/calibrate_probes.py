@@ -7,8 +7,8 @@ Everything is timed on probe engines, independent of the job's layer split:
   (decoding, verification of r-1 drafted tokens) and for prompt chunks; seconds per layer;
 - the output: an engine on the last layer alone (with the final norm and the LM head), its
   runs with every row an output row against the per-layer cost of the same run, plus the sampler;
-- the fixed cost of a run: the head's real iterative loop (`Pipeline` on one stage, `Session`,
-  `decode_iterative`) over the last-layer engine, wall time minus the engine's and the sampler's;
+- the fixed cost of a run: the head's real iterative loop (`Pipeline` on one stage, the request
+  runner `decode/request.py`) over the last-layer engine, wall time minus the engine's and the sampler's;
 - the draft: a GGUF draft's prompt pass and proposals (`LlamaDrafter`), or prompt lookup;
 - the host: name, CPU model, logical CPUs, memory.
 
@@ -32,8 +32,9 @@ import numpy as np
 
 from ..decode.draft_spec import DraftSpec
 from ..decode.sampling import SamplingParams, sample_rows
-from ..decode.session import CANONICAL_SEQ, PREFILL_CHUNK, Session
-from ..decode.sync import decode_iterative, prefill
+from ..decode.modes import ITERATIVE
+from ..decode.request import Streaming, run_request
+from ..decode.session import CANONICAL_SEQ, PREFILL_CHUNK, DecodeOptions
 from ..decode.trace import TraceRecorder
 from ..planner.profile import CostGrid, DraftCosts, LinkCosts, RankCosts
 from ..transport.faults import slowdown_for
@@ -246,7 +247,7 @@ def sampler_seconds(spec: ProbeSpec, last, rows: int, kv: int, sampling: Samplin
 def run_overhead(front: _EmbeddingFront, n_vocab: int, n_tokens: int, sampling: SamplingParams,
                  sample_s: float) -> float:
     """The head's fixed seconds per run beyond its engine and the sampler: its real iterative loop
-    (Pipeline on one stage, Session, decode_iterative) for n_tokens tokens; per run, the time from
+    (Pipeline on one stage, the request runner in iterative mode) for n_tokens tokens; per run, the time from
     one commit to the next less the run's eval, the median, less the sampler's share. That is
     Python's part of every run (launch, result, commit, the run's bookkeeping); on a stage with
     neighbours, MPI's sends and probes come on top, and the link probe measures those."""
@@ -254,10 +255,8 @@ def run_overhead(front: _EmbeddingFront, n_vocab: int, n_tokens: int, sampling: 
     front.kv_clear()
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, n_vocab, 16)]
     commits: list[float] = []
-    s = Session(prompt, sampling, n_tokens + 1, is_eog=lambda _t: False,
-                on_token=lambda _t: commits.append(time.perf_counter()))
-    prefill(pipe, s)
-    decode_iterative(pipe, s)
+    run_request(pipe, ITERATIVE.name, prompt, DecodeOptions(), None, sampling=sampling, n_predict=n_tokens + 1,
+                is_eog=lambda _t: False, streaming=Streaming(on_token=lambda _t: commits.append(time.perf_counter())))
     front.kv_clear()
     gaps = np.diff(commits)  # one decode run each, whose eval is among the last ones
     per_run = gaps - np.asarray(front.evals[len(front.evals) - len(gaps):])

@@ -1,10 +1,11 @@
 """The head (rank 0): run each request through the pipeline in its mode, then assemble its result.
 
 For one request (`Head.run`): keep the reusable prefix of the previous request's KV cells or clear
-them (`prefix_cache.py`), prefill the rest (the draft's own prefill overlapping the stages; on one
-stage in pipeinfer mode deferred until drafting shows it may pay, `draft_economy.py`), decode
-in the request's mode, collect every rank's report (they travel behind the request's runs), and
-turn the session and reports into a `GenerationResult` (its `to_json()` is `generate --json`).
+them (`prefix_cache.py`), prefill the rest and decode in the request's mode with the request
+runner (`decode/request.py`: the draft's own prefill overlapping the stages; on one stage in
+pipeinfer mode deferred until drafting shows it may pay, `draft_economy.py`), collect every
+rank's report (they travel behind the request's runs), and turn the session and reports into a
+`GenerationResult` (its `to_json()` is `generate --json`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from ..transport.mpi_link import Link
-from ..decode.sync import prefill
 from ..decode.draft_economy import DraftMemory
 from .handoff import wire_summary
 from .loading import Loaded, n_predict_for, tokenize_request
 from ..decode.metrics import now
-from ..decode.modes import decode, needs_draft
+from ..decode.modes import needs_draft
 from .pipeline import Pipeline
 from ..decode.prefix_cache import PrefixCache
+from ..decode.request import DraftSite, Streaming
+from ..decode.request import run_request as decode_request
 from ..decode.result import GenerationResult, RankReport
 from ..decode.session import CANONICAL_SEQ, Session
 from ..decode.text_stream import TextStream
@@ -176,38 +178,23 @@ class Head:
 def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], drafter, cb: Callbacks,
                 trace: TraceRecorder, reuse: int = 0, memory: DraftMemory | None = None,
                 draft_reuse: int | None = None) -> Session:
-    """Generate one request's tokens in its mode; returns the finished session.
+    """Generate one request of the job in its mode (`decode/request.py`); returns the finished session.
 
-    draft_reuse: leading prompt tokens the draft's cache may keep, when not `reuse` (a parallel
-    slot's draft model last served another slot).
-    reuse: leading prompt tokens whose cells the canonical sequence already holds (prefix reuse).
-    memory: what the job's earlier requests learned about drafting on one stage."""
+    What the job adds: the request's options, limit and stop strings, its streaming callbacks, and
+    where its draft computes (a request restricted to prompt lookup drafts on the head).
+    reuse, draft_reuse, memory: as `decode.request.run_request` takes them."""
     tok = loaded.tokenizer
-    opts = getattr(req, "decode", None) or cfg.decode
-    s = Session(prompt, req.sampling or cfg.sampling, n_predict_for(cfg, req, len(prompt)), tok.is_eog, cb.on_token,
-                text=TextStream(tok.piece, req.stop), on_text=cb.on_text, cancelled=req.cancelled)
     if req.lookup_only and drafter is not None:
         from .draft_setup import lookup_drafter
 
         drafter = lookup_drafter()
     local_draft = loaded.topo.draft_rank is None or req.lookup_only  # a draft rank traces its own work
-    draft_prefill = None
-    if drafter is not None and needs_draft(req.mode):
-        def draft_prefill() -> None:
-            t0 = now()
-            drafter.start(prompt, reuse if draft_reuse is None else draft_reuse)
-            if local_draft:
-                trace.slice("draft", t0, now(), n_tokens=len(prompt) - reuse, prefill=True)
-    # On one stage with the draft model on the head, pipeinfer reads the prompt into the draft only
-    # once drafting has shown it may pay (draft_economy.py): the pass would take the target's cores.
-    deferred = (draft_prefill is not None and req.mode == "pipeinfer" and local_draft and pipe.n_stages == 1
-                and opts.spec_policy == "auto" and getattr(drafter, "has_prompt_pass", False))
-    prefill(pipe, s, None if deferred else draft_prefill, draft_in_thread=local_draft, start=reuse)
-    if req.mode == "speculative" and local_draft:
-        drafter = _TracedDrafter(drafter, trace)  # pipeinfer traces its own draft calls
-    decode(req.mode, pipe, s, opts, drafter, prompt_pass=draft_prefill if deferred else None, memory=memory)
-    s.finish_text()
-    return s
+    streaming = Streaming(cb.on_token, TextStream(tok.piece, req.stop), cb.on_text, req.cancelled)
+    return decode_request(pipe, req.mode, prompt, getattr(req, "decode", None) or cfg.decode, drafter,
+                          sampling=req.sampling or cfg.sampling, n_predict=n_predict_for(cfg, req, len(prompt)),
+                          is_eog=tok.is_eog, streaming=streaming,
+                          site=DraftSite(on_head=local_draft, threaded=local_draft, trace=trace),
+                          reuse=reuse, draft_reuse=draft_reuse, memory=memory)
 
 
 def assemble_result(cfg, req, topo, tok, s: Session, ranks: list[RankReport], offsets: list[float],
@@ -243,22 +230,6 @@ def _failing_on_token(fail_at: int, on_token):
             raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAULT) on the head at token {n}")
 
     return wrapped
-
-
-class _TracedDrafter:
-    """A head-local drafter whose propose() calls become 'draft' slices on the head's track."""
-
-    def __init__(self, drafter, trace: TraceRecorder):
-        self._drafter, self._trace = drafter, trace
-
-    def propose(self, path: list[int], n_max: int, p_min: float):
-        t0 = now()
-        prop = self._drafter.propose(path, n_max, p_min)
-        self._trace.slice("draft", t0, now(), n_tokens=len(prop.tokens))
-        return prop
-
-    def __getattr__(self, name: str):
-        return getattr(self._drafter, name)
 
 
 def _trace_commits(trace: TraceRecorder, token_times: list[float]) -> None:
