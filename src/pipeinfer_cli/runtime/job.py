@@ -44,7 +44,7 @@ def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object]
     token is committed; on_text(text) with the text to show as tokens are committed (UTF-8
     completed, stop strings held back and cut); on_result(result) after each request.
     """
-    link, trace, loaded, offsets = _load_job(cfg, requests)
+    link, cfg, trace, loaded, offsets = _load_job(cfg, requests)
     if link.rank != 0:
         serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return None
@@ -61,7 +61,7 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
     an error it raises ends the job like a failed load. Returns once the job is over; a rank's
     failure is raised on the head after service.fail() told every waiting client.
     """
-    link, trace, loaded, offsets = _load_job(cfg, [], not cfg.draft.is_none, before_load)
+    link, cfg, trace, loaded, offsets = _load_job(cfg, [], not cfg.draft.is_none, before_load)
     if link.rank != 0:
         serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return
@@ -86,7 +86,7 @@ def run_head_loop(cfg: JobConfig, head_main: Callable[[Head], None], needs_draft
     meanwhile. When head_main returns the other ranks are shut down; if it raises, they are
     aborted. True on the head.
     """
-    link, trace, loaded, offsets = _load_job(cfg, [], needs_draft)
+    link, cfg, trace, loaded, offsets = _load_job(cfg, [], needs_draft)
     if link.rank != 0:
         serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return False
@@ -96,16 +96,18 @@ def run_head_loop(cfg: JobConfig, head_main: Callable[[Head], None], needs_draft
 
 
 def _load_job(cfg: JobConfig, requests: list[Request], needs_draft: bool | None = None,
-              before_load: Callable[[], None] | None = None):
-    """This rank's link, trace recorder and loaded models, and every rank's clock offset.
+              before_load: Callable[[], None] | None = None
+              ) -> tuple[Link, JobConfig, TraceRecorder, Loaded, list[float]]:
+    """This rank's link, the configuration it runs with (the head's, with its own paths to its
+    weights), its trace recorder and loaded models, and every rank's clock offset.
     before_load runs on the head only (see run_service)."""
     startup = job_startup()
     link = startup.link
     trace = TraceRecorder(link.rank)
-    loaded, threads = _plan_and_load(link, cfg, requests, needs_draft, before_load if link.rank == 0 else None)
-    start_liveness(link, cfg, loaded, startup.hosts, threads)
+    cfg, loaded, threads = _plan_and_load(link, cfg, requests, needs_draft, before_load if link.rank == 0 else None)
+    start_liveness(link, cfg.rank_timeout_s, loaded, startup.hosts, threads)
     # Workers probe the clocks inside their fault protocol (serve_worker's `before`).
-    return link, trace, loaded, head_clock_offsets(link) if link.rank == 0 else []
+    return link, cfg, trace, loaded, head_clock_offsets(link) if link.rank == 0 else []
 
 
 def head_clock_offsets(link: Link) -> list[float]:
@@ -119,7 +121,7 @@ def head_clock_offsets(link: Link) -> list[float]:
         raise
 
 
-def start_liveness(link: Link, cfg: JobConfig, loaded: Loaded, hosts: list[str], threads: list[int]) -> None:
+def start_liveness(link: Link, rank_timeout_s: float, loaded: Loaded, hosts: list[str], threads: list[int]) -> None:
     """Once every rank has loaded: name the ranks for errors, say whether this rank has its cores
     to itself (waits may then stay awake when PIPEINFER_WAIT_SPIN=tail asks), and with a
     --rank-timeout start the heartbeats and deadlines (transport/liveness.py).
@@ -128,15 +130,15 @@ def start_liveness(link: Link, cfg: JobConfig, loaded: Loaded, hosts: list[str],
     link.name_ranks(rank_names(loaded.topo, hosts))
     here = sum(n for host, n in zip(hosts, threads) if host == hosts[link.rank])
     link.set_alone_on_cores(alone_on_cores(here, threads[link.rank]))
-    if cfg.rank_timeout_s > 0 and link.size > 1:
+    if rank_timeout_s > 0 and link.size > 1:
         engine = loaded.engine
-        Liveness(link, cfg.rank_timeout_s, engine.eval_progress if engine is not None else (lambda: 0)).start()
+        Liveness(link, rank_timeout_s, engine.eval_progress if engine is not None else (lambda: 0)).start()
 
 
 def busy_threads(loaded: Loaded) -> int:
     """The threads this rank computes with: its engine's, plus a draft model's beside them on the head."""
     n = loaded.me.threads
-    if loaded.me.role == "head" and getattr(loaded.drafter, "has_prompt_pass", False):
+    if loaded.me.role == "head" and loaded.drafter is not None and loaded.drafter.has_prompt_pass:
         n += loaded.me.threads  # the draft model runs in a thread of its own, at the rank's thread count
     return n
 
@@ -156,8 +158,9 @@ def rank_names(topo: Topology, hosts: list[str]) -> list[str]:
 
 
 def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_draft: bool | None = None,
-                   before_load: Callable[[], None] | None = None) -> tuple[Loaded, list[int]]:
-    """Plan and load on every rank: (this rank's models, every rank's busy threads). A failure on
+                   before_load: Callable[[], None] | None = None) -> tuple[JobConfig, Loaded, list[int]]:
+    """Plan and load on every rank: (the configuration this rank runs with, its models, every rank's
+    busy threads). A failure on
     any rank is reported once, by the head, naming the rank and its host (transport/startup.py)."""
     if needs_draft is None:
         draft_model = cfg.draft.uses_model
@@ -173,13 +176,13 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
         if before_load is not None:
             before_load()
         t0 = time.monotonic()
-        topo, source = share_plan_and_weights(link, startup, cfg, needs_draft, startup.start_values, _say)
+        topo, cfg, source = share_plan_and_weights(link, startup, cfg, needs_draft, startup.start_values, _say)
         loaded = load_rank(cfg, topo, link.rank, requests, needs_draft)
         loaded.weights = _weights_report(source, time.monotonic() - t0, loaded)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
     threads = startup.check_in("loaded", busy_threads(loaded) if loaded is not None else 0, err, code)
-    return loaded, threads
+    return cfg, loaded, threads
 
 
 def _say(text: str) -> None:
