@@ -26,7 +26,8 @@ from ..transport.startup import job_startup
 from ..decode.result import GenerationResult
 from .head import Callbacks, Head, serve_requests
 from .job_config import JobConfig, Request  # noqa: F401 - part of this module's API
-from .loading import Loaded, load_rank
+from .loaded import Loaded
+from .loading import load_rank
 from ..decode.modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
 from .topology import Topology, alone_on_cores
 from .weight_stream import LoadedWeights, WeightsSource, local_files, share_plan_and_weights

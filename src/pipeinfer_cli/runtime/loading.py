@@ -1,37 +1,20 @@
-"""What each rank loads once per job: its layer engine, and on the head the tokenizer, the
-tokenized prompts and a head-local drafter; on a draft rank, the draft model."""
+"""Loading what each rank holds for a job (`Loaded`): its layer engine, and on the head the
+tokenizer, the tokenized prompts and a head-local drafter; on a draft rank, the draft model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..decode.session import DecodeOptions
 from ..errors import UsageError
 from .job_config import JobConfig, Request
+from .loaded import Loaded
 from .topology import RankPlan, Topology
-from .weight_stream import LoadedWeights
 
 if TYPE_CHECKING:
-    from ..decode.drafters import AsyncDrafter, Drafter
-    from ..native import LayerEngine
+    from ..decode.drafters import Drafter
     from .tokenizer import Tokenizer
-
-
-@dataclass
-class Loaded:
-    """One rank's loaded state. Fields a rank does not need stay None."""
-
-    topo: Topology
-    me: RankPlan
-    engine: LayerEngine | None = None  # this rank's layers (target ranks)
-    tokenizer: Tokenizer | None = None  # head
-    prompts: list[list[int]] = field(default_factory=list)  # token ids of every request (head)
-    drafter: Drafter | AsyncDrafter | None = None  # the head's drafter, or the draft rank's model
-    draft_vocab: str | None = None  # head: "direct" or "translated" (runtime/vocab.py); None without a draft
-    draft_tokenizer: Tokenizer | None = None  # head, translated drafts: the draft's tokenizer
-    weights: LoadedWeights | None = None  # where this rank's weights came from (runtime/weight_stream.py)
 
 
 def spec_margin(mode: str, decode: DecodeOptions) -> int:

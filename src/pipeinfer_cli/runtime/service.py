@@ -32,7 +32,8 @@ from ..decode.result import GenerationResult
 from ..errors import PipeinferError, UsageError
 from .head import Callbacks
 from .job_config import JobConfig, Request
-from .loading import Loaded, spec_margin
+from .loaded import Loaded
+from .loading import spec_margin
 from ..decode.metrics import now
 from ..decode.sampling import SamplingParams
 from ..decode.session import DecodeOptions
