@@ -16,6 +16,7 @@ from ..transport.start_waits import launcher_rank
 
 if TYPE_CHECKING:
     from ..runtime.job_config import JobConfig
+    from ..models.model_files import ModelRef
     from .auto_mode import AutoChoice
     from .job_options import JobOptions
 
@@ -141,7 +142,7 @@ def check_plan(cfg: JobConfig, world_size: int, needs_draft: bool) -> None:
     plan_config(cfg, world_size, world_size, needs_draft)
 
 
-def make_job_config(target, draft_ref, spec: DraftSpec, job: JobOptions) -> JobConfig:
+def make_job_config(target: ModelRef, draft_ref: ModelRef | None, spec: DraftSpec, job: JobOptions) -> JobConfig:
     """The engine's JobConfig from resolved models and the shared job options (a JobOptions)."""
     from ..runtime.job import JobConfig
     from ..decode.sampling import SamplingParams
@@ -171,9 +172,9 @@ def _draft_min(job) -> int:
     return job.draft_min
 
 
-def _entry_field(ref, name: str):
-    """A registry fact of a draft ModelRef (None for lookup, no draft, or a path)."""
-    entry = getattr(ref, "entry", None)
+def _entry_field(ref: ModelRef | None, name: str) -> str | int | None:
+    """A registry fact ("sha256", "size") of a draft ModelRef (None for lookup, no draft, or a path)."""
+    entry = ref.entry if ref is not None else None
     return getattr(entry, name) if entry is not None else None
 
 

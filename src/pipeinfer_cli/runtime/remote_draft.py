@@ -5,6 +5,8 @@ The head sends the path to continue; the draft rank answers with its proposal. A
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..transport.messages import DraftReply, DraftRequest, Msg, Tag
@@ -13,6 +15,9 @@ from ..decode.drafters import Drafter, Proposal
 from ..decode.trace import TraceRecorder
 from ..decode.metrics import now
 from .rank_report import JobAborted, KvUsage, RankReporter, fault_injection
+
+if TYPE_CHECKING:
+    from .weight_stream import LoadedWeights
 
 
 class RemoteDrafter:
@@ -79,7 +84,8 @@ class RemoteDrafter:
         pass
 
 
-def serve_draft(link: Link, drafter: Drafter, threads: int, trace: TraceRecorder, weights: dict | None = None) -> None:
+def serve_draft(link: Link, drafter: Drafter, threads: int, trace: TraceRecorder,
+                weights: LoadedWeights | None = None) -> None:
     """Answer the head's draft requests until SHUTDOWN; report this request's counters at each REPORT."""
 
     def check_abort() -> None:
