@@ -5,12 +5,16 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..wording import plural
 from ..runtime.topology import format_layer_ranges
 from . import environment
 from .runner import check_tokens
 from .stats import summarize
+
+if TYPE_CHECKING:
+    from ..runtime.job_config import JobConfig
 
 
 @dataclass
@@ -37,7 +41,7 @@ class BenchResults:
                 + f" · -n {c['n_predict']} · {plural(c['prompts']['count'], 'prompt')} × {plural(c['repeat'], 'repeat')}")
 
 
-def describe_config(cfg, modes: list[str], prompts: list, prompts_file: Path | None, *, repeat: int, warmup: int,
+def describe_config(cfg: JobConfig, modes: list[str], prompts: list, prompts_file: Path | None, *, repeat: int, warmup: int,
                     ranks: int, layer_split: str | None, threads: str | None) -> dict:
     """What was asked for: modes, workload, sampling and decoding options, rank options."""
     from .prompts import default_prompts_path

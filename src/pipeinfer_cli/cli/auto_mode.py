@@ -13,11 +13,16 @@ acceptance differs from the one planned for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ..decode.draft_spec import LOOKUP
 from ..errors import UsageError
 from ..planner.acceptance import DEFAULT_ACCEPTANCE, Acceptance
+
+if TYPE_CHECKING:
+    from ..decode.session import DecodeOptions
+    from ..runtime.job_config import JobConfig
 
 AUTO = "auto"
 
@@ -25,7 +30,7 @@ AUTO = "auto"
 @dataclass
 class AutoChoice:
     mode: str
-    decode: object  # DecodeOptions
+    decode: DecodeOptions
     predicted_tok_per_s: float | None
     acceptance: Acceptance  # what the draft was planned to get right, and how that was obtained
     threads: str = ""  # the profile's threads per rank, which the job runs with (--threads)
@@ -59,7 +64,7 @@ class AutoChoice:
         return f"{self.describe()}{speed} (planned on acceptance {how} {self.acceptance.rate:.0%})"
 
 
-def choose(cfg, n_ranks: int, has_draft: bool, prompt_tokens: list[int] | None = None) -> AutoChoice:
+def choose(cfg: JobConfig, n_ranks: int, has_draft: bool, prompt_tokens: list[int] | None = None) -> AutoChoice:
     """The fastest predicted mode and settings for this job (cfg: a JobConfig with a profile).
     prompt_tokens: the request's prompt, when the job knows it before it starts (generate)."""
     from ..decode.modes import MODE_NAMES, needs_draft
@@ -97,7 +102,7 @@ def _has_model_costs(prof) -> bool:
     return prof.draft is not None and prof.draft.kind == "model"
 
 
-def draft_acceptance(cfg, prof, prompt_tokens: list[int] | None) -> Acceptance:
+def draft_acceptance(cfg: JobConfig, prof, prompt_tokens: list[int] | None) -> Acceptance:
     """The acceptance -M auto plans with: measured where it can be (the module doc), else assumed."""
     from ..planner.acceptance import assumed, from_profile, lookup_on_prompt
 
@@ -129,7 +134,7 @@ def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_
     return Topology([r.rank for r in stages], [r.layers for r in stages], None)
 
 
-def job_threads(prof, cfg, n_ranks: int) -> str:
+def job_threads(prof, cfg: JobConfig, n_ranks: int) -> str:
     """The threads the job runs with: the profile's, which its predictions are for (a job's default
     differs by mode, and -M auto compares modes on the profile's). --threads other than the
     profile's is refused: the profile did not measure that job."""
@@ -156,10 +161,12 @@ def _per_rank(threads: list[int]) -> str:
 CHOICE_ENV = "PIPEINFER_AUTO_CHOICE"
 
 
-def resolve(cfg, model: str, job, n_ranks: int, auto: bool, inside: bool, on_head: bool, given, say):
+def resolve(cfg: JobConfig, model: str, job, n_ranks: int, auto: bool, inside: bool, on_head: bool, given,
+            say) -> tuple[JobConfig, AutoChoice | None]:
     """Before a job starts: the profile that -M auto and --layer-split auto need (given, cached, or
-    calibrated now), then -M auto's choice (None without -M auto). given: the prompt (PromptInput),
-    known to the launching command of `generate`; say(line): stderr, once per job."""
+    calibrated now), then -M auto's choice (None without -M auto). Returns the job's configuration
+    with that profile, and the choice. given: the prompt (PromptInput), known to the launching
+    command of `generate`; say(line): stderr, once per job."""
     import os
 
     import json
@@ -170,25 +177,25 @@ def resolve(cfg, model: str, job, n_ranks: int, auto: bool, inside: bool, on_hea
         from .options import PROFILE_ENV
 
         why = "-M auto" if auto else "--layer-split auto"
-        cfg.profile = ensure_profile(cfg, model, job, n_ranks, why, inside, say)
+        cfg = replace(cfg, profile=ensure_profile(cfg, model, job, n_ranks, why, inside, say))
         if not inside:
             os.environ[PROFILE_ENV] = str(cfg.profile)  # the ranks of the job started next: their --profile
     if not auto:
-        return None
+        return cfg, None
     if os.environ.get(CHOICE_ENV) and inside:
-        return from_env(os.environ[CHOICE_ENV], cfg.decode)
+        return cfg, from_env(os.environ[CHOICE_ENV], cfg.decode)
     from pathlib import Path
 
     if cfg.model_path is None or cfg.profile is None or not (on_head or Path(cfg.profile).is_file()):
-        return None  # a rank without the model or the profile: it takes the head's choice
+        return cfg, None  # a rank without the model or the profile: it takes the head's choice
     tokens = prompt_tokens(cfg, given) if not inside and cfg.draft.is_lookup else None
     choice = choose(cfg, n_ranks, bool(cfg.draft), tokens)
     if not inside:
         os.environ[CHOICE_ENV] = json.dumps(choice.to_json())
-    return choice
+    return cfg, choice
 
 
-def prompt_tokens(cfg, given) -> list[int] | None:
+def prompt_tokens(cfg: JobConfig, given) -> list[int] | None:
     """The prompt's tokens (target vocabulary), to measure prompt lookup on, when the command has one."""
     if given is None or (given.text is None and given.messages is None):
         return None
@@ -201,7 +208,7 @@ def prompt_tokens(cfg, given) -> list[int] | None:
         tok.close()
 
 
-def from_env(text: str, decode) -> AutoChoice:
+def from_env(text: str, decode: DecodeOptions) -> AutoChoice:
     """The launching command's choice (CHOICE_ENV) for a job with the same options (decode: the job's)."""
     import json
     from dataclasses import replace

@@ -23,13 +23,17 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import PipeinferError, UsageError
+
+if TYPE_CHECKING:
+    from ..runtime.job_config import JobConfig
 
 PROFILES_DIR = "profiles"
 
 
-def job_key(cfg, n_ranks: int, threads: str | None, n_draft: int) -> dict:
+def job_key(cfg: JobConfig, n_ranks: int, threads: str | None, n_draft: int) -> dict:
     """What a cached profile must match: the machine, the models and the job's shape."""
     from ..planner.identity import model_sha256
     from ..runtime.host_facts import host_facts
@@ -42,7 +46,7 @@ def job_key(cfg, n_ranks: int, threads: str | None, n_draft: int) -> dict:
             "hosts": os.environ.get("HYDRA_HOST_FILE")}
 
 
-def profile_path(cfg, key: dict) -> Path:
+def profile_path(cfg: JobConfig, key: dict) -> Path:
     from ..models.cache import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -50,7 +54,7 @@ def profile_path(cfg, key: dict) -> Path:
     return cache_dir() / PROFILES_DIR / f"{name}-{key['ranks']}r-{digest}.json"
 
 
-def ensure_profile(cfg, model: str, job, n_ranks: int, why: str, inside: bool, say) -> Path:
+def ensure_profile(cfg: JobConfig, model: str, job, n_ranks: int, why: str, inside: bool, say) -> Path:
     """The cached profile of this job (calibrated now if there is none). why: the option that needs
     it ('-M auto'); say(line): a line on stderr (the launching command's, not every rank's)."""
     key = job_key(cfg, n_ranks, job.threads, job.n_draft)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from typing import TYPE_CHECKING
+
 import os
 import shlex
 import shutil
@@ -17,6 +21,9 @@ from .job_setup import PreparedJob, check_chat_template, check_n_predict, prepar
 from .job_options import JobOptions, job_options
 from .options import ModelArg, SaveTraceOption
 from .wording import epilog, plural
+
+if TYPE_CHECKING:
+    from ..runtime.job_config import JobConfig
 
 DEFAULT_MODES = "iterative,speculative,pipeinfer"
 NON_TTY_WIDTH = 200
@@ -148,7 +155,7 @@ def bench(
                                  json_out, allow_mismatch)
     run_here_or_relaunch(prep, inside, needs_draft, lambda: _relaunch_job(want))
     if not needs_draft and not (save_trace and spec.uses_model):
-        cfg.draft_path, cfg.draft = None, DraftSpec.none()  # iterative only: do not load a draft model
+        cfg = replace(cfg, draft_path=None, draft=DraftSpec.none())  # iterative only: do not load a draft model
     traced: list | None = [] if save_trace else None
     records = _run(cfg, build_schedule(prompt_set, mode_list, repeat, warmup), traced)
     if records is None:  # a worker rank: the head reports
@@ -180,7 +187,7 @@ def _check_save_trace(path: Path | None, job, levels, others: list) -> None:
     check_output_paths({**dict(zip(("--json", "--csv", "--trace", "--plot"), others)), "--save-trace": path})
 
 
-def _save_trace(path: Path | None, cfg, traced: list | None) -> None:
+def _save_trace(path: Path | None, cfg: JobConfig, traced: list | None) -> None:
     if path is not None:
         from ..runtime.job_trace import save_job_trace
 
@@ -229,7 +236,7 @@ def _check_outputs(json_out, csv_out, trace_out, plot_out, concurrency: str | No
     return levels
 
 
-def _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list, levels, server, prompt_set,
+def _bench_under_load(model, job, cfg: JobConfig, target, draft_ref, needs_draft, mode_list, levels, server, prompt_set,
                       prompts_file, repeat, warmup, ranks, json_out, allow_mismatch) -> None:
     """--concurrency: the plan checked here (a split that cannot work fails now), then the load.
     server: the server's (--parallel, --load-policy or None)."""
@@ -238,7 +245,7 @@ def _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list
     from .job_setup import check_plan
 
     if not needs_draft:
-        cfg.draft_path, cfg.draft = None, DraftSpec.none()  # the server loads no draft model either
+        cfg = replace(cfg, draft_path=None, draft=DraftSpec.none())  # the server loads no draft model either
     check_plan(cfg, ranks, needs_draft)
     pairs = load_registry().pairs
     # A pair name would make the server load the pair's draft; a mode that needs none gets the target alone.
@@ -250,7 +257,7 @@ def _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list
                     json_out=json_out, allow_mismatch=allow_mismatch, consoles=_consoles())
 
 
-def _run(cfg, items, traced: list | None = None) -> list[dict] | None:
+def _run(cfg: JobConfig, items, traced: list | None = None) -> list[dict] | None:
     """Run the schedule on this rank, with progress on the head; the head gets the records (and in
     `traced` the results that recorded a trace, with --save-trace)."""
     from mpi4py import MPI

@@ -10,12 +10,16 @@ import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from ..errors import PipeinferError, error_line
 from .job_options import JobOptions
 from .wording import plural
+
+if TYPE_CHECKING:
+    from ..runtime.job_config import JobConfig
 
 
 class RequestsFailedError(PipeinferError):
@@ -154,7 +158,7 @@ def _serve_and_load(args: list[str], progress: _Progress, run) -> tuple:
                   "exit_status": rc}
 
 
-def run_concurrency(*, serve_model: str, job: JobOptions, cfg, target, draft_ref, needs_draft: bool,
+def run_concurrency(*, serve_model: str, job: JobOptions, cfg: JobConfig, target, draft_ref, needs_draft: bool,
                     mode_list: list[str], levels: list[int], parallel: int, load_policy: str | None, prompt_set,
                     prompts_file: Path | None,
                     repeat: int, warmup: int, ranks: int, json_out: Path | None, allow_mismatch: bool,
@@ -226,7 +230,7 @@ def cc_table(rows: list[dict], header: dict):
     return concurrency_table(rows, title)
 
 
-def _header(cfg, target, draft_ref, needs_draft, mode_list, levels, serving: tuple, prompt_set, prompts_file, repeat,
+def _header(cfg: JobConfig, target, draft_ref, needs_draft, mode_list, levels, serving: tuple, prompt_set, prompts_file, repeat,
             warmup, ranks, job, server: dict) -> dict:
     """serving: the server's (--parallel, --load-policy or None)."""
     parallel, load_policy = serving

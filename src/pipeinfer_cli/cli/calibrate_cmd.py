@@ -6,8 +6,9 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -20,6 +21,11 @@ from .job_setup import begin_job, run_here_or_relaunch
 from .options import (CtxOption, DraftOption, JobRanksOption, LayerSplitOption, ModelArg, NDraftOption,
                       NoPullOption, RankTimeoutOption, ThreadsOption)
 from .wording import epilog, human_bytes, plural
+
+if TYPE_CHECKING:
+    from ..runtime.job_config import JobConfig
+    from ..planner.profile import Profile
+    from ..runtime.calibrate_probes import ProbeSpec
 
 # The epoch time the command started at, passed to the relaunched job (its head prints the duration).
 STARTED_ENV = "PIPEINFER_CALIBRATE_STARTED"
@@ -103,7 +109,7 @@ def calibrate(
     if not start.inside:  # the launching command checks the plan of the ranks it starts
         from ..runtime.calibrate import calibration_split
 
-        prep.cfg.layer_split = calibration_split(prep.cfg.layer_split, prep.ranks)
+        prep.cfg = replace(prep.cfg, layer_split=calibration_split(prep.cfg.layer_split, prep.ranks))
 
     def relaunch_job() -> int:
         from ..transport.launch import relaunch
@@ -120,7 +126,7 @@ def calibrate(
         _finish(profile, prep.cfg, quick, out_path, as_json, started)
 
 
-def _finish(profile, cfg, quick: bool, out_path: Path, as_json: bool, started: float) -> None:
+def _finish(profile: Profile, cfg: JobConfig, quick: bool, out_path: Path, as_json: bool, started: float) -> None:
     """On the head: the calibration's warnings, the draft's acceptance, the profile written and shown."""
     for line in profile.warnings:
         err.print(f"calibrate: warning: {line}", markup=False, highlight=False)
@@ -140,7 +146,7 @@ def _finish(profile, cfg, quick: bool, out_path: Path, as_json: bool, started: f
               f"profile written to {out_path.resolve()}", markup=False, highlight=False)
 
 
-def probe_spec(cfg, quick: bool, n_ranks: int = 1):
+def probe_spec(cfg: JobConfig, quick: bool, n_ranks: int = 1) -> ProbeSpec:
     """What every rank times, and how often (fewer repetitions with --quick). On several ranks each
     timed eval follows a sleep, as a stage's compute follows its wait (calibrate_probes.IDLE_GAP_S)."""
     from ..runtime.calibrate_probes import IDLE_GAP_S, KV_LENGTHS, QUICK_KV, ProbeSpec
@@ -172,7 +178,7 @@ def _on_head(inside: bool) -> bool:
     return not inside or launcher_rank() == 0
 
 
-def _check_on_this_node(cfg) -> None:
+def _check_on_this_node(cfg: JobConfig) -> None:
     """The head needs the models: it times them and sends the other ranks what they time."""
     from ..errors import ModelFileError
 
@@ -183,7 +189,7 @@ def _check_on_this_node(cfg) -> None:
                                  "every model (the other ranks are sent what they time from it): pull or copy it here")
 
 
-def _check_layers(cfg) -> None:
+def _check_layers(cfg: JobConfig) -> None:
     from ..models.gguf_info import read_model_info
 
     n_layer = read_model_info(cfg.model_path).n_layer

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated
+from dataclasses import replace
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -17,6 +18,9 @@ from .job_setup import begin_job, run_here_or_relaunch
 from .options import ModelOption, ModeOption, OptionalModelArg, StopOption
 from .prompt_input import check_stop_strings
 from .wording import epilog, plural
+
+if TYPE_CHECKING:
+    from ..runtime.job_config import JobConfig
 
 # Set by the launching process, which sees the user's terminal (under mpiexec the head's standard
 # streams are pipes from the launcher): "in" if standard input is a terminal (print "> " prompts),
@@ -70,7 +74,7 @@ def chat(
     start = begin_job(model, model_opt, mode, job)
     prep = start.prep
     stops = check_stop_strings(stop)
-    prep.cfg.reuse_prefix = True
+    prep.cfg = replace(prep.cfg, reuse_prefix=True)
 
     def relaunch_job() -> int:
         os.environ[TERMINAL_ENV] = _terminal()  # the relaunched head cannot see this terminal
@@ -80,7 +84,7 @@ def chat(
     _run(prep.cfg, prep.mode, system, stops)
 
 
-def _run(cfg, mode: str, system: str | None, stops: list[str]) -> None:
+def _run(cfg: JobConfig, mode: str, system: str | None, stops: list[str]) -> None:
     from ..runtime.job import run_head_loop
     from .chat_session import ChatSession, ChatSettings
 

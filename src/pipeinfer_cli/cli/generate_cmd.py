@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -20,6 +20,11 @@ from .job_setup import begin_job, check_chat_template, run_here_or_relaunch
 from .options import JsonFlag, ModelOption, ModeOption, OptionalModelArg, SaveTraceOption, StopOption
 from .prompt_input import check_stop_strings, read_prompt_input
 from .wording import epilog, plural
+
+if TYPE_CHECKING:
+    from ..runtime.job_config import JobConfig
+    from ..runtime.job_config import Request
+    from .auto_mode import AutoChoice
 
 EPILOG = epilog("""Examples:
 
@@ -154,7 +159,7 @@ def _relaunch(n_ranks: int, given, whole_host: bool = False) -> int:
         return relaunch(n_ranks, _stdin_as_file(argv, f.name))
 
 
-def _run_and_print(cfg, request, as_json: bool, auto=None, save_trace: Path | None = None) -> None:
+def _run_and_print(cfg: JobConfig, request: Request, as_json: bool, auto: AutoChoice | None = None, save_trace: Path | None = None) -> None:
     """Run the job on this rank; the head streams the text (or prints the JSON) and the summary,
     then saves the trace (--save-trace)."""
     from ..runtime.job import run_job

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -13,6 +14,12 @@ from ..decode.draft_spec import DraftSpec
 from ..errors import ModelFileError, OptionValueError, UsageError
 from ..models.registry import load_registry
 from ..transport.start_waits import launcher_rank
+
+if TYPE_CHECKING:
+    from ..runtime.job_config import JobConfig
+    from ..models.model_files import ModelRef
+    from .auto_mode import AutoChoice
+    from .job_options import JobOptions
 
 
 def resolve_models(model: str, draft: DraftSpec, allow_pull: bool, on_head: bool = True):
@@ -128,7 +135,7 @@ def check_spec_policy(policy: str) -> str:
     return policy
 
 
-def check_plan(cfg, world_size: int, needs_draft: bool) -> None:
+def check_plan(cfg: JobConfig, world_size: int, needs_draft: bool) -> None:
     """Plan the job from the GGUF header before any process starts, so that a split that cannot
     work (e.g. --ranks 100 for 30 layers) fails in well under a second, not after a launch."""
     from ..runtime.topology import plan_config
@@ -136,7 +143,7 @@ def check_plan(cfg, world_size: int, needs_draft: bool) -> None:
     plan_config(cfg, world_size, world_size, needs_draft)
 
 
-def make_job_config(target, draft_ref, spec: DraftSpec, job):
+def make_job_config(target: ModelRef, draft_ref: ModelRef | None, spec: DraftSpec, job: JobOptions) -> JobConfig:
     """The engine's JobConfig from resolved models and the shared job options (a JobOptions)."""
     from ..runtime.job import JobConfig
     from ..decode.sampling import SamplingParams
@@ -166,9 +173,9 @@ def _draft_min(job) -> int:
     return job.draft_min
 
 
-def _entry_field(ref, name: str):
-    """A registry fact of a draft ModelRef (None for lookup, no draft, or a path)."""
-    entry = getattr(ref, "entry", None)
+def _entry_field(ref: ModelRef | None, name: str) -> str | int | None:
+    """A registry fact ("sha256", "size") of a draft ModelRef (None for lookup, no draft, or a path)."""
+    entry = ref.entry if ref is not None else None
     return getattr(entry, name) if entry is not None else None
 
 
@@ -176,14 +183,14 @@ def _entry_field(ref, name: str):
 class PreparedJob:
     """What a job command knows once its options are checked and its models resolved."""
 
-    cfg: object  # runtime.job.JobConfig
+    cfg: JobConfig
     mode: str  # the mode asked for, or the default one
     ranks: int  # ranks to run
     explicit_ranks: bool  # --ranks or --layer-split said how many
     has_draft: bool
-    auto: object = None  # auto_mode.AutoChoice when -M auto chose the mode and its settings
-    target: object = None  # the target's ModelRef (its registry facts: what bench records)
-    draft_ref: object = None  # the draft model's ModelRef, None for lookup or no draft
+    auto: AutoChoice | None = None  # when -M auto chose the mode and its settings
+    target: ModelRef | None = None  # the target's ModelRef (its registry facts: what bench records)
+    draft_ref: ModelRef | None = None  # the draft model's ModelRef, None for lookup or no draft
 
 
 @dataclass
@@ -257,8 +264,8 @@ def prepare_job(model: str, mode: str | None, job, inside: bool, given=None) -> 
     cfg = make_job_config(target, draft_ref, spec, job)
     on_head = not inside or launcher_rank() == 0
     say = lambda line: _announce(line, inside)  # noqa: E731
-    choice = resolve(cfg, model, job, want, auto, inside, on_head, given, say)
+    cfg, choice = resolve(cfg, model, job, want, auto, inside, on_head, given, say)
     if choice is not None:
-        mode, cfg.decode, cfg.threads = choice.mode, choice.decode, choice.threads
+        mode, cfg = choice.mode, replace(cfg, decode=choice.decode, threads=choice.threads)
         say(choice.announce())
     return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), bool(spec), choice, target, draft_ref)

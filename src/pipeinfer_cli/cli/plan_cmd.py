@@ -161,7 +161,7 @@ def _emit(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | None, p
         out.print(line, markup=False, highlight=False)
 
 
-def _search(prof, setup, mode_list: list[str], replay, opts, ctx: int, summary: dict) -> dict:
+def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx: int, summary: dict) -> dict:
     """The planner's search (the one -M auto runs): each mode's best settings into `summary`, and the
     fastest mode with its settings, each mode on the split `generate -M MODE` would use."""
     from ..planner.search import choose

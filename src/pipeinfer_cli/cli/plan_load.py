@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from rich import box
 from rich.table import Table
@@ -14,13 +15,16 @@ from ..errors import OptionValueError, UsageError
 from .console import out
 from .wording import plural
 
+if TYPE_CHECKING:
+    from ..decode.session import DecodeOptions
+
 MODELLED = ("modelled: N clients sending the prompts in order, each its next one when one ends; the server's "
             "slots (--ctx / N cells each), slot choice, load policy and one draft model lent to one request at a "
             "time; every request's runs interleaved in the stages. Not modelled: HTTP and tokenizing, prefix reuse "
             "between requests, requests queued for a slot, the head's own time per request beside the others")
 
 
-def check_load(parallel: int, load_policy: str, search: bool, ctx: int, opts, has_draft: bool) -> None:
+def check_load(parallel: int, load_policy: str, search: bool, ctx: int, opts: DecodeOptions, has_draft: bool) -> None:
     """--parallel and --load-policy as `serve` takes them: one Error line for what serve would refuse
     (a server loads the draft whenever it has one, so its slots have the sequences drafting needs)."""
     if load_policy not in LOAD_POLICIES:
@@ -56,7 +60,7 @@ def split_line(setup, mode: str, parallel: int) -> str | None:
     return line + f"; the default split, by bytes: {by_bytes.describe()})"
 
 
-def plan_parallel(prof, setup, modes: list[str], replay, opts, ctx: int, parallel: int, load_policy: str,
+def plan_parallel(prof, setup, modes: list[str], replay, opts: DecodeOptions, ctx: int, parallel: int, load_policy: str,
                   as_json: bool, profile_path) -> None:
     """Predict and print every mode under `parallel` requests at once."""
     from ..planner.load import plan_load

@@ -11,7 +11,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -19,6 +21,10 @@ from ..decode.draft_spec import LOOKUP, MODEL
 from ..errors import UsageError
 from ..planner.record import CHAIN_DEPTH
 from .console import err
+
+if TYPE_CHECKING:
+    from ..runtime.job_config import JobConfig
+    from ..planner.profile import DraftCosts
 
 
 def _say(text: str) -> None:
@@ -184,7 +190,7 @@ CALIBRATION_TEXT = (
     "The function keeps the last two numbers of the sequence and")
 
 
-def measure_draft_acceptance(cfg, draft, n_gen: int, say) -> None:
+def measure_draft_acceptance(cfg: JobConfig, draft: DraftCosts, n_gen: int, say: Callable[[str], None]) -> None:
     """`calibrate --draft MODEL` on the head: the draft's acceptance against the target on a
     calibration prompt (n_gen tokens generated greedily after CALIBRATION_TEXT by the whole
     target in this process: CALIBRATION_TEXT), into the profile's `draft` (DraftCosts). Skipped, and said, where the

@@ -7,7 +7,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Annotated
+from dataclasses import replace
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -20,6 +21,9 @@ from .job_options import JobOptions, job_options
 from .job_setup import begin_job, run_here_or_relaunch
 from .options import ModelOption, ModeOption, OptionalModelArg
 from .wording import epilog, plural
+
+if TYPE_CHECKING:
+    from ..runtime.job_config import JobConfig
 
 API_KEY_ENV = "PIPEINFER_API_KEY"
 FAIL_GRACE_S = 1.0  # after a rank failed, keep answering 503 this long before the server exits
@@ -105,8 +109,7 @@ def serve(
     split_rule = default_split(job, parallel)
     start = begin_job(model, model_opt, mode, job, check_api_key)
     prep = start.prep
-    prep.cfg.reuse_prefix = prefix_reuse
-    prep.cfg.parallel, prep.cfg.load_policy = parallel, load_policy
+    prep.cfg = replace(prep.cfg, reuse_prefix=prefix_reuse, parallel=parallel, load_policy=load_policy)
     check_parallel(prep.cfg)
     announce_split(split_rule, prep)
     if not start.inside:
@@ -177,7 +180,7 @@ def _say(text: str) -> None:
         err.print(f"pipeinfer serve: {text}", markup=False, highlight=False)
 
 
-def check_parallel(cfg) -> None:
+def check_parallel(cfg: JobConfig) -> None:
     """--parallel N needs N slots of at least 256 cells and N shares of the engine's sequence ids."""
     from ..decode.slot_geometry import MAX_SEQUENCES, SLOT_CELL_BLOCK
 
@@ -196,7 +199,7 @@ def check_parallel(cfg) -> None:
                                f"to {most}")
 
 
-def _serve_on_this_rank(cfg, mode: str, host: str, port: int, queue: int, api_key: str | None, auto=None) -> None:
+def _serve_on_this_rank(cfg: JobConfig, mode: str, host: str, port: int, queue: int, api_key: str | None, auto=None) -> None:
     """Rank 0: the HTTP server (its own thread) and the pipeline (this thread). Other ranks: the pipeline."""
     from mpi4py import MPI
 
@@ -229,7 +232,7 @@ def stopped_line(signal_name: str | None) -> str:
 class _HttpStarter:
     """Binds and starts the HTTP server on the head, before the models load (then /health says loading)."""
 
-    def __init__(self, service, cfg, host: str, port: int, api_key: str | None):
+    def __init__(self, service, cfg: JobConfig, host: str, port: int, api_key: str | None):
         self.service, self.cfg, self.host, self.port, self.api_key = service, cfg, host, port, api_key
         self.http = None
 

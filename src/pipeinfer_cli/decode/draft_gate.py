@@ -10,8 +10,12 @@ whether the next draft is a `probe`, and reports drafting, runs and acceptances.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .draft_economy import DraftEconomy, DraftMemory
+
+if TYPE_CHECKING:
+    from .drafters import AsyncDrafter, Drafter
 
 
 class AlwaysDraft:
@@ -93,7 +97,7 @@ class EconomyGate:
         runs.drafting_ended = self.economy.off
 
 
-def draft_gate(spec_policy: str, one_local_stage: bool, drafter, memory: DraftMemory,
+def draft_gate(spec_policy: str, one_local_stage: bool, drafter: Drafter | AsyncDrafter | None, memory: DraftMemory,
                prompt_pass: Callable[[], None] | None = None) -> AlwaysDraft | EconomyGate:
     """The gate for a request: the economy where drafting competes with the target for one
     stage's cores (one stage, drafter on the head, --spec-policy auto), else always.

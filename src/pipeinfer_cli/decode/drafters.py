@@ -32,6 +32,11 @@ class Proposal:
 
 class Drafter(Protocol):
     name: str
+    # Reading the prompt (`start`) computes on this process's cores: a draft model here. The head
+    # counts its thread and may defer that pass (draft_economy.py); lookup and a draft rank's proxy
+    # have none.
+    has_prompt_pass: bool
+    kv_tokens: list[int]  # the tokens whose KV the drafter's own context holds ([] without one)
 
     def start(self, prompt: list[int], reuse: int = 0) -> None:
         """Begin a request with this prompt. reuse: leading prompt tokens whose cells the target
@@ -197,6 +202,11 @@ class NoDraft:
     """The drafter of a request that has none: every proposal is empty (single-token runs)."""
 
     name = "none"
+    has_prompt_pass = False
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        return []
 
     def start(self, prompt: list[int], reuse: int = 0) -> None: ...
 

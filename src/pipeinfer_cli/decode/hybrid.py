@@ -37,11 +37,11 @@ class HybridDrafter:
 
     @property
     def has_prompt_pass(self) -> bool:
-        return getattr(self.model, "has_prompt_pass", False)
+        return self.model.has_prompt_pass
 
     @property
     def kv_tokens(self) -> list[int]:
-        return getattr(self.model, "kv_tokens", [])
+        return self.model.kv_tokens
 
     def from_lookup(self, path: list[int], n_max: int, p_min: float) -> Proposal | None:
         """Lookup's proposal if it takes precedence here, else None."""

@@ -84,9 +84,14 @@ class LookupDrafter:
     """Prompt-lookup drafting with the longest match, confidence from match statistics, runner-ups."""
 
     name = "lookup"
+    has_prompt_pass = False  # stateless: nothing to read before drafting
 
     def __init__(self, match_cap: int = MATCH_CAP, n_alternatives: int = 3):
         self.match_cap, self.n_alternatives = match_cap, n_alternatives
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        return []  # no KV cache of its own
 
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
         out = Proposal([], [], [])

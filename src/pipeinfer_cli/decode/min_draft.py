@@ -8,7 +8,7 @@ a draft rank's asynchronous `poll`, and forwards everything else.
 
 from __future__ import annotations
 
-from .drafters import Proposal
+from .drafters import AsyncDrafter, Drafter, Proposal
 
 
 class MinLengthDrafter:
@@ -30,6 +30,6 @@ class MinLengthDrafter:
         return self._keep(self._inner.poll())
 
 
-def with_min_length(drafter, n_min: int):
+def with_min_length(drafter: Drafter | AsyncDrafter | None, n_min: int) -> Drafter | AsyncDrafter | None:
     """The drafter, wrapped when n_min asks for more than one token."""
     return drafter if drafter is None or n_min <= 1 else MinLengthDrafter(drafter, n_min)

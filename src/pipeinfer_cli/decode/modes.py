@@ -8,9 +8,14 @@ Importing this starts no MPI: the modes talk to a `PipelineLike` (pipeline_proto
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from .session import DecodeOptions
+
+if TYPE_CHECKING:
+    from .drafters import Drafter, AsyncDrafter
+    from .pipeline_protocol import PipelineLike
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ def check_mode(name: str | None, has_draft: bool, field: str = "--mode") -> str:
     return mode.name
 
 
-def decode(name: str, pipe, s, opts: DecodeOptions, drafter=None, *, prompt_pass=None, memory=None) -> None:
+def decode(name: str, pipe: PipelineLike, s, opts: DecodeOptions, drafter: Drafter | AsyncDrafter | None = None, *, prompt_pass=None, memory=None) -> None:
     """Generate a prefilled session's tokens in mode `name` (pipe: a PipelineLike)."""
     from .min_draft import with_min_length
     from .sync import decode_iterative, decode_speculative

@@ -59,7 +59,7 @@ class PipelineLike(Protocol):
     # decode/parallel_policy.py); a pipeline without it always lets speculation through.
 
 
-def may_speculate(pipe) -> bool:
+def may_speculate(pipe: PipelineLike) -> bool:
     """The pipeline's word on a speculative run now (True when it has no load policy)."""
     ask = getattr(pipe, "may_speculate", None)
     return ask is None or ask()

@@ -79,7 +79,7 @@ def run_request(pipe: PipelineLike, mode: str, prompt: list[int], opts: DecodeOp
         draft_prefill = _prompt_pass(drafter, prompt, reuse if draft_reuse is None else draft_reuse,
                                      len(prompt) - reuse, traced)
     deferred = (draft_prefill is not None and mode == PIPEINFER.name and site.on_head and pipe.n_stages == 1
-                and opts.spec_policy == "auto" and getattr(drafter, "has_prompt_pass", False))
+                and opts.spec_policy == "auto" and drafter.has_prompt_pass)
     prefill(pipe, s, None if deferred else draft_prefill, draft_in_thread=site.threaded, start=reuse)
     if mode == SPECULATIVE.name and traced is not None:
         drafter = _TracedDrafter(drafter, traced)

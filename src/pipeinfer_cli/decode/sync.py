@@ -7,6 +7,7 @@ import os
 import threading
 from collections.abc import Callable
 
+from .drafters import Drafter
 from .pipeline_protocol import PipelineLike, may_speculate
 from .session import CANONICAL_SEQ, DecodeOptions, Session, prefill_chunks
 
@@ -116,7 +117,7 @@ def verify(sampled, draft: list[int]) -> list[int]:
     return out
 
 
-def decode_speculative(pipe: PipelineLike, s: Session, opts: DecodeOptions, drafter) -> None:
+def decode_speculative(pipe: PipelineLike, s: Session, opts: DecodeOptions, drafter: Drafter) -> None:
     while not s.done:
         pos = len(s.tokens) - 1
         # Never draft past -n: tokens beyond it would be verified for nothing.

@@ -25,11 +25,11 @@ class TranslatedDrafter:
 
     @property
     def has_prompt_pass(self) -> bool:
-        return getattr(self.inner, "has_prompt_pass", False)
+        return self.inner.has_prompt_pass
 
     @property
     def kv_tokens(self) -> list[int]:
-        return getattr(self.inner, "kv_tokens", [])
+        return self.inner.kv_tokens
 
     def _view(self, path: list[int], n_max: int) -> DraftView | None:
         """The path in the draft's tokens, or None where the draft cannot draft it: its tokenizer does

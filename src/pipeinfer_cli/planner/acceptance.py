@@ -11,9 +11,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..decode.lookup import LookupDrafter
 from .replay import Confidences
+
+if TYPE_CHECKING:
+    from .profile import DraftCosts
 
 DEFAULT_ACCEPTANCE = 0.6  # assumed when nothing measured it; -M's help and docs/plan.md state it
 LOOKUP_WINDOW = 512  # prompt positions the lookup drafter is tried at (the last ones: the prompt's end is what it continues)
@@ -49,9 +53,9 @@ def lookup_on_prompt(tokens: list[int]) -> Acceptance:
                                             f"{len(right)} right", Confidences(right, wrong))
 
 
-def from_profile(draft) -> Acceptance | None:
+def from_profile(draft: DraftCosts | None) -> Acceptance | None:
     """The acceptance `calibrate --draft` measured (profile's draft.acceptance), if it did."""
-    rate = getattr(draft, "acceptance", None) if draft is not None else None
+    rate = draft.acceptance if draft is not None else None
     if rate is None:
         return None
     conf = Confidences(list(draft.confidence_right or []), list(draft.confidence_wrong or []))

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from ..decode.drafters import Drafter
 from ..decode.pipeline_protocol import RunResult
 from ..decode.sampling import SamplingParams, sample_rows
 from ..decode.modes import ITERATIVE
@@ -84,7 +85,7 @@ def target_tokens(engine, prompt: list[int], n_predict: int, is_eog: Callable[[i
     return s.generated, s.finish_reason or "length"
 
 
-def draft_chains(drafter, pt: PromptTrace, depth: int, on_step: Callable[[int, int], None] | None = None) -> None:
+def draft_chains(drafter: Drafter, pt: PromptTrace, depth: int, on_step: Callable[[int, int], None] | None = None) -> None:
     """Fill pt.chains: the draft's greedy chain (depth tokens) from every committed prefix after the
     first generated token."""
     full = pt.full
@@ -106,7 +107,7 @@ def draft_chains(drafter, pt: PromptTrace, depth: int, on_step: Callable[[int, i
             on_step(n - pt.chains_from + 1, len(full) - pt.chains_from)
 
 
-def request_trace(prompt_id: str, prompt: list[int], generated: list[int], finish_reason: str | None, drafter=None,
+def request_trace(prompt_id: str, prompt: list[int], generated: list[int], finish_reason: str | None, drafter: Drafter | None = None,
                   depth: int = CHAIN_DEPTH) -> PromptTrace:
     """The trace of a request a job ran: its prompt and committed tokens and, given the job's drafter
     (a draft model of the target's vocabulary), its chains `depth` deep. finish_reason: the
@@ -117,7 +118,7 @@ def request_trace(prompt_id: str, prompt: list[int], generated: list[int], finis
     return pt
 
 
-def draft_agreement(drafter, full: list[int], start: int) -> tuple[list[float], list[float]]:
+def draft_agreement(drafter: Drafter, full: list[int], start: int) -> tuple[list[float], list[float]]:
     """How the draft does against the target's tokens `full` from position `start` on: at every
     position, its greedy next token after the committed prefix; (probabilities of the tokens it got
     right, of those it got wrong). The acceptance `calibrate --draft` records."""

@@ -76,6 +76,7 @@ class ReplayDraftRank:
     """The head's view of a draft rank (`RemoteDrafter`), in virtual time."""
 
     name = "model"
+    has_prompt_pass = False  # as RemoteDrafter: the draft rank reads the prompt on its own cores
 
     def __init__(self, pipe: SimulatedPipeline, index: ChainIndex, costs: DraftCosts, to_rank: LinkCosts,
                  to_head: LinkCosts):

@@ -20,6 +20,7 @@ that stops answering is named after that long (each measuring rank says it is co
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from .calibrate_noise import twin_disagreements, unreliable_line
 from .calibrate_probes import LINK_ROWS, ProbeSpec, fit_link, measure_rank
 from .calibrate_weights import share_probe_weights
 from .job import rank_names
+from .job_config import JobConfig
 from .rank_report import JobAborted
 from .topology import Topology, parse_layer_split
 from .weight_stream import local_files
@@ -49,7 +51,7 @@ TURN_WAIT_MAX_S = 10e-3  # the longest sleep between probes of a rank waiting fo
 LINK_WARMUP = 3  # untimed round trips per message size
 
 
-def run_calibration(cfg, spec: ProbeSpec, command: str, say: Callable[[int | None, str], None]) -> Profile | None:
+def run_calibration(cfg: JobConfig, spec: ProbeSpec, command: str, say: Callable[[int | None, str], None]) -> Profile | None:
     """Run on every rank of COMM_WORLD: the Profile on the head, None elsewhere.
 
     say(rank, line): progress, called on the rank that measures (rank None: the head, of the job
@@ -60,7 +62,7 @@ def run_calibration(cfg, spec: ProbeSpec, command: str, say: Callable[[int | Non
         startup.check_in("start", local_files(cfg), deadline_s=start_timeout_s())
     topo, info, err, code = None, None, None, 1
     try:
-        cfg.layer_split = calibration_split(cfg.layer_split, link.size)
+        cfg = dataclasses.replace(cfg, layer_split=calibration_split(cfg.layer_split, link.size))
         topo, info, spec = share_probe_weights(link, startup, cfg, spec, times_draft, lambda line: say(None, line))
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there, once
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
@@ -94,7 +96,7 @@ def times_draft(spec: ProbeSpec, topo: Topology, rank: int) -> bool:
     return spec.draft.uses_model and rank == where
 
 
-def identities(cfg, draft: DraftCosts | None) -> str:
+def identities(cfg: JobConfig, draft: DraftCosts | None) -> str:
     """The target's sha256 (and the draft model's, set on `draft`): what a profile is matched by."""
     from ..planner.identity import model_sha256
 

@@ -20,12 +20,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..models.model_identity import file_sha256
 from ..transport.mpi_link import Link
 from .calibrate_probes import ProbeSpec, probe_layers
+from .job_config import JobConfig
 from .topology import Topology, plan_config
-from .weight_stream import Need, _pick, _receive, _remove_cut_streams, _stream_to, _whoami
+from .weight_stream import (
+    ModelFiles, Need, _label, _pick, _receive, _remove_cut_streams, _source_for, _stream_to, _whoami,
+)
+
+if TYPE_CHECKING:
+    from ..models.gguf_info import ModelInfo
+    from ..transport.startup import Startup
 
 
 def probe_parts(layer_bytes: list[int]) -> list[tuple[int, int]]:
@@ -53,9 +61,9 @@ def covering_slice(model_sha256: str | None, part: tuple[int, int]) -> Path | No
     return None
 
 
-def share_probe_weights(link: Link, startup, cfg, spec: ProbeSpec,
+def share_probe_weights(link: Link, startup: Startup, cfg: JobConfig, spec: ProbeSpec,
                         runs_draft: Callable[[ProbeSpec, Topology, int], bool],
-                        say: Callable[[str], None]) -> tuple[Topology, object, ProbeSpec]:
+                        say: Callable[[str], None]) -> tuple[Topology, ModelInfo, ProbeSpec]:
     """(this rank's topology, the model's header facts, this rank's ProbeSpec with its own paths).
     Runs on every rank after the "start" check-in, whose values are every rank's model files. The
     head's ProbeSpec wins (a rank without the draft file would not know it times a draft)."""
@@ -73,7 +81,7 @@ def share_probe_weights(link: Link, startup, cfg, spec: ProbeSpec,
         needs = startup.check_in("weights", [])
         for rank, wanted in enumerate(needs):
             for need in wanted:
-                _stream_to(link, cfg, rank, hosts[rank], need, digests, say)
+                _stream_to(link, _source_for(cfg, need, digests), _label(cfg, need), rank, hosts[rank], need, say)
         return topos[hosts.count(hosts[0])], info, spec
     topos, info, digests, spec = startup.check_in("plan")[0]
     topo = topos[hosts.count(hosts[link.rank])]
@@ -81,12 +89,12 @@ def share_probe_weights(link: Link, startup, cfg, spec: ProbeSpec,
                                runs_draft(spec, topo, link.rank))
     startup.check_in("weights", needs)
     for need in needs:
-        path, _ = _receive(link, cfg, need, digests)
+        path, _ = _receive(link, _label(cfg, need), need, digests)
         paths["draft" if need.what == "draft" else need.layers] = path
     return topo, info, _with_paths(spec, paths, probe_parts(info.layer_bytes))
 
 
-def _digests(cfg, files: list, spec: ProbeSpec, topo: Topology,
+def _digests(cfg: JobConfig, files: list[ModelFiles], spec: ProbeSpec, topo: Topology,
              runs_draft: Callable[[ProbeSpec, Topology, int], bool]) -> dict[str, str]:
     """The sha256 of the target when some rank lacks the head's very file (every rank times it),
     and of the draft when the rank that times it does."""
@@ -101,7 +109,7 @@ def _digests(cfg, files: list, spec: ProbeSpec, topo: Topology,
     return out
 
 
-def _pick_probe(link: Link, startup, files: list, digests: dict, parts: list[tuple[int, int]],
+def _pick_probe(link: Link, startup: Startup, files: list[ModelFiles], digests: dict, parts: list[tuple[int, int]],
                 draft: bool) -> tuple[dict[object, str | None], list[Need]]:
     """This rank's paths (by part, and "draft") it has without a stream, and the Needs it asks for."""
     mine, head = files[link.rank], files[0]

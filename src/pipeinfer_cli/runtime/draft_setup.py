@@ -12,15 +12,22 @@ holds the model) gets `lookup_drafter` or `fallback_drafter`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
 from ..decode.draft_spec import DraftSpec
-from ..decode.drafters import NoDraft
+from ..decode.drafters import AsyncDrafter, Drafter, NoDraft
 from ..decode.hybrid import HybridAsyncDrafter, HybridDrafter
 from ..decode.lookup import LookupDrafter
 from ..decode.translated import TranslatedAsyncDrafter, TranslatedDrafter
+from ..transport.mpi_link import Link
+from .job_config import JobConfig
 from .remote_draft import RemoteDrafter
 
+if TYPE_CHECKING:
+    from .loaded import Loaded
 
-def local_drafter(spec: DraftSpec, path: Path | None, n_ctx: int, threads: int):
+
+def local_drafter(spec: DraftSpec, path: Path | None, n_ctx: int, threads: int) -> Drafter:
     """The drafter that runs on this rank: lookup for `lookup`, else the draft model at `path`
     (behind lookup with `lookup+MODEL`, the head adds that: `head_drafter`)."""
     if spec.is_lookup:
@@ -35,13 +42,13 @@ def lookup_drafter() -> LookupDrafter:
     return LookupDrafter()
 
 
-def fallback_drafter(spec: DraftSpec):
+def fallback_drafter(spec: DraftSpec) -> Drafter:
     """What a request drafts with while another holds the job's draft model: lookup when the
     draft has it in front of the model (`lookup+MODEL`), else nothing."""
     return LookupDrafter() if spec.uses_lookup else NoDraft()
 
 
-def head_drafter(cfg, loaded, link):
+def head_drafter(cfg: JobConfig, loaded: Loaded, link: Link) -> Drafter | AsyncDrafter | None:
     """The head's drafter from what the job loaded (a `loading.Loaded`), or None without a draft."""
     topo = loaded.topo
     remote = topo.draft_rank is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ..transport.mpi_link import Link
 from ..decode.draft_economy import DraftMemory
@@ -31,6 +32,11 @@ from ..decode.trace import TraceRecorder
 from .rank_report import RankReporter, fault_injection
 from .worker import abort_job
 
+if TYPE_CHECKING:
+    from ..decode.drafters import Drafter, AsyncDrafter
+    from .job_config import JobConfig
+    from .job_config import Request
+
 # PIPEINFER_DEBUG_DIVERGE=MODE changes the last generated token of every MODE result (the result
 # only, after generation), so tests can check that `bench` reports modes that disagree.
 DEBUG_DIVERGE = "PIPEINFER_DEBUG_DIVERGE"
@@ -46,7 +52,7 @@ class Callbacks:
     on_result: Callable[[GenerationResult], None] | None = None  # each request's result
 
 
-def serve_requests(link: Link | None, cfg, loaded: Loaded, trace: TraceRecorder, requests: Iterable,
+def serve_requests(link: Link | None, cfg: JobConfig, loaded: Loaded, trace: TraceRecorder, requests: Iterable,
                    offsets: list[float], cb: Callbacks) -> list[GenerationResult]:
     """Run every request on the head; stop the other ranks at the end, or abort them on failure.
 
@@ -68,7 +74,7 @@ class Head:
     otherwise they are cleared after every request.
     """
 
-    def __init__(self, link: Link | None, cfg, loaded: Loaded, trace: TraceRecorder, offsets: list[float],
+    def __init__(self, link: Link | None, cfg: JobConfig, loaded: Loaded, trace: TraceRecorder, offsets: list[float],
                  cb: Callbacks | None = None):
         from .draft_setup import head_drafter
 
@@ -103,11 +109,11 @@ class Head:
             if self.drafter is not None:
                 self.drafter.close()
 
-    def tokenize(self, req) -> list[int]:
+    def tokenize(self, req: Request) -> list[int]:
         """The request's prompt tokens; UsageError if it is empty or does not fit --ctx."""
         return tokenize_request(self.cfg, self.tokenizer, req)
 
-    def run(self, req, prompt: list[int], cb: Callbacks | None = None) -> GenerationResult:
+    def run(self, req: Request, prompt: list[int], cb: Callbacks | None = None) -> GenerationResult:
         """One request: its result (with the prompt tokens it reused).
 
         cb: this request's callbacks (on_token, on_text, on_result), else the job's."""
@@ -134,7 +140,7 @@ class Head:
         result = assemble_result(self.cfg, req, self.topo, self.tokenizer, s, ranks, self.offsets, t_end)
         result.reused_tokens, result.common_prefix_tokens = keep, common
         result.draft_vocab = self.loaded.draft_vocab
-        if getattr(req, "trace_depth", None) is not None:
+        if req.trace_depth is not None:
             result.prompt_trace = self._prompt_trace(req, prompt, s)
         if os.environ.get(DEBUG_DIVERGE) == req.mode:
             _debug_diverge(result)
@@ -142,7 +148,7 @@ class Head:
             cb.on_result(result)
         return result
 
-    def _prompt_trace(self, req, prompt: list[int], s: Session):
+    def _prompt_trace(self, req: Request, prompt: list[int], s: Session):
         """The request's trace (planner/record.py), after its result is complete: the draft's chains
         are asked of the job's own draft model (on the head or its draft rank) when it drafts in
         the target's tokens; prompt lookup and translated or hybrid drafts record tokens only."""
@@ -175,7 +181,7 @@ class Head:
         return self.pipe.kv_usage()
 
 
-def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], drafter, cb: Callbacks,
+def run_request(pipe: Pipeline, cfg: JobConfig, loaded: Loaded, req: Request, prompt: list[int], drafter: Drafter | AsyncDrafter | None, cb: Callbacks,
                 trace: TraceRecorder, reuse: int = 0, memory: DraftMemory | None = None,
                 draft_reuse: int | None = None) -> Session:
     """Generate one request of the job in its mode (`decode/request.py`); returns the finished session.
@@ -190,14 +196,14 @@ def run_request(pipe: Pipeline, cfg, loaded: Loaded, req, prompt: list[int], dra
         drafter = lookup_drafter()
     local_draft = loaded.topo.draft_rank is None or req.lookup_only  # a draft rank traces its own work
     streaming = Streaming(cb.on_token, TextStream(tok.piece, req.stop), cb.on_text, req.cancelled)
-    return decode_request(pipe, req.mode, prompt, getattr(req, "decode", None) or cfg.decode, drafter,
+    return decode_request(pipe, req.mode, prompt, req.decode or cfg.decode, drafter,
                           sampling=req.sampling or cfg.sampling, n_predict=n_predict_for(cfg, req, len(prompt)),
                           is_eog=tok.is_eog, streaming=streaming,
                           site=DraftSite(on_head=local_draft, threaded=local_draft, trace=trace),
                           reuse=reuse, draft_reuse=draft_reuse, memory=memory)
 
 
-def assemble_result(cfg, req, topo, tok, s: Session, ranks: list[RankReport], offsets: list[float],
+def assemble_result(cfg: JobConfig, req: Request, topo, tok, s: Session, ranks: list[RankReport], offsets: list[float],
                     t_end: float) -> GenerationResult:
     """One request's result: text, tokens, metrics (docs/json-output.md) and every rank's report."""
     runs = replace(s.metrics.runs)  # the session's counters, plus what the stages' engines counted

@@ -15,101 +15,24 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import describe
 from ..transport.clock import clock_offsets
-from ..transport.deadlines import DEFAULT_RANK_TIMEOUT_S
 from ..transport.liveness import Liveness
 from ..transport.mpi_link import Link
 from ..transport.start_waits import start_timeout_s
 from ..transport.startup import job_startup
-from ..decode.draft_spec import DraftSpec
 from ..decode.result import GenerationResult
-from ..decode.slot_geometry import SlotGeometry
 from .head import Callbacks, Head, serve_requests
-from .loading import Loaded, load_rank
-from ..decode.sampling import SamplingParams
+from .job_config import JobConfig, Request  # noqa: F401 - part of this module's API
+from .loaded import Loaded
+from .loading import load_rank
 from ..decode.modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
-from ..decode.session import DecodeOptions
 from .topology import Topology, alone_on_cores
 from .weight_stream import LoadedWeights, WeightsSource, local_files, share_plan_and_weights
 from ..decode.trace import TraceRecorder
 from .worker import abort_job, serve_worker
-
-
-@dataclass
-class Request:
-    """One generation: a raw prompt or chat messages, and the decoding mode."""
-
-    mode: str
-    prompt: str | None = None  # raw text
-    chat: list[dict] | None = None  # messages, formatted with the model's chat template
-    label: str = ""  # prompt id, for reports
-    stop: list[str] = field(default_factory=list)  # stop strings: generation ends where one appears
-    # Per-request overrides of the job's settings (a server's requests); None: the job's own.
-    sampling: SamplingParams | None = None
-    n_predict: int | None = None  # tokens to generate; -1: until end of text or a full context
-    cancelled: Callable[[], bool] | None = None  # polled at each commit: True ends it ("cancelled")
-    lookup_only: bool = False  # draft this request by prompt lookup, not with the job's draft model
-    decode: DecodeOptions | None = None  # this request's speculation settings (a server request's); None: the job's
-    # Record this request's trace once it has run (`--save-trace`, planner/record.request_trace): its
-    # prompt and committed tokens and, with a draft model of the target's vocabulary, the draft's
-    # chains this deep (> 0 with a draft model: the job loads it even for iterative; 0: tokens only).
-    # None: no trace.
-    trace_depth: int | None = None
-
-
-@dataclass
-class JobConfig:
-    model_path: Path
-    model_label: str
-    draft_path: Path | None  # GGUF draft model, or None
-    draft: DraftSpec = field(default_factory=DraftSpec.none)  # parsed from --draft, its model resolved
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    decode: DecodeOptions = field(default_factory=DecodeOptions)
-    n_ctx: int = 4096
-    layer_split: str | None = None
-    threads: str | None = None
-    debug: bool = False
-    # Keep the previous request's KV cells and reuse the longest prefix that is exactly what a fresh
-    # prefill computes (decode/prefix_cache.py). Off for generate and bench (honest TTFT figures).
-    reuse_prefix: bool = False
-    rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S  # liveness deadline (transport/liveness.py); 0: off
-    profile: Path | None = None  # a calibration profile (planner/profile.py), for --layer-split auto
-    # What the registry says of the models (None for a path): a rank's copy with this size is taken
-    # to have this sha256, as its pull verified (runtime/weight_stream.py).
-    model_sha256: str | None = None
-    model_size: int | None = None
-    draft_sha256: str | None = None
-    draft_size: int | None = None
-    # serve --parallel N: requests generated at once, each in a KV slot of n_ctx // N cells (rounded
-    # down to 256) and its own sequence ids (runtime/parallel.py); load_policy: when a request may
-    # speculate beside others (decode/parallel_policy.py).
-    parallel: int = 1
-    load_policy: str = "yield"
-
-    @property
-    def draft_label(self) -> str | None:
-        """The draft's name in reports: None, "lookup", the model's label or "lookup+" and it."""
-        return self.draft.label
-
-    @property
-    def geometry(self) -> SlotGeometry:
-        """The KV sequences and cells every stage opens, per request slot (decode/slot_geometry.py)."""
-        return SlotGeometry.for_job(self.n_ctx, self.parallel, self.decode.max_inflight, self.decode.max_branches,
-                                    drafts=not self.draft.is_none)
-
-    @property
-    def slot_ctx(self) -> int:
-        """KV cells of one request: all of --ctx with one slot, else its share in whole 256-cell blocks."""
-        return self.geometry.cells_per_slot
-
-    @property
-    def engine_ctx(self) -> int:
-        """KV cells every stage opens: the slots' cells together."""
-        return self.geometry.n_ctx
 
 
 def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,
@@ -122,7 +45,7 @@ def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object]
     token is committed; on_text(text) with the text to show as tokens are committed (UTF-8
     completed, stop strings held back and cut); on_result(result) after each request.
     """
-    link, trace, loaded, offsets = _load_job(cfg, requests)
+    link, cfg, trace, loaded, offsets = _load_job(cfg, requests)
     if link.rank != 0:
         serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return None
@@ -139,7 +62,7 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
     an error it raises ends the job like a failed load. Returns once the job is over; a rank's
     failure is raised on the head after service.fail() told every waiting client.
     """
-    link, trace, loaded, offsets = _load_job(cfg, [], not cfg.draft.is_none, before_load)
+    link, cfg, trace, loaded, offsets = _load_job(cfg, [], not cfg.draft.is_none, before_load)
     if link.rank != 0:
         serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return
@@ -164,7 +87,7 @@ def run_head_loop(cfg: JobConfig, head_main: Callable[[Head], None], needs_draft
     meanwhile. When head_main returns the other ranks are shut down; if it raises, they are
     aborted. True on the head.
     """
-    link, trace, loaded, offsets = _load_job(cfg, [], needs_draft)
+    link, cfg, trace, loaded, offsets = _load_job(cfg, [], needs_draft)
     if link.rank != 0:
         serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
         return False
@@ -174,16 +97,18 @@ def run_head_loop(cfg: JobConfig, head_main: Callable[[Head], None], needs_draft
 
 
 def _load_job(cfg: JobConfig, requests: list[Request], needs_draft: bool | None = None,
-              before_load: Callable[[], None] | None = None):
-    """This rank's link, trace recorder and loaded models, and every rank's clock offset.
+              before_load: Callable[[], None] | None = None
+              ) -> tuple[Link, JobConfig, TraceRecorder, Loaded, list[float]]:
+    """This rank's link, the configuration it runs with (the head's, with its own paths to its
+    weights), its trace recorder and loaded models, and every rank's clock offset.
     before_load runs on the head only (see run_service)."""
     startup = job_startup()
     link = startup.link
     trace = TraceRecorder(link.rank)
-    loaded, threads = _plan_and_load(link, cfg, requests, needs_draft, before_load if link.rank == 0 else None)
-    start_liveness(link, cfg, loaded, startup.hosts, threads)
+    cfg, loaded, threads = _plan_and_load(link, cfg, requests, needs_draft, before_load if link.rank == 0 else None)
+    start_liveness(link, cfg.rank_timeout_s, loaded, startup.hosts, threads)
     # Workers probe the clocks inside their fault protocol (serve_worker's `before`).
-    return link, trace, loaded, head_clock_offsets(link) if link.rank == 0 else []
+    return link, cfg, trace, loaded, head_clock_offsets(link) if link.rank == 0 else []
 
 
 def head_clock_offsets(link: Link) -> list[float]:
@@ -197,7 +122,7 @@ def head_clock_offsets(link: Link) -> list[float]:
         raise
 
 
-def start_liveness(link: Link, cfg: JobConfig, loaded: Loaded, hosts: list[str], threads: list[int]) -> None:
+def start_liveness(link: Link, rank_timeout_s: float, loaded: Loaded, hosts: list[str], threads: list[int]) -> None:
     """Once every rank has loaded: name the ranks for errors, say whether this rank has its cores
     to itself (waits may then stay awake when PIPEINFER_WAIT_SPIN=tail asks), and with a
     --rank-timeout start the heartbeats and deadlines (transport/liveness.py).
@@ -206,15 +131,15 @@ def start_liveness(link: Link, cfg: JobConfig, loaded: Loaded, hosts: list[str],
     link.name_ranks(rank_names(loaded.topo, hosts))
     here = sum(n for host, n in zip(hosts, threads) if host == hosts[link.rank])
     link.set_alone_on_cores(alone_on_cores(here, threads[link.rank]))
-    if cfg.rank_timeout_s > 0 and link.size > 1:
+    if rank_timeout_s > 0 and link.size > 1:
         engine = loaded.engine
-        Liveness(link, cfg.rank_timeout_s, engine.eval_progress if engine is not None else (lambda: 0)).start()
+        Liveness(link, rank_timeout_s, engine.eval_progress if engine is not None else (lambda: 0)).start()
 
 
 def busy_threads(loaded: Loaded) -> int:
     """The threads this rank computes with: its engine's, plus a draft model's beside them on the head."""
     n = loaded.me.threads
-    if loaded.me.role == "head" and getattr(loaded.drafter, "has_prompt_pass", False):
+    if loaded.me.role == "head" and loaded.drafter is not None and loaded.drafter.has_prompt_pass:
         n += loaded.me.threads  # the draft model runs in a thread of its own, at the rank's thread count
     return n
 
@@ -234,8 +159,9 @@ def rank_names(topo: Topology, hosts: list[str]) -> list[str]:
 
 
 def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_draft: bool | None = None,
-                   before_load: Callable[[], None] | None = None) -> tuple[Loaded, list[int]]:
-    """Plan and load on every rank: (this rank's models, every rank's busy threads). A failure on
+                   before_load: Callable[[], None] | None = None) -> tuple[JobConfig, Loaded, list[int]]:
+    """Plan and load on every rank: (the configuration this rank runs with, its models, every rank's
+    busy threads). A failure on
     any rank is reported once, by the head, naming the rank and its host (transport/startup.py)."""
     if needs_draft is None:
         draft_model = cfg.draft.uses_model
@@ -251,13 +177,13 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
         if before_load is not None:
             before_load()
         t0 = time.monotonic()
-        topo, source = share_plan_and_weights(link, startup, cfg, needs_draft, startup.start_values, _say)
+        topo, cfg, source = share_plan_and_weights(link, startup, cfg, needs_draft, startup.start_values, _say)
         loaded = load_rank(cfg, topo, link.rank, requests, needs_draft)
         loaded.weights = _weights_report(source, time.monotonic() - t0, loaded)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
     threads = startup.check_in("loaded", busy_threads(loaded) if loaded is not None else 0, err, code)
-    return loaded, threads
+    return cfg, loaded, threads
 
 
 def _say(text: str) -> None:

@@ -7,6 +7,7 @@ threads and layers (for the record: greedy tokens depend on neither).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from ..decode.result import GenerationResult
@@ -14,6 +15,7 @@ from ..errors import UsageError
 from ..planner.identity import model_sha256
 from ..planner.record import CHAIN_DEPTH
 from ..planner.replay import Trace
+from .job_config import JobConfig
 
 
 def check_greedy(temperature: float, option: str = "--save-trace") -> None:
@@ -23,7 +25,7 @@ def check_greedy(temperature: float, option: str = "--save-trace") -> None:
                          f"--temp 0 (the default), not --temp {temperature:g}")
 
 
-def job_trace(cfg, results: list[GenerationResult]) -> Trace:
+def job_trace(cfg: JobConfig, results: list[GenerationResult]) -> Trace:
     """The trace of the requests among `results` that recorded one (the first of each prompt id)."""
     prompts, seen = [], set()
     for r in results:
@@ -56,7 +58,7 @@ def _machine(results: list[GenerationResult]) -> dict[str, object]:
     return out
 
 
-def save_job_trace(path: Path, cfg, results: list[GenerationResult], say) -> Trace:
+def save_job_trace(path: Path, cfg: JobConfig, results: list[GenerationResult], say: Callable[[str], None]) -> Trace:
     """Write the trace atomically (whole or not at all) and say where, with what it holds."""
     trace = job_trace(cfg, results)
     trace.save(Path(path))

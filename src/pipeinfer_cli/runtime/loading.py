@@ -1,57 +1,47 @@
-"""What each rank loads once per job: its layer engine, and on the head the tokenizer, the
-tokenized prompts and a head-local drafter; on a draft rank, the draft model."""
+"""Loading what each rank holds for a job (`Loaded`): its layer engine, and on the head the
+tokenizer, the tokenized prompts and a head-local drafter; on a draft rank, the draft model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ..decode.session import DecodeOptions
 from ..errors import UsageError
+from .job_config import JobConfig, Request
+from .loaded import Loaded
 from .topology import RankPlan, Topology
-from .weight_stream import LoadedWeights
+
+if TYPE_CHECKING:
+    from ..decode.drafters import Drafter
+    from .tokenizer import Tokenizer
 
 
-@dataclass
-class Loaded:
-    """One rank's loaded state. Fields a rank does not need stay None."""
-
-    topo: Topology
-    me: RankPlan
-    engine: object | None = None  # native.LayerEngine of this rank's layers (target ranks)
-    tokenizer: object | None = None  # tokenizer.Tokenizer (head)
-    prompts: list[list[int]] = field(default_factory=list)  # token ids of every request (head)
-    drafter: object | None = None  # the head's drafter, or the draft rank's model
-    draft_vocab: str | None = None  # head: "direct" or "translated" (runtime/vocab.py); None without a draft
-    draft_tokenizer: object | None = None  # head, translated drafts: the draft's tokenizer.Tokenizer
-    weights: LoadedWeights | None = None  # where this rank's weights came from (runtime/weight_stream.py)
-
-
-def spec_margin(cfg, req) -> int:
-    """KV cells beyond prompt + -n that a mode may fill: speculative runs in flight write past
-    the last committed token (rejected cells are removed again)."""
+def spec_margin(mode: str, decode: DecodeOptions) -> int:
+    """KV cells beyond prompt + -n that a mode may fill with these speculation settings:
+    speculative runs in flight write past the last committed token (rejected cells are removed again)."""
     from ..decode.modes import get_mode
 
-    return get_mode(req.mode).kv_margin(getattr(req, "decode", None) or cfg.decode)
+    return get_mode(mode).kv_margin(decode)
 
 
-def n_predict_for(cfg, req, n_prompt: int) -> int:
-    """Tokens to generate: -n, or with -n -1 as many as the context holds (until end of text)."""
+def n_predict_for(cfg: JobConfig, req: Request, n_prompt: int) -> int:
+    """Tokens to generate: -n, or with -n -1 as many as the request's slot holds (until end of text)."""
     n = requested_n(cfg, req)
     if n > 0:
         return n
-    return getattr(cfg, "slot_ctx", cfg.n_ctx) - n_prompt - spec_margin(cfg, req)
+    return cfg.slot_ctx - n_prompt - spec_margin(req.mode, req.decode or cfg.decode)
 
 
-def requested_n(cfg, req) -> int:
+def requested_n(cfg: JobConfig, req: Request) -> int:
     """The request's own -n if it has one, else the job's (-1: until the end of text)."""
-    n = getattr(req, "n_predict", None)
-    return cfg.decode.n_predict if n is None else n
+    return cfg.decode.n_predict if req.n_predict is None else req.n_predict
 
 
-def _warn_if_profiled_elsewhere(cfg, rank: int) -> None:
+def _warn_if_profiled_elsewhere(profile: Path | None, rank: int) -> None:
     """With --profile (for --layer-split auto or -M auto): one warning line from a rank that runs on
     another machine than the profile measured for it."""
-    if getattr(cfg, "profile", None) is None or not Path(cfg.profile).is_file():
+    if profile is None or not Path(profile).is_file():
         return  # no profile, or the head's is not on this node
     import sys
 
@@ -59,24 +49,24 @@ def _warn_if_profiled_elsewhere(cfg, rank: int) -> None:
     from .host_facts import host_facts
 
     facts = host_facts()
-    warning = Profile.load(cfg.profile).machine_warning(rank, facts.host, facts.cpu, f"the profile {cfg.profile}")
+    warning = Profile.load(profile).machine_warning(rank, facts.host, facts.cpu, f"the profile {profile}")
     if warning:
         print(f"pipeinfer: warning: {warning}", file=sys.stderr, flush=True)
 
 
-def make_drafter(cfg, threads: int):
+def make_drafter(cfg: JobConfig, threads: int) -> Drafter:
     from .draft_setup import local_drafter
 
     return local_drafter(cfg.draft, cfg.draft_path, cfg.n_ctx, threads)
 
 
-def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool) -> Loaded:
+def load_rank(cfg: JobConfig, topo: Topology, rank: int, requests: list[Request], needs_draft: bool) -> Loaded:
     from ..native import LayerEngine
     from ..transport.faults import slowdown_for
 
     me = topo.ranks[rank]
     out = Loaded(topo, me)
-    _warn_if_profiled_elsewhere(cfg, rank)
+    _warn_if_profiled_elsewhere(cfg.profile, rank)
     if me.role == "draft":
         if needs_draft:
             out.drafter = make_drafter(cfg, me.threads)
@@ -97,7 +87,7 @@ def load_rank(cfg, topo: Topology, rank: int, requests: list, needs_draft: bool)
     return out
 
 
-def check_memory_limit(cfg, me, rank: int, n_stages: int) -> None:
+def check_memory_limit(cfg: JobConfig, me: RankPlan, rank: int, n_stages: int) -> None:
     """Refuse, before loading, a rank whose weights and KV cache cannot fit the memory limit that its
     cgroup sets (a container's --memory, an emulated host's --mem, a Slurm job's): otherwise the
     out-of-memory killer ends it half-way through loading, and the job can only say "killed".
@@ -124,7 +114,7 @@ def check_memory_limit(cfg, me, rank: int, n_stages: int) -> None:
                          f"lower --ctx, or raise the host's memory limit")
 
 
-def _load_head(cfg, out: Loaded, requests: list, needs_draft: bool) -> None:
+def _load_head(cfg: JobConfig, out: Loaded, requests: list[Request], needs_draft: bool) -> None:
     from .tokenizer import Tokenizer
 
     tok = out.tokenizer = Tokenizer(cfg.model_path)
@@ -157,14 +147,14 @@ class PromptTooLongError(UsageError):
         self.n_prompt, self.need, self.n_ctx = n_prompt, need, n_ctx  # tokens, KV cells needed, --ctx
 
 
-def tokenize_request(cfg, tok, req) -> list[int]:
+def tokenize_request(cfg: JobConfig, tok: Tokenizer, req: Request) -> list[int]:
     """The request's prompt tokens; UsageError if empty, PromptTooLongError if it does not fit --ctx."""
     ids = tok.chat_messages(req.chat) if req.chat is not None else tok.encode(req.prompt or "")
     label = f"{req.label} " if req.label else ""
     if not ids:
         raise UsageError(f"prompt {label}is empty; pass text with -p, -f or --chat")
     n_predict = n_predict_for(cfg, req, len(ids))
-    margin = spec_margin(cfg, req)
+    margin = spec_margin(req.mode, req.decode or cfg.decode)
     need = len(ids) + max(n_predict, 1) + margin
     if n_predict < 1 or need > cfg.n_ctx:
         n_req = requested_n(cfg, req)

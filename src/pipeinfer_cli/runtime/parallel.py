@@ -16,6 +16,7 @@ the target's tokens), only its speed differs.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from ..decode.draft_spec import DraftSpec
 from ..decode.drafters import AsyncDrafter
@@ -27,6 +28,13 @@ from .draft_setup import fallback_drafter, lookup_drafter
 from .head import Head, _trace_commits, assemble_result, run_request
 from .slot_pipeline import MuxFailed, PipelineMux
 
+if TYPE_CHECKING:
+    from ..decode.drafters import Drafter
+    from ..transport.mpi_link import Link
+    from .job_config import JobConfig
+    from .job_config import Request
+    from .loaded import Loaded
+
 JOIN_AFTER_FAILURE_S = 5.0  # how long the other slots' threads get to stop once one failed
 
 
@@ -34,7 +42,7 @@ class _Locked:
     """A draft rank's proxy whose calls hold the pipeline's lock: its messages share the link with
     the slots' runs."""
 
-    def __init__(self, drafter, lock):
+    def __init__(self, drafter: Drafter | AsyncDrafter | None, lock):
         self._drafter, self._lock = drafter, lock
 
     def __getattr__(self, name: str):
@@ -53,7 +61,7 @@ class DraftLease:
     """The job's draft model, lent to one request at a time (decode/parallel_policy.DraftLender
     decides who holds it; this builds each request's drafter and serialises the decisions)."""
 
-    def __init__(self, drafter, draft: DraftSpec, lock):
+    def __init__(self, drafter: Drafter | AsyncDrafter | None, draft: DraftSpec, lock):
         self.drafter, self.lock, self.spec = drafter, lock, draft
         self.lookup_only = draft.is_lookup
         self.lender = DraftLender()
@@ -161,9 +169,9 @@ class ParallelRunner:
         holder = self.lease.holder
         info = self.service.slot_info.get(holder) if holder is not None else None
         ticket = (info or {}).get("ticket")
-        return None if holder is None else {"slot": holder, "id_task": getattr(ticket, "seq", None)}
+        return None if holder is None else {"slot": holder, "id_task": ticket.seq if ticket is not None else None}
 
-    def run(self, req, prompt: list[int], slot: Slot, cb, ticket=None):
+    def run(self, req: Request, prompt: list[int], slot: Slot, cb, ticket=None):
         """One request in its slot: Head.run's steps on the slot's pipeline."""
         head, cfg, mux = self.head, self.cfg, self.mux
         view = mux.views[slot.index]
@@ -176,7 +184,7 @@ class ParallelRunner:
         wants_draft = needs_draft(req.mode)
         drafter, draft_reuse, held = self.lease.take(slot.index, keep) if wants_draft else (None, keep, False)
         info = {"ticket": ticket, "mode": req.mode, "n_prompt_tokens": len(prompt), "reused_tokens": keep,
-                "draft": getattr(drafter, "name", None) if wants_draft else None}
+                "draft": drafter.name if wants_draft and drafter is not None else None}
         if wants_draft and self.lease.lent and not held:
             info["draft_model_held_by"] = self._holder_of_the_draft()
         self.service.slot_info[slot.index] = info
@@ -233,7 +241,7 @@ def slot_rows(service) -> list[dict[str, object]]:
     return out
 
 
-def serve_parallel(link, cfg, loaded, trace, service, offsets) -> None:
+def serve_parallel(link: Link, cfg: JobConfig, loaded: Loaded, trace, service, offsets) -> None:
     """The head of a `serve --parallel N` job (N > 1): serve the service's requests until it stops."""
     callbacks = service.callbacks()
     with Head(link, cfg, loaded, trace, offsets, callbacks) as head:

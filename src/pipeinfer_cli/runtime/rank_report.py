@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..transport.mpi_link import Link, WaitPolicy
 from ..decode.metrics import peak_rss_mib, process_stats
 from ..decode.result import RankReport
+
+if TYPE_CHECKING:
+    from .weight_stream import LoadedWeights
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,7 @@ class RankReporter:
     CPU seconds since the previous report, so an idle rank that spins would show it."""
 
     def __init__(self, rank: int, role: str, layers, threads: int, trace, engine=None, link: Link | None = None,
-                 weights=None):
+                 weights: LoadedWeights | None = None):
         self.rank, self.role, self.layers, self.threads = rank, role, layers, threads
         # where the rank's weights came from, once per job (runtime/weight_stream.py LoadedWeights)
         self.weights = weights.as_dict() if weights is not None else None

@@ -5,13 +5,19 @@ The head sends the path to continue; the draft rank answers with its proposal. A
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..transport.messages import DraftReply, DraftRequest, Msg, Tag
 from ..transport.mpi_link import Link
-from ..decode.drafters import Proposal
+from ..decode.drafters import Drafter, Proposal
+from ..decode.trace import TraceRecorder
 from ..decode.metrics import now
 from .rank_report import JobAborted, KvUsage, RankReporter, fault_injection
+
+if TYPE_CHECKING:
+    from .weight_stream import LoadedWeights
 
 
 class RemoteDrafter:
@@ -23,10 +29,17 @@ class RemoteDrafter:
     """
 
     name = "model"
+    # The draft rank reads the prompt on its own cores, and keeps its KV there (it reports its size
+    # itself, serve_draft).
+    has_prompt_pass = False
 
     def __init__(self, link: Link, rank: int):
         self.link, self.rank = link, rank
         self.requested: list[int] | None = None  # path of the outstanding request, if any
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        return []
 
     @property
     def outstanding(self) -> bool:
@@ -71,7 +84,8 @@ class RemoteDrafter:
         pass
 
 
-def serve_draft(link: Link, drafter, threads: int, trace, weights: dict | None = None) -> None:
+def serve_draft(link: Link, drafter: Drafter, threads: int, trace: TraceRecorder,
+                weights: LoadedWeights | None = None) -> None:
     """Answer the head's draft requests until SHUTDOWN; report this request's counters at each REPORT."""
 
     def check_abort() -> None:
@@ -92,7 +106,7 @@ def serve_draft(link: Link, drafter, threads: int, trace, weights: dict | None =
             link.send_pickled(report.take(), 0, Tag.STATS)
             continue
         if req.kind == Msg.KV_USAGE:  # tokens in the draft model's cache (0 for lookup drafting)
-            link.send_pickled(KvUsage(link.rank, len(getattr(drafter, "kv_tokens", []))), 0, Tag.STATS)
+            link.send_pickled(KvUsage(link.rank, len(drafter.kv_tokens)), 0, Tag.STATS)
             continue
         t0 = now()
         if req.kind == Msg.DRAFT_START:

@@ -31,9 +31,12 @@ from dataclasses import dataclass, field
 from ..decode.result import GenerationResult
 from ..errors import PipeinferError, UsageError
 from .head import Callbacks
+from .job_config import JobConfig, Request
+from .loaded import Loaded
 from .loading import spec_margin
 from ..decode.metrics import now
 from ..decode.sampling import SamplingParams
+from ..decode.session import DecodeOptions
 from ..decode.modes import MODE_NAMES as MODES, default_mode, needs_draft
 
 
@@ -140,8 +143,8 @@ class Service:
         self.on_ready = on_ready
         self.status = "loading"
         self.message = "loading the model"
-        self.cfg = None  # JobConfig, Loaded: set by attach() before serving
-        self.loaded = None
+        self.cfg: JobConfig | None = None  # set by attach() before serving
+        self.loaded: Loaded | None = None
         self._cond = threading.Condition()
         self._queue: deque[Ticket] = deque()
         self._current: Ticket | None = None  # --parallel 1: the request being generated
@@ -223,7 +226,7 @@ class Service:
             raise InvalidRequest("the prompt is empty; send some text", "prompt")
         cfg = self.cfg
         n_prompt = len(request.prompt)
-        margin = spec_margin(cfg, _ModeOnly(mode, self.decode_options(request)))
+        margin = spec_margin(mode, self.decode_options(request))
         n_ctx = cfg.slot_ctx  # each request's share of --ctx (all of it with --parallel 1)
         context = f"the context of {n_ctx} cells (--ctx)" if cfg.parallel == 1 else \
             f"a slot's context of {n_ctx} cells (--ctx {cfg.n_ctx} / --parallel {cfg.parallel})"
@@ -238,7 +241,7 @@ class Service:
                                  f"(with {margin} for speculative runs in flight), more than {context}; ask for at "
                                  f"most {room}", "n_predict")
 
-    def decode_options(self, request: GenerationRequest):
+    def decode_options(self, request: GenerationRequest) -> DecodeOptions:
         """The request's speculation settings: the job's, with what its `speculative` dict changes.
         InvalidRequest names the field (speculative.n_min) when they do not fit together."""
         from dataclasses import replace
@@ -263,25 +266,21 @@ class Service:
         self._end("failed", message)
 
     # -- what the pipeline thread calls ------------------------------------------------------------
-    def attach(self, cfg, loaded) -> None:
+    def attach(self, cfg: JobConfig, loaded: Loaded) -> None:
         self.cfg, self.loaded = cfg, loaded
 
     def callbacks(self) -> Callbacks:
         return Callbacks(on_start=self._ready, on_token=self._token, on_text=self._text, on_result=self._result)
 
-    def requests(self) -> Iterator[tuple]:
+    def requests(self) -> Iterator[tuple[Request, list[int]]]:
         """(Request, prompt) pairs in FIFO order, blocking for the next one; ends on stop() or fail()."""
-        from .job import Request
-
         while (ticket := self._take()) is not None:
             yield self.job_request(ticket), list(ticket.request.prompt)
             with self._cond:
                 self._current = None
 
-    def job_request(self, ticket: Ticket):
+    def job_request(self, ticket: Ticket) -> Request:
         """The job's Request for a ticket."""
-        from .job import Request
-
         r = ticket.request
         return Request(mode=r.mode or self.default_mode(), label=str(ticket.seq), stop=list(r.stop),
                        sampling=r.sampling, n_predict=r.n_predict,
@@ -390,11 +389,3 @@ class Service:
         t.emit(Event("done", result=result))
         for fn in self._observers:
             fn(t, result)
-
-
-@dataclass
-class _ModeOnly:
-    """spec_margin() reads only the request's mode and speculation settings."""
-
-    mode: str
-    decode: object = None

@@ -9,6 +9,7 @@ so a cancelled run is dropped before it starts or aborted between layers mid-com
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +21,11 @@ from ..transport.mpi_link import Link
 from ..decode.metrics import now
 from ..decode.sampling import SamplingParams, from_spec, sample_rows
 from .rank_report import JobAborted, KvUsage, RankReporter, fault_injection
+
+if TYPE_CHECKING:
+    from ..decode.trace import TraceRecorder
+    from ..native import LayerEngine
+    from .weight_stream import LoadedWeights
 
 
 class CancelListener(threading.Thread):
@@ -80,7 +86,8 @@ class CancelListener(threading.Thread):
             self.cancelled = {i for i in self.cancelled if i > run_id}
 
 
-def serve_stage(link: Link, engine, threads: int, trace, weights: dict | None = None) -> None:
+def serve_stage(link: Link, engine: LayerEngine, threads: int, trace: TraceRecorder,
+                weights: LoadedWeights | None = None) -> None:
     """Run the stage loop until SHUTDOWN, reporting this request's counters to the head at each REPORT."""
     listener = CancelListener(link, engine)
     listener.start()

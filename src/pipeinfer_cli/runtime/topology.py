@@ -16,6 +16,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..models.layer_split import balanced_split, fractions_of
 from .cpu_share import cpu_share
+from .job_config import JobConfig
 
 
 @dataclass(frozen=True)
@@ -252,13 +253,12 @@ def plan_split(info, n_ranks: int, layer_split: str | None = None, draft_bytes: 
     return SplitPlan(topo.describe(), ranks)
 
 
-def plan_config(cfg, world_size: int, ranks_per_host: int, needs_draft: bool) -> Topology:
-    """plan_job for a job's configuration (a runtime.job.JobConfig): the one call that plans a job,
+def plan_config(cfg: JobConfig, world_size: int, ranks_per_host: int, needs_draft: bool) -> Topology:
+    """plan_job for a job's configuration: the one call that plans a job,
     in the launching command (from the header, before any process starts) and on every rank."""
     return plan_job(cfg.model_path, cfg.model_label, world_size, ranks_per_host, cfg.layer_split, cfg.threads,
                     cfg.draft_path, needs_draft, has_draft=not cfg.draft.is_none,
-                    profile_path=getattr(cfg, "profile", None), n_ctx=getattr(cfg, "engine_ctx", cfg.n_ctx),
-                    load=(getattr(cfg, "parallel", 1), getattr(cfg, "load_policy", "yield")))
+                    profile_path=cfg.profile, n_ctx=cfg.engine_ctx, load=(cfg.parallel, cfg.load_policy))
 
 
 def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host: int, layer_split: str | None,

@@ -23,8 +23,9 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,7 +36,12 @@ from ..transport.messages import Tag
 from ..transport.mpi_link import Link
 from ..transport.start_waits import start_timeout_s
 from ..wording import human_bytes
+from .job_config import JobConfig
 from .topology import Topology, plan_config
+
+if TYPE_CHECKING:
+    from ..models.weight_slices import SliceSource
+    from ..transport.startup import Startup
 
 STREAM_CHUNK_BYTES = 4 << 20
 STREAM_WINDOW = 4  # chunks in flight to one rank: bounds the memory a stream takes on both sides
@@ -96,17 +102,18 @@ class ModelFiles:
         return getattr(self, what)
 
 
-def local_files(cfg) -> ModelFiles:
+def local_files(cfg: JobConfig) -> ModelFiles:
     """The model files this rank has."""
     return ModelFiles(identify(cfg.model_path, cfg.model_sha256, cfg.model_size),
                       identify(cfg.draft_path, cfg.draft_sha256, cfg.draft_size))
 
 
-def share_plan_and_weights(link: Link, startup, cfg, needs_draft: bool, files: list[ModelFiles],
-                           say: Callable[[str], None]) -> tuple[Topology, WeightsSource | None]:
+def share_plan_and_weights(link: Link, startup: Startup, cfg: JobConfig, needs_draft: bool, files: list[ModelFiles],
+                           say: Callable[[str], None]) -> tuple[Topology, JobConfig, WeightsSource | None]:
     """Plan on the head, agree on the configuration and get every rank its weights (see the module
-    docstring). files: every rank's `local_files` from the "start" check-in. On every rank, cfg is
-    the head's configuration afterwards, with this rank's own paths to the weights it loads."""
+    docstring). files: every rank's `local_files` from the "start" check-in. Returns the topology,
+    the configuration this rank runs with (the head's, with this rank's own paths to the weights it
+    loads) and where those weights came from."""
     hosts = startup.hosts
     _remove_cut_streams(_whoami(link, startup))
     if link.rank == 0:
@@ -116,31 +123,31 @@ def share_plan_and_weights(link: Link, startup, cfg, needs_draft: bool, files: l
         needs = startup.check_in("weights", [])
         for rank, wanted in enumerate(needs):
             for need in wanted:
-                _stream_to(link, cfg, rank, hosts[rank], need, digests, say)
-        return topo, WeightsSource("local", path=str(cfg.model_path))
+                _stream_to(link, _source_for(cfg, need, digests), _label(cfg, need), rank, hosts[rank], need, say)
+        return topo, cfg, WeightsSource("local", path=str(cfg.model_path))
     topo, head_cfg, digests = startup.check_in("plan")[0]
     mine = files[link.rank]
-    _adopt(cfg, head_cfg)
+    # The head's options win (one plan, one mode); the paths are this rank's own, as found below.
+    model_path, draft_path = cfg.model_path, cfg.draft_path
     role = topo.ranks[link.rank].role
     source, needs = None, []
     if role == "stage":
-        cfg.model_path, source = _pick(mine.target, files[0].target, digests.get("target"),
-                                       tuple(topo.ranks[link.rank].layers), _whoami(link, startup))
-        if cfg.model_path is None:
+        model_path, source = _pick(mine.target, files[0].target, digests.get("target"),
+                                   tuple(topo.ranks[link.rank].layers), _whoami(link, startup))
+        if model_path is None:
             needs.append(Need("target", tuple(topo.ranks[link.rank].layers)))
     elif role == "draft" and needs_draft and head_cfg.draft_path is not None:
-        cfg.draft_path, source = _pick(mine.draft, files[0].draft, digests.get("draft"), None,
-                                       _whoami(link, startup))
-        if cfg.draft_path is None:
+        draft_path, source = _pick(mine.draft, files[0].draft, digests.get("draft"), None, _whoami(link, startup))
+        if draft_path is None:
             needs.append(Need("draft", None))
     startup.check_in("weights", needs)
     for need in needs:
-        path, source = _receive(link, cfg, need, digests)
+        path, source = _receive(link, _label(head_cfg, need), need, digests)
         if need.what == "target":
-            cfg.model_path = path
+            model_path = path
         else:
-            cfg.draft_path = path
-    return topo, source
+            draft_path = path
+    return topo, replace(head_cfg, model_path=model_path, draft_path=draft_path), source
 
 
 def _remove_cut_streams(whoami: str) -> None:
@@ -161,15 +168,7 @@ def _remove_cut_streams(whoami: str) -> None:
               f"{slice_cache.slices_dir()}", file=sys.stderr, flush=True)
 
 
-def _adopt(cfg, head_cfg) -> None:
-    """Take the head's configuration (its options win: one plan, one mode) but keep this rank's
-    paths, which the weights step sets."""
-    own = cfg.model_path, cfg.draft_path
-    cfg.__dict__.update(head_cfg.__dict__)
-    cfg.model_path, cfg.draft_path = own
-
-
-def _digests_for_others(cfg, topo: Topology, files: list[ModelFiles], needs_draft: bool) -> dict[str, str]:
+def _digests_for_others(cfg: JobConfig, topo: Topology, files: list[ModelFiles], needs_draft: bool) -> dict[str, str]:
     """The sha256 of each model some rank needs and cannot use the head's very file for. Hashing
     a model the registry does not know takes a few seconds once (it is remembered)."""
     out = {}
@@ -184,11 +183,12 @@ def _digests_for_others(cfg, topo: Topology, files: list[ModelFiles], needs_draf
     return out
 
 
-def _whoami(link: Link, startup) -> str:
+def _whoami(link: Link, startup: Startup) -> str:
     return f"rank {link.rank} (host {startup.host})"
 
 
-def _pick(mine: FileIdentity | None, head: FileIdentity, digest: str | None, layers, whoami: str):
+def _pick(mine: FileIdentity | None, head: FileIdentity, digest: str | None, layers: tuple[int, int] | None,
+          whoami: str) -> tuple[Path | None, WeightsSource | None]:
     """(path, WeightsSource) of the weights this rank can load without a stream, or (None, None)."""
     from ..models import slice_cache
 
@@ -206,7 +206,8 @@ def _pick(mine: FileIdentity | None, head: FileIdentity, digest: str | None, lay
 
 # -- the stream ------------------------------------------------------------------------------
 
-def _source_for(cfg, need: Need, digests: dict):
+def _source_for(cfg: JobConfig, need: Need, digests: dict[str, str]) -> SliceSource:
+    """Head: the bytes a Need asks for (a stage's slice of the target, or the draft file)."""
     from ..models.weight_slices import stage_slice, whole_file
 
     if need.what == "target":
@@ -214,17 +215,20 @@ def _source_for(cfg, need: Need, digests: dict):
     return whole_file(cfg.draft_path)
 
 
-def _stream_to(link: Link, cfg, rank: int, host: str, need: Need, digests: dict,
+def _label(cfg: JobConfig, need: Need) -> str:
+    """The name of the model a Need is part of, as the lines on stderr and the node cache say it."""
+    return cfg.model_label if need.what == "target" else cfg.draft_label
+
+
+def _stream_to(link: Link, src: SliceSource, label: str, rank: int, host: str, need: Need,
                say: Callable[[str], None]) -> None:
-    """Head: send one rank its weights. Stops early (quietly) when the rank checked in with an
+    """Head: send one rank the bytes of src (label: the model they are part of). Stops early (quietly) when the rank checked in with an
     error instead (it reports it at the next check-in); raises WeightsError when it stops taking
     the chunks for PIPEINFER_START_TIMEOUT seconds."""
     import hashlib
 
     from ..models.weight_slices import iter_chunks
 
-    src = _source_for(cfg, need, digests)
-    label = cfg.model_label if need.what == "target" else cfg.draft_label
     part = "the whole draft file" if need.layers is None else f"layers {need.layers[0]}-{need.layers[1] - 1}"
     say(f"rank {rank} (host {host}) has no copy of {label}: sending it {part} ({human_bytes(src.total)})")
     link.send_pickled(("begin", src.total), rank, Tag.WEIGHTS_CTL)
@@ -275,13 +279,13 @@ def _wait_for_window(link: Link, rank: int, stall_s: float, host: str, limit: in
 _TIMEOUT_HINT = "PIPEINFER_START_TIMEOUT sets how long to wait"
 
 
-def _receive(link: Link, cfg, need: Need, digests: dict) -> tuple[Path, WeightsSource]:
-    """A rank: take the stream of one Need into the node cache; its path and source."""
+def _receive(link: Link, label: str, need: Need, digests: dict[str, str]) -> tuple[Path, WeightsSource]:
+    """A rank: take the stream of one Need (of the model called label) into the node cache; its path
+    and source."""
     from ..models.slice_cache import SliceWriter
 
     stall_s = start_timeout_s()
     _, total = _recv_ctl(link, stall_s, "the start of the stream")
-    label = cfg.model_label if need.what == "target" else cfg.draft_label
     t0 = time.monotonic()
     with SliceWriter(label, digests[need.what], need.layers, total) as out, _sigterm_raises():
         while out.written < total:

@@ -9,6 +9,8 @@ before the job starts go through transport/startup.py.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import describe, error_line
 from ..transport.exits import hard_exit, head_failed, leave_after_head
@@ -16,6 +18,10 @@ from ..transport.liveness import HeadUnresponsiveError
 from ..transport.messages import Tag
 from ..transport.mpi_link import Link
 from .rank_report import JobAborted
+
+if TYPE_CHECKING:
+    from ..decode.trace import TraceRecorder
+    from .loaded import Loaded
 
 ERROR_WAIT_S = 5.0  # a failed rank waits this long for the head's ABORT before leaving anyway
 
@@ -51,7 +57,8 @@ def abort_job(link: Link) -> None:
     link.abort_all()
 
 
-def serve_worker(link: Link, loaded, debug: bool, trace, before=None) -> None:
+def serve_worker(link: Link, loaded: Loaded, debug: bool, trace: TraceRecorder,
+                 before: Callable[[], object] | None = None) -> None:
     """A non-head rank: serve the pipeline (a stage) or draft requests (the draft rank) until the
     head shuts the job down; on failure, report to the head and leave (see the module doc)."""
     from .remote_draft import serve_draft
