@@ -7,8 +7,9 @@ request the job will run, with the draft's acceptance measured where it can be
 assumed (DEFAULT_ACCEPTANCE) where not. The job says what it chose, and on what acceptance, on
 stderr when it starts, and `generate`'s summary line sets the predicted speed beside the measured
 one. Every process of the job makes the same choice (the simulation is deterministic), so no
-message is needed. The choice is made once, at the start: it is not redone when the run's
-acceptance differs from the one planned for.
+message is needed. Between requests (chat turns), Replanner plans the settings again, for the
+same mode, when the acceptance measured so far leaves the one planned on by a margin
+(planner/replan.py); never inside a request.
 """
 
 from __future__ import annotations
@@ -218,3 +219,50 @@ def from_env(text: str, decode: DecodeOptions) -> AutoChoice:
     opts = replace(decode, n_draft=d["n_draft"], p_accept=d["p_accept"], max_inflight=d["max_inflight"])
     return AutoChoice(d["mode"], opts, d["predicted_tok_per_s"], Acceptance(a["rate"], a["measured"], a["source"]),
                       d["threads"])
+
+
+def replan_settings(cfg: JobConfig, mode: str, n_ranks: int, rate: float) -> tuple[DecodeOptions, float | None]:
+    """The planner's best settings for `mode` (the job's: its ranks were started for it) at `rate`."""
+    from ..decode.modes import needs_draft
+    from ..planner import search
+    from ..planner.plan import Replay
+    from ..planner.profile import Profile
+
+    prof = Profile.load(cfg.profile)
+    n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
+    topo = job_topology(cfg.model_path, cfg.model_label, n_ranks, cfg.layer_split, cfg.draft_path, cfg.draft,
+                        needs_draft(mode), mode, cfg.profile, cfg.n_ctx)
+    best = search.search_settings(prof, topo, mode, Replay([search.auto_request(None, n_gen)], rate), cfg.decode,
+                                  cfg.n_ctx)
+    return best.opts, best.tok_per_s
+
+
+class Replanner:
+    """-M auto between the requests of a job: the settings the next request runs with (decode),
+    planned again when the measured acceptance leaves the planned one (planner/replan.py)."""
+
+    def __init__(self, cfg: JobConfig, choice: AutoChoice, n_ranks: int, say) -> None:
+        from ..planner.replan import MeasuredAcceptance
+
+        self.cfg, self.choice, self.n_ranks, self.say = cfg, choice, n_ranks, say
+        self.decode = choice.decode
+        rate = choice.acceptance.rate
+        self.measured = MeasuredAcceptance(DEFAULT_ACCEPTANCE if rate is None else rate)
+
+    def after(self, drafted: int, accepted: int) -> None:
+        """Count a finished request's acceptance; plan again (and say so) when it left the plan's."""
+        from ..decode.modes import needs_draft
+
+        self.measured.add(drafted, accepted)
+        if not needs_draft(self.choice.mode) or not self.measured.should_replan():
+            return
+        m = self.measured
+        before = m.planned
+        self.decode, speed = replan_settings(self.cfg, self.choice.mode, self.n_ranks, m.rate)
+        m.replanned()
+        d = self.decode
+        knobs = f"--n-draft {d.n_draft}" + (f" -pa {d.p_accept} --max-inflight {d.max_inflight}"
+                                            if self.choice.mode == "pipeinfer" else "")
+        pred = "" if speed is None else f" (predicted {speed:.2f} tok/s)"
+        self.say(f"pipeinfer: -M auto: measured acceptance {m.rate:.2f} over {m.drafted} drafted tokens "
+                 f"(assumed {before:.2f}): re-planned {knobs}{pred}")

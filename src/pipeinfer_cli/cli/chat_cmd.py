@@ -81,10 +81,10 @@ def chat(
         return relaunch(prep.ranks, sys.argv[1:])
 
     run_here_or_relaunch(prep, start.inside, needs_draft(prep.mode), relaunch_job)
-    _run(prep.cfg, prep.mode, system, stops)
+    _run(prep.cfg, prep.mode, system, stops, prep)
 
 
-def _run(cfg: JobConfig, mode: str, system: str | None, stops: list[str]) -> None:
+def _run(cfg: JobConfig, mode: str, system: str | None, stops: list[str], prep=None) -> None:
     from ..runtime.job import run_head_loop
     from .chat_session import ChatSession, ChatSettings
 
@@ -99,11 +99,20 @@ def _run(cfg: JobConfig, mode: str, system: str | None, stops: list[str]) -> Non
             notes.write(f"pipeinfer chat: {cfg.model_label}{draft}, mode {mode}, {plural(head.topo.world_size, 'rank')}. "
                         "/reset starts over, /exit or Ctrl-D ends.\n")
             notes.flush()
+        if prep is not None and prep.auto is not None:  # -M auto: each turn's settings, planned again between turns
+            from .auto_mode import Replanner
+
+            settings.replanner = Replanner(cfg, prep.auto, prep.ranks, lambda line: _say(notes, line))
         ChatSession(head, settings, chat_summary, stderr=notes).run()
 
     if world_rank() != 0:
         sys.stdin.close()  # only the head reads the conversation
     run_head_loop(cfg, head_main, needs_draft=needs_draft(mode))
+
+
+def _say(stream, line: str) -> None:
+    stream.write(line + "\n")
+    stream.flush()
 
 
 def _terminal() -> str:

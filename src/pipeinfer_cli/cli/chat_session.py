@@ -26,6 +26,7 @@ class ChatSettings:
     system: str | None = None  # system prompt, kept across /reset
     stop: list[str] = field(default_factory=list)  # stop strings
     show_prompt: bool = True  # print "> " (stderr) before reading a line (standard input is a terminal)
+    replanner: object | None = None  # -M auto's Replanner (cli/auto_mode.py): each turn's settings, planned again
 
 
 class ChatSession:
@@ -97,7 +98,9 @@ class ChatSession:
         from ..runtime.loading import PromptTooLongError
 
         messages = self.history + [{"role": "user", "content": user_text}]
-        req = Request(mode=self.settings.mode, chat=messages, stop=list(self.settings.stop))
+        plan = self.settings.replanner
+        req = Request(mode=self.settings.mode, chat=messages, stop=list(self.settings.stop),
+                      decode=plan.decode if plan is not None else None)
         try:
             prompt = self.head.tokenize(req)
         except PromptTooLongError as e:
@@ -113,6 +116,8 @@ class ChatSession:
         self.stdout.flush()
         self.history = messages + [{"role": "assistant", "content": result.text}]
         self._note(self.summary(result))
+        if plan is not None:
+            plan.after(result.acceptance.drafted, result.acceptance.accepted)
         return result
 
     def _write(self, text: str) -> None:
