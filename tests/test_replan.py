@@ -1,0 +1,64 @@
+"""-M auto's re-planning between requests (planner/replan.py): the margin, the minimum of drafted
+tokens, the running total over the requests so far."""
+
+from __future__ import annotations
+
+from pipeinfer_cli.planner.replan import REPLAN_MARGIN, REPLAN_MIN_DRAFTED, MeasuredAcceptance
+
+
+def test_a_rate_within_the_margin_keeps_the_plan():
+    m = MeasuredAcceptance(0.6)
+    m.add(100, round(100 * (0.6 + REPLAN_MARGIN - 0.01)))
+    assert not m.should_replan()
+
+
+def test_too_few_drafted_tokens_do_not_count_however_far_off():
+    m = MeasuredAcceptance(0.6)
+    m.add(REPLAN_MIN_DRAFTED - 1, REPLAN_MIN_DRAFTED - 1)  # 100 %, but one short answer
+    assert not m.should_replan()
+    m.add(1, 1)  # the running total reaches the minimum
+    assert m.should_replan() and m.rate == 1.0
+
+
+def test_the_running_total_decides_and_replanning_moves_what_was_planned_on():
+    m = MeasuredAcceptance(0.6)
+    m.add(40, 40)
+    m.add(40, 0)  # 40 of 80: 0.5, within the margin of 0.6
+    assert m.rate == 0.5 and not m.should_replan()
+    m.add(20, 0)  # 40 of 100: 0.4
+    assert m.should_replan()
+    m.replanned()
+    assert m.planned == 0.4 and not m.should_replan()
+
+
+def test_below_the_planned_rate_also_replans():
+    m = MeasuredAcceptance(0.9)
+    m.add(32, 8)
+    assert m.should_replan()
+
+
+def test_no_drafted_tokens_no_rate():
+    m = MeasuredAcceptance(0.6)
+    m.add(0, 0)
+    assert m.rate is None and not m.should_replan()
+
+
+def test_the_replanner_plans_the_mode_again_at_the_measured_rate_and_says_so(smollm2_path, tmp_path):
+    from planning import smollm2_profile
+    from pipeinfer_cli.cli.auto_mode import AutoChoice, Replanner
+    from pipeinfer_cli.decode.draft_spec import DraftSpec
+    from pipeinfer_cli.decode.session import DecodeOptions
+    from pipeinfer_cli.planner.acceptance import assumed
+    from pipeinfer_cli.runtime.job_config import JobConfig
+
+    cfg = JobConfig(model_path=smollm2_path, model_label="smollm2", draft_path=None, draft=DraftSpec.parse("lookup"),
+                    profile=smollm2_profile(smollm2_path, tmp_path), decode=DecodeOptions(n_predict=24))
+    start = DecodeOptions(n_predict=24, n_draft=1, p_accept=0.9, max_inflight=1)
+    lines = []
+    plan = Replanner(cfg, AutoChoice("pipeinfer", start, None, assumed("test")), 2, lines.append)
+    plan.after(8, 8)  # too few drafted tokens yet
+    assert lines == [] and plan.decode is start
+    plan.after(40, 40)
+    assert len(lines) == 1 and lines[0].startswith(
+        "pipeinfer: -M auto: measured acceptance 1.00 over 48 drafted tokens (assumed 0.60): re-planned --n-draft ")
+    assert plan.decode.n_predict == 24 and plan.decode != start
