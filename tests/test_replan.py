@@ -62,3 +62,27 @@ def test_the_replanner_plans_the_mode_again_at_the_measured_rate_and_says_so(smo
     assert len(lines) == 1 and lines[0].startswith(
         "pipeinfer: -M auto: measured acceptance 1.00 over 48 drafted tokens (assumed 0.60): re-planned --n-draft ")
     assert plan.decode.n_predict == 24 and plan.decode != start
+
+
+def test_a_replanned_chat_prints_iteratives_tokens(smollm2_path, tmp_path):
+    """Chat with prompt lookup plans on an assumed 60 %; counting answers measure far from it, so the
+    job plans again between turns, and every turn's tokens stay iterative's."""
+    import os
+    import subprocess
+    import sys
+
+    from planning import smollm2_profile
+
+    profile = smollm2_profile(smollm2_path, tmp_path)
+    msgs = "Count from 1 to 30, separated by commas.\nAgain, count from 1 to 30, separated by commas.\n"
+
+    def chat(mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pipeinfer_cli", "chat", str(smollm2_path), "--draft", "lookup",
+                               "-M", mode, "--ranks", "2", "--profile", str(profile), "-n", "60"], input=msgs,
+                              capture_output=True, text=True, timeout=600, env=dict(os.environ))
+
+    auto, iterative = chat("auto"), chat("iterative")
+    assert auto.returncode == 0 and iterative.returncode == 0, auto.stderr + iterative.stderr
+    assert "pipeinfer: -M auto chose pipeinfer" in auto.stderr
+    assert "pipeinfer: -M auto: measured acceptance " in auto.stderr and "re-planned --n-draft " in auto.stderr
+    assert auto.stdout == iterative.stdout
