@@ -266,3 +266,21 @@ class Replanner:
         pred = "" if speed is None else f" (predicted {speed:.2f} tok/s)"
         self.say(f"pipeinfer: -M auto: measured acceptance {m.rate:.2f} over {m.drafted} drafted tokens "
                  f"(assumed {before:.2f}): re-planned {knobs}{pred}")
+
+
+def hindsight(cfg: JobConfig, choice: AutoChoice, n_ranks: int, drafted: int, accepted: int) -> str | None:
+    """After generate's one request: when its acceptance left the one planned on by the margin
+    (planner/replan.py), what the plan at the measured rate would have chosen; else None."""
+    from ..decode.modes import needs_draft
+    from ..planner.replan import MeasuredAcceptance
+
+    planned = DEFAULT_ACCEPTANCE if choice.acceptance.rate is None else choice.acceptance.rate
+    m = MeasuredAcceptance(planned)
+    m.add(drafted, accepted)
+    if not needs_draft(choice.mode) or not m.should_replan() or cfg.profile is None:
+        return None
+    d, speed = replan_settings(cfg, choice.mode, n_ranks, m.rate)
+    pred = "" if speed is None else f", predicted {speed:.2f} tok/s"
+    return (f"pipeinfer: -M auto: measured acceptance {m.rate:.2f} over {drafted} drafted tokens (planned on "
+            f"{planned:.2f}): at that rate the plan picks n_draft {d.n_draft}, p_accept {d.p_accept}, max_inflight "
+            f"{d.max_inflight}{pred}; `pipeinfer calibrate --draft` measures a draft's acceptance ahead")

@@ -108,7 +108,7 @@ def generate(
 
     request = Request(mode=prep.mode, prompt=given.text if given else None, chat=given.messages if given else None,
                       stop=check_stop_strings(stop), trace_depth=CHAIN_DEPTH if save_trace else None)
-    _run_and_print(cfg, request, as_json, prep.auto, save_trace)
+    _run_and_print(cfg, request, as_json, prep.auto, save_trace, prep.ranks)
 
 
 def _check_save_trace(path: Path | None, job) -> None:
@@ -159,7 +159,8 @@ def _relaunch(n_ranks: int, given, whole_host: bool = False) -> int:
         return relaunch(n_ranks, _stdin_as_file(argv, f.name))
 
 
-def _run_and_print(cfg: JobConfig, request: Request, as_json: bool, auto: AutoChoice | None = None, save_trace: Path | None = None) -> None:
+def _run_and_print(cfg: JobConfig, request: Request, as_json: bool, auto: AutoChoice | None = None, save_trace: Path | None = None,
+                   n_ranks: int = 1) -> None:
     """Run the job on this rank; the head streams the text (or prints the JSON) and the summary,
     then saves the trace (--save-trace)."""
     from ..runtime.job import run_job
@@ -179,6 +180,12 @@ def _run_and_print(cfg: JobConfig, request: Request, as_json: bool, auto: AutoCh
         sys.stdout.write("\n")
         sys.stdout.flush()
         err.print(summary_line(result, auto), markup=False, highlight=False)
+    if auto is not None:  # -M auto: what the plan would have chosen at the acceptance the request measured
+        from .auto_mode import hindsight
+
+        line = hindsight(cfg, auto, n_ranks, result.acceptance.drafted, result.acceptance.accepted)
+        if line:
+            err.print(line, markup=False, highlight=False)
     if save_trace is not None:
         from ..runtime.job_trace import save_job_trace
 
