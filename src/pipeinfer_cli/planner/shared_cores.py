@@ -21,10 +21,19 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .sim_pipeline import SimulatedPipeline
+
+class StagedPipeline(Protocol):
+    """What the host CPU model reads of the simulated pipeline (planner/sim_pipeline.py, which
+    imports this module): its stages' costs, the links between them and the row width."""
+
+    stages: list
+    links: list
+    cancel_links: list
+    n_stages: int
+    n_embd: int
+
 
 HEADER_BYTES = 64  # a run header or a result header on the wire (ids, flags, positions)
 
@@ -110,7 +119,7 @@ class CoreSim:
     """Workers 0..n_stages-1 are the pipeline's stages (0: the head), a draft rank is worker n_stages.
     `pipe` is the SimulatedPipeline whose stages, links and cancel links it reads (never changes)."""
 
-    def __init__(self, pipe: SimulatedPipeline, hosts: list[str], threads: list[int], usable: dict[str, float]):
+    def __init__(self, pipe: StagedPipeline, hosts: list[str], threads: list[int], usable: dict[str, float]):
         self.pipe = pipe
         self.workers = [Worker(h, n) for h, n in zip(hosts, threads)]
         self.cpus = {h: HostCPU(u) for h, u in usable.items()}
@@ -271,7 +280,7 @@ def usable_cpus(rc) -> float:
     return float(rc.usable_cpus if rc.usable_cpus is not None else rc.cores)
 
 
-def core_sim(pipe: SimulatedPipeline, draft_rank=None, draft_threads: int | None = None) -> CoreSim:
+def core_sim(pipe: StagedPipeline, draft_rank=None, draft_threads: int | None = None) -> CoreSim:
     """The CPU model of a pipeline's hosts: a worker per stage (and the draft rank, if any), each on
     its profile rank's host with the threads it was measured with; a host's usable CPUs are the
     least any of its ranks recorded."""
