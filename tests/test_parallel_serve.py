@@ -281,7 +281,7 @@ def test_a_rank_killed_from_outside_gives_every_client_an_error(smollm2_path, tm
     last = json.loads(rest[-1])
     assert "error" in last, rest[-3:]
     error = last["error"]
-    want = f"rank 1 (stage 2 of 2, host "
+    want = "rank 1 (stage 2 of 2, host "
     assert "the job failed" in error["message"] and want in error["message"] and how in error["message"], error
     for name in ("unstreamed", "queued"):
         status, body = results[name]
