@@ -60,6 +60,12 @@ class SlotGeometry:
         """Whether the slots' sequences fit the engine's MAX_SEQUENCES."""
         return self.n_seq <= MAX_SEQUENCES
 
+    def engine_seq(self, slot: int, s: int) -> int:
+        """The engine's sequence id of slot `slot`'s sequence `s` (ValueError outside the slot)."""
+        if not 0 <= s < self.seqs_per_slot:
+            raise ValueError(f"sequence {s} is outside slot {slot}'s {self.seqs_per_slot} sequences")
+        return slot * self.seqs_per_slot + s
+
     def max_inflight_fitting(self, max_branches: int) -> int:
         """The largest --max-inflight whose slots would fit MAX_SEQUENCES (at least 1)."""
         return max(1, (MAX_SEQUENCES // self.n_slots - 2) // max(1, max_branches))

@@ -186,7 +186,6 @@ class SimSlot:
         self.mux, self.index = mux, index
         sim, g = mux.sim, mux.geometry
         self.n_stages, self.trace, self.clock = sim.n_stages, sim.trace, sim.clock
-        self.seq_base = index * g.seqs_per_slot
         self.engine = SimpleNamespace(n_seq_max=g.seqs_per_slot, n_ctx=g.cells_per_slot)
         self.ready: deque[RunResult] = deque()
         self.inflight = 0
@@ -194,9 +193,7 @@ class SimSlot:
         self.token_of: Callable[[int], int] = lambda pos: 0
 
     def _seq(self, s: int) -> int:
-        if not 0 <= s < self.mux.geometry.seqs_per_slot:
-            raise ValueError(f"sequence {s} is outside slot {self.index}'s {self.mux.geometry.seqs_per_slot} sequences")
-        return self.seq_base + s
+        return self.mux.geometry.engine_seq(self.index, s)
 
     def set_sampling(self, params: SamplingParams) -> None:
         self.sampling = params

@@ -95,7 +95,6 @@ class SlotPipeline:
         self.mux, self.index = mux, index
         pipe = mux.pipe
         self.n_stages, self.trace = pipe.n_stages, pipe.trace
-        self.seq_base = index * mux.geometry.seqs_per_slot
         self.engine = SlotEngine(mux.geometry.seqs_per_slot, mux.geometry.cells_per_slot, pipe.engine)
         self.ready: deque[RunResult] = deque()
         self.inflight = 0  # runs launched whose result has not arrived
@@ -107,9 +106,7 @@ class SlotPipeline:
 
     # -- the slot's sequences ----------------------------------------------------------------
     def _seq(self, s: int) -> int:
-        if not 0 <= s < self.mux.geometry.seqs_per_slot:
-            raise ValueError(f"sequence {s} is outside slot {self.index}'s {self.mux.geometry.seqs_per_slot} sequences")
-        return self.seq_base + s
+        return self.mux.geometry.engine_seq(self.index, s)
 
     # -- PipelineLike ----------------------------------------------------------------------
     def set_sampling(self, params: SamplingParams) -> None:
