@@ -14,6 +14,10 @@ import sys
 import time
 
 ABORT_GRACE_S = 3.0  # a rank told to abort waits this long for the head to print the error and leave
+# Before the job starts the head is known to be alive (it just answered), so a rank waits longer
+# for it: a rank that leaves by itself at the moment the launcher kills it can be reported as
+# killed (Hydra's status 9 instead of a usage error's 2), which a loaded machine made happen.
+START_ABORT_GRACE_S = 10.0
 
 
 def hard_exit(code: int) -> None:
@@ -23,12 +27,12 @@ def hard_exit(code: int) -> None:
     os._exit(code)
 
 
-def leave_after_head(code: int = 1) -> None:
+def leave_after_head(code: int = 1, grace_s: float = ABORT_GRACE_S) -> None:
     """A non-head rank of a failed job: let the head leave first, then exit without MPI_Finalize.
 
     The head prints the error and exits; the launcher then kills this process. If the head cannot
-    (it is stuck or dead), leave after ABORT_GRACE_S: the launcher then ends the job."""
-    time.sleep(ABORT_GRACE_S)
+    (it is stuck or dead), leave after grace_s: the launcher then ends the job."""
+    time.sleep(grace_s)
     hard_exit(code)
 
 
