@@ -3,6 +3,8 @@ tokens, the running total over the requests so far."""
 
 from __future__ import annotations
 
+import time
+
 from pipeinfer_cli.planner.replan import REPLAN_MARGIN, REPLAN_MIN_DRAFTED, MeasuredAcceptance
 
 
@@ -86,3 +88,32 @@ def test_a_replanned_chat_prints_iteratives_tokens(smollm2_path, tmp_path):
     assert "pipeinfer: -M auto chose pipeinfer" in auto.stderr
     assert "pipeinfer: -M auto: measured acceptance " in auto.stderr and "re-planned --n-draft " in auto.stderr
     assert auto.stdout == iterative.stdout
+
+
+def test_a_server_plans_again_as_it_serves_and_its_answers_stay_iteratives(smollm2_path, tmp_path):
+    """serve -M auto with prompt lookup plans on an assumed 60 %; counting answers measure far from
+    it, so the server plans again after the requests that ran on auto's settings (saying so on
+    stderr), and the answers before and after equal `iterative`'s."""
+    from planning import smollm2_profile
+    from serving import run_generate, start_server
+
+    profile = smollm2_profile(smollm2_path, tmp_path)
+    prompt = "Count from 1 to 30, separated by commas."
+    server = start_server(smollm2_path, "--draft", "lookup", "-M", "auto", "--ranks", 2, "--profile", profile,
+                          "-n", 60, log_dir=tmp_path)
+    try:
+        answers = []
+        for _ in range(3):
+            status, body = server.post_json("/v1/completions", {"prompt": prompt, "max_tokens": 60, "temperature": 0})
+            assert status == 200, body
+            answers.append(body["choices"][0]["text"])
+        deadline = time.monotonic() + 60
+        while "re-planned --n-draft " not in server.stderr() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the plan is redone on a thread of its own
+        log = server.stderr()
+    finally:
+        server.stop()
+    assert "-M auto chose pipeinfer" in log, log
+    assert "pipeinfer: -M auto: measured acceptance " in log and "re-planned --n-draft " in log, log
+    iterative = run_generate(smollm2_path, "-p", prompt, "-n", 60, "--temp", 0, "-M", "iterative", "--ranks", 2)
+    assert answers == [iterative["text"]] * 3

@@ -14,6 +14,7 @@ same mode, when the acceptance measured so far leaves the one planned on by a ma
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -246,8 +247,18 @@ class Replanner:
 
         self.cfg, self.choice, self.n_ranks, self.say = cfg, choice, n_ranks, say
         self.decode = choice.decode
+        self._lock = threading.Lock()  # serve: one re-count at a time (after_in_background)
         rate = choice.acceptance.rate
         self.measured = MeasuredAcceptance(DEFAULT_ACCEPTANCE if rate is None else rate)
+
+    def after_in_background(self, drafted: int, accepted: int) -> None:
+        """serve: count a finished request; plan again on a thread of its own, so that the pipeline
+        goes on with the current settings meanwhile (requests are counted in the order they end)."""
+        def count() -> None:
+            with self._lock:
+                self.after(drafted, accepted)
+
+        threading.Thread(target=count, daemon=True, name="pipeinfer-replan").start()
 
     def after(self, drafted: int, accepted: int) -> None:
         """Count a finished request's acceptance; plan again (and say so) when it left the plan's."""

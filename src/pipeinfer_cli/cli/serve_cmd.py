@@ -120,7 +120,7 @@ def serve(
     run_here_or_relaunch(prep, start.inside, prep.has_draft,
                          lambda: relaunch(prep.ranks, sys.argv[1:], clean_stop=stopped_line,
                                           rank_timeout_s=prep.cfg.rank_timeout_s))
-    _serve_on_this_rank(prep.cfg, prep.mode, host, port, queue, api_key, prep.auto)
+    _serve_on_this_rank(prep.cfg, prep.mode, host, port, queue, api_key, prep.auto, prep.ranks)
 
 
 def default_split(job, parallel: int, environ=os.environ) -> str | None:
@@ -199,7 +199,8 @@ def check_parallel(cfg: JobConfig) -> None:
                                f"to {most}")
 
 
-def _serve_on_this_rank(cfg: JobConfig, mode: str, host: str, port: int, queue: int, api_key: str | None, auto=None) -> None:
+def _serve_on_this_rank(cfg: JobConfig, mode: str, host: str, port: int, queue: int, api_key: str | None, auto=None,
+                        n_ranks: int = 1) -> None:
     """Rank 0: the HTTP server (its own thread) and the pipeline (this thread). Other ranks: the pipeline."""
     from mpi4py import MPI
 
@@ -210,6 +211,8 @@ def _serve_on_this_rank(cfg: JobConfig, mode: str, host: str, port: int, queue: 
         run_service(cfg, None)
         return
     service = Service(max_queue=queue, mode=mode, on_ready=lambda s: _banner(s, host, port, auto), parallel=cfg.parallel)
+    if auto is not None:
+        _replan_as_it_serves(service, cfg, auto, n_ranks)
     http = _HttpStarter(service, cfg, host, port, api_key)
     stopped_by = _stop_on_signals(service)
     try:
@@ -221,6 +224,23 @@ def _serve_on_this_rank(cfg: JobConfig, mode: str, host: str, port: int, queue: 
     finally:
         http.stop()
     err.print(stopped_line(stopped_by[0] if stopped_by else None), markup=False, highlight=False)
+
+
+def _replan_as_it_serves(service, cfg: JobConfig, auto, n_ranks: int) -> None:
+    """-M auto: requests that bring no settings of their own run on auto's, planned again when the
+    acceptance measured over the requests served so far leaves the one planned on (as chat does
+    between turns: cli/auto_mode.Replanner); the line that says so goes to stderr."""
+    from .auto_mode import Replanner
+
+    plan = Replanner(cfg, auto, n_ranks, lambda line: err.print(line, markup=False, highlight=False))
+    service.default_decode = lambda: plan.decode
+
+    def count(ticket, result: GenerationResult) -> None:
+        ran_on_auto = (ticket.request.mode or service.default_mode()) == auto.mode and not ticket.request.speculative
+        if ran_on_auto and result.acceptance is not None and result.acceptance.drafted:
+            plan.after_in_background(result.acceptance.drafted, result.acceptance.accepted)
+
+    service.add_observer(count)
 
 
 def stopped_line(signal_name: str | None) -> str:

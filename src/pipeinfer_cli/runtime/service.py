@@ -153,6 +153,9 @@ class Service:
         self._seq = 0
         self._runs = 0  # requests taken off the queue so far
         self._observers: list[Callable[[Ticket, GenerationResult], None]] = []
+        # The settings of requests that bring none (-M auto's, planned again as the server runs:
+        # cli/serve_cmd.py); None: the job's.
+        self.default_decode: Callable[[], DecodeOptions] | None = None
         # Called every half second on the pipeline thread while no request runs: it reads the
         # other ranks' heartbeats (which would pile up unread) and raises if a rank stopped
         # answering, so an idle server notices a dead rank too (run_service sets it).
@@ -247,9 +250,9 @@ class Service:
         from dataclasses import replace
 
         spec = request.speculative or {}
+        d = self.cfg.decode if self.default_decode is None else self.default_decode()
         if not spec:
-            return self.cfg.decode
-        d = self.cfg.decode
+            return d
         n_max, n_min = spec.get("n_max", d.n_draft), spec.get("n_min", d.n_min)
         if n_min > n_max:
             raise InvalidRequest(f"speculative.n_min ({n_min}) is larger than speculative.n_max ({n_max}); "
@@ -284,7 +287,7 @@ class Service:
         r = ticket.request
         return Request(mode=r.mode or self.default_mode(), label=str(ticket.seq), stop=list(r.stop),
                        sampling=r.sampling, n_predict=r.n_predict,
-                       decode=self.decode_options(r) if r.speculative else None,
+                       decode=self.decode_options(r) if r.speculative or self.default_decode else None,
                        cancelled=lambda t=ticket: t.cancelled or self.status != "ok")
 
     # -- what the parallel runner calls (runtime/parallel.py) ---------------------------------------
