@@ -36,6 +36,27 @@ def test_two_computations_on_one_cpu_share_it():
     assert _drain(cpu) == pytest.approx({"a": 0.020, "b": 0.020})
 
 
+def test_a_host_below_one_cpu_slowed_its_rank_in_calibration_already():
+    """A rank of 1 thread on a host of a quarter CPU was calibrated at that quota: alone it runs at
+    its measured speed (not a quarter of it, which predicted 8 capped hosts 3.6x too slow); a second
+    computation there halves both, as on a host of one CPU."""
+    cpu = HostCPU(0.25)
+    a = Computation(1, 0.010, 0.0, task="a")
+    cpu.start(0.0, a)
+    assert a.rate == 1.0 and _drain(cpu) == {"a": 0.010}
+    a, b = Computation(1, 0.010, 0.0, task="a"), Computation(1, 0.010, 0.0, task="b")
+    cpu.start(0.0, a)
+    cpu.start(0.0, b)
+    assert a.rate == b.rate == 0.5
+    assert _drain(cpu) == pytest.approx({"a": 0.020, "b": 0.020})
+    two = HostCPU(0.5)  # a 2-thread rank on half a CPU, calibrated there, and a 1-thread draft beside it
+    c, d = Computation(2, 0.010, 0.0, task="c"), Computation(1, 0.010, 0.0, task="d")
+    two.start(0.0, c)
+    assert c.rate == 1.0
+    two.start(0.0, d)
+    assert c.rate == pytest.approx(2 / 3) and d.rate == pytest.approx(1 / 3)
+
+
 def test_a_computation_that_starts_later_shares_only_while_both_run():
     # a alone for 5 ms (5 ms of work left), then both at half speed: a's 5 ms take 10 (ends at 15),
     # b has done 5 of its 10 ms by then and finishes alone at 20.

@@ -64,6 +64,19 @@ def test_the_replanner_plans_the_mode_again_at_the_measured_rate_and_says_so(smo
     assert len(lines) == 1 and lines[0].startswith(
         "pipeinfer: -M auto: measured acceptance 1.00 over 48 drafted tokens (assumed 0.60): re-planned --n-draft ")
     assert plan.decode.n_predict == 24 and plan.decode != start
+    assert plan.decode.max_inflight == 1  # the job's KV sequences hold the first choice's runs in flight, no more
+
+
+def test_the_search_keeps_runs_in_flight_within_a_started_jobs_sequences():
+    from pipeinfer_cli.decode.session import DecodeOptions
+    from pipeinfer_cli.planner.search import MAX_INFLIGHT, candidate_options
+
+    opts = DecodeOptions()
+    free = {o.max_inflight for o in candidate_options("pipeinfer", opts, n_stages=4)}
+    assert max(free) == max(f for f in MAX_INFLIGHT if f <= 8) and min(free) == min(MAX_INFLIGHT)
+    assert {o.max_inflight for o in candidate_options("pipeinfer", opts, n_stages=4, max_inflight_cap=3)} == \
+        {f for f in MAX_INFLIGHT if f <= 3}
+    assert {o.max_inflight for o in candidate_options("pipeinfer", opts, n_stages=4, max_inflight_cap=1)} == {1}
 
 
 def test_a_replanned_chat_prints_iteratives_tokens(smollm2_path, tmp_path):

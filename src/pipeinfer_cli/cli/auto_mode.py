@@ -222,8 +222,10 @@ def from_env(text: str, decode: DecodeOptions) -> AutoChoice:
                       d["threads"])
 
 
-def replan_settings(cfg: JobConfig, mode: str, n_ranks: int, rate: float) -> tuple[DecodeOptions, float | None]:
-    """The planner's best settings for `mode` (the job's: its ranks were started for it) at `rate`."""
+def replan_settings(cfg: JobConfig, mode: str, n_ranks: int, rate: float,
+                    max_inflight_cap: int | None = None) -> tuple[DecodeOptions, float | None]:
+    """The planner's best settings for `mode` (the job's: its ranks were started for it) at `rate`;
+    max_inflight_cap: the runs in flight the started job's KV sequences hold (search.candidate_options)."""
     from ..decode.modes import needs_draft
     from ..planner import search
     from ..planner.plan import Replay
@@ -234,7 +236,7 @@ def replan_settings(cfg: JobConfig, mode: str, n_ranks: int, rate: float) -> tup
     topo = job_topology(cfg.model_path, cfg.model_label, n_ranks, cfg.layer_split, cfg.draft_path, cfg.draft,
                         needs_draft(mode), mode, cfg.profile, cfg.n_ctx)
     best = search.search_settings(prof, topo, mode, Replay([search.auto_request(None, n_gen)], rate), cfg.decode,
-                                  cfg.n_ctx)
+                                  cfg.n_ctx, max_inflight_cap=max_inflight_cap)
     return best.opts, best.tok_per_s
 
 
@@ -269,7 +271,9 @@ class Replanner:
             return
         m = self.measured
         before = m.planned
-        self.decode, speed = replan_settings(self.cfg, self.choice.mode, self.n_ranks, m.rate)
+        # The job's KV sequences were opened for the first choice's runs in flight: no more fit.
+        self.decode, speed = replan_settings(self.cfg, self.choice.mode, self.n_ranks, m.rate,
+                                             max_inflight_cap=self.choice.decode.max_inflight)
         m.replanned()
         d = self.decode
         knobs = f"--n-draft {d.n_draft}" + (f" -pa {d.p_accept} --max-inflight {d.max_inflight}"

@@ -52,21 +52,26 @@ class Choice:
     per_mode: dict[str, ModeBest] = field(default_factory=dict)
 
 
-def candidate_options(mode: str, opts: DecodeOptions, n_stages: int = 2) -> list[DecodeOptions]:
+def candidate_options(mode: str, opts: DecodeOptions, n_stages: int = 2,
+                      max_inflight_cap: int | None = None) -> list[DecodeOptions]:
+    """max_inflight_cap: the most runs in flight a job already started can hold (its KV sequences
+    were opened for its first settings); None: any the grid has."""
     if mode == "iterative" or not needs_draft(mode):
         return [opts]
     if mode == "speculative":
         return [replace(opts, n_draft=k) for k in N_DRAFT]
-    inflight = [f for f in MAX_INFLIGHT if f <= max(4, 2 * n_stages)]
+    inflight = [f for f in MAX_INFLIGHT if f <= max(4, 2 * n_stages)
+                and (max_inflight_cap is None or f <= max_inflight_cap)] or [max_inflight_cap]
     return [replace(opts, n_draft=k, p_accept=p, max_inflight=f)
             for k, p, f in itertools.product(N_DRAFT, P_ACCEPT, inflight)]
 
 
 def search_settings(profile: Profile, topo: Topology, mode: str, replay: Replay, opts: DecodeOptions, n_ctx: int,
-                    on_step: Callable[[int, int], None] | None = None) -> ModeBest:
+                    on_step: Callable[[int, int], None] | None = None,
+                    max_inflight_cap: int | None = None) -> ModeBest:
     """The options among `candidate_options` with the highest predicted median tok/s."""
     best = None
-    cands = candidate_options(mode, opts, len(topo.stage_ranks))
+    cands = candidate_options(mode, opts, len(topo.stage_ranks), max_inflight_cap)
     for i, cand in enumerate(cands, start=1):
         s = summarize(run_mode(profile, topo, mode, replay, cand, n_ctx))
         speed = s.tok_per_s

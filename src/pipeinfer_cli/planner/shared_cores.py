@@ -4,7 +4,9 @@ Calibration times every rank alone (the others asleep), so a rank's measured sec
 seconds with the CPU to itself. When several ranks of one host compute at once with more threads
 than the host's usable CPUs, each computation stretches: processor sharing, every computation on
 the host advancing at usable / threads busy of its own speed (never faster than alone), the rate
-recomputed whenever a computation on that host starts or ends. An idle rank does not compete
+recomputed whenever a computation on that host starts or ends. A host whose quota is below one
+rank's threads (a container of half a CPU) slowed that rank in its calibration already: alone, it
+runs at its measured speed (HostCPU.share). An idle rank does not compete
 (ranks sleep while they wait). A host whose threads never exceed its CPUs runs every computation
 at its measured speed.
 
@@ -70,10 +72,19 @@ class HostCPU:
         self.running.remove(c)
         self._rerate(t)
 
+    def share(self, threads: int, busy: int) -> float:
+        """A computation's speed against its calibrated one while `busy` threads compute on the
+        host. Calibration ran it alone on min(threads, usable) CPUs (a quota below its threads
+        had already slowed it: that is in its measured seconds, not to be charged twice); shared,
+        it gets usable × threads / busy of them."""
+        if busy <= 0:
+            return 1.0
+        return min(1.0, self.usable * threads / busy / min(threads, self.usable))
+
     def _rerate(self, t: float) -> None:
         busy = sum(c.threads for c in self.running)
-        rate = min(1.0, self.usable / busy) if busy else 1.0
         for c in self.running:
+            rate = self.share(c.threads, busy)
             if c.rate != rate:  # only a change of rate rebases: an unshared computation keeps start + work
                 c.remaining -= (t - c.base_t) * c.rate
                 c.base_t, c.rate = t, rate
