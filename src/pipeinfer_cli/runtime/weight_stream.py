@@ -347,9 +347,9 @@ def _wait_from_head(link: Link, tag: Tag, stall_s: float):
         if link.probe(0, Tag.STARTUP) is not None:
             answer = link.recv_pickled(0, Tag.STARTUP)
             if answer[0] == "abort":
-                from ..transport.exits import START_ABORT_GRACE_S, leave_after_head
+                from ..transport.exits import leave_before_start
 
-                leave_after_head(answer[1], START_ABORT_GRACE_S)
+                leave_before_start(answer[1])
         if time.monotonic() > deadline:
             return None
         backoff.idle()

@@ -36,6 +36,12 @@ def leave_after_head(code: int = 1, grace_s: float = ABORT_GRACE_S) -> None:
     hard_exit(code)
 
 
+def leave_before_start(code: int) -> None:
+    """A non-head rank of a job that failed before it started: leave_after_head with the longer
+    start-up grace (START_ABORT_GRACE_S: the head has just answered, so it is alive)."""
+    leave_after_head(code, START_ABORT_GRACE_S)
+
+
 def head_failed(code: int = 1) -> None:
     """The head of a failed multi-rank job: once the error is reported (at interpreter exit), leave
     without MPI_Finalize, so that the launcher stops the ranks waiting in leave_after_head at once."""

@@ -90,9 +90,9 @@ class Startup:
             self._report_alone(mine.error, mine.exit_code)  # the head is gone or cut off
         answer = self.link.recv_pickled(0, Tag.STARTUP)
         if answer[0] != "go":
-            from .exits import START_ABORT_GRACE_S, leave_after_head
+            from .exits import leave_before_start
 
-            leave_after_head(answer[1], START_ABORT_GRACE_S)  # the head reports the error and ends the job, with this status
+            leave_before_start(answer[1])  # the head reports the error and ends the job, with this status
         if mine.phase == "start":
             self.started, self.hosts = True, answer[2]
             started_now()
@@ -168,12 +168,12 @@ class Startup:
         if self.link.rank == 0:
             self._abort(exit_code)
             return
-        from .exits import START_ABORT_GRACE_S, leave_after_head
+        from .exits import leave_before_start
 
         self.link.send_pickled(CheckIn("start", self.host, None, message, exit_code), 0, Tag.STARTUP)
         self.link.flush(timeout_s=2)
         if self.link.arrives_within(0, Tag.STARTUP, FAILED_RANK_WAIT_S):
-            leave_after_head(exit_code, START_ABORT_GRACE_S)  # the head prints the job's error
+            leave_before_start(exit_code)  # the head prints the job's error
         self._report_alone(message, exit_code)
 
 
