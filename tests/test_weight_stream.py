@@ -1,4 +1,5 @@
-"""Weights from the head (runtime/weight_stream.py, weight_slices.py, slice_cache.py).
+"""Weights from the head (runtime/weight_stream.py, models/weight_copies.py, transport/weight_transfer.py,
+models/weight_slices.py, models/slice_cache.py).
 
 - Which tensors a stage's slice holds, for any layer count and split (a property).
 - A slice is a GGUF the layer engine loads to exactly the whole file's hidden states and logits.
@@ -158,19 +159,19 @@ def test_partial_files_of_cut_streams_are_removed_at_start_and_said(cache, capsy
     """A rank killed (SIGKILL) while it was sent its weights leaves its partial file; the next job
     that starts a rank on that host removes it, in one line on stderr, even when that rank needs
     no stream (it reads the model locally)."""
-    from pipeinfer_cli.runtime.weight_stream import _remove_cut_streams
+    from pipeinfer_cli.models.weight_copies import remove_cut_streams
 
     (cache / "slices").mkdir(parents=True)
     dead = cache / "slices" / f".{'ab' * 32}.layers-15-29.gguf~{socket.gethostname()}~999999999.partial"
     alive = cache / "slices" / f".y.gguf~{socket.gethostname()}~{os.getpid()}.partial"
     dead.write_bytes(b"x" * 2_500_000)
     alive.write_bytes(b"part")
-    _remove_cut_streams("rank 1 (host h)")
+    remove_cut_streams("rank 1 (host h)")
     err = capsys.readouterr().err.splitlines()
     assert err == [f"pipeinfer: rank 1 (host h): removed the partial file {dead.name} (2.5 MB) that a cut stream "
                    f"of weights left in the node cache {cache / 'slices'}"], err
     assert not dead.exists() and alive.exists()  # a running writer's file stays
-    _remove_cut_streams("rank 1 (host h)")
+    remove_cut_streams("rank 1 (host h)")
     assert capsys.readouterr().err == ""  # nothing left to say
 
 

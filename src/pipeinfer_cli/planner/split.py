@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from ..models.layer_split import min_max_split
 from .costs import grid_seconds
 from ..wording import human_bytes, plural
 from .profile import Profile
+
+if TYPE_CHECKING:
+    from ..models.gguf_info import ModelInfo
 
 TYPICAL_PROMPT = 256
 TYPICAL_GEN = 128
@@ -48,6 +53,27 @@ class JobMemory:
 
     def kv_bytes(self, n_layers: int) -> int:
         return n_layers * self.n_ctx * self.kv_bytes_per_cell
+
+
+def profile_for_split(profile_path: Path, model_path: Path, model_label: str, info: ModelInfo, n_ctx: int,
+                      draft_path: Path | None, world_size: int, draft_rank: bool,
+                      identity_checked: bool = False) -> tuple[Profile, JobMemory]:
+    """What `--layer-split auto` splits by: the profile (checked to be of this model, unless the
+    caller did: identity_checked), and the job's memory besides the target's weights: the KV cache
+    at n_ctx cells (info: the target's gguf_info.ModelInfo), and a draft model's weights and its
+    own KV cache on the rank that runs it (draft_path: None when the job runs no draft model)."""
+    from ..models.gguf_info import read_model_info
+    from .identity import model_sha256
+
+    profile = Profile.load(profile_path)
+    if not identity_checked:
+        profile.check_model(model_label, model_path.stat().st_size, f"the profile {profile_path}",
+                            model_sha256(model_path))
+    draft_bytes = 0
+    if draft_path is not None:
+        d = read_model_info(draft_path)
+        draft_bytes = d.file_size + d.n_layer * n_ctx * d.kv_bytes_per_cell
+    return profile, JobMemory(n_ctx, info.kv_bytes_per_cell, draft_bytes, world_size - 1 if draft_rank else None)
 
 
 def drafts_under_load(parallel: int, n_stages: int, load_policy: str = "yield") -> bool:

@@ -22,14 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..models.model_identity import file_sha256
+from ..models.weight_copies import ModelFiles, Need, digests_needed, pick_copy, remove_cut_streams
 from ..transport.mpi_link import Link
 from .calibrate_probes import ProbeSpec, probe_layers
 from .job_config import JobConfig
 from .topology import Topology, plan_config
-from .weight_stream import (
-    ModelFiles, Need, _label, _pick, _receive, _remove_cut_streams, _source_for, _stream_to, _whoami,
-)
+from .weight_stream import receive_needs, stream_what_ranks_need, whoami
 
 if TYPE_CHECKING:
     from ..models.gguf_info import ModelInfo
@@ -71,42 +69,31 @@ def share_probe_weights(link: Link, startup: Startup, cfg: JobConfig, spec: Prob
 
     files = startup.start_values
     hosts = startup.hosts
-    _remove_cut_streams(_whoami(link, startup))
+    remove_cut_streams(whoami(link, startup))
     if link.rank == 0:
         info = read_model_info(cfg.model_path)
         counts = {hosts.count(h) for h in hosts}
         topos = {c: plan_config(cfg, link.size, c, not cfg.draft.is_none) for c in counts}
-        digests = _digests(cfg, files, spec, topos[hosts.count(hosts[0])], runs_draft)
+        digests = digests_needed(files, _wants(cfg, spec, topos[hosts.count(hosts[0])], runs_draft, len(files)))
         startup.check_in("plan", (topos, info, digests, spec))
-        needs = startup.check_in("weights", [])
-        for rank, wanted in enumerate(needs):
-            for need in wanted:
-                _stream_to(link, _source_for(cfg, need, digests), _label(cfg, need), rank, hosts[rank], need, say)
+        stream_what_ranks_need(link, startup, cfg, digests, say)
         return topos[hosts.count(hosts[0])], info, spec
     topos, info, digests, spec = startup.check_in("plan")[0]
     topo = topos[hosts.count(hosts[link.rank])]
     paths, needs = _pick_probe(link, startup, files, digests, probe_parts(info.layer_bytes),
                                runs_draft(spec, topo, link.rank))
-    startup.check_in("weights", needs)
-    for need in needs:
-        path, _ = _receive(link, _label(cfg, need), need, digests)
+    for need, path, _ in receive_needs(link, startup, cfg, needs, digests):
         paths["draft" if need.what == "draft" else need.layers] = path
     return topo, info, _with_paths(spec, paths, probe_parts(info.layer_bytes))
 
 
-def _digests(cfg: JobConfig, files: list[ModelFiles], spec: ProbeSpec, topo: Topology,
-             runs_draft: Callable[[ProbeSpec, Topology, int], bool]) -> dict[str, str]:
-    """The sha256 of the target when some rank lacks the head's very file (every rank times it),
-    and of the draft when the rank that times it does."""
-    out = {}
-    head = files[0]
-    if any(f.target is None or not f.target.same_file(head.target) for f in files[1:]):
-        out["target"] = file_sha256(head.target)
-    for r in range(1, len(files)):
-        theirs = files[r].draft
-        if runs_draft(spec, topo, r) and cfg.draft_path is not None and (theirs is None or not theirs.same_file(head.draft)):
-            out["draft"] = file_sha256(head.draft)
-    return out
+def _wants(cfg: JobConfig, spec: ProbeSpec, topo: Topology, runs_draft: Callable[[ProbeSpec, Topology, int], bool],
+           n_ranks: int) -> list[tuple[int, str]]:
+    """(rank, model) for every rank but the head: each times the target, and the draft where it runs it."""
+    wants = [(r, "target") for r in range(1, n_ranks)]
+    if cfg.draft_path is not None:
+        wants += [(r, "draft") for r in range(1, n_ranks) if runs_draft(spec, topo, r)]
+    return wants
 
 
 def _pick_probe(link: Link, startup: Startup, files: list[ModelFiles], digests: dict, parts: list[tuple[int, int]],
@@ -114,13 +101,13 @@ def _pick_probe(link: Link, startup: Startup, files: list[ModelFiles], digests: 
     """This rank's paths (by part, and "draft") it has without a stream, and the Needs it asks for."""
     mine, head = files[link.rank], files[0]
     paths, needs = {}, []
-    whole, _ = _pick(mine.target, head.target, digests.get("target"), None, _whoami(link, startup))
+    whole, _ = pick_copy(mine.target, head.target, digests.get("target"), None, whoami(link, startup))
     for part in parts:
         paths[part] = whole or covering_slice(digests.get("target"), part)
         if paths[part] is None:
             needs.append(Need("target", part))
     if draft and head.draft is not None:
-        paths["draft"], _ = _pick(mine.draft, head.draft, digests.get("draft"), None, _whoami(link, startup))
+        paths["draft"], _ = pick_copy(mine.draft, head.draft, digests.get("draft"), None, whoami(link, startup))
         if paths["draft"] is None:
             needs.append(Need("draft", None))
     return paths, needs

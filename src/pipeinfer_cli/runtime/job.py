@@ -29,7 +29,7 @@ from .job_config import JobConfig, Request  # noqa: F401 - part of this module's
 from .loaded import Loaded
 from .loading import load_rank
 from ..decode.modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
-from .topology import Topology, alone_on_cores
+from .topology import Topology, alone_on_cores, plan_config
 from .weight_stream import LoadedWeights, WeightsSource, local_files, share_plan_and_weights
 from ..decode.trace import TraceRecorder
 from .worker import abort_job, serve_worker
@@ -177,7 +177,9 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
         if before_load is not None:
             before_load()
         t0 = time.monotonic()
-        topo, cfg, source = share_plan_and_weights(link, startup, cfg, needs_draft, startup.start_values, _say)
+        hosts = startup.hosts
+        head_plan = plan_config(cfg, link.size, hosts.count(hosts[0]), needs_draft) if link.rank == 0 else None
+        topo, cfg, source = share_plan_and_weights(link, startup, cfg, head_plan, needs_draft, _say)
         loaded = load_rank(cfg, topo, link.rank, requests, needs_draft)
         loaded.weights = _weights_report(source, time.monotonic() - t0, loaded)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there

@@ -288,27 +288,11 @@ def plan_job(model_path: Path, model_label: str, world_size: int, ranks_per_host
         head_extra = draft_path.stat().st_size
     profile = memory = None
     if profile_path is not None and layer_split and parse_layer_split(layer_split)[0] is None:
-        from ..planner.profile import Profile
+        from ..planner.split import profile_for_split
 
-        profile = Profile.load(profile_path)
-        from ..planner.identity import model_sha256
-
-        if not identity_checked:
-            profile.check_model(model_label, Path(model_path).stat().st_size, f"the profile {profile_path}",
-                                model_sha256(Path(model_path)))
-        memory = job_memory(info, n_ctx, draft_path if needs_draft else None, world_size, "/" in layer_split)
+        profile, memory = profile_for_split(profile_path, Path(model_path), model_label, info, n_ctx,
+                                            draft_path if needs_draft else None, world_size, "/" in layer_split,
+                                            identity_checked)
     return plan_topology(world_size, layer_split, info.layer_bytes, info.output_bytes, threads, ranks_per_host,
                          head_extra=head_extra, profile=profile, memory=memory, load=load)
 
-
-def job_memory(info, n_ctx: int, draft_path: Path | None, world_size: int, draft_rank: bool):
-    """What the job holds besides the target's weights (planner.split.JobMemory): the KV cache at
-    n_ctx cells, and a draft model's weights and its own KV cache on the rank that runs it."""
-    from ..models.gguf_info import read_model_info
-    from ..planner.split import JobMemory
-
-    draft_bytes = 0
-    if draft_path is not None:
-        d = read_model_info(draft_path)
-        draft_bytes = d.file_size + d.n_layer * n_ctx * d.kv_bytes_per_cell
-    return JobMemory(n_ctx, info.kv_bytes_per_cell, draft_bytes, world_size - 1 if draft_rank else None)

@@ -1,0 +1,172 @@
+"""A model's bytes from the head to one rank: in chunks, with at most STREAM_WINDOW of them in
+flight, so that no rank ever holds more than its share plus a few chunks; the rank writes them to
+its node cache (`models/slice_cache.py`), checked against the sha256 the head sends at the end.
+
+The head says one line per streamed rank and its progress every PROGRESS_EVERY_S seconds. A side
+that stops hearing from the other for PIPEINFER_START_TIMEOUT seconds raises `WeightsError`; a
+rank that checked in with an error instead of taking its chunks ends the head's send quietly
+(the error is reported at the next check-in, transport/startup.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import PipeinferError
+from ..models.weight_copies import Need, WeightsSource
+from ..wording import human_bytes
+from .faults import stream_rate_limit
+from .messages import Tag
+from .mpi_link import Link
+from .start_waits import start_timeout_s
+
+if TYPE_CHECKING:
+    from ..models.weight_slices import SliceSource
+
+STREAM_CHUNK_BYTES = 4 << 20
+STREAM_WINDOW = 4  # chunks in flight to one rank: bounds the memory a stream takes on both sides
+PROGRESS_EVERY_S = 5.0
+
+
+class WeightsError(PipeinferError):
+    """A rank could not get its weights (a stream cut, a damaged copy, a model the head lacks)."""
+
+
+def send_weights(link: Link, src: SliceSource, label: str, need: Need, rank: int, host: str,
+                 say: Callable[[str], None]) -> None:
+    """Head: send one rank the bytes of src, the part of the model `label` that `need` asks for.
+    Stops early (quietly) when the rank checked in with an error instead (it reports it at the next
+    check-in); raises WeightsError when it stops taking the chunks for PIPEINFER_START_TIMEOUT seconds."""
+    import hashlib
+
+    from ..models.weight_slices import iter_chunks
+
+    say(f"rank {rank} (host {host}) has no copy of {label}: sending it {need.describe()} ({human_bytes(src.total)})")
+    link.send_pickled(("begin", src.total), rank, Tag.WEIGHTS_CTL)
+    digest, sent, t0 = hashlib.sha256(), 0, time.monotonic()
+    last_note = t0
+    stall_s = start_timeout_s()
+    rate = stream_rate_limit()
+    for chunk in iter_chunks(src, STREAM_CHUNK_BYTES):
+        if rate is not None:
+            time.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
+        if not _wait_for_window(link, rank, stall_s, host):
+            return
+        digest.update(chunk)
+        link.send_array(np.frombuffer(chunk, np.uint8), rank, Tag.WEIGHTS)
+        sent += len(chunk)
+        now = time.monotonic()
+        if now - last_note >= PROGRESS_EVERY_S:
+            last_note = now
+            say(f"rank {rank}: {human_bytes(sent)} of {human_bytes(src.total)} ({100 * sent / src.total:.0f} %), "
+                f"{human_bytes(sent / (now - t0))}/s")
+    link.send_pickled(("end", digest.hexdigest()), rank, Tag.WEIGHTS_CTL)
+    if not _wait_for_window(link, rank, stall_s, host, limit=0):
+        return
+    took = time.monotonic() - t0
+    say(f"rank {rank}: {human_bytes(sent)} in {took:.1f} s ({human_bytes(sent / max(took, 1e-9))}/s); "
+        "it keeps them in its node cache for the next job")
+
+
+def _wait_for_window(link: Link, rank: int, stall_s: float, host: str, limit: int = STREAM_WINDOW - 1) -> bool:
+    """Head: wait until at most `limit` sends are in flight. False when the rank checked in with an
+    error instead of taking them (it is reported at the next check-in)."""
+    backoff = link.backoff(hi=5e-3)
+    last_count, last_change = link.sends_in_flight(), time.monotonic()
+    while link.sends_in_flight() > limit:
+        if link.probe(rank, Tag.STARTUP) is not None:
+            return False
+        link.progress_sends()
+        count = link.sends_in_flight()
+        if count != last_count:
+            last_count, last_change = count, time.monotonic()
+        elif time.monotonic() - last_change > stall_s:
+            raise WeightsError(f"rank {rank} (host {host}) stopped taking its weights: nothing was received for "
+                               f"{stall_s:g} s; check the network between it and the head ({_TIMEOUT_HINT})")
+        backoff.idle()
+    return True
+
+
+_TIMEOUT_HINT = "PIPEINFER_START_TIMEOUT sets how long to wait"
+
+
+def receive_weights(link: Link, label: str, need: Need, model_sha256: str) -> tuple[Path, WeightsSource]:
+    """A rank: take the stream of one Need (of the model called label, whose sha256 names it in the
+    node cache) into the node cache; its path and source."""
+    from ..models.slice_cache import SliceWriter
+
+    stall_s = start_timeout_s()
+    _, total = _recv_ctl(link, stall_s, "the start of the stream")
+    t0 = time.monotonic()
+    with SliceWriter(label, model_sha256, need.layers, total) as out, _sigterm_raises():
+        while out.written < total:
+            got = _wait_chunk(link, stall_s, out.written, total)
+            out.write(memoryview(link.recv_array(0, Tag.WEIGHTS, np.uint8, got)))
+        _, digest = _recv_ctl(link, stall_s, "the end of the stream")
+        path = out.commit(digest)
+    from ..decode.metrics import peak_rss_mib
+
+    return path, WeightsSource("stream", total, time.monotonic() - t0, str(path), round(peak_rss_mib(), 1))
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While a stream is written, SIGTERM (a launcher stopping the job) raises, so that the partial
+    file is removed on the way out. (SIGKILL cannot be caught: its partial file is removed when the
+    next job starts a rank on this host, or by `pipeinfer models prune`.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise WeightsError("stopped by SIGTERM while the weights were streamed")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _recv_ctl(link: Link, stall_s: float, what: str):
+    if _wait_from_head(link, Tag.WEIGHTS_CTL, stall_s) is None:
+        raise WeightsError(f"{what} of the weights from the head did not arrive within {stall_s:g} s ({_TIMEOUT_HINT})")
+    return link.recv_pickled(0, Tag.WEIGHTS_CTL)
+
+
+def _wait_chunk(link: Link, stall_s: float, done: int, total: int):
+    got = _wait_from_head(link, Tag.WEIGHTS, stall_s)
+    if got is None:
+        raise WeightsError(f"the weights from the head stopped after {human_bytes(done)} of {human_bytes(total)}: "
+                           f"nothing arrived for {stall_s:g} s; check the network between this host and the head "
+                           f"({_TIMEOUT_HINT})")
+    return got
+
+
+def _wait_from_head(link: Link, tag: Tag, stall_s: float):
+    """The head's next message of this tag, or None after stall_s seconds without one. A head that
+    failed meanwhile (its start-up answer is an abort) ends this rank the way a check-in would."""
+    deadline = time.monotonic() + stall_s
+    backoff = link.backoff(hi=5e-3)
+    while True:
+        got = link.probe(0, tag)
+        if got is not None:
+            return got
+        if link.probe(0, Tag.STARTUP) is not None:
+            answer = link.recv_pickled(0, Tag.STARTUP)
+            if answer[0] == "abort":
+                from .exits import leave_before_start
+
+                leave_before_start(answer[1])
+        if time.monotonic() > deadline:
+            return None
+        backoff.idle()
