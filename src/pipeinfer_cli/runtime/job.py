@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import describe
@@ -45,11 +46,11 @@ def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object]
     token is committed; on_text(text) with the text to show as tokens are committed (UTF-8
     completed, stop strings held back and cut); on_result(result) after each request.
     """
-    link, cfg, trace, loaded, offsets = _load_job(cfg, requests)
-    if link.rank != 0:
-        serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
+    job = _load_job(cfg, requests)
+    if not job.is_head:
+        job.serve_as_worker()
         return None
-    return serve_requests(link, cfg, loaded, trace, zip(requests, loaded.prompts), offsets,
+    return serve_requests(job.link, job.cfg, job.loaded, job.trace, zip(requests, job.loaded.prompts), job.offsets,
                           Callbacks(on_start, on_token, on_text, on_result))
 
 
@@ -62,19 +63,20 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
     an error it raises ends the job like a failed load. Returns once the job is over; a rank's
     failure is raised on the head after service.fail() told every waiting client.
     """
-    link, cfg, trace, loaded, offsets = _load_job(cfg, [], not cfg.draft.is_none, before_load)
-    if link.rank != 0:
-        serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
+    job = _load_job(cfg, [], not cfg.draft.is_none, before_load)
+    if not job.is_head:
+        job.serve_as_worker()
         return
-    service.attach(cfg, loaded)
+    link, cfg = job.link, job.cfg
+    service.attach(cfg, job.loaded)
     try:
         if cfg.parallel > 1:
             from .parallel import serve_parallel
 
-            serve_parallel(link, cfg, loaded, trace, service, offsets)
+            serve_parallel(link, cfg, job.loaded, job.trace, service, job.offsets)
             return
         service.idle_check = lambda: link.liveness is not None and link.liveness.check()
-        serve_requests(link, cfg, loaded, trace, service.requests(), offsets, service.callbacks())
+        serve_requests(link, cfg, job.loaded, job.trace, service.requests(), job.offsets, service.callbacks())
     except BaseException as exc:
         service.fail(f"the job failed and the server is stopping: {describe(exc)}")
         raise
@@ -87,28 +89,47 @@ def run_head_loop(cfg: JobConfig, head_main: Callable[[Head], None], needs_draft
     meanwhile. When head_main returns the other ranks are shut down; if it raises, they are
     aborted. True on the head.
     """
-    link, cfg, trace, loaded, offsets = _load_job(cfg, [], needs_draft)
-    if link.rank != 0:
-        serve_worker(link, loaded, cfg.debug, trace, before=lambda: clock_offsets(link))
+    job = _load_job(cfg, [], needs_draft)
+    if not job.is_head:
+        job.serve_as_worker()
         return False
-    with Head(link, cfg, loaded, trace, offsets) as head:
+    with Head(job.link, job.cfg, job.loaded, job.trace, job.offsets) as head:
         head_main(head)
     return True
 
 
+@dataclass(frozen=True)
+class LoadedJob:
+    """A job on this rank once every rank has loaded: its link, the configuration it runs with
+    (the head's, with this rank's own paths to its weights), its trace recorder and loaded
+    models, and every rank's clock offset (on the head; empty elsewhere)."""
+
+    link: Link
+    cfg: JobConfig
+    trace: TraceRecorder
+    loaded: Loaded
+    offsets: list[float]
+
+    @property
+    def is_head(self) -> bool:
+        return self.link.rank == 0
+
+    def serve_as_worker(self) -> None:
+        """A rank other than the head: serve its stage or draft until the head ends the job.
+        Workers probe the clocks inside their fault protocol (serve_worker's `before`)."""
+        link = self.link
+        serve_worker(link, self.loaded, self.cfg.debug, self.trace, before=lambda: clock_offsets(link))
+
+
 def _load_job(cfg: JobConfig, requests: list[Request], needs_draft: bool | None = None,
-              before_load: Callable[[], None] | None = None
-              ) -> tuple[Link, JobConfig, TraceRecorder, Loaded, list[float]]:
-    """This rank's link, the configuration it runs with (the head's, with its own paths to its
-    weights), its trace recorder and loaded models, and every rank's clock offset.
-    before_load runs on the head only (see run_service)."""
+              before_load: Callable[[], None] | None = None) -> LoadedJob:
+    """Start up, plan and load on this rank; before_load runs on the head only (see run_service)."""
     startup = job_startup()
     link = startup.link
     trace = TraceRecorder(link.rank)
     cfg, loaded, threads = _plan_and_load(link, cfg, requests, needs_draft, before_load if link.rank == 0 else None)
     start_liveness(link, cfg.rank_timeout_s, loaded, startup.hosts, threads)
-    # Workers probe the clocks inside their fault protocol (serve_worker's `before`).
-    return link, cfg, trace, loaded, head_clock_offsets(link) if link.rank == 0 else []
+    return LoadedJob(link, cfg, trace, loaded, head_clock_offsets(link) if link.rank == 0 else [])
 
 
 def head_clock_offsets(link: Link) -> list[float]:
