@@ -124,6 +124,27 @@ def _store(data: bytes, layers=(3, 7), sha=None):
         return w.commit(sha or hashlib.sha256(data).hexdigest())
 
 
+def test_a_ranks_own_registry_copy_is_used_only_when_its_bytes_hash_to_the_heads(cache, tmp_path):
+    """A registry model's digest is known without hashing, but another rank's copy of it may have
+    been damaged since its pull: it is hashed (once) before it is trusted, and a damaged one is
+    not used (the rank is then sent its weights)."""
+    import hashlib
+
+    from pipeinfer_cli.models.model_identity import identify
+    from pipeinfer_cli.models.weight_copies import pick_copy
+
+    data = bytes(range(256)) * 64
+    digest = hashlib.sha256(data).hexdigest()
+    head_file, good, bad = tmp_path / "head.gguf", tmp_path / "good.gguf", tmp_path / "bad.gguf"
+    head_file.write_bytes(data)
+    good.write_bytes(data)
+    bad.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])  # the same size, one bit flipped
+    head = identify(head_file, digest, len(data))
+    path, source = pick_copy(identify(good, digest, len(data)), head, digest, (0, 4), "rank 1 (host h)")
+    assert path == good.resolve() and source.source == "local"
+    assert pick_copy(identify(bad, digest, len(data)), head, digest, (0, 4), "rank 1 (host h)") == (None, None)
+
+
 def test_a_cached_slice_is_found_and_a_flipped_byte_is_caught(cache):
     from pipeinfer_cli.models import slice_cache
 

@@ -53,9 +53,11 @@ def identify(path: Path | None, registry_sha256: str | None = None, registry_siz
     return FileIdentity(socket.gethostname(), str(real), st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, known)
 
 
-def file_sha256(ident: FileIdentity) -> str:
-    """The file's sha256: the registry's, a remembered one, or hashed now (and remembered)."""
-    if ident.sha256 is not None:
+def file_sha256(ident: FileIdentity, trust_registry: bool = True) -> str:
+    """The file's sha256: the registry's, a remembered one, or hashed now (and remembered).
+    trust_registry=False: the bytes' own digest even for a registry model (another rank's copy,
+    which may have been damaged since its pull verified it)."""
+    if ident.sha256 is not None and trust_registry:
         return ident.sha256
     memo = _load_digests()
     hit = memo.get(ident.path)

@@ -85,7 +85,9 @@ def pick_copy(mine: FileIdentity | None, head: FileIdentity, digest: str | None,
 
     if mine is not None and mine.same_file(head):
         return Path(mine.path), WeightsSource("local", path=mine.path)
-    if mine is not None and mine.size == head.size and file_sha256(mine) == digest:
+    # A copy on another node is used only when its bytes hash to the head's digest (once; remembered
+    # per path, size and mtime): a registry copy damaged after its pull would give wrong tokens.
+    if mine is not None and mine.size == head.size and file_sha256(mine, trust_registry=False) == digest:
         return Path(mine.path), WeightsSource("local", path=mine.path)
     path, why = slice_cache.lookup(digest, layers)
     if why is not None:
