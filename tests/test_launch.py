@@ -400,3 +400,29 @@ def test_a_server_whose_head_does_not_stop_is_stopped_by_force(tmp_path):
     assert (rc, err) == (0, "stopped by SIGTERM\n"), err
     # The head got the signal first, then every rank got it with the forced stop.
     assert (tmp_path / "signal-0").read_text().count("\n") == 2 and (tmp_path / "signal-1").exists()
+
+
+@pytest.mark.parametrize("environ, want", [
+    ({"PMI_SIZE": "2", "PMI_RANK": "1"}, 2),  # MPICH's Hydra
+    ({"OMPI_COMM_WORLD_SIZE": "3"}, 3),  # Open MPI
+    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}, 4),  # srun
+    ({"SLURM_NTASKS": "4"}, None),  # an allocation (sbatch) is not a step of 4 ranks
+    ({}, None),
+])
+def test_the_launchers_rank_count(environ, want):
+    from pipeinfer_cli.transport.start_waits import launcher_size
+
+    assert launcher_size(environ) == want
+
+
+def test_a_job_started_by_the_users_mpiexec_plans_for_its_ranks(monkeypatch):
+    """`mpiexec -n 2 pipeinfer generate … --layer-split auto` without --ranks: -M auto and
+    --layer-split auto plan (and name the calibration) for 2 ranks, not 1."""
+    from pipeinfer_cli.cli.job_setup import _started_ranks
+    from pipeinfer_cli.transport.launch import RELAUNCHED
+
+    monkeypatch.delenv(RELAUNCHED, raising=False)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    assert _started_ranks(1) == 2
+    monkeypatch.setenv(RELAUNCHED, "1")  # a relaunched job: the command that relaunched it counted
+    assert _started_ranks(3) == 3

@@ -72,6 +72,16 @@ def launcher_rank(environ=os.environ) -> int:
     return 0
 
 
+def launcher_size(environ=os.environ) -> int | None:
+    """The job's rank count as the launcher announced it (MPICH/Hydra, Open MPI, srun), or None."""
+    for key in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if environ.get(key, "").isdigit():
+            return int(environ[key])
+    if "SLURM_STEP_ID" in environ and environ.get("SLURM_NTASKS", "").isdigit():
+        return int(environ["SLURM_NTASKS"])
+    return None
+
+
 def start_timeout_s(environ=os.environ) -> float:
     """How long every rank of a job has to start and check in: PIPEINFER_START_TIMEOUT seconds."""
     text = environ.get(START_TIMEOUT_ENV, "")
