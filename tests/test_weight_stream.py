@@ -145,6 +145,26 @@ def test_a_ranks_own_registry_copy_is_used_only_when_its_bytes_hash_to_the_heads
     assert pick_copy(identify(bad, digest, len(data)), head, digest, (0, 4), "rank 1 (host h)") == (None, None)
 
 
+def test_a_node_cache_that_cannot_take_slices_is_one_clear_error(cache):
+    """The cache root writable but its slices/ not (here: a file in its place): one error naming
+    the node cache and the fix, not an internal error; a bad slice that cannot be removed is said."""
+    from pipeinfer_cli.errors import CacheError
+    from pipeinfer_cli.models import slice_cache
+
+    cache.mkdir(parents=True)
+    (cache / "slices").write_text("not a directory")
+    with pytest.raises(CacheError, match=r"cannot write the weights this rank is sent into the node cache .*slices: "
+                                         r".*; fix its permissions or set PIPEINFER_CACHE"):
+        slice_cache.SliceWriter("m", "ab" * 32, (3, 7), 10)
+    (cache / "slices").unlink()
+    path = _store(b"y" * 1000)
+    side = path.with_suffix(".json")
+    side.unlink()
+    (side / "stuck").mkdir(parents=True)  # a record that cannot be removed
+    found, why = slice_cache.lookup("ab" * 32, (3, 7))
+    assert found is None and "its record is missing or unreadable (and it could not be removed: " in why, why
+
+
 def test_a_cached_slice_is_found_and_a_flipped_byte_is_caught(cache):
     from pipeinfer_cli.models import slice_cache
 

@@ -10,6 +10,7 @@ in the middle never leaves a file that a later job would use; `models prune` rem
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import CacheError
 from .cache import cache_dir, ensure_writable_cache
 from .fetch import current_umask, sha256_file
 
@@ -84,9 +86,13 @@ def lookup(model_sha256: str, layers: tuple[int, int] | None) -> tuple[Path | No
     elif sha256_file(path) != entry.sha256:
         why = "its bytes no longer match their sha256 (corrupted)"
     if why is None:
-        os.utime(_sidecar(path))  # last use, for `models prune --unused-days`
+        with contextlib.suppress(OSError):  # a read-only cache still serves; only the last use goes unrecorded
+            os.utime(_sidecar(path))  # last use, for `models prune --unused-days`
         return path, None
-    remove(path)
+    try:
+        remove(path)
+    except OSError as e:
+        why += f" (and it could not be removed: {(e.strerror or str(e)).lower()})"
     return None, f"the cached {path.name} was not used: {why}; it is fetched again"
 
 
@@ -209,12 +215,17 @@ class SliceWriter:
 
     def __init__(self, model: str, model_sha256: str, layers: tuple[int, int] | None, size: int):
         ensure_writable_cache()
-        slices_dir().mkdir(parents=True, exist_ok=True)
         self.model, self.model_sha256, self.layers, self.size = model, model_sha256, layers, size
         self.final = slice_path(model_sha256, layers)
-        remove_dead_partials()
         self.tmp = self.final.with_name(f".{self.final.name}~{socket.gethostname()}~{os.getpid()}{PARTIAL}")
-        self._f = open(self.tmp, "wb")
+        try:  # the cache root may be writable and its slices/ not (made by another user, say)
+            slices_dir().mkdir(parents=True, exist_ok=True)
+            remove_dead_partials()
+            self._f = open(self.tmp, "wb")
+        except OSError as e:
+            raise CacheError(f"cannot write the weights this rank is sent into the node cache {slices_dir()}: "
+                             f"{(e.strerror or str(e)).lower()}; fix its permissions or set PIPEINFER_CACHE to "
+                             "a writable directory") from None
         self._digest = hashlib.sha256()
         self.written = 0
 
