@@ -42,7 +42,7 @@ SpecPolicyOption = Annotated[str, typer.Option(
          "confident. Several stages, or a draft rank: always.")]
 MaxInflightOption = Annotated[int, typer.Option("--max-inflight", min=1, max=32, help="pipeinfer: runs in flight at once.")]
 JobRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help="Ranks to start with mpiexec on this machine (default: the MPI world size, or 1).")]
-LayerSplitOption = Annotated[str | None, typer.Option("--layer-split", help="Fractions of the layers per target stage, '/1' for a draft rank: 0.5,0.5 or 0.5,0.5/1; or auto (auto/1): balanced by the time each rank measured (needs --profile). Default: balanced by bytes (serve --parallel N on several ranks: auto, for N requests at once).")]
+LayerSplitOption = Annotated[str | None, typer.Option("--layer-split", help="Fractions of the layers per target stage, '/1' for a draft rank: 0.5,0.5 or 0.5,0.5/1; or auto (auto/1): balanced by the time each rank measured (its --profile; generate, bench, chat and serve calibrate one quickly when none is given). Default: balanced by bytes (serve --parallel N on several ranks: auto, for N requests at once).")]
 PROFILE_ENV = "PIPEINFER_PROFILE"
 ProfileOption = Annotated[Path | None, typer.Option(
     "--profile", envvar=PROFILE_ENV, show_envvar=True, metavar="FILE",
