@@ -127,6 +127,21 @@ def test_bad_input_is_one_error_line(smollm2_path, tmp_path, args, says):
     assert not (tmp_path / "p.json").exists()
 
 
+def test_an_out_path_under_a_file_and_a_broken_profile_are_named_with_the_fix(tmp_path):
+    from pipeinfer_cli.cli.calibrate_cmd import check_out_path
+    from pipeinfer_cli.errors import UsageError
+    from pipeinfer_cli.planner.profile import Profile, ProfileError
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UsageError, match=r"afile is a file, not a directory; choose another path"):
+        check_out_path(tmp_path / "afile" / "p.json")
+    bad = tmp_path / "p.json"
+    bad.write_text('{"ranks": [')
+    with pytest.raises(ProfileError, match=r"the profile .*p.json is not valid JSON \(.*\); write one with "
+                                           r"`pipeinfer calibrate MODEL --out .*p.json`"):
+        Profile.load(bad)
+
+
 def test_probe_layers_hold_about_the_budget_and_never_the_last_layer():
     mb = 2**20
     assert probe_layers([40 * mb] * 28) == (0, PROBE_BYTES // (40 * mb))  # 12 layers of 40 MB

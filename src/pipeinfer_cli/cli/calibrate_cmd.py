@@ -166,6 +166,8 @@ def check_out_path(path: Path) -> None:
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise UsageError(f"--out {path} is a directory; give a file name, e.g. --out {path / 'profile.json'}")
+    if parent.exists() and not parent.is_dir():
+        raise UsageError(f"--out {path}: {parent} is a file, not a directory; choose another path")
     if not parent.is_dir():
         raise UsageError(f"--out {path}: the directory {parent} does not exist; create it or choose another path")
     if not os.access(parent, os.W_OK):

@@ -17,7 +17,9 @@ def read_json(path: Path, error: type[Exception], what: str, missing_hint: str):
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise error(f"no {what} at {path}; {missing_hint}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except json.JSONDecodeError as e:
+        raise error(f"the {what} {path} is not valid JSON ({e}); {missing_hint}") from None
+    except (OSError, UnicodeDecodeError) as e:
         raise error(f"cannot read the {what} {path}: {e}") from None
 
 
