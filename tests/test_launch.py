@@ -426,3 +426,15 @@ def test_a_job_started_by_the_users_mpiexec_plans_for_its_ranks(monkeypatch):
     assert _started_ranks(1) == 2
     monkeypatch.setenv(RELAUNCHED, "1")  # a relaunched job: the command that relaunched it counted
     assert _started_ranks(3) == 3
+
+
+def test_a_ctrl_c_under_the_users_mpiexec_is_said_once_by_rank_0(monkeypatch, capsys):
+    """Every rank of `mpiexec -n 2 pipeinfer …` is sent the Ctrl-C; one line, not one per rank."""
+    from pipeinfer_cli.cli.app import say_interrupted
+
+    monkeypatch.setenv("PMI_RANK", "1")
+    say_interrupted()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("PMI_RANK", "0")
+    say_interrupted()
+    assert capsys.readouterr().err == "Error: interrupted\n"

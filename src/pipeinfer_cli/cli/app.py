@@ -147,6 +147,15 @@ def report_sigill(environ=os.environ) -> None:
         pass
 
 
+def say_interrupted() -> None:
+    """The one line a Ctrl-C ends with. Under a launcher the user started (`mpiexec -n 2 pipeinfer
+    …`) every rank is sent the Ctrl-C: rank 0 says it, the others end quietly."""
+    from ..transport.start_waits import launcher_rank
+
+    if launcher_rank() == 0:
+        err.print("Error: interrupted")
+
+
 def main() -> None:
     # Decided before libgomp loads (it reads the variable once).
     if (policy := omp_wait_policy()) is not None:
@@ -165,13 +174,13 @@ def main() -> None:
     try:
         app()
     except KeyboardInterrupt:
-        err.print("Error: interrupted")
+        say_interrupted()
         raise SystemExit(130) from None
     except SystemExit as exc:
         # Typer turns a KeyboardInterrupt inside a command into a silent exit status 130. (A job
         # started by relaunch() handles Ctrl-C itself and reports it: _interrupted stays False.)
         if _interrupted and exc.code == 130:
-            err.print("Error: interrupted")
+            say_interrupted()
         raise
     except Exception as exc:  # a bug: still one line unless PIPEINFER_DEBUG is set
         report(exc)
