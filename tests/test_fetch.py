@@ -268,7 +268,7 @@ def test_read_only_file_system_is_detected(tmp_path, monkeypatch):
     def read_only(root):
         raise OSError(30, "Read-only file system")
 
-    monkeypatch.setattr(cache_module, "_probe_write", read_only)
+    monkeypatch.setattr(cache_module, "probe_write", read_only)
     monkeypatch.setenv("PIPEINFER_CACHE", str(tmp_path))
     with pytest.raises(CacheError, match=r"not writable \(read-only file system\); .* set PIPEINFER_CACHE"):
         cache_module.ensure_writable_cache()

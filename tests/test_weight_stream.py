@@ -404,6 +404,21 @@ def _signal_rank_1_mid_stream(smollm2_path, tmp_path, signum: int) -> tuple[list
 
 
 @pytest.mark.mpi
+def test_a_rank_whose_node_cache_cannot_take_its_weights_fails_before_the_stream(smollm2_path, tmp_path):
+    """Rank 1 lacks the model and its node cache has a file where slices/ goes: one error line
+    naming the rank, the cache and the fix; the head never starts sending."""
+    head, broken = cache_with(tmp_path, "head", smollm2_path), tmp_path / "broken"
+    broken.mkdir()
+    (broken / "slices").write_text("not a directory")
+    rc, out, err = _mpmd([head, broken], ["generate", MODEL, "-p", PROMPT, "-n", 8, "--threads", 1, "--no-pull"])
+    assert rc != 0 and out == ""
+    errors = [ln for ln in err.splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 1 and errors[0].startswith("Error: rank 1 (host "), err
+    assert f"cannot write the weights this rank is sent into the node cache {broken / 'slices'}" in errors[0], err
+    assert "has no copy" not in err and "Traceback" not in err
+
+
+@pytest.mark.mpi
 def test_a_rank_stopped_mid_stream_ends_the_job_with_one_line_and_no_partial_file(smollm2_path, tmp_path):
     (_, empty), _, rc, out, err = _signal_rank_1_mid_stream(smollm2_path, tmp_path, 15)
     assert rc != 0 and out == ""

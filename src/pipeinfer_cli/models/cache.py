@@ -35,7 +35,7 @@ def ensure_writable_cache() -> Path:
     reason = None if os.access(root, os.W_OK | os.X_OK) else "permission denied"
     if reason is None:
         try:  # also catches what access() does not: a read-only file system, or root on one
-            _probe_write(root)
+            probe_write(root)
         except OSError as e:
             reason = (e.strerror or str(e)).lower()
     if reason:
@@ -45,7 +45,8 @@ def ensure_writable_cache() -> Path:
     return root
 
 
-def _probe_write(root: Path) -> None:
+def probe_write(root: Path) -> None:
+    """OSError unless a file can be created (and removed) in root."""
     fd, name = tempfile.mkstemp(prefix=".pipeinfer-write-test-", dir=root)
     os.close(fd)
     os.unlink(name)

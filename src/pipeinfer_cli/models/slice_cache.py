@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CacheError
-from .cache import cache_dir, ensure_writable_cache
+from .cache import cache_dir, ensure_writable_cache, probe_write
 from .fetch import current_umask, sha256_file
 
 SLICES_DIR = "slices"
@@ -208,6 +208,23 @@ def total_bytes() -> int:
     return sum(e.size for e in list_cached())
 
 
+def check_writable() -> None:
+    """Before a rank asks the head for its weights: CacheError (one line, with the fix) unless its
+    node cache can take them, so that the head does not start a stream the rank cannot keep."""
+    ensure_writable_cache()
+    try:
+        slices_dir().mkdir(parents=True, exist_ok=True)
+        probe_write(slices_dir())
+    except OSError as e:
+        raise _unwritable(e) from None
+
+
+def _unwritable(e: OSError) -> CacheError:
+    return CacheError(f"cannot write the weights this rank is sent into the node cache {slices_dir()}: "
+                      f"{(e.strerror or str(e)).lower()}; fix its permissions or set PIPEINFER_CACHE to "
+                      "a writable directory")
+
+
 class SliceWriter:
     """Writes one streamed file: bytes appended in order under a partial name, hashed as they
     come; commit() checks the digest the head sent, records it and renames the file into place.
@@ -223,9 +240,7 @@ class SliceWriter:
             remove_dead_partials()
             self._f = open(self.tmp, "wb")
         except OSError as e:
-            raise CacheError(f"cannot write the weights this rank is sent into the node cache {slices_dir()}: "
-                             f"{(e.strerror or str(e)).lower()}; fix its permissions or set PIPEINFER_CACHE to "
-                             "a writable directory") from None
+            raise _unwritable(e) from None
         self._digest = hashlib.sha256()
         self.written = 0
 

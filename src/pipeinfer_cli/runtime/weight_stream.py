@@ -110,7 +110,12 @@ def stream_what_ranks_need(link: Link, startup: Startup, cfg: JobConfig, digests
 def receive_needs(link: Link, startup: Startup, head_cfg: JobConfig, needs: list[Need], digests: dict[str, str]
                   ) -> list[tuple[Need, Path, WeightsSource]]:
     """A rank: the "weights" check-in with what it needs, then each stream from the head into the
-    node cache: (need, its path, where it came from)."""
+    node cache: (need, its path, where it came from). A node cache that cannot take them fails
+    here, before the head starts a stream."""
+    from ..models.slice_cache import check_writable
+
+    if needs:
+        check_writable()
     startup.check_in("weights", needs)
     out = []
     for need in needs:
