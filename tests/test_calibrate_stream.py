@@ -85,7 +85,8 @@ def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, tmp_path):
     args = ["calibrate", MODEL, "--quick", "--threads", 1, "--no-pull", "--out", out]
     rc, _, err = _mpmd([head, empty], args)
     assert rc == 0, err
-    assert f"has no copy of {MODEL}: sending it layers 0-28" in err and "sending it layers 29-29" in err
+    # SmolLM2's probe (layers 0-28 and 29) would be two slices larger than the file: it is sent the file
+    assert f"has no copy of {MODEL}: sending it the whole model file" in err and "sending it layers" not in err
     assert "calibrate: rank 1: layers 0-28" in err and "Traceback" not in err
     profile = Profile.load(out)
     assert [r.rank for r in profile.ranks] == [0, 1]
@@ -97,8 +98,7 @@ def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, tmp_path):
     facts = host_facts()
     for r in profile.ranks:
         assert (r.threads, r.ranks_per_host, r.cpu, r.cores) == (1, 2, facts.cpu, facts.cores)
-    assert sorted(p.name.split(".", 1)[1] for p in (empty / "slices").glob("*.gguf")) == [
-        "layers-0-28.gguf", "layers-29-29.gguf"]
+    assert [p.name.split(".", 1)[1] for p in (empty / "slices").glob("*.gguf")] == ["whole.gguf"]
     # the planner takes it: a prediction, and the auto split
     env = {**os.environ, "PIPEINFER_CACHE": str(head)}
     plan = [PIPEINFER, "plan", MODEL, "--profile", str(out), "--threads", "1", "-p", "Hi", "-n", "4"]
@@ -131,3 +131,22 @@ def test_a_draft_rank_without_the_models_is_sent_the_probe_and_the_draft(smollm2
     assert profile.draft.kind == "model" and profile.draft.rank == 1 and profile.draft.token_s > 0
     assert profile.draft.sha256 == model_sha256(smollm2_path)
     assert "whole.gguf" in {p.name.split(".", 1)[1] for p in (empty / "slices").glob("*.gguf")}
+
+
+def test_a_probe_asks_for_its_slices_or_the_whole_file_whichever_is_smaller():
+    """A small model's probe holds nearly every layer and each slice carries the embedding table:
+    the whole file is less to send. A large model's probe is a fraction of it: its slices."""
+    from types import SimpleNamespace
+
+    from pipeinfer_cli.models.weight_copies import Need
+    from pipeinfer_cli.runtime.calibrate_weights import probe_needs
+
+    mb = 2**20
+    small = SimpleNamespace(layer_bytes=[2 * mb] * 30, token_embd_bytes=28 * mb, output_bytes=28 * mb,
+                            other_bytes=0, file_size=(60 + 28) * mb)
+    assert probe_needs(small, [(0, 29), (29, 30)]) == [Need("target", None)]
+    large = SimpleNamespace(layer_bytes=[40 * mb] * 28, token_embd_bytes=200 * mb, output_bytes=200 * mb,
+                            other_bytes=0, file_size=(1120 + 200) * mb)
+    assert probe_needs(large, [(0, 12), (27, 28)]) == [Need("target", (0, 12)), Need("target", (27, 28))]
+    assert probe_needs(large, [(27, 28)]) == [Need("target", (27, 28))]  # the first part was cached
+    assert probe_needs(large, []) == []

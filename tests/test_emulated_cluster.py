@@ -276,8 +276,8 @@ def test_a_model_on_the_head_alone_gives_the_tokens_of_shared_memory(smollm2_pat
 
 
 def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, cluster2, tmp_path):
-    """calibrate on 2 hosts, the model on the head's only: host 1 is sent the probe's slices over
-    its link, the profile has both ranks' rows measured on their own hosts, and the next
+    """calibrate on 2 hosts, the model on the head's only: host 1 is sent the model over its link
+    (the probe's two slices would be larger), the profile has both ranks' rows measured on their own hosts, and the next
     calibration reads host 1's node cache."""
     from pipeinfer_cli.planner.identity import model_sha256
     from pipeinfer_cli.planner.profile import Profile
@@ -296,14 +296,14 @@ def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, cluster2, tmp_
             assert_no_survivors(marker)
         assert r.returncode == 0, r.stderr
         assert "Traceback" not in r.stderr
-        sent = f"rank 1 (host {cluster2.host(1)}) has no copy of smollm2-135m-instruct: sending it layers 0-28"
+        sent = f"rank 1 (host {cluster2.host(1)}) has no copy of smollm2-135m-instruct: sending it the whole model file"
         assert (sent in r.stderr) == (round_ == "streamed"), r.stderr
         profile = Profile.load(out)
         assert [(rc.rank, rc.host) for rc in profile.ranks] == [(0, cluster2.host(0)), (1, cluster2.host(1))]
         assert all(rc.decode.s[0][0] > 0 and rc.spread is not None and rc.ranks_per_host == 1 for rc in profile.ranks)
         assert profile.model.sha256 == model_sha256(smollm2_path)
     slices = sorted(p.name.split(".", 1)[1] for p in Path(f"{cache}.{_host_of(1, 2)}/slices").glob("*.gguf"))
-    assert slices == ["layers-0-28.gguf", "layers-29-29.gguf"]
+    assert slices == ["whole.gguf"]  # the probe's two slices would be larger than the file
 
 
 # -- the bytes cross the shaped link --------------------------------------------------------------

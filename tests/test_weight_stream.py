@@ -145,6 +145,23 @@ def test_a_ranks_own_registry_copy_is_used_only_when_its_bytes_hash_to_the_heads
     assert pick_copy(identify(bad, digest, len(data)), head, digest, (0, 4), "rank 1 (host h)") == (None, None)
 
 
+def test_a_whole_cached_copy_serves_any_stage(cache, tmp_path):
+    """A calibration may have been sent the whole model file: a job's stage on that node reads it
+    instead of asking for its slice; its own slice, when cached, comes first."""
+    from pipeinfer_cli.models.model_identity import identify
+    from pipeinfer_cli.models.weight_copies import pick_copy
+
+    whole = _store(b"w" * 3000, layers=None)
+    head_file = tmp_path / "head.gguf"
+    head_file.write_bytes(b"w" * 3000)
+    head = identify(head_file)
+    path, source = pick_copy(None, head, "ab" * 32, (3, 7), "rank 1 (host h)")
+    assert path == whole and source.source == "cache"
+    own = _store(b"s" * 1000, layers=(3, 7))
+    assert pick_copy(None, head, "ab" * 32, (3, 7), "rank 1 (host h)")[0] == own
+    assert pick_copy(None, head, "cd" * 32, (3, 7), "rank 1 (host h)") == (None, None)  # another model's
+
+
 def test_a_node_cache_that_cannot_take_slices_is_one_clear_error(cache):
     """The cache root writable but its slices/ not (here: a file in its place): one error naming
     the node cache and the fix, not an internal error; a bad slice that cannot be removed is said."""

@@ -41,10 +41,13 @@ class Need:
     """What a rank asks the head to stream: its slice of the target, or the whole draft file."""
 
     what: str  # "target" or "draft"
-    layers: tuple[int, int] | None  # the target's [begin, end); None: the whole file
+    layers: tuple[int, int] | None  # the target's [begin, end); None: the whole file (a draft's, or
+    # the target's when a calibration's probe slices would together cost more)
 
     def describe(self) -> str:
-        return "the whole draft file" if self.layers is None else f"layers {self.layers[0]}-{self.layers[1] - 1}"
+        if self.layers is None:
+            return "the whole draft file" if self.what == "draft" else "the whole model file"
+        return f"layers {self.layers[0]}-{self.layers[1] - 1}"
 
 
 @dataclass
@@ -89,11 +92,14 @@ def pick_copy(mine: FileIdentity | None, head: FileIdentity, digest: str | None,
     # per path, size and mtime): a registry copy damaged after its pull would give wrong tokens.
     if mine is not None and mine.size == head.size and file_sha256(mine, trust_registry=False) == digest:
         return Path(mine.path), WeightsSource("local", path=mine.path)
-    path, why = slice_cache.lookup(digest, layers)
-    if why is not None:
-        print(f"pipeinfer: warning: {whoami}: {why}", file=sys.stderr, flush=True)
-    if path is not None:
-        return path, WeightsSource("cache", path=str(path))
+    # The part itself, else a whole copy of the model (which a calibration may have been sent): it
+    # serves any layer range.
+    for part in (layers, None) if layers is not None else (None,):
+        path, why = slice_cache.lookup(digest, part)
+        if why is not None:
+            print(f"pipeinfer: warning: {whoami}: {why}", file=sys.stderr, flush=True)
+        if path is not None:
+            return path, WeightsSource("cache", path=str(path))
     return None, None
 
 

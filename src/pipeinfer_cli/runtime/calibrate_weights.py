@@ -7,8 +7,10 @@ uses, in this order (as a job's ranks do, runtime/weight_stream.py):
 2. its node cache (`slice_cache`): the probe's own slices from an earlier calibration, or any
    cached slice of the model that holds the probe's layers (a job's first stage holds [0, k), its
    last stage the last layer), its bytes checked against their sha256;
-3. else the head streams it the probe's two slices (and the whole draft file to the rank that
-   times the draft), which it keeps in its node cache for the next calibration or job.
+3. else the head streams it the probe's two slices, or the whole model file when the two would
+   together be larger (a small model: its probe holds nearly every layer, and each slice carries
+   the embedding table), and the whole draft file to the rank that times the draft; it keeps them
+   in its node cache for the next calibration or job (a job's stage reads a whole cached file too).
 
 The head plans the job (the calibration's topology, for each count of ranks per host that occurs)
 and reads the model's header for every rank, so a rank without the file learns its threads, the
@@ -80,10 +82,14 @@ def share_probe_weights(link: Link, startup: Startup, cfg: JobConfig, spec: Prob
         return topos[hosts.count(hosts[0])], info, spec
     topos, info, digests, spec = startup.check_in("plan")[0]
     topo = topos[hosts.count(hosts[link.rank])]
-    paths, needs = _pick_probe(link, startup, files, digests, probe_parts(info.layer_bytes),
-                               runs_draft(spec, topo, link.rank))
+    paths, needs = _pick_probe(link, startup, files, digests, info, runs_draft(spec, topo, link.rank))
     for need, path, _ in receive_needs(link, startup, cfg, needs, digests):
-        paths["draft" if need.what == "draft" else need.layers] = path
+        if need.what == "draft":
+            paths["draft"] = path
+        elif need.layers is not None:
+            paths[need.layers] = path
+        else:  # the whole model file: every part still missing
+            paths.update({p: path for p, have in paths.items() if have is None and p != "draft"})
     return topo, info, _with_paths(spec, paths, probe_parts(info.layer_bytes))
 
 
@@ -96,21 +102,39 @@ def _wants(cfg: JobConfig, spec: ProbeSpec, topo: Topology, runs_draft: Callable
     return wants
 
 
-def _pick_probe(link: Link, startup: Startup, files: list[ModelFiles], digests: dict, parts: list[tuple[int, int]],
+def _pick_probe(link: Link, startup: Startup, files: list[ModelFiles], digests: dict, info: ModelInfo,
                 draft: bool) -> tuple[dict[object, str | None], list[Need]]:
-    """This rank's paths (by part, and "draft") it has without a stream, and the Needs it asks for."""
+    """This rank's paths (by part, and "draft") it has without a stream, and the Needs it asks for:
+    the probe's missing slices, or the whole model file when they would together cost more (a small
+    model, whose probe holds nearly every layer and whose slices each carry its embedding table)."""
     mine, head = files[link.rank], files[0]
-    paths, needs = {}, []
+    paths = {}
     whole, _ = pick_copy(mine.target, head.target, digests.get("target"), None, whoami(link, startup))
-    for part in parts:
+    for part in probe_parts(info.layer_bytes):
         paths[part] = whole or covering_slice(digests.get("target"), part)
-        if paths[part] is None:
-            needs.append(Need("target", part))
+    needs = probe_needs(info, [p for p in paths if paths[p] is None])
     if draft and head.draft is not None:
         paths["draft"], _ = pick_copy(mine.draft, head.draft, digests.get("draft"), None, whoami(link, startup))
         if paths["draft"] is None:
             needs.append(Need("draft", None))
     return paths, needs
+
+
+def probe_needs(info: ModelInfo, missing: list[tuple[int, int]]) -> list[Need]:
+    """What a rank asks for the probe's parts it lacks: their slices, or the whole model file when
+    the slices would together be as large."""
+    if missing and sum(slice_bytes(info, p) for p in missing) >= info.file_size:
+        return [Need("target", None)]
+    return [Need("target", p) for p in missing]
+
+
+def slice_bytes(info: ModelInfo, part: tuple[int, int]) -> int:
+    """About the bytes of a rank slice of these layers (models/weight_slices.py): its layers, the
+    embedding table on the first stage and the LM head on the last (tied: the same table again)."""
+    b, e = part
+    n = len(info.layer_bytes)
+    return (sum(info.layer_bytes[b:e]) + (info.token_embd_bytes if b == 0 else 0)
+            + (info.output_bytes + info.other_bytes if e == n else 0))
 
 
 def _with_paths(spec: ProbeSpec, paths: dict, parts: list[tuple[int, int]]) -> ProbeSpec:

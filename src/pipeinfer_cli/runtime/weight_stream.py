@@ -100,10 +100,10 @@ def stream_what_ranks_need(link: Link, startup: Startup, cfg: JobConfig, digests
     hosts = startup.hosts
     for rank, wanted in enumerate(startup.check_in("weights", [])):
         for need in wanted:
-            if need.what == "target":
+            if need.what == "target" and need.layers is not None:
                 src = stage_slice(cfg.model_path, digests["target"], *need.layers)
             else:
-                src = whole_file(cfg.draft_path)
+                src = whole_file(cfg.model_path if need.what == "target" else cfg.draft_path)
             send_weights(link, src, model_label(cfg, need), need, rank, hosts[rank], say)
 
 
