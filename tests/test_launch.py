@@ -418,14 +418,14 @@ def test_the_launchers_rank_count(environ, want):
 def test_a_job_started_by_the_users_mpiexec_plans_for_its_ranks(monkeypatch):
     """`mpiexec -n 2 pipeinfer generate … --layer-split auto` without --ranks: -M auto and
     --layer-split auto plan (and name the calibration) for 2 ranks, not 1."""
-    from pipeinfer_cli.cli.job_setup import _started_ranks
-    from pipeinfer_cli.transport.launch import RELAUNCHED
+    from pipeinfer_cli.cli.job_setup import ranks_wanted
 
-    monkeypatch.delenv(RELAUNCHED, raising=False)
+    for key in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert ranks_wanted(None, None) == (1, None)  # no launcher: one rank
     monkeypatch.setenv("PMI_SIZE", "2")
-    assert _started_ranks(1) == 2
-    monkeypatch.setenv(RELAUNCHED, "1")  # a relaunched job: the command that relaunched it counted
-    assert _started_ranks(3) == 3
+    assert ranks_wanted(None, None) == (2, None)
+    assert ranks_wanted(3, None) == (3, None) and ranks_wanted(None, "0.5,0.5/1") == (3, 3)  # options win
 
 
 def test_a_ctrl_c_under_the_users_mpiexec_is_said_once_by_rank_0(monkeypatch, capsys):

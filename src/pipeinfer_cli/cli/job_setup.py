@@ -93,14 +93,16 @@ def check_chat_template(model_path, model_label: str, what: str) -> None:
 
 
 def ranks_wanted(ranks: int | None, layer_split: str | None) -> tuple[int, int | None]:
-    """(ranks to run, ranks described by --layer-split or None); checks the two agree."""
+    """(ranks to run, ranks described by --layer-split or None); checks the two agree. Without
+    either: the ranks a launcher started this process among (`mpiexec -n 2 pipeinfer …`), else 1."""
     from ..runtime.topology import split_rank_count
+    from ..transport.start_waits import launcher_size
 
     split_ranks = split_rank_count(layer_split)
     if split_ranks is not None:
         if ranks is not None and ranks != split_ranks:
             raise UsageError(f"--layer-split {layer_split!r} describes {split_ranks} ranks but --ranks is {ranks}")
-    return ranks or split_ranks or 1, split_ranks
+    return ranks or split_ranks or launcher_size() or 1, split_ranks
 
 
 def check_world(want: int, explicit: bool) -> None:
@@ -247,25 +249,12 @@ def _announce(line: str, inside: bool) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _started_ranks(default: int) -> int:
-    """Under a launcher the user started (`mpiexec -n 2 pipeinfer …` without --ranks) the job has
-    the ranks it was started with: what -M auto and --layer-split auto plan and calibrate for."""
-    from ..transport.launch import RELAUNCHED
-    from ..transport.start_waits import launcher_size
-
-    if os.environ.get(RELAUNCHED):
-        return default  # the relaunching command counted them
-    return launcher_size() or default
-
-
 def prepare_job(model: str, mode: str | None, job, inside: bool, given=None) -> PreparedJob:
     """Ranks, models (pulled unless inside the MPI job or --no-pull), mode and JobConfig of a job command.
     given: the prompt the command read (for -M auto to measure prompt lookup's acceptance on)."""
     from .draft_spec import resolve_draft_models
 
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
-    if inside and job.ranks is None and split_ranks is None:
-        want = _started_ranks(want)
     target, draft_ref, spec = resolve_draft_models(resolve_models, model, job.draft,
                                                      allow_pull=not inside and not job.no_pull,
                                                      on_head=not inside or launcher_rank() == 0)

@@ -209,10 +209,10 @@ def total_bytes() -> int:
 
 
 def check_writable() -> None:
-    """Before a rank asks the head for its weights: CacheError (one line, with the fix) unless its
-    node cache can take them, so that the head does not start a stream the rank cannot keep."""
+    """CacheError (one line, with the fix) unless the node cache can take a streamed file: checked
+    before a rank asks the head for its weights, so that the head starts no stream the rank cannot keep."""
     ensure_writable_cache()
-    try:
+    try:  # the cache root may be writable and its slices/ not (made by another user, say)
         slices_dir().mkdir(parents=True, exist_ok=True)
         probe_write(slices_dir())
     except OSError as e:
@@ -231,12 +231,11 @@ class SliceWriter:
     Leaving the `with` block without commit() removes the partial file."""
 
     def __init__(self, model: str, model_sha256: str, layers: tuple[int, int] | None, size: int):
-        ensure_writable_cache()
+        check_writable()
         self.model, self.model_sha256, self.layers, self.size = model, model_sha256, layers, size
         self.final = slice_path(model_sha256, layers)
         self.tmp = self.final.with_name(f".{self.final.name}~{socket.gethostname()}~{os.getpid()}{PARTIAL}")
-        try:  # the cache root may be writable and its slices/ not (made by another user, say)
-            slices_dir().mkdir(parents=True, exist_ok=True)
+        try:
             remove_dead_partials()
             self._f = open(self.tmp, "wb")
         except OSError as e:

@@ -27,7 +27,7 @@ from ..models.weight_copies import ModelFiles, Need, WeightsSource, digests_need
 from ..transport.mpi_link import Link
 from ..transport.weight_transfer import receive_weights, send_weights
 from .job_config import JobConfig
-from .topology import Topology
+from .topology import RankPlan, Topology
 
 if TYPE_CHECKING:
     from ..transport.startup import Startup
@@ -73,7 +73,7 @@ def share_plan_and_weights(link: Link, startup: Startup, cfg: JobConfig, topo: T
     # The head's options win (one plan, one mode); the paths are this rank's own, as found below.
     paths = {"target": cfg.model_path, "draft": cfg.draft_path}
     plan = topo.ranks[link.rank]
-    want = "target" if plan.role == "stage" else "draft" if (needs_draft and head_cfg.draft_path is not None) else None
+    want = _model_for(plan, head_cfg, needs_draft)
     source, needs = None, []
     if want is not None:
         layers = tuple(plan.layers) if want == "target" else None
@@ -87,9 +87,15 @@ def share_plan_and_weights(link: Link, startup: Startup, cfg: JobConfig, topo: T
 
 def _wants(cfg: JobConfig, topo: Topology, needs_draft: bool) -> list[tuple[int, str]]:
     """(rank, "target" or "draft") for every rank but the head that loads a model."""
-    draft = needs_draft and cfg.draft_path is not None
-    return [(p.rank, "target" if p.role == "stage" else "draft") for p in topo.ranks[1:]
-            if p.role == "stage" or draft]
+    return [(p.rank, want) for p in topo.ranks[1:] if (want := _model_for(p, cfg, needs_draft)) is not None]
+
+
+def _model_for(plan: RankPlan, cfg: JobConfig, needs_draft: bool) -> str | None:
+    """The model a rank other than the head loads: a stage the target, a draft rank the draft
+    model when the job drafts with one; None: none."""
+    if plan.role == "stage":
+        return "target"
+    return "draft" if needs_draft and cfg.draft_path is not None else None
 
 
 def stream_what_ranks_need(link: Link, startup: Startup, cfg: JobConfig, digests: dict[str, str],
