@@ -63,24 +63,27 @@ def run_request(pipe: PipelineLike, mode: str, prompt: list[int], opts: DecodeOp
                 sampling: SamplingParams, n_predict: int, is_eog: Callable[[int], bool],
                 streaming: Streaming = Streaming(), site: DraftSite = DraftSite(), reuse: int = 0,
                 draft_reuse: int | None = None, memory: DraftMemory | None = None,
-                clock: Callable[[], float] = now) -> Session:
+                clock: Callable[[], float] = now, resume: list[int] | None = None) -> Session:
     """Generate one request's tokens in `mode`; returns the finished session.
 
     drafter: the request's drafter (None without one). reuse: leading prompt tokens whose cells the
     canonical sequence already holds (prefix reuse). draft_reuse: leading prompt tokens the draft's
     cache may keep, when not `reuse` (a parallel slot's draft model last served another slot).
     memory: what the job's earlier requests learned about drafting on one stage. clock: the
-    session's clock (a simulated pipeline passes its virtual time)."""
+    session's clock (a simulated pipeline passes its virtual time). resume: the tokens this request
+    committed on a job that was lost: replayed after the prompt (sync.prefill), not shown again."""
     s = Session(prompt, sampling, n_predict, is_eog, streaming.on_token, text=streaming.text,
                 on_text=streaming.on_text, clock=clock, cancelled=streaming.cancelled)
     traced = site.trace if site.on_head else None
     draft_prefill = None
     if drafter is not None and needs_draft(mode):
-        draft_prefill = _prompt_pass(drafter, prompt, reuse if draft_reuse is None else draft_reuse,
-                                     len(prompt) - reuse, traced)
+        known = prompt + list(resume or ())  # the draft reads what the target has committed
+        draft_prefill = _prompt_pass(drafter, known, reuse if draft_reuse is None else draft_reuse,
+                                     len(known) - reuse, traced)
     deferred = (draft_prefill is not None and mode == PIPEINFER.name and site.on_head and pipe.n_stages == 1
                 and opts.spec_policy == "auto" and drafter.has_prompt_pass)
-    prefill(pipe, s, None if deferred else draft_prefill, draft_in_thread=site.threaded, start=reuse)
+    prefill(pipe, s, None if deferred else draft_prefill, draft_in_thread=site.threaded, start=reuse,
+            replay=resume or ())
     if mode == SPECULATIVE.name and traced is not None:
         drafter = _TracedDrafter(drafter, traced)
     decode(mode, pipe, s, opts, drafter, prompt_pass=draft_prefill if deferred else None, memory=memory)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .metrics import GenerationMetrics, now
@@ -122,6 +122,17 @@ class Session:
             self.done, self.finish_reason = True, "cancelled"
         self.metrics.committed(taken, self.clock())
         return taken
+
+    def replay(self, tokens: Sequence[int]) -> None:
+        """Commit tokens the caller has shown already (a resumed request's): the text stream takes
+        them so that what it holds back and cuts continues exactly, but nothing is shown or
+        reported token by token again."""
+        on_token, on_text = self.on_token, self.on_text
+        self.on_token = self.on_text = None
+        try:
+            self.commit(list(tokens))
+        finally:
+            self.on_token, self.on_text = on_token, on_text
 
     def finish_text(self) -> None:
         """Show the text still held back (end of generation)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .drafters import Drafter
 from .pipeline_protocol import PipelineLike, may_speculate
@@ -13,8 +13,14 @@ from .session import CANONICAL_SEQ, DecodeOptions, Session, prefill_chunks
 
 
 def prefill(pipe: PipelineLike, s: Session, draft_prefill: Callable[[], None] | None = None,
-            draft_in_thread: bool = True, start: int = 0) -> None:
+            draft_in_thread: bool = True, start: int = 0, replay: Sequence[int] = ()) -> None:
     """Process the prompt into the canonical sequence and commit the first token.
+
+    replay: tokens this request committed before, on a job that was lost (a server's request
+    resumed: docs/server.md, "Surviving a lost node"). They follow the prompt into the cache in
+    batch-invariant runs, which compute each row exactly as one-token decoding computed it, so the
+    cache and the next token are bit for bit the ones the lost job had; they are committed without
+    being shown again (Session.replay), and the token after them is the first one shown.
 
     start: prompt tokens whose cells the canonical sequence already holds (prefix reuse; a chunk
     boundary, so the chunks are the very ones a prefill from 0 computes: session.prefill_chunks).
@@ -36,6 +42,8 @@ def prefill(pipe: PipelineLike, s: Session, draft_prefill: Callable[[], None] | 
         pipe.launch(chunk, list(range(b, b + len(chunk))), [[CANONICAL_SEQ]] * len(chunk),
                     [False] * (len(chunk) - 1) + [last], invariant=False)
         n_chunks += 1
+    replayed = _launch_replay(pipe, replay, len(prompt))
+    n_chunks += replayed
     overlapped = draft_prefill is not None and pipe.n_stages > 1
     worker = None
     if overlapped and draft_in_thread:
@@ -46,6 +54,8 @@ def prefill(pipe: PipelineLike, s: Session, draft_prefill: Callable[[], None] | 
         for _ in range(n_chunks):
             res = pipe.next_result()
         s.metrics.runs.launched += n_chunks
+        if replay:
+            s.replay(replay)
         s.commit([int(res.tokens[0])])
     except BaseException:
         if worker is not None:
@@ -55,6 +65,21 @@ def prefill(pipe: PipelineLike, s: Session, draft_prefill: Callable[[], None] | 
         worker.join()  # re-raises what the draft's prefill raised
     if draft_prefill is not None and not overlapped and not s.done:
         draft_prefill()
+
+
+REPLAY_RUN = 32  # tokens per batch-invariant run when a resumed request replays what it had committed
+
+
+def _launch_replay(pipe: PipelineLike, replay: Sequence[int], start: int) -> int:
+    """Launch the replayed tokens at positions start.. in runs of REPLAY_RUN; only the very last row
+    asks for logits (the token after them). Returns the runs launched."""
+    tokens = list(replay)
+    for b in range(0, len(tokens), REPLAY_RUN):
+        chunk = tokens[b:b + REPLAY_RUN]
+        last = b + len(chunk) == len(tokens)
+        pipe.launch(chunk, list(range(start + b, start + b + len(chunk))), [[CANONICAL_SEQ]] * len(chunk),
+                    [False] * (len(chunk) - 1) + [last], invariant=True)
+    return -(-len(tokens) // REPLAY_RUN)
 
 
 DRAFT_PREFILL_NICE = 10  # added to the draft prefill thread's nice value

@@ -200,7 +200,7 @@ def run_request(pipe: Pipeline, cfg: JobConfig, loaded: Loaded, req: Request, pr
                           sampling=req.sampling or cfg.sampling, n_predict=n_predict_for(cfg, req, len(prompt)),
                           is_eog=tok.is_eog, streaming=streaming,
                           site=DraftSite(on_head=local_draft, threaded=local_draft, trace=trace),
-                          reuse=reuse, draft_reuse=draft_reuse, memory=memory)
+                          reuse=reuse, draft_reuse=draft_reuse, memory=memory, resume=req.resume)
 
 
 def assemble_result(cfg: JobConfig, req: Request, topo, tok, s: Session, ranks: list[RankReport], offsets: list[float],

@@ -39,6 +39,9 @@ class Request:
     # chains this deep (> 0 with a draft model: the job loads it even for iterative; 0: tokens only).
     # None: no trace.
     trace_depth: int | None = None
+    # Tokens this request committed on a job that was lost (a server resuming it on a new job): they
+    # are replayed after the prompt and not shown again, and generation continues after them.
+    resume: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,9 @@ class GenerationRequest:
     # llama-server's speculative.n_max / n_min / p_min for this request ({"n_max": 8, ...}); the
     # job's --n-draft / --draft-min / --p-min for the keys it leaves out.
     speculative: dict | None = None
+    # Tokens this request committed on a job that was lost (server/front.py resumes it): replayed after
+    # the prompt, not shown again; n_predict still counts them.
+    resume: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +91,9 @@ class Event:
     text: str = ""  # "text": the text; "error": the message
     result: GenerationResult | None = None  # "done": the request's result
     reason: str = ""  # "error": "failed" (a rank failed), "stopping" (shutdown), "cancelled"
+    # "text": the tokens committed since the previous text event, whose text this is (with what a
+    # stop string held back): what a front that resumes the request after a lost job must replay.
+    tokens: list[int] = field(default_factory=list)
 
 
 class Ticket:
@@ -103,9 +109,22 @@ class Ticket:
         self.t_first_token: float | None = None
         self.run_index: int | None = None  # 0, 1, … in the order the pipeline took the requests
         self.n_tokens = 0
+        self.unshown: list[int] = []  # committed, not yet in a text event
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self.finished = False
+
+    def committed(self, token: int) -> None:
+        """A token committed (pipeline thread)."""
+        self.n_tokens += 1
+        self.unshown.append(token)
+        if self.t_first_token is None:
+            self.t_first_token = now()
+
+    def text(self, text: str) -> None:
+        """Text shown for the tokens committed since the previous text event (pipeline thread)."""
+        tokens, self.unshown = self.unshown, []
+        self.emit(Event("text", text=text, tokens=tokens))
 
     def cancel(self) -> None:
         """Stop this request (from any thread): dropped if queued, ended at its next commit if running."""
@@ -286,7 +305,7 @@ class Service:
         """The job's Request for a ticket."""
         r = ticket.request
         return Request(mode=r.mode or self.default_mode(), label=str(ticket.seq), stop=list(r.stop),
-                       sampling=r.sampling, n_predict=r.n_predict,
+                       sampling=r.sampling, n_predict=r.n_predict, resume=list(r.resume),
                        decode=self.decode_options(r) if r.speculative or self.default_decode else None,
                        cancelled=lambda t=ticket: t.cancelled or self.status != "ok")
 
@@ -298,12 +317,7 @@ class Service:
 
     def ticket_callbacks(self, ticket: Ticket) -> Callbacks:
         """One request's callbacks (called from its slot's thread)."""
-        def on_token(_token: int) -> None:
-            ticket.n_tokens += 1
-            if ticket.t_first_token is None:
-                ticket.t_first_token = now()
-
-        return Callbacks(on_token=on_token, on_text=lambda text: ticket.emit(Event("text", text=text)),
+        return Callbacks(on_token=ticket.committed, on_text=ticket.text,
                          on_result=lambda result: self._finish(ticket, result))
 
     def release(self, ticket: Ticket) -> None:
@@ -367,16 +381,13 @@ class Service:
             if self.status == "loading":
                 self.status, self.message = "ok", "ready"
 
-    def _token(self, _token: int) -> None:
-        t = self._current
-        if t is not None:
-            t.n_tokens += 1
-            if t.t_first_token is None:
-                t.t_first_token = now()
+    def _token(self, token: int) -> None:
+        if self._current is not None:
+            self._current.committed(token)
 
     def _text(self, text: str) -> None:
         if self._current is not None:
-            self._current.emit(Event("text", text=text))
+            self._current.text(text)
 
     def _result(self, result: GenerationResult) -> None:
         if self._current is not None:
