@@ -84,6 +84,10 @@ def serve(
     api_key: Annotated[str | None, typer.Option("--api-key", envvar=API_KEY_ENV, show_default=False,
                                                 help=f"Require `Authorization: Bearer KEY` on /v1/*, /metrics and /slots "
                                                      f"(or set {API_KEY_ENV}).")] = None,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, max=1000,
+                                              help="Times the job may be started again in 10 minutes after a rank, "
+                                                   "host or link was lost (requests in flight resume with the same "
+                                                   "text); past that the server exits 1.")] = 3,
     prefix_reuse: Annotated[bool, typer.Option("--prefix-reuse/--no-prefix-reuse",
                                                help="Keep the KV cells a request shares with the previous one "
                                                     "(whole 256-token prompt chunks, so answers are unchanged); "
@@ -106,6 +110,12 @@ def serve(
             raise OptionValueError(f"--load-policy {load_policy} applies to parallel requests; give --parallel N "
                                    "(N > 1) too")
 
+    from ..transport.launch import under_mpi_launcher
+
+    if not under_mpi_launcher():
+        check_api_key(False)
+        raise typer.Exit(_serve_from_front(model, model_opt, mode, job, host, port, queue, parallel, load_policy,
+                                           api_key, prefix_reuse, max_restarts))
     split_rule = default_split(job, parallel)
     start = begin_job(model, model_opt, mode, job, check_api_key)
     prep = start.prep
@@ -121,6 +131,76 @@ def serve(
                          lambda: relaunch(prep.ranks, sys.argv[1:], clean_stop=stopped_line,
                                           rank_timeout_s=prep.cfg.rank_timeout_s))
     _serve_on_this_rank(prep.cfg, prep.mode, host, port, queue, api_key, prep.auto, prep.ranks)
+
+
+def _serve_from_front(model, model_opt, mode, job, host: str, port: int, queue: int, parallel: int,
+                      load_policy: str, api_key: str | None, prefix_reuse: bool, max_restarts: int) -> int:
+    """The command a user typed: the HTTP server here, bound before anything slow (/health answers
+    "loading" while models are pulled and a profile calibrated), and the job under a front that
+    starts it again when a rank, host or link is lost (cli/serve_front.py, server/front.py)."""
+    from ..runtime.service import Service
+    from ..runtime.tokenizer import Tokenizer
+    from ..server.app import ServerSettings, build_app
+    from ..server.http_thread import HttpThread, bind
+    from .serve_front import run_front, say
+
+    sock = bind(host, port)
+    service = Service(max_queue=queue, parallel=parallel)
+    settings = ServerSettings(model=model or model_opt or "", api_key=api_key, on_finished=_log_request,
+                              recovery=lambda: getattr(service, "recovery", None))
+    http = HttpThread(build_app(service, settings), sock)
+    http.start()
+    try:
+        split_rule = default_split(job, parallel)
+        start = begin_job(model, model_opt, mode, job)
+        prep = start.prep
+        prep.cfg = replace(prep.cfg, reuse_prefix=prefix_reuse, parallel=parallel, load_policy=load_policy)
+        check_parallel(prep.cfg)
+        announce_split(split_rule, prep)
+        if prep.ranks > 1:
+            from .job_setup import check_plan
+
+            check_plan(prep.cfg, prep.ranks, prep.has_draft)
+        service.mode, settings.model, settings.draft = prep.mode, prep.cfg.model_label, prep.cfg.draft_label
+        say(f"listening on {_reachable(host, port)}; loading {prep.cfg.model_label}"
+            + (f" (draft {prep.cfg.draft_label})" if prep.cfg.draft_label else "") + " …")
+
+        def on_ready(info, again: bool) -> None:
+            if again:
+                say(f"serving again: {plural(len(info.ranks), 'rank')}: {'; '.join(info.ranks)}")
+            else:
+                _banner_lines(info, service, host, port, prep.auto)
+
+        code, stopped_by = run_front(service, prep.ranks, max_restarts, on_ready, lambda cfg: Tokenizer(cfg.model_path))
+    except BaseException:
+        service.fail("the server is stopping")
+        raise
+    finally:
+        http.stop()
+    if code == 0:
+        err.print(stopped_line(stopped_by), markup=False, highlight=False)
+    return code
+
+
+def _reachable(host: str, port: int) -> str:
+    """The address a client can use: the host given, or this machine's name for every interface."""
+    import socket
+
+    shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    return f"http://{shown}:{port}" + (" (every interface)" if shown != host else "")
+
+
+def _banner_lines(info, service, host: str, port: int, auto=None) -> None:
+    """Printed once the job has loaded, in the manner of llama-server."""
+    cfg = info.cfg
+    chosen = "" if auto is None else f" (-M {auto.summary(None)})"
+    lines = [f"model {cfg.model_label}, draft {cfg.draft_label or 'none'}, default mode {info.default_mode}{chosen}, "
+             f"context {cfg.n_ctx} cells, queue {service.max_queue}" +
+             (f", {cfg.parallel} slots of {cfg.slot_ctx} cells ({cfg.load_policy})" if cfg.parallel > 1 else ""),
+             f"{plural(len(info.ranks), 'rank')}: {'; '.join(info.ranks)}",
+             f"ready: {_reachable(host, port)}/v1 (chat/completions, completions, models), /health, /metrics, /slots"]
+    for line in lines:
+        err.print(f"pipeinfer serve: {line}", markup=False, highlight=False)
 
 
 def default_split(job, parallel: int, environ=os.environ) -> str | None:
@@ -210,6 +290,12 @@ def _serve_on_this_rank(cfg: JobConfig, mode: str, host: str, port: int, queue: 
     if MPI.COMM_WORLD.Get_rank() != 0:
         run_service(cfg, None)
         return
+    from ..transport.front_channel import connect_to_front
+
+    channel = connect_to_front()
+    if channel is not None:  # started by the front of `pipeinfer serve`: it answers HTTP
+        _serve_engine(cfg, mode, channel, auto, n_ranks)
+        return
     service = Service(max_queue=queue, mode=mode, on_ready=lambda s: _banner(s, host, port, auto), parallel=cfg.parallel)
     if auto is not None:
         _replan_as_it_serves(service, cfg, auto, n_ranks)
@@ -224,6 +310,22 @@ def _serve_on_this_rank(cfg: JobConfig, mode: str, host: str, port: int, queue: 
     finally:
         http.stop()
     err.print(stopped_line(stopped_by[0] if stopped_by else None), markup=False, highlight=False)
+
+
+def _serve_engine(cfg: JobConfig, mode: str, channel, auto, n_ranks: int) -> None:
+    """The head of a job a front started (runtime/engine.py). A failure was sent to the front, which
+    says what happened and starts the job again: this rank leaves without a line of its own."""
+    from ..runtime.engine import serve_engine
+    from ..runtime.service import Service
+
+    service = Service(max_queue=100_000, mode=mode, parallel=cfg.parallel)
+    if auto is not None:
+        _replan_as_it_serves(service, cfg, auto, n_ranks)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the front decides what a hang-up means
+    try:
+        serve_engine(cfg, service, channel)
+    except Exception:  # noqa: BLE001 - reported by the front
+        raise typer.Exit(1) from None
 
 
 def _replan_as_it_serves(service, cfg: JobConfig, auto, n_ranks: int) -> None:

@@ -326,7 +326,32 @@ class Service:
             self._running.pop(ticket.seq, None)
 
     # -- internals ------------------------------------------------------------------------------
+    # -- what a front that outlives its job calls (server/front.py) -----------------------------------
+    def pause(self, message: str) -> None:
+        """The pipeline is gone and another is being started: requests are still taken and wait
+        (status "restarting"); none is handed out until resume_serving()."""
+        with self._cond:
+            if self.status in ("ok", "loading"):
+                self.status, self.message = "restarting", message
+
+    def resume_serving(self) -> None:
+        with self._cond:
+            if self.status == "restarting":
+                self.status, self.message = "ok", "ready"
+                self._cond.notify_all()
+
+    def requeue(self, tickets: list[Ticket]) -> None:
+        """Put requests that were running back at the head of the queue, in their order, to run again."""
+        with self._cond:
+            for t in sorted(tickets, key=lambda t: t.seq, reverse=True):
+                self._running.pop(t.seq, None)
+                if not t.finished:
+                    self._queue.appendleft(t)
+            self._cond.notify_all()
+
     def _require_ready(self) -> Service:
+        if self.status == "restarting":
+            return self  # queued until the new pipeline is up
         if self.status == "loading":
             raise ServiceUnavailable("the model is still loading; try again shortly", "loading", retry_after=5)
         if self.status != "ok":

@@ -45,10 +45,12 @@ class ServerSettings:
     api_key: str | None = None  # if set, /v1/* and /metrics need `Authorization: Bearer KEY`
     max_body_bytes: int = MAX_BODY_BYTES
     on_finished: Callable[[str, GenerationResult], None] | None = None  # (endpoint, result) after each request
+    # The front's restarts (server/front.RecoveryStats), when the server outlives its job; None otherwise.
+    recovery: Callable[[], object] | None = None
 
 
 def build_app(service: Service, settings: ServerSettings) -> Starlette:
-    metrics = ServerMetrics(service)
+    metrics = ServerMetrics(service, settings.recovery)
     api = _Api(service, settings, metrics)
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -81,8 +83,13 @@ class _Api:
     # -- plain endpoints ---------------------------------------------------------------------
     async def health(self, _request: Request) -> Response:
         status = self.service.status
+        recovery = self.settings.recovery() if self.settings.recovery is not None else None
+        lost = list(getattr(recovery, "hosts_lost", []) or [])
         if status == "ok":
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "degraded", "hosts_lost": lost} if lost else {"status": "ok"})
+        if status == "restarting":  # no pipeline for now: requests wait for the next one
+            return JSONResponse({"status": "degraded", "pipeline": "restarting", "hosts_lost": lost,
+                                 "message": self.service.message}, status_code=503)
         body = {"status": status} if status == "loading" else {"status": "error", "message": self.service.message}
         return JSONResponse(body, status_code=503)
 

@@ -16,7 +16,7 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 class ServerMetrics:
     """Counters over the server's life; gauges read the service when scraped."""
 
-    def __init__(self, service):
+    def __init__(self, service, recovery=None):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("pipeinfer_requests", "Requests answered, by endpoint and outcome "
                                 "(stop, length, cancelled, error, rejected)", ["endpoint", "outcome"], registry=r)
@@ -40,6 +40,16 @@ class ServerMetrics:
         r.register(_SlotCollector(service))
         Gauge("pipeinfer_ready", "1 once the models are loaded and the service answers",
               registry=r).set_function(lambda: int(service.status == "ok"))
+        stats = (lambda: recovery() if recovery is not None else None)
+        Gauge("pipeinfer_restarts", "Times the job was started again after a lost rank, host or link",
+              registry=r).set_function(lambda: getattr(stats(), "restarts", 0))
+        Gauge("pipeinfer_resumed_requests", "Requests resumed from their committed tokens on a new job",
+              registry=r).set_function(lambda: getattr(stats(), "resumed_requests", 0))
+        Gauge("pipeinfer_seconds_without_pipeline", "Seconds the server has had no job to run requests on, "
+              "after losing one", registry=r).set_function(
+            lambda: stats().without_pipeline_s() if stats() is not None else 0.0)
+        Gauge("pipeinfer_hosts_lost", "Hosts of the hostfile the job no longer runs on",
+              registry=r).set_function(lambda: len(getattr(stats(), "hosts_lost", []) or []))
 
     def finished(self, endpoint: str, result: GenerationResult) -> None:
         self.requests.labels(endpoint, result.finish_reason or "stop").inc()
@@ -66,7 +76,7 @@ class ServerMetrics:
 class _SlotCollector:
     """Per-slot gauges, read from the service when scraped (GET /slots has the same)."""
 
-    def __init__(self, service):
+    def __init__(self, service, recovery=None):
         self.service = service
 
     def collect(self):
