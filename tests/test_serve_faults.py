@@ -18,9 +18,10 @@ pytestmark = pytest.mark.mpi
 
 
 def test_a_failing_rank_gives_503_and_the_server_exits_nonzero(smollm2_path, tmp_path):
+    """With no restart allowed (--max-restarts 0): test_serve_recovery.py has the restarts."""
     # Rank 1 raises on its 30th run: in the middle of the second request below.
-    server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 512, log_dir=tmp_path,
-                          PIPEINFER_DEBUG_FAIL="1:30")
+    server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 512, "--max-restarts", 0,
+                          log_dir=tmp_path, PIPEINFER_DEBUG_FAIL="1:30")
     try:
         ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 100}
         status, body = server.post_json("/v1/chat/completions", {**ask, "mode": "pipeinfer"})
@@ -29,7 +30,7 @@ def test_a_failing_rank_gives_503_and_the_server_exits_nonzero(smollm2_path, tmp
         assert status == 200
         status, body = server.post_json("/v1/completions", {"prompt": "1, 2, 3,", "max_tokens": 100})
         msg = body["error"]["message"]
-        assert status == 503 and "the job failed" in msg and "rank 1" in msg and "injected fault" in msg, msg
+        assert status == 503 and "--max-restarts 0" in msg and "rank 1" in msg and "injected fault" in msg, msg
         rc = server.proc.wait(timeout=30)
     finally:
         server.stop()
@@ -41,7 +42,7 @@ def test_a_failing_rank_gives_503_and_the_server_exits_nonzero(smollm2_path, tmp
 def test_a_rank_stopped_while_the_server_is_idle_ends_it(smollm2_path, tmp_path):
     # No request is running: the idle head still reads the heartbeats and notices the silence.
     server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 512, "--rank-timeout", 3,
-                          log_dir=tmp_path)
+                          "--max-restarts", 0, log_dir=tmp_path)
     stopped = None
     try:
         status, _ = server.post_json("/v1/completions", {"prompt": "Hi", "max_tokens": 4})
@@ -90,12 +91,12 @@ def test_sigterm_is_a_clean_stop_on_one_rank_or_many(smollm2_path, tmp_path, ran
 
 
 def test_the_head_killed_ends_the_job_with_one_line_naming_it(smollm2_path, tmp_path):
-    """Rank 0 killed by SIGKILL: its clients' connections drop (nothing can answer them), and the
-    other ranks learn it from its guard at once, not after --rank-timeout: one line, status 1."""
+    """Rank 0 killed by SIGKILL with no restart allowed: the front sees it at once (its channel
+    closes), not after --rank-timeout: one line, status 1."""
     import time
 
     server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 512, "--rank-timeout", 60,
-                          log_dir=tmp_path)
+                          "--max-restarts", 0, log_dir=tmp_path)
     try:
         killed_at = time.monotonic()
         os.kill(rank_process(server.marker, 0), signal.SIGKILL)

@@ -146,8 +146,10 @@ def _serve_from_front(model, model_opt, mode, job, host: str, port: int, queue: 
 
     sock = bind(host, port)
     service = Service(max_queue=queue, parallel=parallel)
+    front: list = []  # the Front, once the job is planned (run_front)
     settings = ServerSettings(model=model or model_opt or "", api_key=api_key, on_finished=_log_request,
-                              recovery=lambda: getattr(service, "recovery", None))
+                              recovery=lambda: front[0].stats if front else None,
+                              slots=lambda: front[0].slot_rows() if front else [])
     http = HttpThread(build_app(service, settings), sock)
     http.start()
     try:
@@ -171,7 +173,8 @@ def _serve_from_front(model, model_opt, mode, job, host: str, port: int, queue: 
             else:
                 _banner_lines(info, service, host, port, prep.auto)
 
-        code, stopped_by = run_front(service, prep.ranks, max_restarts, on_ready, lambda cfg: Tokenizer(cfg.model_path))
+        code, stopped_by = run_front(service, prep.ranks, max_restarts, on_ready, lambda cfg: Tokenizer(cfg.model_path),
+                                     front.append)
     except BaseException:
         service.fail("the server is stopping")
         raise

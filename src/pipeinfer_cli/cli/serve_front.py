@@ -63,13 +63,13 @@ def _with_ranks(argv: list[str], ranks: int) -> list[str]:
     return out + ["--ranks", str(ranks)]
 
 
-def run_front(service: Service, ranks: int, max_restarts: int, on_ready: Callable,
-              tokenizer_for: Callable) -> tuple[int, str | None]:
+def run_front(service: Service, ranks: int, max_restarts: int, on_ready: Callable, tokenizer_for: Callable,
+              on_front: Callable[[Front], None]) -> tuple[int, str | None]:
     """Serve until stopped: the exit status, and the name of the signal that stopped the server."""
     shape = job_shape(ranks, sys.argv[1:])
     front = Front(service, shape, say, max_restarts=max_restarts, replan=replan, on_ready=on_ready,
                   probe_hosts=answering, tokenizer_for=tokenizer_for)
-    service.recovery = front.stats
+    on_front(front)
     try:
         code = front.run()
     finally:

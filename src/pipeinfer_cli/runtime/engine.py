@@ -95,9 +95,25 @@ class _Bridge:
                 self._submit(message[1], message[2])
             elif kind == "cancel" and (ticket := self.tickets.get(message[1])) is not None:
                 ticket.cancel()
+            elif kind == "slots":
+                self._send("slots", message[1], self._slot_rows())
             elif kind == "stop":
                 self.service.stop(message[1])
                 return
+
+    def _slot_rows(self) -> list[dict]:
+        """GET /slots as the front's clients see it: requests named by the front's ids."""
+        from .parallel import slot_rows
+
+        front_id = {ticket.seq: request_id for request_id, ticket in list(self.tickets.items())}
+        rows = slot_rows(self.service)
+        for row in rows:
+            if "id_task" in row:
+                row["id_task"] = front_id.get(row["id_task"], row["id_task"])
+            held = row.get("draft_model_held_by")
+            if isinstance(held, dict) and "id_task" in held:
+                held["id_task"] = front_id.get(held["id_task"], held["id_task"])
+        return rows
 
     def _submit(self, request_id: int, request) -> None:
         def on_event(event: Event) -> None:

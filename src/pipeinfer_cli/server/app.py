@@ -47,10 +47,13 @@ class ServerSettings:
     on_finished: Callable[[str, GenerationResult], None] | None = None  # (endpoint, result) after each request
     # The front's restarts (server/front.RecoveryStats), when the server outlives its job; None otherwise.
     recovery: Callable[[], object] | None = None
+    # What each slot does, when the slots are not this process's (a front asks its job's head); None:
+    # the service's own (runtime/parallel.slot_rows).
+    slots: Callable[[], list[dict]] | None = None
 
 
 def build_app(service: Service, settings: ServerSettings) -> Starlette:
-    metrics = ServerMetrics(service, settings.recovery)
+    metrics = ServerMetrics(service, settings.recovery, settings.slots)
     api = _Api(service, settings, metrics)
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -105,6 +108,8 @@ class _Api:
             return denied
         if self.service.status == "loading":
             return JSONResponse({"status": "loading"}, status_code=503)
+        if self.settings.slots is not None:
+            return JSONResponse(await asyncio.to_thread(self.settings.slots))
         return JSONResponse(slot_rows(self.service))
 
     async def models(self, request: Request) -> Response:

@@ -14,6 +14,8 @@ in RESTART_WINDOW_S; past that, every client is told and the server exits 1.
 
 from __future__ import annotations
 
+import itertools
+import re
 import signal
 import threading
 import time
@@ -76,6 +78,9 @@ class Front:
         self._outstanding: dict[int, Ticket] = {}  # handed to the head, not finished
         self._committed: dict[int, list[int]] = {}  # per ticket: tokens whose text its client received
         self._cancel_sent: set[int] = set()
+        self._nonces = itertools.count(1)
+        self._slot_asks: dict[int, threading.Event] = {}  # GET /slots waiting for the head's rows
+        self._slot_answers: dict[int, list[dict]] = {}
         self._lock = threading.Lock()
         self._channel: Channel | None = None
         self._job: SupervisedJob | None = None
@@ -127,7 +132,8 @@ class Front:
                 return
             job.wait(STOP_WAIT_S)
             raise JobLost(self._ended_line(job))
-        self._channel = channel
+        with self._lock:
+            self._channel = channel
         info = self._until_ready(channel, job)
         if info is None:
             return
@@ -189,6 +195,10 @@ class Front:
                 continue
             if message[0] == "event":
                 self._event(message[1], message[2])
+            elif message[0] == "slots":
+                self._slot_answers[message[1]] = message[2]
+                if (asked := self._slot_asks.pop(message[1], None)) is not None:
+                    asked.set()
             elif message[0] == "failed":
                 raise JobLost(message[1])
 
@@ -211,12 +221,16 @@ class Front:
             if ticket is None:
                 continue
             with self._lock:
+                if channel is not self._channel or channel.closed:  # lost meanwhile: it waits for the next job
+                    service.requeue([ticket])
+                    continue
                 committed = self._committed.setdefault(ticket.seq, [])
                 request = replace(ticket.request, resume=list(ticket.request.resume) + committed)
                 self._outstanding[ticket.seq] = ticket
-            if committed:
-                self.stats.resumed_requests += 1
-            self._send(channel, "submit", ticket.seq, request)
+                self._take_slot(ticket)
+                if committed:
+                    self.stats.resumed_requests += 1
+                self._send(channel, "submit", ticket.seq, request)
 
     def _send(self, channel: Channel, *message) -> None:
         try:
@@ -243,11 +257,41 @@ class Front:
             self._outstanding.pop(seq, None)
             self._committed.pop(seq, None)
             self._cancel_sent.discard(seq)
+            self._free_slot(ticket)
         if event.kind == "done":
             self.service._finish(ticket, event.result)  # noqa: SLF001 - the observers (metrics, the log line) too
         else:
             ticket.emit(event)
         self.service.release(ticket)
+
+    def slot_rows(self, timeout_s: float = 2.0) -> list[dict]:
+        """GET /slots: the head's rows (which request holds the draft model, …), asked over the
+        channel; while there is no pipeline, or if the head does not answer in time, the front's own
+        view (which request runs in which slot)."""
+        from ..runtime.parallel import slot_rows
+
+        channel = self._channel
+        if channel is not None and not channel.closed and self.service.status == "ok":
+            nonce = next(self._nonces)
+            asked = self._slot_asks[nonce] = threading.Event()
+            self._send(channel, "slots", nonce)
+            if asked.wait(timeout_s):
+                return self._slot_answers.pop(nonce)
+            self._slot_asks.pop(nonce, None)
+        return slot_rows(self.service)
+
+    def _take_slot(self, ticket: Ticket) -> None:
+        """GET /slots: the request occupies the lowest free slot while the head runs it."""
+        info = self.service.slot_info
+        slot = next(i for i in range(len(info) + 1) if i not in info)
+        info[slot] = {"ticket": ticket, "mode": ticket.request.mode or self.service.default_mode(),
+                      "n_prompt_tokens": len(ticket.request.prompt)}
+
+    def _free_slot(self, ticket: Ticket) -> None:
+        info = self.service.slot_info
+        for slot, row in list(info.items()):
+            if row.get("ticket") is ticket:
+                del info[slot]
 
     # -- losing and restarting the job --------------------------------------------------------------
     def _recover(self, why: str) -> bool:
@@ -261,12 +305,14 @@ class Front:
             running = list(self._outstanding.values())
             self._outstanding.clear()
             self._cancel_sent.clear()
+            self.service.slot_info.clear()
         while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
             self._restart_times.popleft()
         if len(self._restart_times) >= self.max_restarts:
-            message = (f"the job was lost again ({why}) after {self.max_restarts} restarts in "
-                       f"{int(RESTART_WINDOW_S // 60)} minutes (--max-restarts {self.max_restarts}); the server stops")
-            self.say(message)
+            allowed = ("no restart" if self.max_restarts == 0 else
+                       f"{self.max_restarts} restarts in {int(RESTART_WINDOW_S // 60)} minutes, all used")
+            message = f"{why}; the server stops (--max-restarts {self.max_restarts}: {allowed})"
+            self.say(f"Error: {message}")
             self.service.fail(message)
             self.exit_code = 1
             return False
@@ -284,7 +330,7 @@ class Front:
             try:
                 shape = self.replan(shape, lost_hosts)
             except Exception as exc:  # noqa: BLE001 - the job cannot run on what is left: one line, every client told
-                self.say(f"the job cannot be started again: {exc}")
+                self.say(f"Error: the job cannot be started again: {exc}")
                 self.service.fail(f"the server stops: {exc}")
                 self.exit_code = 1
                 return False
@@ -298,8 +344,9 @@ class Front:
         return True
 
     def _end_job(self) -> None:
-        channel, job = self._channel, self._job
-        self._channel = None
+        with self._lock:
+            channel, job = self._channel, self._job
+            self._channel = None
         if channel is not None:
             channel.close()
         if job is not None:
@@ -326,13 +373,20 @@ class Front:
             t.emit(Event("error", text=f"the server is shutting down ({self.stop_signal})", reason="stopping"))
 
     def _ended_line(self, job: SupervisedJob) -> str:
-        """Which rank ended and how, named as the head named it (rank, role, host)."""
+        """Which rank ended and how, named as the head named it: 'rank 2 (stage 3 of 4, host h3)
+        ended: killed by SIGKILL'; else the launcher's account of the end."""
         job.wait(STOP_WAIT_S)
-        line = job.how_it_ended()
-        names = getattr(self, "info", None)
-        if names is not None and len(job.first_ended) == 1 and job.first_ended[0] < len(names.rank_names):
-            line = line.replace(f"rank {job.first_ended[0]} ", f"{names.rank_names[job.first_ended[0]]} ", 1)
-        return line
+        info = getattr(self, "info", None)
+        ended = job.first_ended
+        by = re.search(r"signal (\d+)", job.exit_string or "")
+        if len(ended) == 1 and by is not None:
+            name = info.rank_names[ended[0]] if info is not None and ended[0] < len(info.rank_names) else \
+                f"rank {ended[0]}"
+            try:
+                return f"{name} ended: killed by {signal.Signals(int(by[1])).name}"
+            except ValueError:
+                pass
+        return job.how_it_ended()
 
     def _job_exit_code(self) -> int:
         job = self._job

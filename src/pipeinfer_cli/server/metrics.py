@@ -16,7 +16,7 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 class ServerMetrics:
     """Counters over the server's life; gauges read the service when scraped."""
 
-    def __init__(self, service, recovery=None):
+    def __init__(self, service, recovery=None, slots=None):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("pipeinfer_requests", "Requests answered, by endpoint and outcome "
                                 "(stop, length, cancelled, error, rejected)", ["endpoint", "outcome"], registry=r)
@@ -37,7 +37,7 @@ class ServerMetrics:
               registry=r).set_function(service.queue_depth)
         Gauge("pipeinfer_requests_running", "Requests being generated (at most --parallel)",
               registry=r).set_function(service.n_running)
-        r.register(_SlotCollector(service))
+        r.register(_SlotCollector(service, slots))
         Gauge("pipeinfer_ready", "1 once the models are loaded and the service answers",
               registry=r).set_function(lambda: int(service.status == "ok"))
         stats = (lambda: recovery() if recovery is not None else None)
@@ -76,15 +76,15 @@ class ServerMetrics:
 class _SlotCollector:
     """Per-slot gauges, read from the service when scraped (GET /slots has the same)."""
 
-    def __init__(self, service, recovery=None):
-        self.service = service
+    def __init__(self, service, slots=None):
+        self.service, self.slots = service, slots
 
     def collect(self):
         busy = GaugeMetricFamily("pipeinfer_slot_processing", "1 while the slot generates a request", labels=["slot"])
         decoded = GaugeMetricFamily("pipeinfer_slot_decoded_tokens", "Tokens the slot's request has generated so far",
                                     labels=["slot"])
         if self.service.cfg is not None:
-            for row in slot_rows(self.service):
+            for row in (self.slots() if self.slots is not None else slot_rows(self.service)):
                 busy.add_metric([str(row["id"])], int(row["is_processing"]))
                 decoded.add_metric([str(row["id"])], row.get("n_decoded", 0))
         yield busy

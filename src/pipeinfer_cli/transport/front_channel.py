@@ -7,8 +7,8 @@ the environment (FRONT_ENV, FRONT_KEY_ENV), which the launcher passes to every r
 (HMAC), so only the job the front started can talk to it. Messages are tuples whose first item says
 what they are:
 
-front -> head: ("submit", id, GenerationRequest), ("cancel", id), ("stop", reason)
-head -> front: ("ready", EngineInfo), ("event", id, Event), ("failed", message)
+front -> head: ("submit", id, GenerationRequest), ("cancel", id), ("slots", nonce), ("stop", reason)
+head -> front: ("ready", EngineInfo), ("event", id, Event), ("slots", nonce, rows), ("failed", message)
 
 A closed connection is an answer too: the front takes it as the job lost, the head as the front
 gone (it stops the job).

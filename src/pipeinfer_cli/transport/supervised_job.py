@@ -50,6 +50,11 @@ class SupervisedJob:
         """The job printed an `Error:` line of its own (a failure it explained itself)."""
         return any(p.reported for p in self._pumps)
 
+    @property
+    def exit_string(self) -> str | None:
+        """The launcher's account of how the first rank ended ("Killed (signal 9)"), once it has."""
+        return self._pumps[0].exit_string or self._pumps[1].exit_string
+
     def how_it_ended(self) -> str:
         """One line on why the job ended, from the launcher's exit string (after wait())."""
         reason = self._pumps[0].exit_string or self._pumps[1].exit_string
