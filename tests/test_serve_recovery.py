@@ -13,7 +13,7 @@ import time
 import pytest
 
 from jobprocs import marked_pids, rank_process
-from serving import read_events, start_server
+from serving import read_events, start_server, wait_ready
 
 pytestmark = pytest.mark.mpi
 
@@ -146,3 +146,26 @@ def test_past_max_restarts_every_client_is_told_and_the_server_exits_1(smollm2_p
     assert rc == 1
     errors = [ln for ln in server.stderr().splitlines() if ln.startswith("Error: ")]
     assert len(errors) == 1 and "rank 1 (stage 2 of 2" in errors[0] and "SIGKILL" in errors[0], server.stderr()
+
+
+def test_health_answers_loading_while_the_profile_is_calibrated(smollm2_path, tmp_path):
+    """The front binds and answers before anything slow: /health says "loading" while --parallel 2
+    calibrates the profile of its default split (an empty cache: no profile cached yet)."""
+    server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 1024, "--parallel", 2,
+                          log_dir=tmp_path, wait=False, PIPEINFER_CACHE=str(tmp_path / "cache"))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert server.alive(), server.stderr()
+            try:
+                status, _, body = server.request("GET", "/health", timeout=5)
+                log = server.stderr()
+                break
+            except OSError:
+                time.sleep(0.02)
+        assert status == 503 and json.loads(body) == {"status": "loading"}
+        assert "split for 2 requests at once" not in log, log  # the calibration had not ended
+        wait_ready(server)
+        assert "split for 2 requests at once" in server.stderr()
+    finally:
+        server.stop()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from ..runtime.engine import EngineInfo
 from ..runtime.service import Event, Service, Ticket
 from ..transport.front_channel import Channel, ChannelClosed, FrontListener
+from ..transport.host_probe import host_name
 from ..transport.supervised_job import SupervisedJob
 
 RESTART_WINDOW_S = 600.0  # --max-restarts counts the restarts of the last ten minutes
@@ -325,7 +326,7 @@ class Front:
         if shape.hostfile_hosts and self.probe_hosts is not None:
             answering = self.probe_hosts(shape.hostfile_hosts)
             lost_hosts = [h for h in shape.hostfile_hosts if h not in answering]
-        self.stats.hosts_lost = lost_hosts
+        self.stats.hosts_lost = [host_name(h) for h in lost_hosts]
         if self.replan is not None:
             try:
                 shape = self.replan(shape, lost_hosts)
@@ -336,7 +337,7 @@ class Front:
                 return False
         self.shape = shape
         self.say(f"{why}; starting the job again on {shape.ranks} rank{'s' if shape.ranks != 1 else ''}"
-                 + (f" (hosts lost: {', '.join(lost_hosts)})" if lost_hosts else "")
+                 + (f" (hosts lost: {', '.join(self.stats.hosts_lost)})" if lost_hosts else "")
                  + f", restart {len(self._restart_times)} of at most {self.max_restarts} in "
                  f"{int(RESTART_WINDOW_S // 60)} minutes; {len(running)} request{'s' if len(running) != 1 else ''} "
                  f"in flight ({resumed} resumed from their committed tokens), {self.service.queue_depth() - len(running)} "
@@ -379,14 +380,15 @@ class Front:
         info = getattr(self, "info", None)
         ended = job.first_ended
         by = re.search(r"signal (\d+)", job.exit_string or "")
-        if len(ended) == 1 and by is not None:
-            name = info.rank_names[ended[0]] if info is not None and ended[0] < len(info.rank_names) else \
-                f"rank {ended[0]}"
+        if len(ended) != 1:
+            return job.how_it_ended()
+        name = info.rank_names[ended[0]] if info is not None and ended[0] < len(info.rank_names) else f"rank {ended[0]}"
+        if by is not None:
             try:
                 return f"{name} ended: killed by {signal.Signals(int(by[1])).name}"
             except ValueError:
                 pass
-        return job.how_it_ended()
+        return job.how_it_ended().replace(f"rank {ended[0]} ended first", f"{name} ended first", 1)
 
     def _job_exit_code(self) -> int:
         job = self._job
@@ -417,4 +419,4 @@ class _FrontLoaded:
 def _connect_host(shape: JobShape) -> str:
     from ..transport.front_channel import address_towards
 
-    return address_towards(shape.hostfile_hosts[0] if shape.hostfile_hosts else None)
+    return address_towards(host_name(shape.hostfile_hosts[0]) if shape.hostfile_hosts else None)

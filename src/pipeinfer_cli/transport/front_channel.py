@@ -109,6 +109,11 @@ def connect_to_front(environ=os.environ) -> Channel | None:
     socket.setdefaulttimeout(CONNECT_TIMEOUT_S)
     try:
         conn = Client((host, int(port)), authkey=key)
+    except OSError as exc:
+        from ..errors import PipeinferError
+
+        raise PipeinferError(f"the head cannot reach the server's front at {host}:{port} ({exc.strerror or exc}); "
+                             "check that the head's host can open TCP connections to the machine serve runs on") from None
     finally:
         socket.setdefaulttimeout(old)
     return Channel(conn)
