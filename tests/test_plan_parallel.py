@@ -165,7 +165,7 @@ def _job(**kw):
 
 
 def test_the_default_split_rule(monkeypatch):
-    from pipeinfer_cli.cli.serve_cmd import default_split
+    from pipeinfer_cli.cli.serve_options import default_split
     from pipeinfer_cli.transport.launch import RELAUNCHED
 
     for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "PMI_FD", RELAUNCHED,

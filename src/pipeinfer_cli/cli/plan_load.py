@@ -38,7 +38,7 @@ def check_load(parallel: int, load_policy: str, search: bool, ctx: int, opts: De
         raise UsageError("--search looks for the fastest settings of one request at a time; drop --search, or "
                          "--parallel")
     from ..decode.slot_geometry import SlotGeometry
-    from .serve_cmd import check_parallel
+    from .serve_options import check_parallel
 
     geometry = SlotGeometry.for_job(ctx, parallel, opts.max_inflight, opts.max_branches, drafts=has_draft)
     check_parallel(SimpleNamespace(parallel=parallel, geometry=geometry, n_ctx=ctx, decode=opts))

@@ -7,12 +7,16 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from collections.abc import Callable
 
 from ..runtime.service import Service
 from ..server.front import Front, JobShape
 from ..transport.host_probe import HOSTFILE_ENV, answering, host_name, hostfile_hosts, ranks_on
 from .console import err
+from .serve_options import _log_request, announce_split, check_parallel, default_split, stopped_line
+from .job_setup import begin_job
+from .wording import plural
 
 
 def say(line: str) -> None:
@@ -77,3 +81,75 @@ def run_front(service: Service, ranks: int, max_restarts: int, on_ready: Callabl
         if planned and planned != os.environ.get(HOSTFILE_ENV):
             os.unlink(planned)
     return code or front.exit_code, front.stop_signal
+
+
+def serve_from_front(model, model_opt, mode, job, host: str, port: int, queue: int, parallel: int,
+                      load_policy: str, api_key: str | None, prefix_reuse: bool, max_restarts: int) -> int:
+    """The command a user typed: the HTTP server here, bound before anything slow (/health answers
+    "loading" while models are pulled and a profile calibrated), and the job under a front that
+    starts it again when a rank, host or link is lost (cli/serve_front.py, server/front.py)."""
+    from ..runtime.service import Service
+    from ..runtime.tokenizer import Tokenizer
+    from ..server.app import ServerSettings, build_app
+    from ..server.http_thread import HttpThread, bind
+
+    sock = bind(host, port)
+    service = Service(max_queue=queue, parallel=parallel)
+    front: list = []  # the Front, once the job is planned (run_front)
+    settings = ServerSettings(model=model or model_opt or "", api_key=api_key, on_finished=_log_request,
+                              recovery=lambda: front[0].stats if front else None,
+                              slots=lambda: front[0].requests.slot_rows() if front else [])
+    http = HttpThread(build_app(service, settings), sock)
+    http.start()
+    try:
+        split_rule = default_split(job, parallel)
+        start = begin_job(model, model_opt, mode, job)
+        prep = start.prep
+        prep.cfg = replace(prep.cfg, reuse_prefix=prefix_reuse, parallel=parallel, load_policy=load_policy)
+        check_parallel(prep.cfg)
+        announce_split(split_rule, prep)
+        if prep.ranks > 1:
+            from .job_setup import check_plan
+
+            check_plan(prep.cfg, prep.ranks, prep.has_draft)
+        service.mode, settings.model, settings.draft = prep.mode, prep.cfg.model_label, prep.cfg.draft_label
+        say(f"listening on {_reachable(host, port)}; loading {prep.cfg.model_label}"
+            + (f" (draft {prep.cfg.draft_label})" if prep.cfg.draft_label else "") + " …")
+
+        def on_ready(info, again: bool) -> None:
+            if again:
+                say(f"serving again: {plural(len(info.ranks), 'rank')}: {'; '.join(info.ranks)}")
+            else:
+                _banner_lines(info, service, host, port, prep.auto)
+
+        code, stopped_by = run_front(service, prep.ranks, max_restarts, on_ready, lambda cfg: Tokenizer(cfg.model_path),
+                                     front.append)
+    except BaseException:
+        service.fail("the server is stopping")
+        raise
+    finally:
+        http.stop()
+    if code == 0:
+        err.print(stopped_line(stopped_by), markup=False, highlight=False)
+    return code
+
+
+def _reachable(host: str, port: int) -> str:
+    """The address a client can use: the host given, or this machine's name for every interface."""
+    import socket
+
+    shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    return f"http://{shown}:{port}" + (" (every interface)" if shown != host else "")
+
+
+def _banner_lines(info, service, host: str, port: int, auto=None) -> None:
+    """Printed once the job has loaded, in the manner of llama-server."""
+    cfg = info.cfg
+    chosen = "" if auto is None else f" (-M {auto.summary(None)})"
+    lines = [f"model {cfg.model_label}, draft {cfg.draft_label or 'none'}, default mode {info.default_mode}{chosen}, "
+             f"context {cfg.n_ctx} cells, queue {service.max_queue}" +
+             (f", {cfg.parallel} slots of {cfg.slot_ctx} cells ({cfg.load_policy})" if cfg.parallel > 1 else ""),
+             f"{plural(len(info.ranks), 'rank')}: {'; '.join(info.ranks)}",
+             f"ready: {_reachable(host, port)}/v1 (chat/completions, completions, models), /health, /metrics, /slots"]
+    for line in lines:
+        err.print(f"pipeinfer serve: {line}", markup=False, highlight=False)

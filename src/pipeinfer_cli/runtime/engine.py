@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ..transport.front_channel import Channel, ChannelClosed
 from .job_config import JobConfig
-from .service import Event, InvalidRequest, Service, ServiceUnavailable
+from .service import Service
+from .service_request import Event, InvalidRequest, ServiceUnavailable
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class _Bridge:
                 self.service.stop(message[1])
                 return
 
-    def _slot_rows(self) -> list[dict]:
+    def _slot_rows(self) -> list[dict[str, object]]:
         """GET /slots as the front's clients see it: requests named by the front's ids."""
         from .parallel import slot_rows
 

@@ -24,7 +24,8 @@ from starlette.routing import Route
 from ..decode.result import GenerationResult
 from ..runtime.tokenizer import NoChatTemplateError
 from ..runtime.parallel import slot_rows
-from ..runtime.service import Event, GenerationRequest, InvalidRequest, Service, ServiceUnavailable
+from ..runtime.service import Service
+from ..runtime.service_request import Event, GenerationRequest, InvalidRequest, ServiceUnavailable
 from ..wording import human_bytes
 from ..errors import UsageError
 from .metrics import CONTENT_TYPE, ServerMetrics

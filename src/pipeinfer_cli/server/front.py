@@ -14,24 +14,24 @@ in RESTART_WINDOW_S; past that, every client is told and the server exits 1.
 
 from __future__ import annotations
 
-import itertools
 import re
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..runtime.engine import EngineInfo
-from ..runtime.service import Event, Service, Ticket
+from ..runtime.service import Service
+from ..runtime.service_request import Event
 from ..transport.front_channel import Channel, ChannelClosed, FrontListener
+from .front_requests import RequestRouter
 from ..transport.host_probe import host_name
 from ..transport.supervised_job import SupervisedJob
 
 RESTART_WINDOW_S = 600.0  # --max-restarts counts the restarts of the last ten minutes
 STOP_WAIT_S = 5.0  # a job told to stop gets this long to end by itself, then it is stopped by force
-LOST_REASONS = ("failed", "stopping")  # a request's error that means its job ended, not the request
 
 
 @dataclass
@@ -76,14 +76,7 @@ class Front:
         self.stats = RecoveryStats()
         self.listener = FrontListener(_connect_host(shape))
         self._restart_times: deque[float] = deque()
-        self._outstanding: dict[int, Ticket] = {}  # handed to the head, not finished
-        self._committed: dict[int, list[int]] = {}  # per ticket: tokens whose text its client received
-        self._cancel_sent: set[int] = set()
-        self._nonces = itertools.count(1)
-        self._slot_asks: dict[int, threading.Event] = {}  # GET /slots waiting for the head's rows
-        self._slot_answers: dict[int, list[dict]] = {}
-        self._lock = threading.Lock()
-        self._channel: Channel | None = None
+        self.requests = RequestRouter(service, self.stats, self._stopping)
         self._job: SupervisedJob | None = None
         self.stop_signal: str | None = None
         self._replan_all = False
@@ -93,7 +86,7 @@ class Front:
     def run(self) -> int:
         """Serve until a stop signal (0), or until the job cannot be started or restarted (1)."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        threading.Thread(target=self._dispatch, daemon=True, name="front-dispatch").start()
+        self.requests.start()
         first = True
         try:
             while self.stop_signal is None:
@@ -133,8 +126,7 @@ class Front:
                 return
             job.wait(STOP_WAIT_S)
             raise JobLost(self._ended_line(job))
-        with self._lock:
-            self._channel = channel
+        self.requests.attach(channel)
         info = self._until_ready(channel, job)
         if info is None:
             return
@@ -195,104 +187,11 @@ class Front:
                     raise JobLost(self._ended_line(job))
                 continue
             if message[0] == "event":
-                self._event(message[1], message[2])
+                self.requests.event(message[1], message[2])
             elif message[0] == "slots":
-                self._slot_answers[message[1]] = message[2]
-                if (asked := self._slot_asks.pop(message[1], None)) is not None:
-                    asked.set()
+                self.requests.slot_answer(message[1], message[2])
             elif message[0] == "failed":
                 raise JobLost(message[1])
-
-    # -- requests -----------------------------------------------------------------------------------
-    def _dispatch(self) -> None:
-        """Hand waiting requests to the head, up to --parallel at a time; pass on cancellations."""
-        service = self.service
-        while self.stop_signal is None or self._outstanding:
-            channel = self._channel
-            with self._lock:
-                for seq, ticket in list(self._outstanding.items()):
-                    if ticket.cancelled and seq not in self._cancel_sent and channel is not None:
-                        self._cancel_sent.add(seq)
-                        self._send(channel, "cancel", seq)
-                free = len(self._outstanding) < service.parallel
-            if channel is None or channel.closed or service.status != "ok" or not free:
-                time.sleep(0.05)
-                continue
-            ticket = service.take_parallel(timeout=0.2)
-            if ticket is None:
-                continue
-            with self._lock:
-                if channel is not self._channel or channel.closed:  # lost meanwhile: it waits for the next job
-                    service.requeue([ticket])
-                    continue
-                committed = self._committed.setdefault(ticket.seq, [])
-                request = replace(ticket.request, resume=list(ticket.request.resume) + committed)
-                self._outstanding[ticket.seq] = ticket
-                self._take_slot(ticket)
-                if committed:
-                    self.stats.resumed_requests += 1
-                self._send(channel, "submit", ticket.seq, request)
-
-    def _send(self, channel: Channel, *message) -> None:
-        try:
-            channel.send(*message)
-        except ChannelClosed:
-            pass  # the main loop sees the job lost and hands the request out again
-
-    def _event(self, seq: int, event: Event) -> None:
-        with self._lock:
-            ticket = self._outstanding.get(seq)
-        if ticket is None:
-            return
-        if event.kind == "text":
-            with self._lock:
-                self._committed.setdefault(seq, []).extend(event.tokens)
-            ticket.n_tokens += len(event.tokens)
-            if ticket.t_first_token is None:
-                ticket.t_first_token = time.monotonic()
-            ticket.emit(Event("text", text=event.text))
-            return
-        if event.kind == "error" and event.reason in LOST_REASONS and not self._stopping():
-            return  # the job is ending; the request is resumed on the next one
-        with self._lock:
-            self._outstanding.pop(seq, None)
-            self._committed.pop(seq, None)
-            self._cancel_sent.discard(seq)
-            self._free_slot(ticket)
-        if event.kind == "done":
-            self.service._finish(ticket, event.result)  # noqa: SLF001 - the observers (metrics, the log line) too
-        else:
-            ticket.emit(event)
-        self.service.release(ticket)
-
-    def slot_rows(self, timeout_s: float = 2.0) -> list[dict]:
-        """GET /slots: the head's rows (which request holds the draft model, …), asked over the
-        channel; while there is no pipeline, or if the head does not answer in time, the front's own
-        view (which request runs in which slot)."""
-        from ..runtime.parallel import slot_rows
-
-        channel = self._channel
-        if channel is not None and not channel.closed and self.service.status == "ok":
-            nonce = next(self._nonces)
-            asked = self._slot_asks[nonce] = threading.Event()
-            self._send(channel, "slots", nonce)
-            if asked.wait(timeout_s):
-                return self._slot_answers.pop(nonce)
-            self._slot_asks.pop(nonce, None)
-        return slot_rows(self.service)
-
-    def _take_slot(self, ticket: Ticket) -> None:
-        """GET /slots: the request occupies the lowest free slot while the head runs it."""
-        info = self.service.slot_info
-        slot = next(i for i in range(len(info) + 1) if i not in info)
-        info[slot] = {"ticket": ticket, "mode": ticket.request.mode or self.service.default_mode(),
-                      "n_prompt_tokens": len(ticket.request.prompt)}
-
-    def _free_slot(self, ticket: Ticket) -> None:
-        info = self.service.slot_info
-        for slot, row in list(info.items()):
-            if row.get("ticket") is ticket:
-                del info[slot]
 
     # -- losing and restarting the job --------------------------------------------------------------
     def _recover(self, why: str) -> bool:
@@ -302,11 +201,7 @@ class Front:
         self.stats.lost_at = self.stats.lost_at or now
         self.service.pause(f"the pipeline is being restarted: {why}")
         self._end_job()
-        with self._lock:
-            running = list(self._outstanding.values())
-            self._outstanding.clear()
-            self._cancel_sent.clear()
-            self.service.slot_info.clear()
+        running = self.requests.take_running()
         while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
             self._restart_times.popleft()
         if len(self._restart_times) >= self.max_restarts:
@@ -320,7 +215,7 @@ class Front:
         self._restart_times.append(now)
         self.stats.restarts += 1
         self.service.requeue(running)
-        resumed = sum(1 for t in running if self._committed.get(t.seq))
+        resumed = sum(1 for t in running if self.requests.committed(t))
         shape = self.full_shape if why.startswith("SIGHUP") else self.shape
         lost_hosts: list[str] = []
         if shape.hostfile_hosts and self.probe_hosts is not None:
@@ -345,9 +240,7 @@ class Front:
         return True
 
     def _end_job(self) -> None:
-        with self._lock:
-            channel, job = self._channel, self._job
-            self._channel = None
+        channel, job = self.requests.attach(None), self._job
         if channel is not None:
             channel.close()
         if job is not None:
@@ -358,7 +251,7 @@ class Front:
     def _stop_job_in_order(self, channel: Channel, job: SupervisedJob) -> None:
         """A stop signal: every request ends with an error (the service's stop), the head is told to
         stop and the job ends by itself, or by force after STOP_WAIT_S."""
-        self._send(channel, "stop", f"the server is shutting down ({self.stop_signal})")
+        self.requests.send(channel, "stop", f"the server is shutting down ({self.stop_signal})")
         deadline = time.monotonic() + STOP_WAIT_S
         while job.running() and time.monotonic() < deadline:
             try:
@@ -366,10 +259,8 @@ class Front:
             except ChannelClosed:
                 break
             if message is not None and message[0] == "event":
-                self._event(message[1], message[2])
-        with self._lock:
-            left = list(self._outstanding.values())
-            self._outstanding.clear()
+                self.requests.event(message[1], message[2])
+        left = self.requests.take_running()
         for t in left:
             t.emit(Event("error", text=f"the server is shutting down ({self.stop_signal})", reason="stopping"))
 
