@@ -1,37 +1,33 @@
-"""The benchmark scripts' shared harness: run a `pipeinfer` job and keep its JSON, run it on an
-emulated cluster, the figures (medians per prompt, ratios paired by prompt), the Markdown table and
-the --json document.
+"""The one runner every benchmark launches its jobs through: a `pipeinfer` command as a user types it
+(through the CLI, paths shown relative to the checkout so that BENCHMARKS.md can quote it), its
+--json document read back, its exit status, wall time and `Error:` line kept.
 
-Every `bench_*` script times jobs the same way: it runs a command line a user could type (shown
-with paths relative to the checkout, so that BENCHMARKS.md can quote it), lets `pipeinfer bench`
-(or scripts/bench_llamacpp.py) write its JSON into a file, and pools the records of several rounds.
-The jobs themselves are started by the package's launcher (`pipeinfer ... --ranks N` relaunches
-itself under mpiexec; a script that drives the runtime directly uses `relaunch_self`), so no
-benchmark builds an mpiexec command line of its own.
+    from benchmarks.runner import pipeinfer, run_json
+    job = run_json(pipeinfer("bench", model, "--ranks", 2, "--json", out), out)
 
-    import benchlib
-    run = benchlib.run_json([benchlib.PIPEINFER, "bench", ...], out_path)
+The job runs in a process group of its own: a timeout or Ctrl-C ends the whole group (the
+launcher's mpiexec and every rank), so no benchmark leaves a rank behind. A job of several ranks is
+started by the package's launcher (`--ranks N` relaunches it under mpiexec); a benchmark that
+drives the runtime directly uses `relaunch_self`, so no benchmark builds an mpiexec command line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# The installed command, which a user types: beside this Python (`.venv/bin/python scripts/...`), else
-# the checkout's venv; PIPEINFER= points the scripts at another install.
+# The installed command, which a user types: beside this Python (`.venv/bin/python -m benchmarks...`),
+# else the checkout's venv; PIPEINFER= points the benchmarks at another install.
 _BESIDE = Path(sys.executable).with_name("pipeinfer")
 PIPEINFER = os.environ.get("PIPEINFER", str(_BESIDE if _BESIDE.exists() else ROOT / ".venv" / "bin" / "pipeinfer"))
 
@@ -43,12 +39,22 @@ def log(msg: str) -> None:
 
 def shown(cmd: Iterable[str]) -> str:
     """A command as printed and recorded: paths inside the checkout made relative to it."""
-    return shlex.join(x.removeprefix(str(ROOT) + os.sep) for x in cmd)
+    return shlex.join(str(x).removeprefix(str(ROOT) + os.sep) for x in cmd)
+
+
+def pipeinfer(*args, program: str | None = None) -> list[str]:
+    """The command line `pipeinfer ARGS...` (each argument made a string)."""
+    return [program or PIPEINFER, *(str(a) for a in args)]
+
+
+def module(name: str, *args) -> list[str]:
+    """The command line of another benchmark of this package: `python -m benchmarks.NAME ARGS...`."""
+    return [sys.executable, "-m", f"benchmarks.{name}", *(str(a) for a in args)]
 
 
 def target_model(spec: str) -> tuple[str, Path]:
-    """(label, path) of the model a script measures: a pair name's target, a registry name (pulled
-    on first use, as `pipeinfer` pulls it), or a GGUF path."""
+    """(label, path) of the model a benchmark measures: a pair name's target, a registry name
+    (pulled on first use, as `pipeinfer` pulls it), or a GGUF path."""
     from pipeinfer_cli.models.fetch import pull_model
     from pipeinfer_cli.models.registry import load_registry
 
@@ -60,21 +66,24 @@ def target_model(spec: str) -> tuple[str, Path]:
     return spec, Path(spec).expanduser()
 
 
-# -- running a job ------------------------------------------------------------------------------
-
 @dataclass
 class JobRun:
-    """One command that writes a JSON document to a file: its exit status, wall time and either
-    the document or the reason it wrote none."""
+    """One job: its exit status, wall time, and either its JSON document or the reason it has none."""
 
     returncode: int
     wall_s: float
     doc: dict | None
     error: str | None
     output: str  # what it printed on stdout
+    stderr: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """It exited 0 and wrote its document."""
+        return self.returncode == 0 and self.doc is not None
 
     def facts(self) -> dict:
-        """What a script records of every run, besides the document."""
+        """What a benchmark records of every run, besides the document."""
         return {"returncode": self.returncode, "wall_s": round(self.wall_s, 2), "loadavg_end": list(os.getloadavg())}
 
 
@@ -85,142 +94,66 @@ def error_of(text: str, tail: int = 5) -> str:
     return said[0] if said else "\n".join(lines[-tail:])
 
 
-def run_json(cmd: list[str], out: Path, env: dict[str, str] | None = None) -> JobRun:
-    """Run cmd, which writes its JSON to `out` (`--json OUT`), and read it back. env is added to this
-    process's environment (a cluster's, a knob under test)."""
-    out.unlink(missing_ok=True)
+def end_group(proc: subprocess.Popen, first: int = signal.SIGINT, grace: float = 10.0) -> None:
+    """`first` to the job's process group (SIGINT: the CLI's own clean stop), SIGKILL to whatever
+    of it is left after `grace` seconds."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, first)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_json(cmd: list[str], out: Path | None = None, env: dict[str, str] | None = None,
+             timeout: float | None = None, quiet: bool = False) -> JobRun:
+    """Run cmd and read its JSON: from the file `out` it writes (`--json OUT`), or with out=None
+    from its stdout (`generate --json`, `plan --json`). env is added to this process's environment
+    (a cluster's, a knob under test). A failure is logged in one line unless quiet."""
+    if out is not None:
+        Path(out).unlink(missing_ok=True)
+    full_env = {**os.environ, **(env or {})}
+    # Benchmarks started as `python -m benchmarks.X` find the checkout wherever the job runs.
+    full_env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), full_env.get("PYTHONPATH", "")) if x)
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, check=False)
+        proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
     except OSError as e:  # not installed there (PIPEINFER=, --pipeinfer)
         log(f"  cannot run {shown(cmd[:1])}: {e.strerror}")
         return JobRun(127, 0.0, None, f"cannot run {shown(cmd[:1])}: {e.strerror}", "")
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end_group(proc)
+        return JobRun(124, time.monotonic() - t0, None, f"did not finish in {timeout:.0f} s", "")
+    except BaseException:  # Ctrl-C, SIGTERM: the job goes with the benchmark
+        end_group(proc)
+        raise
     wall = time.monotonic() - t0
-    if out.exists():
-        return JobRun(proc.returncode, wall, json.loads(out.read_text()), None, proc.stdout)
-    error = error_of(proc.stderr or proc.stdout)
-    log(f"  failed (exit {proc.returncode}): {error}")
-    return JobRun(proc.returncode, wall, None, error, proc.stdout)
+    doc, error = None, None
+    try:
+        if out is None:
+            doc = json.loads(stdout) if proc.returncode == 0 else None
+        elif Path(out).exists():
+            doc = json.loads(Path(out).read_text())
+    except ValueError as e:
+        error = f"its JSON does not parse: {e}"
+    if doc is None and error is None:
+        error = error_of(stderr or stdout) or f"exit status {proc.returncode}"
+    if proc.returncode != 0 and error is None:
+        error = error_of(stderr or stdout) or f"exit status {proc.returncode}"
+    if error and not quiet:
+        log(f"  failed (exit {proc.returncode}): {error}")
+    return JobRun(proc.returncode, wall, doc, error, stdout, stderr)
 
 
-def run_stdout_json(cmd: list[str]) -> tuple[dict | None, str | None]:
-    """(the JSON a command printed on stdout, None) or (None, its error): `pipeinfer plan --json`."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        return None, error_of(proc.stderr, tail=1) or f"exit status {proc.returncode}"
-    return json.loads(proc.stdout), None
-
-
-def relaunch_self(n_ranks: int, argv: list[str], env: dict[str, str] | None = None) -> int:
-    """Run this script as an MPI job of n_ranks processes (each rank runs `python SCRIPT ARGV`),
-    through the package's launcher: its signal handling, its one error line, nothing left behind."""
+def relaunch_self(n_ranks: int, argv: list[str], entry: str, env: dict[str, str] | None = None) -> int:
+    """Run the benchmark module `entry` (benchmarks.X) as an MPI job of n_ranks processes, through
+    the package's launcher: its signal handling, its one error line, nothing left behind."""
     from pipeinfer_cli.transport.launch import relaunch
 
     os.environ.update(env or {})
-    return relaunch(n_ranks, argv, program=[sys.executable, os.path.abspath(sys.argv[0])])
-
-
-# -- the emulated cluster -----------------------------------------------------------------------
-
-def stop_signals_interrupt() -> None:
-    """SIGTERM and SIGHUP end the campaign as Ctrl-C does, so that its cluster is taken down."""
-    def interrupted(_signum, _frame):
-        raise KeyboardInterrupt
-
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, interrupted)
-
-
-@contextlib.contextmanager
-def emulated_cluster(prefix: str, subnet: str, n_hosts: int, rate: str, cpus: str | None = None,
-                     mem: str | None = None) -> Iterator:
-    """A fresh emulated cluster (scripts/emulate_cluster.py) of n_hosts, up for the block and taken
-    down after it, even on Ctrl-C. One that exists already is someone else's: never touched."""
-    from emulate_cluster import Cluster, Failure
-
-    c = Cluster(prefix, subnet)
-    if c.is_up or c._leftovers():
-        raise Failure(f"an emulated cluster {prefix} exists already; `scripts/emulate-cluster.sh --prefix {prefix} "
-                      f"--subnet {subnet} down` it or choose another --prefix and --subnet")
-    log(f"scripts/emulate-cluster.sh --prefix {prefix} --subnet {subnet} up {n_hosts} --rate {rate}"
-        + (f" --cpus {cpus}" if cpus else "") + (f" --mem {mem}" if mem else ""))
-    try:
-        c.up(n_hosts, rate, cpus, mem)
-        yield c
-    finally:
-        # A second Ctrl-C must not leave half a cluster behind.
-        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        log(f"scripts/emulate-cluster.sh --prefix {prefix} --subnet {subnet} down")
-        try:
-            c.down()
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-
-def main_guard(main) -> int:
-    """A campaign's exit status: `Error: interrupted` (130) on Ctrl-C or SIGTERM, one `Error:` line
-    (1) for a cluster that cannot be set up."""
-    from emulate_cluster import Failure
-
-    stop_signals_interrupt()
-    try:
-        return main()
-    except KeyboardInterrupt:
-        log("Error: interrupted")
-        return 130
-    except Failure as e:
-        log(f"Error: {e}")
-        return 1
-
-
-# -- figures ------------------------------------------------------------------------------------
-
-def median(values: Iterable[float | None]) -> float | None:
-    """The median of the values given (None ones left out), or None."""
-    xs = [v for v in values if v]
-    return statistics.median(xs) if xs else None
-
-
-def per_prompt(records: Iterable[dict], key: str = "tok_per_s") -> dict[str, float]:
-    """{prompt: median of key over the records of that prompt}."""
-    groups: dict[str, list[float]] = {}
-    for r in records:
-        if r.get(key):
-            groups.setdefault(r["prompt_id"], []).append(r[key])
-    return {p: statistics.median(v) for p, v in groups.items()}
-
-
-def paired_ratio(a: dict[str, float], b: dict[str, float]) -> float | None:
-    """a over b paired by prompt: the geometric mean over the prompts of both of a/b."""
-    rs = [a[p] / b[p] for p in a if p in b and a[p] > 0 and b[p] > 0]
-    return math.exp(statistics.fmean(math.log(x) for x in rs)) if rs else None
-
-
-def measured(doc: dict | None) -> list[dict]:
-    """The records of a `pipeinfer bench` document without its warm-up rounds."""
-    return [r for r in (doc or {}).get("records", []) if not r.get("warmup")]
-
-
-# -- output -------------------------------------------------------------------------------------
-
-def fmt(v, spec: str = ".2f", suffix: str = "", none: str = "–") -> str:
-    return none if v is None else f"{v:{spec}}{suffix}"
-
-
-def markdown_table(head: list[str], rows: list[list[str]], align: str = "") -> str:
-    """A Markdown table. align: one letter per column, l (names) or r (figures); the default is
-    the first column left and the others right."""
-    align = align or "l" + "r" * (len(head) - 1)
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|",
-                      *("| " + " | ".join(r) + " |" for r in rows)])
-
-
-def write_json(path: Path | None, doc: dict, indent: int | None = 1) -> None:
-    """The --json document, its directory made; announced on stderr."""
-    if path is None:
-        return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=indent, default=str) + "\n")
-    log(f"wrote {shown([str(path)])}")
+    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    return relaunch(n_ranks, argv, program=[sys.executable, "-m", entry])

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Write the `make bench` results into BENCHMARKS.md, between <!-- bench:begin --> and <!-- bench:end -->.
 
-Reads the `pipeinfer bench --json` output and the llama.cpp reference (scripts/bench_llamacpp.py
+Reads the `pipeinfer bench --json` output and the llama.cpp reference (benchmarks/llamacpp.py
 --json), and writes: the exact commands, the machine, the per-mode table, the ratio of every mode
 to llama.cpp's own decoding at the same total threads, the per-prompt figures, and the plot.
 The rest of BENCHMARKS.md is left as it is; the markers are appended if missing.
 
-    python scripts/update_benchmarks.py build/bench.json --baseline build/bench_llamacpp.json \\
+    python -m benchmarks.update_md build/bench.json --baseline build/bench_llamacpp.json \\
         --plot docs/bench.png --out BENCHMARKS.md
 """
 
@@ -61,7 +61,7 @@ def section(bench: dict, base: dict | None, plot: Path | None, out_dir: Path) ->
     lines = [BEGIN, "",
              f"## `make bench` — {h['models']['target']['name']}"
              + (f" + {h['models']['draft']['name']}" if h["models"].get("draft") else "") + f" ({h['created_utc']})", "",
-             "Written by `scripts/update_benchmarks.py` from the JSON of the run; do not edit by hand.", "",
+             "Written by `benchmarks/update_md.py` from the JSON of the run; do not edit by hand.", "",
              "**Commands** (in this order, in one `make bench`):", "", "```"]
     if base:
         lines.append(base["command"])
@@ -146,7 +146,7 @@ def replace_section(text: str, new: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bench_json", type=Path)
-    ap.add_argument("--baseline", type=Path, help="scripts/bench_llamacpp.py --json output")
+    ap.add_argument("--baseline", type=Path, help="benchmarks/llamacpp.py --json output")
     ap.add_argument("--plot", type=Path, help="the --plot PNG, linked relative to the output file")
     ap.add_argument("--out", type=Path, default=Path("BENCHMARKS.md"))
     args = ap.parse_args()
