@@ -2,7 +2,7 @@
 """Side-by-side speed of several job shapes on one machine: topologies, rank counts, threads.
 
 Each suite is a list of configurations, each one `pipeinfer bench` command (or llama.cpp's own
-decoding through scripts/bench_llamacpp.py). The suite runs every configuration once per round,
+decoding through benchmarks/llamacpp.py). The suite runs every configuration once per round,
 every other round in reverse order, so that background load hits them alike; records of all
 rounds are pooled. Figures are paired by prompt: a ratio is the geometric mean over prompts of the
 per-prompt median tok/s ratio.
@@ -291,7 +291,7 @@ def overhead_report(files: list[tuple[str, dict]], reference: str | None) -> str
             splits.setdefault(label, {})[(path, rnd, rec["prompt_id"])] = {
                 "wall": wall, "compute": compute, "rest": (wall - compute) / wall, "rest_ms": (wall - compute) * 1e3 / runs}
     if not splits:
-        raise SystemExit("Error: no measured requests in these files; give the JSON of scripts/bench_topologies.py")
+        raise SystemExit("Error: no measured requests in these files; give the JSON of benchmarks/topologies.py")
     ref = reference or next(iter(splits))
     if ref not in splits:
         raise SystemExit(f"Error: --reference {ref!r} is not a configuration of these files")
@@ -315,7 +315,7 @@ def report(a) -> int:
         try:
             files.append((str(path), json.loads(path.read_text())))
         except (OSError, ValueError) as exc:
-            raise SystemExit(f"Error: cannot read {path}: {exc}; give the JSON of scripts/bench_topologies.py") from None
+            raise SystemExit(f"Error: cannot read {path}: {exc}; give the JSON of benchmarks/topologies.py") from None
     if a.report == "overhead":
         publish(overhead_report(files, a.reference))
         return 0

@@ -331,7 +331,7 @@ def test_update_benchmarks_rewrites_only_its_section(bench_run, tmp_path):
     out, _ = bench_run
     doc = json.loads((out / "b.json").read_text())
     iterative = [r for r in doc["records"] if r["mode"] == "iterative"]
-    baseline = {"command": "python scripts/bench_llamacpp.py x", "threads": doc["header"]["topology"]["threads_total"],
+    baseline = {"command": "python -m benchmarks.llamacpp x", "threads": doc["header"]["topology"]["threads_total"],
                 "versions": doc["header"]["versions"], "median": {"tok_per_s": 10.0, "decode_tok_per_s": 12.0},
                 "records": [{"prompt_id": r["prompt_id"], "tokens": r["tokens"], "tok_per_s": 10.0, "decode_tok_per_s": 12.0}
                             for r in iterative]}
