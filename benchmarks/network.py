@@ -262,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     a.work_dir = a.work_dir.parent / (a.work_dir.name + ".runs")
 
     if a.from_json:
-        doc = json.loads(a.from_json.read_text())  # figures recomputed from the raw bench documents
+        try:
+            doc = json.loads(a.from_json.read_text())  # figures recomputed from the raw bench documents
+        except (OSError, ValueError) as e:
+            log(f"Error: cannot read {a.from_json}: {e}; give the --json of an earlier run")
+            return 1
         cfg = argparse.Namespace(**doc["config"])
         runs = [{k: v for k, v in r.items() if k != "bench"} | ({"doc": r["bench"]} if "bench" in r else {})
                 for r in doc["runs"]]
