@@ -17,7 +17,6 @@ sequence (in plain decoding's cell layout, as each slot's rows are), after `--ct
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 

@@ -19,11 +19,8 @@ world size decides.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-from pathlib import Path
 
 NOTES = "Here are my notes from this week:\n" + "\n".join(
     f"{i + 1}. The {colour} {animal} {verb} near the {place} on {day}."
@@ -98,25 +95,22 @@ def run(args) -> int:
 
 
 def report(args, label: str, records: list[dict]) -> int:
+    from benchmarks.figures import spread
+    from benchmarks.report import fmt_spread, markdown_table, publish
+
     by = {arm: [r for r in records if r["arm"] == arm] for arm in ("fresh", "reuse")}
     same = len({tuple(r["tokens"]) for r in records}) == 1
-    med = {arm: statistics.median(r["ttft_s"] for r in rs) for arm, rs in by.items()}
+    ttft = {arm: spread((r["ttft_s"] * 1e3 for r in rs), 1) for arm, rs in by.items()}
     summary = {"model": label, "ranks": args.ranks, "repeat": args.repeat,
                "first_turn_prompt_tokens": records[0]["first_n_prompt"], "second_turn_prompt_tokens": records[0]["n_prompt"],
-               "reused_tokens": by["reuse"][0]["reused_tokens"],
-               "ttft_fresh_ms": {"median": med["fresh"] * 1e3, "min": min(r["ttft_s"] for r in by["fresh"]) * 1e3,
-                                 "max": max(r["ttft_s"] for r in by["fresh"]) * 1e3},
-               "ttft_reuse_ms": {"median": med["reuse"] * 1e3, "min": min(r["ttft_s"] for r in by["reuse"]) * 1e3,
-                                 "max": max(r["ttft_s"] for r in by["reuse"]) * 1e3},
-               "speedup": med["fresh"] / med["reuse"], "tokens_identical": same}
-    from benchmarks.report import markdown_table, publish
-
-    f, r = summary["ttft_fresh_ms"], summary["ttft_reuse_ms"]
+               "reused_tokens": by["reuse"][0]["reused_tokens"], "ttft_fresh_ms": ttft["fresh"],
+               "ttft_reuse_ms": ttft["reuse"], "speedup": ttft["fresh"]["median"] / ttft["reuse"]["median"],
+               "tokens_identical": same}
     publish(markdown_table(["model", "ranks", "turn-2 prompt", "reused", "TTFT fresh (ms)", "TTFT reuse (ms)", "speedup",
-                          "same tokens"],
-                         [[label, str(args.ranks), str(summary["second_turn_prompt_tokens"]), str(summary["reused_tokens"]),
-                           f"{f['median']:.0f} ({f['min']:.0f}–{f['max']:.0f})", f"{r['median']:.0f} ({r['min']:.0f}–{r['max']:.0f})",
-                           f"{summary['speedup']:.2f}×", "yes" if same else "NO"]], "l" * 8),
+                            "same tokens"],
+                           [[label, str(args.ranks), str(summary["second_turn_prompt_tokens"]), str(summary["reused_tokens"]),
+                             fmt_spread(ttft["fresh"], ".0f"), fmt_spread(ttft["reuse"], ".0f"),
+                             f"{summary['speedup']:.2f}×", "yes" if same else "NO"]], "l" * 8),
             {"summary": summary, "records": records}, args.json_path)
     return 0 if same else 1
 

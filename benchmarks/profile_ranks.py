@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks.report import markdown_table, publish
-from benchmarks.runner import PIPEINFER
+from benchmarks.runner import pipeinfer
 
 PROMPT = "Write a detailed, long technical essay on the history of compilers, with many sections."
 CATEGORIES = ("compute", "graph", "waiting", "mpi", "sampling", "python")
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(py_spy).exists():
         raise SystemExit('Error: py-spy is not installed; run: pip install -e ".[profile]"')
-    cmd = [PIPEINFER, "generate", a.model, "--ranks", str(a.ranks), "-n", "400", "-p", PROMPT, "--json", *job_args]
+    cmd = pipeinfer("generate", a.model, "--ranks", a.ranks, "-n", 400, "-p", PROMPT, "--json", *job_args)
     out_dir = a.json.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -44,7 +44,7 @@ from pathlib import Path
 from benchmarks.emulated import Cluster, Failure, main_guard, on_host
 from benchmarks.figures import first_difference
 from benchmarks.report import Column, fmt, publish, render
-from benchmarks.runner import PIPEINFER, ROOT, end_group, log, pipeinfer, run_json, shown
+from benchmarks.runner import ROOT, end_group, log, pipeinfer, run_json, shown
 from cluster.hosts import DEFAULT_PREFIX
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"

@@ -5,8 +5,6 @@ pipeinfer results it compares with. (The script itself needs root, an emulated c
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
