@@ -63,16 +63,12 @@ def run_bench(a, n_hosts: int, link: str, rnd: int, cluster: Cluster | None) -> 
     before = cluster.counters() if cluster is not None else None
     log(f"[{n_hosts} hosts, {link}, round {rnd}] {shown_cmd}")
     job = run_json(cmd, out, cluster.env() if cluster is not None else None)
-    run = {"hosts": n_hosts, "link": link, "round": rnd, "command": shown_cmd, **job.facts()}
+    run = {"hosts": n_hosts, "link": link, "round": rnd, "command": shown_cmd, **job.kept()}
     if cluster is not None:
         after = cluster.counters()
         # Bytes through the hosts' links at the interface (payload plus TCP/IP and MPI framing, the
         # bench's warmup and the launcher's control traffic): proof that the job used the links.
         run["link_counter_bytes"] = sum(after[h][k] - before[h][k] for h in after for k in after[h])
-    if job.doc is not None:
-        run["doc"] = job.doc
-    else:
-        run["error"] = job.error
     if (job.returncode not in (0, 1) or job.doc is None) and not a.keep_going:
         raise Failure(f"bench failed on {n_hosts} hosts, link {link} (exit {job.returncode})")
     log(f"  {job.wall_s:.1f} s, exit {job.returncode}")

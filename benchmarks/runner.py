@@ -86,6 +86,10 @@ class JobRun:
         """What a benchmark records of every run, besides the document."""
         return {"returncode": self.returncode, "wall_s": round(self.wall_s, 2), "loadavg_end": list(os.getloadavg())}
 
+    def kept(self) -> dict:
+        """What a benchmark keeps of a run: its facts, and its document (`doc`) or its `error`."""
+        return {**self.facts(), **({"doc": self.doc} if self.doc is not None else {"error": self.error})}
+
 
 def error_of(text: str, tail: int = 5) -> str:
     """What a failed command said: its `Error: ...` line, else its last lines."""

@@ -188,12 +188,7 @@ def run_config(a, c: Config, rnd: int) -> dict:
         if neighbour is not None:
             neighbour.kill()
             neighbour.wait()
-    run = {"label": c.label, "round": rnd, "command": cmd_shown, **job.facts()}
-    if job.doc is not None:
-        run["doc"] = job.doc
-    else:
-        run["error"] = job.error
-    return run
+    return {"label": c.label, "round": rnd, "command": cmd_shown, **job.kept()}
 
 
 def records_of(run: dict) -> list[dict]:
