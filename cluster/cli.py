@@ -86,7 +86,10 @@ def run_on_cluster(c: Cluster, cmd: list[str]) -> int:
 
 def run_child(cmd: list[str], env: dict[str, str]) -> int:
     """Run cmd in the foreground; SIGINT/SIGTERM/SIGHUP are passed on to it, and it is waited for."""
-    proc = subprocess.Popen(cmd, env={**os.environ, **env})
+    try:
+        proc = subprocess.Popen(cmd, env={**os.environ, **env})
+    except OSError as e:
+        raise Failure(f"cannot run {cmd[0]}: {e.strerror} (MPIEXEC= and PIPEINFER= name another one)") from None
     got: list[int] = []
 
     def forward(signum, _frame):
