@@ -14,30 +14,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
 
+from benchmarks.figures import paired_ratio, per_prompt
+
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
-def paired_ratio(records: list[dict], mode: str, base: dict[str, float], key: str) -> float | None:
+def mode_ratio(records: list[dict], mode: str, base: dict[str, float], key: str) -> float | None:
     """Geometric mean over prompts of median(mode key) / llama.cpp median(key)."""
-    vals: dict[str, list[float]] = {}
-    for r in records:
-        if r["mode"] == mode and not r["warmup"] and r.get(key):
-            vals.setdefault(r["prompt_id"], []).append(r[key])
-    ratios = [statistics.median(v) / base[p] for p, v in vals.items() if base.get(p)]
-    return math.exp(statistics.fmean(math.log(x) for x in ratios)) if ratios else None
+    return paired_ratio(per_prompt((r for r in records if r["mode"] == mode and not r["warmup"]), key), base)
 
 
 def baseline_medians(doc: dict, key: str) -> dict[str, float]:
-    vals: dict[str, list[float]] = {}
-    for r in doc["records"]:
-        if r.get(key):
-            vals.setdefault(r["prompt_id"], []).append(r[key])
-    return {p: statistics.median(v) for p, v in vals.items()}
+    return per_prompt(doc["records"], key)
 
 
 def load_note(load_base: list | None, load_bench: list | None, threads: int) -> str:
@@ -107,7 +99,7 @@ def section(bench: dict, base: dict | None, plot: Path | None, out_dir: Path) ->
                                               " **Its greedy tokens differ from pipeinfer's `iterative` mode on some prompt.**")),
                   "", "| mode | tok/s ÷ llama.cpp | decode tok/s ÷ llama.cpp |", "|---|---:|---:|"]
         for m in modes:
-            r1, r2 = paired_ratio(bench["records"], m, b_tok, "tok_per_s"), paired_ratio(bench["records"], m, b_dec, "decode_tok_per_s")
+            r1, r2 = mode_ratio(bench["records"], m, b_tok, "tok_per_s"), mode_ratio(bench["records"], m, b_dec, "decode_tok_per_s")
             lines.append(f"| `{m}` | {'–' if r1 is None else f'{r1:.2f}×'} | {'–' if r2 is None else f'{r2:.2f}×'} |")
         lines.append("")
     lines += ["### Per prompt (median tok/s)", "",

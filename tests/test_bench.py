@@ -340,10 +340,10 @@ def test_update_benchmarks_rewrites_only_its_section(bench_run, tmp_path):
     (tmp_path / "docs" / "bench.png").write_bytes((out / "b.png").read_bytes())
     md = tmp_path / "BENCHMARKS.md"
     md.write_text("# Benchmarks\n\nWritten by hand.\n")
-    script = Path(__file__).parents[1] / "scripts" / "update_benchmarks.py"
     for _ in range(2):  # the second run replaces the section instead of appending another
-        subprocess.run([sys.executable, str(script), str(out / "b.json"), "--baseline", str(tmp_path / "base.json"),
-                        "--plot", str(tmp_path / "docs" / "bench.png"), "--out", str(md)], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "benchmarks.update_md", str(out / "b.json"), "--baseline",
+                        str(tmp_path / "base.json"), "--plot", str(tmp_path / "docs" / "bench.png"), "--out", str(md)],
+                       check=True, capture_output=True, cwd=Path(__file__).parents[1])
     text = md.read_text()
     assert text.startswith("# Benchmarks\n\nWritten by hand.\n")
     assert text.count("<!-- bench:begin -->") == 1 and text.rstrip().endswith("<!-- bench:end -->")
