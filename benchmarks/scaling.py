@@ -98,6 +98,11 @@ def _at(value, keys: list[str]) -> float | None:
     return None
 
 
+# Columns every table shows, read from the job's JSON records (a per-rank figure the job reports,
+# e.g. RecordColumn("draft CPU s", "ranks.*.draft_cpu_s")); --column adds more for one run.
+JOB_COLUMNS: list[RecordColumn] = []
+
+
 def parse_column(text: str) -> RecordColumn:
     label, sep, path = text.partition("=")
     if not sep or not label.strip() or not path.strip():
@@ -343,7 +348,7 @@ def campaign(a, rows: list[dict]) -> int:
     """Every link rate and host count, its rows appended to `rows` (kept when a later one fails)."""
     require_root()
     configs = [parse_config(x) for x in a.configs.split(",") if x]
-    a.columns = [parse_column(x) for x in a.column]
+    a.columns = JOB_COLUMNS + [parse_column(x) for x in a.column]
     for rate in a.rates.split(","):
         for n in (int(x) for x in a.hosts.split(",")):
             rows += run_cluster(a, n, rate, configs, a.mem)
@@ -390,7 +395,7 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     a.work_dir.mkdir(parents=True, exist_ok=True)
-    a.columns = []
+    a.columns = list(JOB_COLUMNS)
     rows: list[dict] = []
     try:
         status = main_guard(lambda: campaign(a, rows))

@@ -185,3 +185,12 @@ def test_the_makefile_pipes_no_benchmark_into_tee():
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
     bad = [line.strip() for line in makefile.splitlines() if line.startswith("\t") and "| tee" in line]
     assert not bad, bad
+
+
+def test_a_column_declared_in_the_code_is_in_every_table(campaign, monkeypatch):
+    """What another field of the job's JSON takes: one RecordColumn appended to JOB_COLUMNS."""
+    monkeypatch.setattr(bc, "JOB_COLUMNS", [bc.RecordColumn("rank 1 CPU s", "ranks.1.cpu_s")])
+    status, doc, md, err = campaign("--configs", "iterative", "--repeat", "1")
+    assert status == 0, err
+    assert "| rank 1 CPU s | texts |" in md.splitlines()[2]
+    assert doc["rows"][0]["columns"]["rank 1 CPU s"]["median"] == 0.5
