@@ -278,7 +278,7 @@ def main() -> None:
                     help="also time the native engine with batch_invariant=True, as pipeline decode and "
                          "verification runs use it (row native-inv)")
     ap.add_argument("--json", type=Path, help="write all results and samples here")
-    ap.add_argument("--markdown", type=Path, help="write the Markdown table (for BENCHMARKS.md) here too")
+    ap.add_argument("--markdown", type=Path, nargs="?", metavar="FILE", help="the table is always printed; FILE: write the Markdown table (for BENCHMARKS.md) here too")
     ap.add_argument("--from-json", type=Path, help="do not measure: print the tables of an earlier --json run")
     args = ap.parse_args()
 

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", default="pi-bnet", help="emulated cluster prefix (only its objects are touched)")
     ap.add_argument("--subnet", default="10.215.0.0/24")
     ap.add_argument("--json", type=Path, default=ROOT / "build" / "bench_network.json")
-    ap.add_argument("--markdown", type=Path, help="write the table here too")
+    ap.add_argument("--markdown", type=Path, nargs="?", metavar="FILE", help="the table is always printed; FILE: write the table here too")
     ap.add_argument("--from-json", type=Path, help="do not measure: print the table of an earlier --json")
     ap.add_argument("--keep-going", action="store_true", help="record a failed bench run and go on")
     a = ap.parse_args(argv)
