@@ -8,8 +8,8 @@ memory each in a hierarchy of its own or together (the usual `/sys/fs/cgroup/cpu
 hierarchy. The groups are made under this process's own cgroup (PATH/PREFIX/hK), so a job's limits
 stack under whatever holds the caller. On v2 a group that holds processes cannot give controllers to
 children (systemd's scopes, a container's root): its processes are moved into a leaf group of
-their own (LEAF) first, then cpu and memory are enabled in its cgroup.subtree_control; `down` undoes
-both when no other group is left there.
+their own (LEAF) first, then cpu and memory are enabled in its cgroup.subtree_control (and in each
+group above it that does not delegate them yet); `down` undoes it all when no other group is left there.
 
 Why the shortest CFS period (the quota is the kernel's minimum of 1 ms: a 2 ms period at 0.5 CPU,
 4 ms at 0.25, 10 ms at most): a node with a quarter of a core is a node whose CPU runs at a
@@ -216,6 +216,7 @@ class Cgroups:
                  mountinfo: str | None = None):
         self.prefix, self.root = prefix, root
         self.changes: dict = {}
+        self.v2_top: Path | None = None
         if proc_cgroup is None:
             proc_cgroup = Path("/proc/self/cgroup").read_text()
         own = _own_paths(proc_cgroup)
@@ -228,6 +229,7 @@ class Cgroups:
         elif v2 is not None and "" in own:
             self.version = 2
             self.bases = {"": v2.group(own[""]) / prefix}
+            self.v2_top = v2.point
         else:
             raise CgroupError(f"no writable cgroup hierarchy with the cpu and memory controllers under {root} "
                               f"(cgroup v1 needs cpu, cpuacct and memory mounted; v2 needs cpu and memory enabled); "
@@ -241,6 +243,7 @@ class Cgroups:
         cg.bases = {k: Path(v) for k, v in bases.items()}
         cg.version = 2 if "" in cg.bases else 1
         cg.changes = dict(changes or {})
+        cg.v2_top = None
         return cg
 
     # paths
@@ -285,7 +288,7 @@ class Cgroups:
 
     def _create(self, n_hosts: int, cpus: list[float | None], mem: list[int | None]) -> None:
         if self.version == 2:
-            self.changes = enable_v2(self.bases[""].parent, V2_CONTROLLERS)
+            self.changes = enable_v2(self.bases[""].parent, V2_CONTROLLERS, self.v2_top)
             self.bases[""].mkdir(exist_ok=True)
             _write(self.bases[""] / "cgroup.subtree_control", " ".join(f"+{c}" for c in V2_CONTROLLERS))
         else:
@@ -400,51 +403,74 @@ def _move_procs(src: Path, dst: Path) -> None:
     raise CgroupError(f"the processes of {src} keep coming back; cannot move them to {dst}")
 
 
-def enable_v2(group: Path, controllers: tuple[str, ...]) -> dict:
-    """Make `controllers` available to group's children: write them to its cgroup.subtree_control.
-    A non-root v2 group that holds processes refuses that (EBUSY: no internal processes), so its
-    processes first move into group/LEAF. A controller the group itself does not have (its parent
-    does not delegate it) is one Error naming the file to write. Returns what changed, for undo_v2."""
-    have = _words(group / "cgroup.subtree_control")
-    missing = [c for c in controllers if c not in have]
-    if not missing:
-        return {}
-    offered = _words(group / "cgroup.controllers")
-    if absent := [c for c in missing if c not in offered]:
-        raise CgroupError(f"the cgroup {group} does not have the {', '.join(absent)} controller"
-                          f"{'s' if len(absent) > 1 else ''} (cgroup.controllers: {' '.join(offered) or 'none'}); "
-                          f"enable {' '.join('+' + c for c in absent)} in {group.parent / 'cgroup.subtree_control'}, "
-                          f"or leave out --cpus/--mem")
-    changes: dict = {"group": str(group), "enabled": missing, "leaf": None}
-    text = " ".join(f"+{c}" for c in missing)
+def _enable(group: Path, controllers: list[str], leaf_ok: bool) -> str | None:
+    """Write +controllers to group's cgroup.subtree_control. A non-root v2 group that holds
+    processes refuses (EBUSY: no internal processes): with leaf_ok its processes first move into
+    group/LEAF (returned), else one Error naming the group."""
+    text = " ".join(f"+{c}" for c in controllers)
     try:
         _write(group / "cgroup.subtree_control", text)
+        return None
     except OSError as e:
         if e.errno != errno.EBUSY:
             raise
-        leaf = group / LEAF
-        leaf.mkdir(exist_ok=True)
-        changes["leaf"] = str(leaf)
-        _move_procs(group, leaf)
-        _write(group / "cgroup.subtree_control", text)
-    return changes
+        if not leaf_ok:
+            raise CgroupError(f"cannot enable {text} in {group / 'cgroup.subtree_control'}: processes of others are "
+                              f"in {group}; move them to a leaf group, or leave out --cpus/--mem") from None
+    leaf = group / LEAF
+    leaf.mkdir(exist_ok=True)
+    _move_procs(group, leaf)
+    _write(group / "cgroup.subtree_control", text)
+    return str(leaf)
+
+
+def enable_v2(group: Path, controllers: tuple[str, ...], top: Path | None = None) -> dict:
+    """Make `controllers` available to group's children (cgroup v2): enabled in the
+    cgroup.subtree_control of every group from `top` (the hierarchy's mount point) down to group's
+    parent that does not delegate them yet, then in group's own, its processes moved into
+    group/LEAF first if it holds any. Returns what changed, for undo_v2."""
+    top = top or group
+    chain = [group] if group == top or top not in group.parents else \
+        [top, *reversed([d for d in group.parents if top in d.parents]), group]
+    changes: dict = {"group": str(group), "enabled": [], "leaf": None, "ancestors": []}
+    for d in chain:
+        missing = [c for c in controllers if c not in _words(d / "cgroup.subtree_control")]
+        if not missing:
+            continue
+        offered = _words(d / "cgroup.controllers")
+        if absent := [c for c in missing if c not in offered]:
+            raise CgroupError(f"the cgroup {d} does not have the {', '.join(absent)} controller"
+                              f"{'s' if len(absent) > 1 else ''} (cgroup.controllers: {' '.join(offered) or 'none'}); "
+                              f"enable {' '.join('+' + c for c in absent)} in {d.parent / 'cgroup.subtree_control'}, "
+                              f"or leave out --cpus/--mem")
+        if d == group:
+            changes["leaf"] = _enable(d, missing, leaf_ok=True)
+            changes["enabled"] = missing
+        else:
+            _enable(d, missing, leaf_ok=False)
+            changes["ancestors"].append([str(d), missing])
+    return changes if changes["enabled"] or changes["ancestors"] else {}
 
 
 def undo_v2(changes: dict) -> None:
     """Undo enable_v2 when the leaf is the group's only child: the controllers it enabled off, the
-    leaf's processes back, the leaf removed. Anything else left there (another cluster) keeps it."""
+    leaf's processes back, the leaf removed, then each ancestor's controllers off, innermost first
+    (the kernel refuses while any group below still uses one: another cluster keeps them).
+    Anything else left in the group (another cluster) keeps it all."""
     group = Path(changes["group"])
     leaf = Path(changes["leaf"]) if changes.get("leaf") else None
     children = [d for d in group.iterdir() if d.is_dir()] if group.is_dir() else []
     if any(d != leaf for d in children):
         return
     with contextlib.suppress(OSError):
-        _write(group / "cgroup.subtree_control", " ".join(f"-{c}" for c in changes.get("enabled", [])))
+        if changes.get("enabled"):
+            _write(group / "cgroup.subtree_control", " ".join(f"-{c}" for c in changes["enabled"]))
         if leaf is not None and leaf.is_dir():
             _move_procs(leaf, group)
             leaf.rmdir()
-
-
+    for d, enabled in reversed(changes.get("ancestors", [])):
+        with contextlib.suppress(OSError):
+            _write(Path(d) / "cgroup.subtree_control", " ".join(f"-{c}" for c in enabled))
 def _write(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)

@@ -183,39 +183,49 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a cgroup hie
 @needs_root
 def test_v2_group_that_holds_processes_gets_a_leaf_and_gives_controllers(tmp_path):
     """A real cgroup2 hierarchy: a group holding a process (as a systemd scope or a container's
-    root does) cannot enable a controller for its children until its processes move to a leaf.
-    Uses a controller this machine's v2 hierarchy has (cpu/memory where v1 holds them elsewhere)."""
+    root does), under a parent that does not delegate the controller yet: the parent gets it in its
+    cgroup.subtree_control, the group's process moves to a leaf, the group gives it to a child; the
+    undo puts everything back as it was. Uses a controller this machine's v2 hierarchy has (cpu
+    where v1 does not hold it, else the first offered)."""
     point = _mount("cgroup2", None)
-    group = point / f"pi-cgtest-{os.getpid()}"
+    parent = point / f"pi-cgtest-{os.getpid()}"
+    group = parent / "scope"
     sleeper = None
+    before = (point / "cgroup.subtree_control").read_text()
     try:
         offered = (point / "cgroup.controllers").read_text().split()
         if not offered:
             pytest.skip("this machine's cgroup2 hierarchy has no controller to enable")
         ctrl = "cpu" if "cpu" in offered else offered[0]
-        (point / "cgroup.subtree_control").write_text(f"+{ctrl}")  # the root may have processes
-        group.mkdir()
+        group.mkdir(parents=True)
         sleeper = subprocess.Popen(["sleep", "600"])
         (group / "cgroup.procs").write_text(str(sleeper.pid))
-        changes = ec.enable_v2(group, (ctrl,))
+        changes = ec.enable_v2(group, (ctrl,), top=point)
         assert changes["leaf"] == str(group / ec.LEAF) and changes["enabled"] == [ctrl]
+        assert [d for d, _ in changes["ancestors"]] == [str(x) for x in (point, parent)
+                                                         if ctrl not in before.split() or x != point]
         assert (group / ec.LEAF / "cgroup.procs").read_text().split() == [str(sleeper.pid)]
         assert ctrl in (group / "cgroup.subtree_control").read_text().split()
         (group / "pi-t").mkdir()  # a child now has the controller
         assert ctrl in (group / "pi-t" / "cgroup.controllers").read_text().split()
-        assert ec.enable_v2(group, (ctrl,)) == {}  # a second cluster changes nothing
+        assert ec.enable_v2(group, (ctrl,), top=point) == {}  # a second cluster changes nothing
         (group / "pi-t").rmdir()
         ec.undo_v2(changes)
         assert (group / "cgroup.procs").read_text().split() == [str(sleeper.pid)]
         assert not (group / ec.LEAF).exists() and (group / "cgroup.subtree_control").read_text().strip() == ""
+        assert (parent / "cgroup.subtree_control").read_text().strip() == ""
+        assert (point / "cgroup.subtree_control").read_text() == before
     finally:
         if sleeper is not None:
             sleeper.kill()
             sleeper.wait()
-        for d in sorted(point.glob(f"pi-cgtest-{os.getpid()}/**/"), key=lambda d: -len(d.parts)):
-            d.rmdir()
+        for d in (group / ec.LEAF, group / "pi-t", group, parent):
+            if d.is_dir():
+                d.rmdir()
+        if (point / "cgroup.subtree_control").read_text() != before:
+            (point / "cgroup.subtree_control").write_text(" ".join(f"-{c}" for c in offered if c not in before.split()))
         _unmount(point)
-    assert not Path(point).exists()
+    assert not point.exists()
 
 
 @needs_root
