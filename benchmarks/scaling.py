@@ -32,7 +32,6 @@ stdout and to --markdown, progress on stderr, and writes every figure and run to
     sudo .venv/bin/python -m benchmarks.scaling --hosts 1,2,4,8 --rates 1gbit --json build/cluster.json
 """
 
-
 from __future__ import annotations
 
 import argparse
@@ -41,10 +40,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.emulated import Cluster, Failure, emulated_cluster, log, main_guard, on_host, require_root
+from benchmarks.emulated import Cluster, Failure, emulated_cluster, main_guard, on_host, require_root
 from benchmarks.figures import first_difference, median, spread
 from benchmarks.report import Column, fmt, fmt_spread, publish, render
-from benchmarks.runner import PIPEINFER, ROOT, pipeinfer, run_json, shown
+from benchmarks.runner import PIPEINFER, ROOT, log, pipeinfer, run_json, shown
 
 DEFAULT_CONFIGS = ("iterative,speculative:qwen2.5-coder-0.5b-instruct,pipeinfer:qwen2.5-coder-0.5b-instruct,"
                    "pipeinfer:smollm2-135m-instruct,pipeinfer:lookup,pipeinfer:lookup+qwen2.5-coder-0.5b-instruct,"
