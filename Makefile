@@ -27,7 +27,7 @@ help:
 	@echo "make bench-native-gemma3 native layer engine vs llama.cpp on Gemma 3 270M"
 	@echo "make bench-topologies job shapes side by side: BENCH_SUITE=overhead|topologies|threads|pages|drafts (Qwen pair)"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
-	@echo "make bench-cluster the scaling curve: 1-8 emulated hosts with their own CPU (2/N cores each), every mode and draft (root)"
+	@echo "make bench-cluster the scaling curve: 1-8 emulated hosts with their own CPU (2/N cores each), every mode and draft, CLUSTER_REPEAT runs a row (root)"
 	@echo "make llama-rpc    build llama.cpp's rpc-server, llama-completion, llama-speculative into build/llama-rpc (from the PyPI sdist)"
 	@echo "make bench-rpc    llama.cpp over RPC on a running emulated cluster vs pipeinfer on the same hosts (root)"
 	@echo "make fault-matrix every message tag x drop/delay/dup/kill/stall in real jobs (about 20 minutes)"
@@ -104,60 +104,64 @@ FORCE:
 # Native layer engine vs llama-cpp-python on the Qwen pair, 1 and 2 threads (prints a table + JSON).
 BENCH_NATIVE_ARGS ?= --model qwen2.5-coder-0.5b-instruct --model qwen2.5-coder-1.5b-instruct --threads 1,2
 bench-native: install
-	$(PY) scripts/bench_native.py $(BENCH_NATIVE_ARGS) --json build/bench_native.json
+	$(PY) -m benchmarks.native $(BENCH_NATIVE_ARGS) --json build/bench_native.json
 
 # The same on Gemma 3 270M (sliding-window attention, tied 262,144-row LM head), 1 and 2 threads.
 bench-native-gemma3: install
-	$(PY) scripts/bench_native.py --model gemma3-270m --threads 1,2 --markdown --json build/bench_native_gemma3.json
+	$(PY) -m benchmarks.native --model gemma3-270m --threads 1,2 --markdown build/bench_native_gemma3.md --json build/bench_native_gemma3.json
 
 # serve --parallel against today's FIFO server (its default split, balanced in time for the load, with
 # plan --parallel's prediction beside it; then the split picked by hand), the load policies, and batching
 # two rows in one graph (BENCHMARKS.md, "Parallel requests").
 bench-parallel: install
 	@mkdir -p build
-	$(PY) scripts/bench_parallel.py qwen2.5-coder-0.5b-instruct --draft lookup --ranks 2 --levels 1,2 --limit 8 -n 64 --json build/parallel_default.json
-	$(PY) scripts/bench_parallel.py qwen2.5-coder-0.5b-instruct --draft lookup --ranks 2 3 --levels 1,2,4,8 --limit 8 -n 64 --split 2=0.65,0.35 --json build/parallel.json
-	$(PY) scripts/bench_parallel.py qwen2.5-coder-0.5b-instruct --draft lookup --ranks 2 3 --modes pipeinfer --levels 1,2 --policies --prompts grounded --limit 6 -n 64 --split 2=0.65,0.35 --json build/parallel_policies.json
-	$(PY) scripts/bench_parallel_batch.py qwen2.5-coder-0.5b-instruct --ctx 512 --json build/parallel_batch.json
+	$(PY) -m benchmarks.parallel qwen2.5-coder-0.5b-instruct --draft lookup --ranks 2 --levels 1,2 --limit 8 -n 64 --json build/parallel_default.json
+	$(PY) -m benchmarks.parallel qwen2.5-coder-0.5b-instruct --draft lookup --ranks 2 3 --levels 1,2,4,8 --limit 8 -n 64 --split 2=0.65,0.35 --json build/parallel.json
+	$(PY) -m benchmarks.parallel qwen2.5-coder-0.5b-instruct --draft lookup --ranks 2 3 --modes pipeinfer --levels 1,2 --policies --prompts grounded --limit 6 -n 64 --split 2=0.65,0.35 --json build/parallel_policies.json
+	$(PY) -m benchmarks.parallel_batch qwen2.5-coder-0.5b-instruct --ctx 512 --json build/parallel_batch.json
 
 # Time to first token of a second chat turn, with and without prefix reuse (BENCHMARKS.md, "Prefix reuse").
 bench-prefix-reuse: install
 	@mkdir -p build
-	$(PY) scripts/bench_prefix_reuse.py smollm2-135m-instruct --ranks 2 --repeat 5 --json build/prefix_reuse_smollm2.json
-	$(PY) scripts/bench_prefix_reuse.py qwen2.5-coder-1.5b-instruct --ranks 2 --repeat 2 --json build/prefix_reuse_qwen15.json
+	$(PY) -m benchmarks.prefix_reuse smollm2-135m-instruct --ranks 2 --repeat 5 --json build/prefix_reuse_smollm2.json
+	$(PY) -m benchmarks.prefix_reuse qwen2.5-coder-1.5b-instruct --ranks 2 --repeat 2 --json build/prefix_reuse_qwen15.json
 
-# Job shapes side by side, in alternated rounds (scripts/bench_topologies.py): `overhead` (iterative on
+# Job shapes side by side, in alternated rounds (benchmarks/topologies.py): `overhead` (iterative on
 # 1 rank against 2), `topologies` (iterative and pipeinfer on each placement of the Qwen pair, with
 # llama.cpp as reference), `threads` (ranks given their share of the cores or all of them), `pages`
 # (huge pages or not), `drafts` (each draft on each topology). `--report cores|overhead FILE...` on
 # its JSON afterwards: CPU per committed token, or the wall time outside the layers' compute.
 BENCH_SUITE ?= topologies
 bench-topologies: install
-	$(PY) scripts/bench_topologies.py --suite $(BENCH_SUITE) --rounds 2 --json build/bench_$(BENCH_SUITE).json
+	$(PY) -m benchmarks.topologies --suite $(BENCH_SUITE) --rounds 2 --json build/bench_$(BENCH_SUITE).json
 
-# Bandwidth (issue 11): the three modes on 2 and 3 emulated hosts (root: namespaces, tc) with links
+# Bandwidth: the three modes on 2 and 3 emulated hosts (root: namespaces, tc) with links
 # unshaped and at 1gbit, 100mbit and 10mbit against the same job over shared memory; SmolLM2, 3 rounds
 # pooled; prints a table + JSON (about 7 minutes on 2 cores).
 bench-network: install
-	$(PY) scripts/bench_network.py --rates none,1gbit,100mbit,10mbit --limit 2 --rounds 3 --json build/bench_network.json
+	$(PY) -m benchmarks.network --rates none,1gbit,100mbit,10mbit --limit 2 --rounds 3 --json build/bench_network.json
 
 # The scaling curve (BENCHMARKS.md, "Scaling on nodes with their own CPU"): Qwen2.5-Coder-1.5B on 1, 2, 4
 # and 8 emulated hosts holding the machine's 2 cores fixed (2/N CPUs each, a cgroup quota; 1 thread
 # per rank), iterative, speculative and pipeinfer with every draft, on the default and grounded
 # prompts at 1 Gbit/s, iterative and pipeinfer at 100 Mbit/s, and the model on hosts too small for it.
-# Fails if any text differs. Needs root; the machine must be otherwise idle. CLUSTER_ARGS narrows it.
-CLUSTER_HOSTS ?= 1,2,4,8
-CLUSTER_ARGS  ?= --limit 1 -n 32
+# Every row runs CLUSTER_REPEAT times (median, min–max). Fails, naming the row, if any row's job fails
+# or any text differs from iterative's. Needs root; the machine must be otherwise idle. CLUSTER_ARGS
+# narrows it; each table goes to build/cluster_*.md as well as the terminal.
+CLUSTER_HOSTS  ?= 1,2,4,8
+CLUSTER_REPEAT ?= 3
+CLUSTER_ARGS   ?= --limit 1 -n 32
+CLUSTER        := $(PY) -m benchmarks.scaling --repeat $(CLUSTER_REPEAT)
 bench-cluster: install
 	@mkdir -p build
 	$(VENV)/bin/pipeinfer models pull qwen2.5-coder-1.5b-instruct
 	$(VENV)/bin/pipeinfer models pull qwen2.5-coder-0.5b-instruct
 	$(VENV)/bin/pipeinfer models pull smollm2-135m-instruct
-	$(PY) scripts/bench_cluster.py --hosts $(CLUSTER_HOSTS) --rates 1gbit --prompts default $(CLUSTER_ARGS) --json build/cluster_default.json | tee build/cluster_default.md
-	$(PY) scripts/bench_cluster.py --hosts $(CLUSTER_HOSTS) --rates 1gbit --prompts grounded $(CLUSTER_ARGS) --json build/cluster_grounded.json | tee build/cluster_grounded.md
-	$(PY) scripts/bench_cluster.py --hosts $(CLUSTER_HOSTS) --rates 100mbit --prompts default --configs iterative,pipeinfer:smollm2-135m-instruct $(CLUSTER_ARGS) --json build/cluster_100mbit.json | tee build/cluster_100mbit.md
-	$(PY) scripts/bench_cluster.py --hosts 1,2,4 --configs iterative,pipeinfer:smollm2-135m-instruct --mem 800m $(CLUSTER_ARGS) --json build/cluster_mem.json | tee build/cluster_mem.md
-	$(PY) scripts/cluster_plot.py build/cluster_default.json build/cluster_grounded.json build/cluster_100mbit.json --out docs/cluster.png
+	$(CLUSTER) --hosts $(CLUSTER_HOSTS) --rates 1gbit --prompts default $(CLUSTER_ARGS) --json build/cluster_default.json --markdown build/cluster_default.md
+	$(CLUSTER) --hosts $(CLUSTER_HOSTS) --rates 1gbit --prompts grounded $(CLUSTER_ARGS) --json build/cluster_grounded.json --markdown build/cluster_grounded.md
+	$(CLUSTER) --hosts $(CLUSTER_HOSTS) --rates 100mbit --prompts default --configs iterative,pipeinfer:smollm2-135m-instruct $(CLUSTER_ARGS) --json build/cluster_100mbit.json --markdown build/cluster_100mbit.md
+	$(CLUSTER) --hosts 1,2,4 --configs iterative,pipeinfer:smollm2-135m-instruct --mem 800m $(CLUSTER_ARGS) --json build/cluster_mem.json --markdown build/cluster_mem.md
+	$(PY) -m benchmarks.cluster_plot build/cluster_default.json build/cluster_grounded.json build/cluster_100mbit.json --out docs/cluster.png
 
 # Standard comparison on the Qwen pair (pulled if needed), greedy: llama.cpp's own decoding at the
 # same total threads first, then every mode interleaved over the shipped prompts on BENCH_RANKS
@@ -171,22 +175,22 @@ BENCH_THREADS ?= $(shell nproc)
 BENCH_ARGS    ?= --modes iterative,speculative,pipeinfer --temp 0 --repeat 1 --warmup 1
 BENCH_PROMPTS ?=# e.g. "--prompts my.jsonl --limit 2"; given to both runs, so they see the same prompts
 # `make bench` = the modes on the default topology (above), then `iterative` against `pipeinfer` on
-# every topology (scripts/bench_topologies.py --suite topologies) with the default prompt set and the
+# every topology (benchmarks/topologies.py --suite topologies) with the default prompt set and the
 # grounded one (answers that copy from the prompt). About 50 minutes on 2 cores.
 TOPO_ARGS ?= --rounds 1 --limit 4
 bench: bench-modes
-	$(PY) scripts/bench_topologies.py --suite topologies $(TOPO_ARGS) -n $(BENCH_N) --json build/bench_topologies_default.json > build/bench_topologies_default.md; status=$$?; cat build/bench_topologies_default.md; exit $$status
-	$(PY) scripts/bench_topologies.py --suite topologies $(TOPO_ARGS) -n $(GROUNDED_N) --prompts grounded --json build/bench_topologies_grounded.json > build/bench_topologies_grounded.md; status=$$?; cat build/bench_topologies_grounded.md; exit $$status
+	$(PY) -m benchmarks.topologies --suite topologies $(TOPO_ARGS) -n $(BENCH_N) --json build/bench_topologies_default.json --markdown build/bench_topologies_default.md
+	$(PY) -m benchmarks.topologies --suite topologies $(TOPO_ARGS) -n $(GROUNDED_N) --prompts grounded --json build/bench_topologies_grounded.json --markdown build/bench_topologies_grounded.md
 
 bench-modes: install
 	@mkdir -p build docs
-	$(PY) scripts/bench_llamacpp.py $(BENCH_MODEL) -n $(BENCH_N) --threads $(BENCH_THREADS) $(BENCH_PROMPTS) --json build/bench_llamacpp.json
+	$(PY) -m benchmarks.llamacpp $(BENCH_MODEL) -n $(BENCH_N) --threads $(BENCH_THREADS) $(BENCH_PROMPTS) --json build/bench_llamacpp.json
 	@rm -f build/bench.json
 	$(VENV)/bin/pipeinfer bench $(BENCH_MODEL) --ranks $(BENCH_RANKS) -n $(BENCH_N) $(BENCH_ARGS) $(BENCH_PROMPTS) \
 	  --json build/bench.json --csv build/bench.csv --trace build/bench.trace.json --plot docs/bench.png; \
 	status=$$?; \
 	if [ -f build/bench.json ]; then \
-	  $(PY) scripts/update_benchmarks.py build/bench.json --baseline build/bench_llamacpp.json --plot docs/bench.png --out BENCHMARKS.md; \
+	  $(PY) -m benchmarks.update_md build/bench.json --baseline build/bench_llamacpp.json --plot docs/bench.png --out BENCHMARKS.md; \
 	fi; exit $$status
 
 # Grounded prompt set (`--prompts grounded`: answers that copy from 400-550-token prompts), greedy,
@@ -199,12 +203,12 @@ GROUNDED_RANKS ?= 2
 GROUNDED_ARGS  ?= --temp 0 --repeat 1 --warmup 1
 bench-grounded: install
 	@mkdir -p build
-	$(PY) scripts/bench_llamacpp.py $(BENCH_MODEL) --prompts grounded -n $(GROUNDED_N) --threads $(BENCH_THREADS) --json build/grounded_llamacpp.json
-	$(PY) scripts/bench_llamacpp.py $(BENCH_MODEL) --prompts grounded -n $(GROUNDED_N) --threads $(BENCH_THREADS) --lookup --ctx 1024 --json build/grounded_llamacpp_lookup.json
+	$(PY) -m benchmarks.llamacpp $(BENCH_MODEL) --prompts grounded -n $(GROUNDED_N) --threads $(BENCH_THREADS) --json build/grounded_llamacpp.json
+	$(PY) -m benchmarks.llamacpp $(BENCH_MODEL) --prompts grounded -n $(GROUNDED_N) --threads $(BENCH_THREADS) --lookup --ctx 1024 --json build/grounded_llamacpp_lookup.json
 	$(VENV)/bin/pipeinfer bench $(BENCH_MODEL) --draft lookup --prompts grounded --ranks $(GROUNDED_RANKS) -n $(GROUNDED_N) --modes iterative,pipeinfer $(GROUNDED_ARGS) --json build/grounded_lookup.json
 	$(VENV)/bin/pipeinfer bench $(BENCH_MODEL) --prompts grounded --ranks $(GROUNDED_RANKS) -n $(GROUNDED_N) --modes iterative,pipeinfer $(GROUNDED_ARGS) --json build/grounded_pair.json
-	$(PY) scripts/grounded_table.py --ref build/grounded_llamacpp.json --ref build/grounded_llamacpp_lookup.json \
-	  --bench build/grounded_lookup.json --bench build/grounded_pair.json | tee build/grounded.md
+	$(PY) -m benchmarks.grounded_table --ref build/grounded_llamacpp.json --ref build/grounded_llamacpp_lookup.json \
+	  --bench build/grounded_lookup.json --bench build/grounded_pair.json --markdown build/grounded.md
 
 # Every message tag x every fault (drop, delay, dup, kill, stall) injected with PIPEINFER_DEBUG_FAULT
 # in real SmolLM2 jobs on 3 ranks + a draft rank and with the draft on the head: each cell must end in
@@ -235,4 +239,4 @@ $(LLAMA_RPC_DIR)/.stamp: scripts/build_llama_rpc.sh pyproject.toml
 BENCH_RPC_ARGS ?= --limit 2 -n 32 --pipeinfer
 bench-rpc: install llama-rpc
 	@mkdir -p build
-	$(PY) scripts/bench_rpc.py $(BENCH_RPC_ARGS) --json build/bench_rpc.json
+	$(PY) -m benchmarks.rpc $(BENCH_RPC_ARGS) --json build/bench_rpc.json

@@ -79,7 +79,7 @@ cmake -S "$tree" -B "$out/cmake" $cmake_flags > "$out/cmake-configure.log" 2>&1 
 # shellcheck disable=SC2086
 cmake --build "$out/cmake" --parallel "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" --target $targets
 
-# 3. the binaries, under the names the docs and scripts/bench_rpc.py use
+# 3. the binaries, under the names the docs and benchmarks/rpc.py use
 install -m 755 "$out/cmake/bin/ggml-rpc-server" "$out/rpc-server"
 install -m 755 "$out/cmake/bin/llama-completion" "$out/llama-completion"
 install -m 755 "$out/cmake/bin/llama-speculative" "$out/llama-speculative"

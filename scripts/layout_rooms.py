@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the "The rooms" tables at the end of docs/layout.md from the modules' docstrings
-(the first paragraph of each), in the order of the data path, and the table of scripts/ (each
-script's first paragraph, and the make targets that run it). tests/test_layout_doc.py checks the
+(the first paragraph of each), in the order of the data path, and the tables of scripts/, benchmarks/
+and cluster/ (each file's first paragraph, and the make targets that run it). tests/test_layout_doc.py checks the
 result names every module.
 
     python scripts/layout_rooms.py
@@ -50,7 +50,11 @@ def _make_targets() -> dict[str, list[str]]:
             target = m.group(1)
             prereqs[target] = m.group(2)
         elif line.startswith("\t") and target:
-            for name in re.findall(r"scripts/([\w.-]+)", line):
+            names = re.findall(r"((?:scripts|benchmarks|cluster)/[\w.-]+)", line)
+            names += [f"benchmarks/{m}.py" for m in re.findall(r"-m benchmarks\.(\w+)", line)]
+            if "$(CLUSTER)" in line:
+                names.append("benchmarks/scaling.py")
+            for name in names:
                 runs.setdefault(name, [])
                 if target not in runs[name]:
                     runs[name].append(target)
@@ -65,14 +69,24 @@ def _make_targets() -> dict[str, list[str]]:
     return {name: list(dict.fromkeys(named(t) for t in ts)) for name, ts in runs.items()}
 
 
+FOLDERS = {
+    "scripts": "Outside the package: what `make` runs to install and check (install, ASan, the fault matrix, "
+               "the soak), the emulated cluster's command, and the launch files for a real cluster.",
+    "benchmarks": "The benchmarks (`python -m benchmarks.NAME`, the `bench-*` targets): one runner, one table and "
+                  "JSON writer, one emulated-cluster fixture, shared by every benchmark.",
+    "cluster": "The emulated cluster (scripts/emulate-cluster.sh): hosts as network namespaces with rate-limited "
+               "links and their own cgroups.",
+}
+
+
 def scripts_room() -> list[str]:
     targets = _make_targets()
-    out = ["\n### `scripts/`\n", "Outside the package: what `make` runs (install, benchmarks, the fault matrix, the soak), "
-           "the emulated cluster, and the launch files for a real one. The benchmarks share `scripts/benchlib.py`.\n",
-           "| script | what it does | make |", "|---|---|---|"]
-    for p in sorted(x for x in (ROOT / "scripts").iterdir() if x.is_file()):
-        made = ", ".join(f"`{t}`" for t in targets.get(p.name, [])) or "–"
-        out.append(f"| `scripts/{p.name}` | {_first_paragraph(p)} | {made} |")
+    out = []
+    for folder, what in FOLDERS.items():
+        out += [f"\n### `{folder}/`\n", what + "\n", "| file | what it does | make |", "|---|---|---|"]
+        for p in sorted(x for x in (ROOT / folder).iterdir() if x.is_file() and x.name != "__init__.py"):
+            made = ", ".join(f"`{t}`" for t in targets.get(f"{folder}/{p.name}", [])) or "–"
+            out.append(f"| `{folder}/{p.name}` | {_first_paragraph(p)} | {made} |")
     return out
 
 

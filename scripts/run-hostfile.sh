@@ -7,10 +7,22 @@
 #       --chat "Write FizzBuzz in Python" -n 64
 #   echo localhost:2 > /tmp/hosts && scripts/run-hostfile.sh /tmp/hosts 2 smollm2-135m-instruct -p "Hello" -n 16
 #
-# Every host needs passwordless ssh from this one, this checkout and its .venv at the same path
-# (or PIPEINFER=/path/to/pipeinfer), and the models already in its cache: under mpirun nothing is
-# downloaded, so run `pipeinfer models pull NAME` on each host or share PIPEINFER_CACHE.
+# Every host needs passwordless ssh from this one and this checkout with its .venv at the same path
+# (or PIPEINFER=/path/to/pipeinfer). The models need to be on the first host only (rank 0, the
+# head): it streams every other rank its weights while the job loads, and each node keeps them in
+# its node cache for the next job (docs/cluster.md, "Weights from the head"). Nothing is
+# downloaded under mpirun: pull the models on the first host beforehand (`pipeinfer models pull NAME`).
+# --layer-split auto and -M auto need a profile of these ranks (the ranks of a job cannot
+# calibrate): run this script's mpirun with `pipeinfer calibrate MODEL --quick --out FILE` first,
+# FILE where every host sees it, then pass --profile FILE.
 # Extra launcher options go in MPIRUN_ARGS (several words, split on spaces).
+#
+# On the emulated cluster (docs/emulated-cluster.md), as root: its hostfile and the environment that
+# sends the ranks to its hosts come from `emulate-cluster.sh exec`:
+#   scripts/emulate-cluster.sh up 2 --rate 1gbit --cpus 1
+#   scripts/emulate-cluster.sh exec -- scripts/run-hostfile.sh /run/pipeinfer-emulate-cluster/pi-emu/hostfile 2 \
+#       smollm2-135m-instruct -p "Hello" -n 16
+#   scripts/emulate-cluster.sh down
 #
 # Which MPI:
 # - Default: the mpich wheel in .venv (installed with pipeinfer). Its mpirun (Hydra) starts the

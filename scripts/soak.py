@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.records:
         serve(args)
         return 0
-    from benchlib import relaunch_self
+    from pipeinfer_cli.transport.launch import relaunch
 
     model = args.model or subprocess.check_output(
         [sys.executable, "-m", "pipeinfer_cli", "models", "path", "smollm2-135m-instruct"], text=True).strip()
@@ -208,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     records_path.parent.mkdir(parents=True, exist_ok=True)
     job_args = ["--requests", str(args.requests), "--seed", str(args.seed), "--model", model, "--records", str(records_path)]
     t0 = time.monotonic()
-    if relaunch_self(args.ranks, job_args, {"OMP_WAIT_POLICY": "passive"}) != 0:
+    # Through the package's launcher: its signal handling, its one error line, nothing left behind.
+    os.environ["OMP_WAIT_POLICY"] = "passive"
+    if relaunch(args.ranks, job_args, program=[sys.executable, os.path.abspath(__file__)]) != 0:
         print("Error: the soak job failed", file=sys.stderr)
         return 1
     records = json.loads(records_path.read_text())

@@ -331,7 +331,7 @@ def test_update_benchmarks_rewrites_only_its_section(bench_run, tmp_path):
     out, _ = bench_run
     doc = json.loads((out / "b.json").read_text())
     iterative = [r for r in doc["records"] if r["mode"] == "iterative"]
-    baseline = {"command": "python scripts/bench_llamacpp.py x", "threads": doc["header"]["topology"]["threads_total"],
+    baseline = {"command": "python -m benchmarks.llamacpp x", "threads": doc["header"]["topology"]["threads_total"],
                 "versions": doc["header"]["versions"], "median": {"tok_per_s": 10.0, "decode_tok_per_s": 12.0},
                 "records": [{"prompt_id": r["prompt_id"], "tokens": r["tokens"], "tok_per_s": 10.0, "decode_tok_per_s": 12.0}
                             for r in iterative]}
@@ -340,10 +340,10 @@ def test_update_benchmarks_rewrites_only_its_section(bench_run, tmp_path):
     (tmp_path / "docs" / "bench.png").write_bytes((out / "b.png").read_bytes())
     md = tmp_path / "BENCHMARKS.md"
     md.write_text("# Benchmarks\n\nWritten by hand.\n")
-    script = Path(__file__).parents[1] / "scripts" / "update_benchmarks.py"
     for _ in range(2):  # the second run replaces the section instead of appending another
-        subprocess.run([sys.executable, str(script), str(out / "b.json"), "--baseline", str(tmp_path / "base.json"),
-                        "--plot", str(tmp_path / "docs" / "bench.png"), "--out", str(md)], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "benchmarks.update_md", str(out / "b.json"), "--baseline",
+                        str(tmp_path / "base.json"), "--plot", str(tmp_path / "docs" / "bench.png"), "--out", str(md)],
+                       check=True, capture_output=True, cwd=Path(__file__).parents[1])
     text = md.read_text()
     assert text.startswith("# Benchmarks\n\nWritten by hand.\n")
     assert text.count("<!-- bench:begin -->") == 1 and text.rstrip().endswith("<!-- bench:end -->")

@@ -1,18 +1,14 @@
-"""scripts/bench_rpc.py's pure parts: llama.cpp's layer placement, its output and timings, the
+"""benchmarks/rpc.py's pure parts: llama.cpp's layer placement, its output and timings, the
 pipeinfer results it compares with. (The script itself needs root, an emulated cluster and
 `make llama-rpc`; docs/emulated-cluster.md has the run.)"""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bench_rpc as b  # noqa: E402
+import benchmarks.rpc as b
 
 
 def _placed(n_layer: int, ngl: int, ts: list[int]) -> list[int]:
@@ -112,6 +108,6 @@ def test_first_diff():
 
 def test_host_command_enters_the_host_through_the_cluster_launcher():
     """The wrapper Hydra uses for the ranks: it joins the host's cgroups, namespace and hostname."""
-    c = b.ec.Cluster("pi-tst", "10.250.3.0/24")
-    cmd = b._host_command(c, 1, ["/x/rpc-server", "-H", "10.250.3.3", "-p", "50052"])
+    c = b.Cluster("pi-tst", "10.250.3.0/24")
+    cmd = b.on_host(c, 1, ["/x/rpc-server", "-H", "10.250.3.3", "-p", "50052"])
     assert cmd == [str(c.wrapper), "pi-tst-h1", "exec /x/rpc-server -H 10.250.3.3 -p 50052"]

@@ -427,8 +427,7 @@ def test_an_interrupted_run_removes_everything(tiny_long, sig):
 # -- hosts with their own CPU and memory (--cpus, --mem) -------------------------------------------
 
 def _cgroups_unusable() -> str | None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from emulate_cgroups import CgroupError, Cgroups
+    from cluster.cgroups import CgroupError, Cgroups
 
     try:
         Cgroups("probe")

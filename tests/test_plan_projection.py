@@ -1,5 +1,5 @@
 """The replayed draft rank (`ReplayDraftRank`) and the projection that uses it (planner/project.py,
-scripts/project_paper.py: 7 target stages and a draft on an eighth node): its answers, what it
+benchmarks/project_paper.py: 7 target stages and a draft on an eighth node): its answers, what it
 charges and when its replies arrive, checked against arithmetic that is known."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pipeinfer_cli.planner.replay import ChainIndex, PromptTrace, SyntheticChain
 from pipeinfer_cli.planner.sim_drafters import ReplayDrafter, ReplayDraftRank
 from pipeinfer_cli.runtime.topology import ranges_from_fractions
 
-# The paper's setup, as scripts/project_paper.py states it: a 70B Q3_K_M target, a 1.1B Q4_K_M
+# The paper's setup, as benchmarks/project_paper.py states it: a 70B Q3_K_M target, a 1.1B Q4_K_M
 # draft on its own node, 16-core nodes at 25 GB/s, Gigabit Ethernet.
 LLAMA_70B = ModelSpec("llama-70b-q3_k_m", 80, 8192, 32000, 410_000_000, 215_000_000, 855e6)
 NODE = NodeSpec(mem_bandwidth=25e9, flops=400e9, row_cost=0.10, cores=16, memory=64 << 30, run_overhead_s=5e-4)

@@ -122,3 +122,15 @@ def test_modules_and_functions_stay_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60:
                 big_functions.append(f"{path.relative_to(SRC)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not big_modules and not big_functions, (big_modules, big_functions)
+
+
+def test_the_package_never_imports_what_sits_beside_it():
+    """benchmarks/, cluster/ and scripts/ use the package; the package never imports them."""
+    bad = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{path.relative_to(SRC)} imports {n}" for n in names
+                    if n.split(".")[0] in ("benchmarks", "cluster", "scripts", "benchlib", "emulate_cluster")]
+    assert not bad, bad

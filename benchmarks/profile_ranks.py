@@ -16,7 +16,7 @@ Only each rank's main thread counts (helper threads such as the stage's cancel l
 reported apart). The per-token figures are the fractions times the job's mean time per token.
 py-spy is in the `profile` extra: `pip install -e ".[profile]"`. Needs ptrace rights (root here).
 
-    python scripts/profile_ranks.py qwen2.5-coder-1.5b-instruct --ranks 2 --threads 1 -M iterative --json build/profile.json
+    python -m benchmarks.profile_ranks qwen2.5-coder-1.5b-instruct --ranks 2 --threads 1 -M iterative --json build/profile.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import PIPEINFER, markdown_table, write_json
+from benchmarks.report import markdown_table, publish
+from benchmarks.runner import pipeinfer
 
 PROMPT = "Write a detailed, long technical essay on the history of compilers, with many sections."
 CATEGORIES = ("compute", "graph", "waiting", "mpi", "sampling", "python")
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(py_spy).exists():
         raise SystemExit('Error: py-spy is not installed; run: pip install -e ".[profile]"')
-    cmd = [PIPEINFER, "generate", a.model, "--ranks", str(a.ranks), "-n", "400", "-p", PROMPT, "--json", *job_args]
+    cmd = pipeinfer("generate", a.model, "--ranks", a.ranks, "-n", 400, "-p", PROMPT, "--json", *job_args)
     out_dir = a.json.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -118,10 +119,10 @@ def main(argv=None) -> int:
                       "helper_threads_samples": dict(helper_c)})
     doc = {"command": " ".join(cmd), "decode_tok_per_s": result["decode_tok_per_s"], "ms_per_token": ms_per_token,
            "layer_split": result.get("layer_split"), "ranks": ranks}
-    write_json(a.json, doc)
-    print(f"decode {result['decode_tok_per_s']:.2f} tok/s = {ms_per_token:.1f} ms per token; `{' '.join(cmd[1:])}`")
-    print(markdown_table(["rank", *CATEGORIES], [[str(rk["rank"])] + [f"{rk['ms_per_token'][c]:.1f} ms "
-                                                 f"({100 * rk['fraction'][c]:.0f} %)" for c in CATEGORIES] for rk in ranks]))
+    publish(markdown_table(["rank", *CATEGORIES], [[str(rk["rank"])] + [f"{rk['ms_per_token'][c]:.1f} ms "
+                                                 f"({100 * rk['fraction'][c]:.0f} %)" for c in CATEGORIES] for rk in ranks]),
+            doc, a.json, notes=[f"decode {result['decode_tok_per_s']:.2f} tok/s = {ms_per_token:.1f} ms per token; "
+                                f"`{' '.join(cmd[1:])}`"])
     return 0
 
 

@@ -13,34 +13,35 @@ gets one profile (--profile RANKS=FILE, else `pipeinfer calibrate --quick` of th
 once in --workdir), and beside each measured aggregate the script prints what `pipeinfer plan
 --parallel C` predicts on that profile and the parallel server's split (--no-predict: not).
 
-    .venv/bin/python scripts/bench_parallel.py qwen2.5-coder-0.5b-instruct --draft lookup \\
+    .venv/bin/python -m benchmarks.parallel qwen2.5-coder-0.5b-instruct --draft lookup \\
         --ranks 2 3 --levels 1,2,4,8 --limit 8 -n 64 --json build/parallel.json
-    .venv/bin/python scripts/bench_parallel.py qwen2.5-coder-0.5b-instruct --draft lookup \\
+    .venv/bin/python -m benchmarks.parallel qwen2.5-coder-0.5b-instruct --draft lookup \\
         --ranks 2 --levels 1,2 --limit 8 -n 64 --split 2=0.65,0.35 --json build/parallel_hand.json
-    .venv/bin/python scripts/bench_parallel.py qwen2.5-coder-0.5b-instruct --draft lookup \\
+    .venv/bin/python -m benchmarks.parallel qwen2.5-coder-0.5b-instruct --draft lookup \\
         --ranks 2 3 --levels 1,2 --modes pipeinfer --policies --limit 8 -n 64 --json build/policies.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.report import Column, fmt, publish, render
+from benchmarks.runner import log, pipeinfer, run_json, shown
+
 POLICIES = ("yield", "round-robin", "no-spec")
 
 
-def pipeinfer(argv: list[str], what: str, capture: bool = False) -> subprocess.CompletedProcess:
-    """`pipeinfer ARGV` (stdout captured or to our stderr); exits with one line when it fails."""
-    print("+ pipeinfer " + " ".join(argv), file=sys.stderr, flush=True)
-    proc = subprocess.run([sys.executable, "-m", "pipeinfer_cli", *argv], text=True,
-                          stdout=subprocess.PIPE if capture else sys.stderr)
-    if proc.returncode != 0:
-        sys.exit(f"{what} failed ({proc.returncode}): pipeinfer {' '.join(argv)}")
-    return proc
+def job(argv: list, out: Path | None = None) -> dict:
+    """The JSON of `pipeinfer ARGV` (written to out, else printed); one line and exit 1 when it fails."""
+    cmd = pipeinfer(*argv)
+    log(f"+ {shown(cmd)}")
+    run = run_json(cmd, out)
+    if not run.ok:
+        sys.exit(f"Error: {argv[0]} failed (exit {run.returncode}): {run.error}; the command was: {shown(cmd)}")
+    return run.doc
 
 
 def run_bench(model: str, args, ranks: int, mode: str, parallel: int, policy: str | None) -> dict:
@@ -59,8 +60,7 @@ def run_bench(model: str, args, ranks: int, mode: str, parallel: int, policy: st
             argv += ["--layer-split", args.layer_split[ranks]]
         if ranks in args.profiles:
             argv += ["--profile", str(args.profiles[ranks])]  # the parallel server's default split comes from it
-        pipeinfer(argv, "bench")
-        return json.loads(out.read_text())
+        return job(argv, out)
 
 
 def ensure_profile(model: str, args, ranks: int) -> None:
@@ -72,7 +72,7 @@ def ensure_profile(model: str, args, ranks: int) -> None:
     if not path.is_file():
         argv = ["calibrate", model, "--ranks", str(ranks), "--threads", ",".join(["1"] * ranks), "--quick",
                 "--ctx", str(args.ctx), "--out", str(path)]
-        pipeinfer(argv + (["--draft", args.draft] if args.draft else []), "calibrate")
+        job(argv + (["--draft", args.draft] if args.draft else []), path)
     args.profiles[ranks] = path
 
 
@@ -92,7 +92,7 @@ def predict(model: str, args, ranks: int, mode: str, levels: list[int]) -> dict[
             source = ["--trace", str(trace)]
         else:
             source = ["--limit", str(args.limit), "--record", str(trace), "--prompts", args.prompts or "default"]
-        doc = json.loads(pipeinfer(base + source + ["--parallel", str(level)], "plan", capture=True).stdout)
+        doc = job(base + source + ["--parallel", str(level)])
         p = doc["modes"][mode]
         out[level] = {k: p[k] for k in ("tok_per_s", "ttft_ms", "itl_ms")} | {"layer_split": p["settings"]["layer_split"]}
         out[1] = {k: p["one_at_a_time"][k] for k in ("tok_per_s", "ttft_ms", "itl_ms")}
@@ -101,10 +101,6 @@ def predict(model: str, args, ranks: int, mode: str, levels: list[int]) -> dict[
 
 def rows_of(doc: dict) -> dict[int, dict]:
     return {s["concurrency"]: s for s in doc["summary"]}
-
-
-def fmt(x, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def compare(args, ranks: int, mode: str, p_max: int) -> list[dict]:
@@ -122,12 +118,12 @@ def compare(args, ranks: int, mode: str, p_max: int) -> list[dict]:
                "predicted": q, "split": args.layer_split.get(ranks, "default")}
         rows.append(row)
         said = "" if q is None else f" (predicted {fmt(q['tok_per_s'])})"
-        print(f"{ranks} ranks {mode:<10} C={level}: FIFO {fmt(f['tok_per_s'])} tok/s, parallel "
+        log(f"{ranks} ranks {mode:<10} C={level}: FIFO {fmt(f['tok_per_s'])} tok/s, parallel "
               f"{fmt(p['tok_per_s'])} tok/s{said} ({fmt(row['ratio'], '.2f')}x); TTFT p50/p99 "
               f"{fmt(f['ttft_ms']['p50'], '.0f')}/{fmt(f['ttft_ms']['p99'], '.0f')} vs "
               f"{fmt(p['ttft_ms']['p50'], '.0f')}/{fmt(p['ttft_ms']['p99'], '.0f')} ms; ITL p50/p99 "
               f"{fmt(f['itl_ms']['p50'])}/{fmt(f['itl_ms']['p99'])} vs "
-              f"{fmt(p['itl_ms']['p50'])}/{fmt(p['itl_ms']['p99'])} ms", flush=True)
+              f"{fmt(p['itl_ms']['p50'])}/{fmt(p['itl_ms']['p99'])} ms")
     return rows
 
 
@@ -140,8 +136,8 @@ def policies(args, ranks: int, mode: str, p_max: int) -> list[dict]:
             r = runs[pol][level]
             row[pol] = {"tok_per_s": r["tok_per_s"], "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"]}
         rows.append(row)
-        print(f"{ranks} ranks {mode:<10} C={level}: " + ", ".join(
-            f"{pol} {fmt(row[pol]['tok_per_s'])} tok/s" for pol in POLICIES), flush=True)
+        log(f"{ranks} ranks {mode:<10} C={level}: " + ", ".join(
+            f"{pol} {fmt(row[pol]['tok_per_s'])} tok/s" for pol in POLICIES))
     return rows
 
 
@@ -169,6 +165,7 @@ def main() -> None:
     ap.add_argument("--no-predict", action="store_true", help="do not print `plan --parallel`'s prediction")
     ap.add_argument("--policies", action="store_true", help="compare the load policies (parallel server only)")
     ap.add_argument("--json")
+    ap.add_argument("--markdown", help="write the table here too")
     args = ap.parse_args()
     args.layer_split = {int(k): v for k, v in (x.split("=", 1) for x in args.split)}
     args.profiles = {int(k): Path(v) for k, v in (x.split("=", 1) for x in args.profile)}
@@ -180,12 +177,25 @@ def main() -> None:
             ensure_profile(args.model, args, ranks)
         for mode in args.modes.split(","):
             results += (policies if args.policies else compare)(args, ranks, mode, p_max)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"model": args.model, "draft": args.draft, "levels": args.levels,
-                                               "limit": args.limit, "n_predict": args.n_predict,
-                                               "profiles": {r: str(p) for r, p in args.profiles.items()},
-                                               "rows": results}, indent=1))
+    publish(render(table_columns(args.policies), results),
+            {"model": args.model, "draft": args.draft, "levels": args.levels, "limit": args.limit,
+             "n_predict": args.n_predict, "profiles": {r: str(p) for r, p in args.profiles.items()}, "rows": results},
+            args.json, args.markdown)
+
+
+def table_columns(policies: bool) -> list[Column]:
+    """Per (ranks, mode, level): the servers' aggregate tok/s (and TTFT/ITL p50/p99), or each policy's."""
+    head = [Column("ranks", lambda r: str(r["ranks"]), "l"), Column("mode", lambda r: f"`{r['mode']}`", "l"),
+            Column("clients", lambda r: str(r["concurrency"]))]
+    if policies:
+        return head + [Column(f"{pol} tok/s", lambda r, p=pol: fmt(r[p]["tok_per_s"], ".1f")) for pol in POLICIES]
+    pct = (lambda side, k: lambda r: f"{fmt(r[side][k]['p50'], '.0f')}/{fmt(r[side][k]['p99'], '.0f')}")  # noqa: E731
+    return head + [Column("FIFO tok/s", lambda r: fmt(r["fifo"]["tok_per_s"], ".1f")),
+                   Column("parallel tok/s", lambda r: fmt(r["parallel"]["tok_per_s"], ".1f")),
+                   Column("predicted", lambda r: fmt((r["predicted"] or {}).get("tok_per_s"), ".1f")),
+                   Column("×", lambda r: fmt(r["ratio"], ".2f")),
+                   Column("TTFT p50/p99 ms (FIFO, parallel)", lambda r: f"{pct('fifo', 'ttft_ms')(r)}, {pct('parallel', 'ttft_ms')(r)}"),
+                   Column("ITL p50/p99 ms (FIFO, parallel)", lambda r: f"{pct('fifo', 'itl_ms')(r)}, {pct('parallel', 'itl_ms')(r)}")]
 
 
 if __name__ == "__main__":

@@ -11,17 +11,16 @@ sequence (in plain decoding's cell layout, as each slot's rows are), after `--ct
   one_invariant    one two-row batch-invariant eval (lossless batching)
   one_plain        one two-row eval with the batched kernels (not lossless: rounding changes)
 
-    .venv/bin/python scripts/bench_parallel_batch.py qwen2.5-coder-1.5b-instruct --ctx 512 --json build/batch.json
+    .venv/bin/python -m benchmarks.parallel_batch qwen2.5-coder-1.5b-instruct --ctx 512 --json build/batch.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
-from benchlib import write_json
+from benchmarks.report import markdown_table, publish
 from pipeinfer_cli.native import LayerEngine
 from pipeinfer_cli.models.model_files import resolve_model
 from pipeinfer_cli.models.registry import load_registry
@@ -64,8 +63,8 @@ def main() -> None:
            "median_ms": {k: round(v, 2) for k, v in med.items()},
            "one_invariant_vs_two_graphs": round(med["one_invariant"] / med["two_graphs"], 3),
            "one_plain_vs_two_graphs": round(med["one_plain"] / med["two_graphs"], 3)}
-    print(json.dumps(out, indent=1))
-    write_json(args.json, out)
+    publish(markdown_table(["case", "median ms", "× two graphs"],
+                           [[k, f"{v:.2f}", f"{v / med['two_graphs']:.3f}"] for k, v in med.items()]), out, args.json)
 
 
 if __name__ == "__main__":

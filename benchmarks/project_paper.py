@@ -3,7 +3,7 @@ Q3_K_M Llama-family target on 7 stages and a 1.1B Q4_K_M draft on an eighth node
 Ethernet, every figure stated below. Prints the tables BENCHMARKS.md quotes, writes a PNG of
 speedup against node count and link rate, and the whole as JSON.
 
-    python scripts/project_paper.py --png projection.png --json projection.json
+    python -m benchmarks.project_paper --png projection.png --json projection.json
 
 With --from-profile PROFILE, the nodes are not stated but measured: every node takes the costs of
 a rank of PROFILE (a `pipeinfer calibrate --draft ...` of emulated or real hosts), its layer costs
@@ -11,7 +11,7 @@ scaled by the 70B's layer bytes over the measured model's and the draft's by Tin
 over the measured draft's (planner/project.py scaled_profile); then `plan --search`'s search picks
 pipeinfer's settings on that profile.
 
-    python scripts/project_paper.py --from-profile build/cluster_h8_profile.json --json build/projection_scaled.json
+    python -m benchmarks.project_paper --from-profile build/cluster_h8_profile.json --json build/projection_scaled.json
 
 Deterministic: the same figures give the same output. Takes a few minutes (hundreds of predictions).
 """

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Side-by-side table of the grounded benchmark: llama.cpp references and pipeinfer runs.
 
-Reads the JSON of `scripts/bench_llamacpp.py` (plain and --lookup) and of one or more
+Reads the JSON of `benchmarks/llamacpp.py` (plain and --lookup) and of one or more
 `pipeinfer bench` runs on the same prompts, and prints a Markdown table on stdout: per prompt the
 end-to-end tok/s of every column, then the medians (end to end, decode, TTFT), pipeinfer's
 acceptance, and each pipeinfer column's ratio to each llama.cpp column (geometric mean over prompts
 of the per-prompt ratio). Every column's command is listed under the table.
 
-    python scripts/grounded_table.py --ref build/grounded_llamacpp.json --ref build/grounded_llamacpp_lookup.json \\
+    python -m benchmarks.grounded_table --ref build/grounded_llamacpp.json --ref build/grounded_llamacpp_lookup.json \\
         --bench build/grounded_lookup.json --bench build/grounded_pair.json
 """
 
@@ -17,7 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from benchlib import markdown_table, median, paired_ratio, per_prompt
+from benchmarks.figures import median, paired_ratio, per_prompt
+from benchmarks.report import markdown_table, publish
 
 
 def ref_column(path: Path) -> dict:
@@ -71,6 +72,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ref", type=Path, action="append", default=[], help="bench_llamacpp.py JSON (repeatable)")
     ap.add_argument("--bench", type=Path, action="append", default=[], help="pipeinfer bench JSON (repeatable)")
+    ap.add_argument("--markdown", type=Path, help="write the table here too")
     args = ap.parse_args()
     refs = [ref_column(p) for p in args.ref]
     pipe = [c for p in args.bench for c in bench_columns(p)]
@@ -93,7 +95,7 @@ def main() -> int:
             seen.append(c["command"])
             lines.append(c["command"])
     lines.append("```")
-    print("\n".join(lines))
+    publish("\n".join(lines), md_path=args.markdown)
     return 0
 
 

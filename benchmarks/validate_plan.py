@@ -4,31 +4,33 @@ same threads, the trace recorded on the same prompts), then `pipeinfer bench` of
 ranks, threads and prompts); a table of predicted and measured tok/s and TTFT per mode, the error
 of each, and the whole as JSON.
 
-    python scripts/validate_plan.py                          # every configuration (about 30 minutes)
-    python scripts/validate_plan.py --only 2r,3r --quick     # some of them, quick calibrations
-    python scripts/validate_plan.py --dry-run                # the commands, without running them
-    python scripts/validate_plan.py --json out.json --keep build/validate
+    python -m benchmarks.validate_plan                          # every configuration (about 30 minutes)
+    python -m benchmarks.validate_plan --only 2r,3r --quick     # some of them, quick calibrations
+    python -m benchmarks.validate_plan --dry-run                # the commands, without running them
+    python -m benchmarks.validate_plan --json out.json --keep build/validate
 
 Every rank computes with the configuration's threads in all three commands (`--threads`), so the
 profile measures the job that `plan` predicts and `bench` runs. A configuration whose step fails
 (or whose plan is refused) is reported on its row and the others go on. Configurations on emulated
-hosts (`emu-…`) need root (scripts/emulate-cluster.sh). Run nothing else meanwhile: the machine is
+hosts (`emu-…`) need root (an emulated cluster, benchmarks/emulated.py). Run nothing else meanwhile: the machine is
 shared and the figures are wall-clock.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
+import contextlib
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PIPEINFER = [sys.executable, "-m", "pipeinfer_cli"]
-EMU = [str(ROOT / "scripts" / "emulate-cluster.sh")]
+from benchmarks.emulated import Failure, emulated_cluster
+from benchmarks.report import publish, write_json
+from benchmarks.runner import JobRun, log, pipeinfer, run_json, shown
+from cluster.cgroups import CgroupError
+
+PREFIX, SUBNET = "pi-vp", "10.216.0.0/24"  # the emulated cluster of the `emu-…` configurations
 MODES = ("iterative", "speculative", "pipeinfer")
 GOAL = 0.10  # the error each row should stay within
 
@@ -62,16 +64,15 @@ class StepFailed(RuntimeError):
     pass
 
 
-def run(cmd: list[str], emu=None, dry: bool = False) -> subprocess.CompletedProcess | None:
-    full = EMU + ["exec", "--"] + cmd if emu else cmd
-    print("+", " ".join(full), file=sys.stderr, flush=True)
+def run(cmd: list[str], out: Path | None, env: dict | None, dry: bool = False) -> JobRun | None:
+    """One step through the runner (its JSON from the file `out`, else its stdout)."""
+    log("+ " + shown(cmd))
     if dry:
         return None
-    r = subprocess.run(full, cwd=ROOT, capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = r.stderr.strip().splitlines()[-1:] or [f"exit status {r.returncode}"]
-        raise StepFailed(f"{cmd[3] if len(cmd) > 3 else cmd[0]} failed ({r.returncode}): {tail[0]}")
-    return r
+    job = run_json(cmd, out, env, quiet=True)
+    if not job.ok:
+        raise StepFailed(f"{cmd[1]} failed ({job.returncode}): {job.error}")
+    return job
 
 
 def commands(c: Config, files: dict[str, Path], prompts: str, limit: int, n: int, repeat: int,
@@ -81,12 +82,10 @@ def commands(c: Config, files: dict[str, Path], prompts: str, limit: int, n: int
     draft = ["--draft", c.draft] if c.draft else []
     same = ["--prompts", prompts, "--limit", str(limit), "-n", str(n), "--modes", ",".join(c.modes)]
     return {
-        "calibrate": PIPEINFER + ["calibrate", c.model, *job, *draft, "--out", str(files["profile"])]
-        + (["--quick"] if quick else []),
-        "plan": PIPEINFER + ["plan", c.model, "--profile", str(files["profile"]), *job, *draft, *same,
-                             "--record", str(files["trace"]), "--json"],
-        "bench": PIPEINFER + ["bench", c.model, *job, *draft, *same, "--repeat", str(repeat),
-                              "--json", str(files["bench"])],
+        "calibrate": pipeinfer("calibrate", c.model, *job, *draft, "--out", files["profile"], *(["--quick"] if quick else [])),
+        "plan": pipeinfer("plan", c.model, "--profile", files["profile"], *job, *draft, *same, "--record", files["trace"],
+                          "--json"),
+        "bench": pipeinfer("bench", c.model, *job, *draft, *same, "--repeat", repeat, "--json", files["bench"]),
     }
 
 
@@ -100,27 +99,24 @@ def validate(name: str, work: Path, args) -> dict:
     out: dict = {"label": c.label, "threads": c.threads, "commands": {k: " ".join(v) for k, v in cmds.items()},
                  "failed": {}, "modes": {}}
     plan = measured = None
-    if c.emu and not args.dry_run:
-        run(EMU + ["up", str(c.emu[0]), "--rate", c.emu[1]])
-    try:
-        for step in ("calibrate", "plan", "bench"):
+    hosts = emulated_cluster(PREFIX, SUBNET, *c.emu) if c.emu and not args.dry_run else contextlib.nullcontext()
+    with hosts as cluster:
+        env = cluster.env() if cluster is not None else None
+        for step, written in (("calibrate", files["profile"]), ("plan", None), ("bench", files["bench"])):
             if step == "plan" and "calibrate" in out["failed"]:
                 out["failed"]["plan"] = "no profile"
                 continue
             try:
-                r = run(cmds[step], c.emu if step != "plan" else None, args.dry_run)
+                r = run(cmds[step], written, env if step != "plan" else None, args.dry_run)
             except StepFailed as e:
                 out["failed"][step] = str(e)
-                print(f"{name}: {e}", file=sys.stderr, flush=True)
+                log(f"{name}: {e}")
                 continue
             if r is not None and step == "plan":
-                files["plan"].write_text(r.stdout)
-                plan = json.loads(r.stdout)["modes"]
+                files["plan"].write_text(r.output)
+                plan = r.doc["modes"]
             elif r is not None and step == "bench":
-                measured = json.loads(files["bench"].read_text())["summary"]
-    finally:
-        if c.emu and not args.dry_run:
-            run(EMU + ["down"])
+                measured = r.doc["summary"]
     for mode in c.modes:
         out["modes"][mode] = _row((plan or {}).get(mode, {}), (measured or {}).get(mode, {}))
     return out
@@ -191,17 +187,15 @@ def main() -> None:
         for name in names:
             try:
                 results[name] = validate(name, work, args)
-            except (StepFailed, OSError, ValueError, KeyError) as e:  # the emulated hosts, an unreadable file
-                print(f"{name}: {e}", file=sys.stderr, flush=True)
+            except (StepFailed, Failure, CgroupError, OSError, ValueError, KeyError) as e:  # the hosts, a bad file
+                log(f"{name}: {e}")
                 c = CONFIGS[name]
                 results[name] = {"label": c.label, "threads": c.threads, "failed": {"setup": str(e)},
                                  "modes": {m: _row({}, {}) for m in c.modes}}
             doc = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results}
             if args.json:  # after every configuration: a long run that stops keeps what it measured
-                args.json.write_text(json.dumps(doc, indent=1))
-    print("\n".join(table(results)))
-    print(within_goal(results))
-    print(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+                write_json(args.json, doc)
+    publish("\n".join(table(results)), doc, args.json, notes=[within_goal(results)])
 
 
 if __name__ == "__main__":

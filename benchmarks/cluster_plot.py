@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The scaling curve as a PNG: tok/s (end to end, and decoding) against the number of hosts, one
-line per configuration, one column per bench_cluster.py JSON (a prompt set and a link rate).
+line per configuration, one column per benchmarks/scaling.py JSON (a prompt set and a link rate).
 
-    .venv/bin/python scripts/cluster_plot.py build/cluster_default.json build/cluster_grounded.json --out docs/cluster.png
+    .venv/bin/python -m benchmarks.cluster_plot build/cluster_default.json build/cluster_grounded.json --out docs/cluster.png
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ threads it also counts OpenMP's spin-waiting, so compare wall times there).
 
 Prints a table on stdout and writes JSON with every sample (--json). Not a test: nothing asserts.
 
-    python scripts/bench_native.py --model qwen2.5-coder-1.5b-instruct --threads 1,2
+    python -m benchmarks.native --model qwen2.5-coder-1.5b-instruct --threads 1,2
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchlib import markdown_table, target_model, write_json
+from benchmarks.report import markdown_table, publish
+from benchmarks.runner import module, run_json, target_model
 
 PROMPT_TEXT = (b"def quicksort(items):\n    \"\"\"Sort a list with quicksort and return a new list.\"\"\"\n"
                b"    if len(items) <= 1:\n        return items\n")
@@ -211,9 +211,10 @@ def measure_rss(path: Path, n_ctx: int) -> list[dict]:
     half = n_layer // 2
     out = []
     for begin, end in ((0, half), (half, n_layer)):
-        cp = subprocess.run([sys.executable, __file__, "--rss-child", str(path), str(begin), str(end), str(n_ctx)],
-                            check=True, capture_output=True, text=True)
-        out.append(json.loads(cp.stdout.strip().splitlines()[-1]))
+        job = run_json(module("native", "--rss-child", path, begin, end, n_ctx))
+        if not job.ok:
+            raise SystemExit(f"Error: the RSS measurement of layers [{begin}, {end}) failed: {job.error}")
+        out.append(job.doc)
     return out
 
 
@@ -277,7 +278,7 @@ def main() -> None:
                     help="also time the native engine with batch_invariant=True, as pipeline decode and "
                          "verification runs use it (row native-inv)")
     ap.add_argument("--json", type=Path, help="write all results and samples here")
-    ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for BENCHMARKS.md)")
+    ap.add_argument("--markdown", type=Path, nargs="?", metavar="FILE", help="the table is always printed; FILE: write the Markdown table (for BENCHMARKS.md) here too")
     ap.add_argument("--from-json", type=Path, help="do not measure: print the tables of an earlier --json run")
     args = ap.parse_args()
 
@@ -293,7 +294,7 @@ def main() -> None:
                             row[key] = {int(k): v for k, v in row[key].items()}
         sizes = sorted(next(iter(results[0]["threads"].values()))["ratio_batch"])
         print_table(results, sizes)
-        print(native_table(results, sizes))
+        publish(native_table(results, sizes), md_path=args.markdown)
         return
 
     models = args.model or ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
@@ -311,16 +312,11 @@ def main() -> None:
 
     from pipeinfer_cli import _native
 
-    doc = {"ggml_version": _native.ggml_version(), "machine": platform.processor() or platform.machine(),
+    doc = {"ggml_version": _native.ggml_version(), "arch": platform.processor() or platform.machine(),
            "cpu_count": os.cpu_count(), "loadavg_end": os.getloadavg(), "results": results,
            "settings": vars(args) | {"json": str(args.json) if args.json else None}}
     print_table(results, batch_sizes)
-    if args.markdown:
-        print(native_table(results, batch_sizes))
-    if args.json:
-        write_json(args.json, doc)
-    else:
-        print(json.dumps(doc, indent=1, default=str))
+    publish(native_table(results, batch_sizes), doc, args.json, args.markdown)
 
 
 if __name__ == "__main__":

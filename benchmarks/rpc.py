@@ -15,26 +15,24 @@ pipeinfer's head does, and needs no rpc-server of its own. By default the layers
 pipeinfer split them (its JSON's `ranks` when --pipeinfer or --compare gives one), else evenly;
 --layers 14,14 sets them (host 0 first).
 
-Every process on a host is started through the cluster's launcher (`_host_command`), so that it
+Every process on a host is started through the cluster's launcher (benchmarks/emulated.py on_host), so that it
 lands in the host's network namespace, hostname and, with `up --cpus`, its cgroups. The cluster must
 be up: `scripts/emulate-cluster.sh up 2 --rate 1gbit`. Every process this script starts is ended
 on exit, on an error and on Ctrl-C/SIGTERM/SIGHUP.
 
     make llama-rpc                                   # build/llama-rpc/{rpc-server,llama-completion,llama-speculative}
     scripts/emulate-cluster.sh up 2 --rate 1gbit
-    .venv/bin/python scripts/bench_rpc.py qwen2.5-coder-1.5b-instruct --limit 2 -n 32 --pipeinfer --json build/rpc.json
-    .venv/bin/python scripts/bench_rpc.py qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --limit 2
+    .venv/bin/python -m benchmarks.rpc qwen2.5-coder-1.5b-instruct --limit 2 -n 32 --pipeinfer --json build/rpc.json
+    .venv/bin/python -m benchmarks.rpc qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --limit 2
     scripts/emulate-cluster.sh down
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -43,38 +41,24 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import emulate_cluster as ec  # noqa: E402  (the cluster's state, launcher and link counters)
-from benchlib import PIPEINFER, write_json  # noqa: E402
+from benchmarks.emulated import Cluster, Failure, main_guard, on_host
+from benchmarks.figures import first_difference
+from benchmarks.report import Column, fmt, publish, render
+from benchmarks.runner import ROOT, end_group, log, pipeinfer, run_json, shown
+from cluster.hosts import DEFAULT_PREFIX
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_PORT = 50052  # rpc-server's own default
 
 
-class Failure(Exception):
-    """Reported as one `Error:` line, exit status 1."""
-
-
 # -- processes on the hosts ---------------------------------------------------------------------
 
-def _host_command(cluster: ec.Cluster, k: int, argv: list[str]) -> list[str]:
-    """The command that runs argv on host k of the cluster: THE one place that enters a host.
-
-    Through the launcher that Hydra uses for the cluster's ranks (the generated ssh wrapper, as
-    `emulate-cluster.sh on K` does): the host's cgroups (--cpus, --mem), network namespace,
-    hostname and node-local directories. `exec` keeps the process the wrapper's own pid, so ending
-    the process group ends it."""
-    return [str(cluster.wrapper), cluster.host(k), "exec " + shlex.join(argv)]
-
-
 class Procs:
-    """Every process this script starts, each in a session of its own: ended on exit (SIGTERM to
-    its group, SIGKILL after a grace period), and any process left in the cluster's namespaces
-    whose session is one of ours is killed too."""
+    """Every process this benchmark starts beside the jobs (the rpc-servers, the llama.cpp client),
+    each in a session of its own: ended on exit (runner.end_group), and any process left in the
+    cluster's namespaces whose session is one of ours is killed too."""
 
-    def __init__(self, cluster: ec.Cluster):
+    def __init__(self, cluster: Cluster):
         self.cluster = cluster
         self.started: list[subprocess.Popen] = []
 
@@ -89,46 +73,33 @@ class Procs:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.end(p)
-            out, err = p.communicate()
-            raise Failure(f"`{shlex.join(cmd)[:200]}` did not finish in {timeout:.0f} s; stderr ends: "
-                          f"{err.decode(errors='replace')[-400:]}") from None
+            end_group(p, signal.SIGTERM, 5.0)
+            raise Failure(f"`{shown(cmd)[:200]}` did not finish in {timeout:.0f} s") from None
         finally:
-            self.end(p)
+            end_group(p, signal.SIGTERM, 5.0)
         return p.returncode, out.decode("utf-8", errors="replace"), err.decode("utf-8", errors="replace")
-
-    @staticmethod
-    def end(p: subprocess.Popen, grace: float = 5.0) -> None:
-        """SIGTERM to p's process group, SIGKILL to whatever of the group is left after `grace`
-        (the group may outlive its leader: a child of the launcher)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=grace)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
 
     def end_all(self) -> None:
         for p in self.started:
-            self.end(p)
+            end_group(p, signal.SIGTERM, 5.0)
         sessions = {p.pid for p in self.started}
         for pid in self.cluster.pids():  # belt and braces: ours only (our sessions)
-            with contextlib.suppress(OSError, ValueError, IndexError):
+            try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
-                sid = int(stat.rsplit(")", 1)[1].split()[4])
-                if sid in sessions:
+                if int(stat.rsplit(")", 1)[1].split()[4]) in sessions:
                     os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError, IndexError):
+                pass
 
 
-def listening(cluster: ec.Cluster, k: int, port: int) -> bool:
+def listening(cluster: Cluster, k: int, port: int) -> bool:
     """Whether something listens on host k's address and port (read inside the host's namespace)."""
     r = subprocess.run(["ip", "netns", "exec", cluster.host(k), "ss", "-ltnH", f"sport = :{port}"],
                        capture_output=True, text=True)
     return any(cluster.addr(k) in line for line in r.stdout.splitlines())
 
 
-def start_rpc_servers(args, cluster: ec.Cluster, procs: Procs, log_dir: Path) -> list[dict]:
+def start_rpc_servers(args, cluster: Cluster, procs: Procs, log_dir: Path) -> list[dict]:
     """One rpc-server per host 1..N-1, bound to the host's own address (its default, 127.0.0.1,
     would be unreachable from host 0; 0.0.0.0 would be every interface). Waits until each listens."""
     servers = []
@@ -139,7 +110,7 @@ def start_rpc_servers(args, cluster: ec.Cluster, procs: Procs, log_dir: Path) ->
             # a client that finds the hash there sends the hash instead of the bytes (loads faster).
             argv = ["env", f"LLAMA_CACHE={args.rpc_cache / cluster.host(k)}", *argv, "-c"]
         log = open(log_dir / f"rpc-server-{cluster.host(k)}.log", "wb")
-        p = procs.start(_host_command(cluster, k, argv), stdout=log, stderr=subprocess.STDOUT)
+        p = procs.start(on_host(cluster, k, argv), stdout=log, stderr=subprocess.STDOUT)
         servers.append({"host": cluster.host(k), "addr": cluster.addr(k), "port": args.port, "command": argv,
                         "log": log.name, "proc": p})
     deadline = time.monotonic() + 30
@@ -274,12 +245,11 @@ def counts_from_pipeinfer(result: dict) -> list[int] | None:
 
 # -- pipeinfer on the same hosts ----------------------------------------------------------------
 
-def run_pipeinfer(args, cluster: ec.Cluster, procs: Procs, p: dict, tmp: Path) -> dict:
+def run_pipeinfer(args, cluster: Cluster, p: dict, tmp: Path) -> dict:
     """`pipeinfer generate --ranks N --threads 1` on the hosts (the environment of
     `emulate-cluster.sh exec`), iterative unless --pipeinfer-mode says otherwise, --json."""
-    cmd = [PIPEINFER, "generate", args.model, "--ranks", str(cluster.n_hosts),
-           "--threads", str(args.threads), "-M", args.pipeinfer_mode, "--temp", "0", "-n", str(args.n_predict),
-           "--json", "--no-pull"]
+    cmd = pipeinfer("generate", args.model, "--ranks", cluster.n_hosts, "--threads", args.threads, "-M", args.pipeinfer_mode,
+                    "--temp", 0, "-n", args.n_predict, "--json", "--no-pull")
     if args.pipeinfer_mode != "iterative" and args.draft:
         cmd += ["--draft", args.draft, "--n-draft", str(args.draft_max)]
     if args.counts:
@@ -290,11 +260,11 @@ def run_pipeinfer(args, cluster: ec.Cluster, procs: Procs, p: dict, tmp: Path) -
         cmd += ["--messages", str(f)]
     else:
         cmd += ["-p", p["raw"]]
-    print(f"+ pipeinfer {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
-    rc, out, err = procs.run(cmd, timeout=args.timeout, env={**os.environ, **cluster.env()})
-    if rc != 0:
-        raise Failure(f"pipeinfer generate failed ({rc}): {err[-800:]}")
-    return json.loads(out)
+    log(f"+ {shown(cmd)}")
+    job = run_json(cmd, env=cluster.env(), timeout=args.timeout)
+    if not job.ok:
+        raise Failure(f"pipeinfer generate failed ({job.returncode}): {job.error}")
+    return job.doc
 
 
 def load_compare(path: Path) -> list[dict]:
@@ -324,14 +294,12 @@ def compare_for(compare: list[dict], prompt_id: str, n_prompts: int) -> dict | N
 
 
 def first_diff(a: str, b: str) -> int | None:
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if a == b else first_difference(a, b)
 
 
 # -- one prompt on llama.cpp ----------------------------------------------------------------------
 
-def run_llamacpp(args, cluster: ec.Cluster, procs: Procs, servers: list[dict], p: dict, ngl: int, ts: list[int]) -> dict:
+def run_llamacpp(args, cluster: Cluster, procs: Procs, servers: list[dict], p: dict, ngl: int, ts: list[int]) -> dict:
     rpc = ",".join(f"{s['addr']}:{s['port']}" for s in servers)
     common = ["-m", str(args.model_path), "--rpc", rpc, "-ngl", str(ngl), "-ts", ",".join(map(str, ts)),
               "-t", str(args.threads), "-tb", str(args.threads), "--temp", "0", "--seed", "0", "-n", str(args.n_predict),
@@ -347,7 +315,7 @@ def run_llamacpp(args, cluster: ec.Cluster, procs: Procs, servers: list[dict], p
         argv = [str(args.bin_dir / "llama-completion"), *common, "-no-cnv", "--no-display-prompt"]
     before = cluster.counters()
     t0 = time.monotonic()
-    rc, out, err = procs.run(_host_command(cluster, 0, argv), timeout=args.timeout)
+    rc, out, err = procs.run(on_host(cluster, 0, argv), timeout=args.timeout)
     wall = time.monotonic() - t0
     after = cluster.counters()
     log = args.log_dir / f"{'llama-speculative' if args.draft else 'llama-completion'}-{p['id']}.log"
@@ -427,7 +395,7 @@ def summary_line(s: dict) -> str:
 
 # -- main ---------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -456,122 +424,129 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeinfer", action="store_true", help="also run `pipeinfer generate` on the same hosts and compare texts")
     ap.add_argument("--pipeinfer-mode", default="iterative", choices=["iterative", "speculative", "pipeinfer"])
     ap.add_argument("--compare", type=Path, help="pipeinfer JSON to compare with (generate --json, one per line, or bench --json)")
-    ap.add_argument("--prefix", default=os.environ.get("PIPEINFER_EMU_PREFIX", ec.DEFAULT_PREFIX), help="the cluster's --prefix")
+    ap.add_argument("--prefix", default=os.environ.get("PIPEINFER_EMU_PREFIX", DEFAULT_PREFIX), help="the cluster's --prefix")
     ap.add_argument("--timeout", type=float, default=600, help="seconds for one client run")
     ap.add_argument("--log-dir", type=Path, default=ROOT / "build" / "bench-rpc-logs")
     ap.add_argument("--json", type=Path, help="write the results here")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    def interrupted(signum, _frame):
-        raise KeyboardInterrupt
 
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, interrupted)
-    procs = None
+def measure(args, argv: list[str] | None, box: list) -> int:
+    """Every prompt on llama.cpp over RPC (and pipeinfer with --pipeinfer); the table and JSON."""
+    from pipeinfer_cli.bench.prompts import load_prompts, resolve_prompts
+    from pipeinfer_cli.models.gguf_info import read_model_info
+    from pipeinfer_cli.models.model_files import resolve_model
+    from pipeinfer_cli.models.registry import load_registry
+
+    if os.geteuid() != 0:
+        raise Failure("the emulated cluster's hosts need root (namespaces)")
+    cluster = Cluster(args.prefix)
+    if not cluster.is_up:
+        raise Failure(f"the emulated cluster {args.prefix} is not up: scripts/emulate-cluster.sh up N --rate RATE "
+                      f"[--prefix {args.prefix}]")
+    if cluster.n_hosts < 2:
+        raise Failure("llama.cpp over RPC needs at least 2 hosts (the client on host 0, an rpc-server on each other)")
+    for b in ("rpc-server", "llama-speculative" if args.draft else "llama-completion"):
+        if not os.access(args.bin_dir / b, os.X_OK):
+            raise Failure(f"{args.bin_dir / b} is missing: run `make llama-rpc`")
+    reg = load_registry()
+    args.model_path = resolve_model(args.model, reg).path
+    args.draft_path = resolve_model(args.draft, reg).path if args.draft else None
+    n_layer = read_model_info(args.model_path).n_layer
+    args.counts = [int(x) for x in args.layers.split(",")] if args.layers else None
+    if args.counts and len(args.counts) != cluster.n_hosts:
+        raise Failure(f"--layers gives {len(args.counts)} counts for {cluster.n_hosts} hosts")
+    chosen = load_prompts(resolve_prompts(args.prompts), None if args.only else args.limit)
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = set(wanted) - {p.id for p in chosen}
+        if unknown:
+            raise Failure(f"--only: no prompt {', '.join(sorted(unknown))} in the set")
+        chosen = [p for p in chosen if p.id in wanted][: args.limit]
+    prompts = prompt_texts(args.model_path, chosen)
+    compare = load_compare(args.compare) if args.compare else []
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    procs = Procs(cluster)
+    box.append(procs)
+    records = []
+    with tempfile.TemporaryDirectory(prefix="bench-rpc-") as tmp:
+        # Per prompt, pipeinfer (when --pipeinfer) then llama.cpp, so that both see the same load on
+        # the machine. The first pipeinfer result decides llama.cpp's split (unless --layers); an
+        # idle rpc-server waits in accept() and costs pipeinfer nothing.
+        servers: list[dict] = []
+        ngl, ts = 0, []
+        for p in prompts:
+            ref = run_pipeinfer(args, cluster, p, Path(tmp)) if args.pipeinfer else \
+                compare_for(compare, p["id"], len(prompts))
+            if not servers:
+                if args.counts is None:
+                    args.counts = next((c for c in map(counts_from_pipeinfer, [ref] if ref else compare)
+                                        if c and len(c) == cluster.n_hosts), None) or even_counts(n_layer, cluster.n_hosts)
+                ngl, ts = layer_placement(n_layer, list(args.counts))
+                servers = start_rpc_servers(args, cluster, procs, args.log_dir)
+                log(f"rpc-server on {', '.join(s['host'] + ' ' + s['addr'] + ':' + str(s['port']) for s in servers)}; "
+                      f"layers per host {args.counts} (-ngl {ngl} -ts {','.join(map(str, ts))})")
+            rec = {"prompt_id": p["id"], "kind": p["kind"], **run_llamacpp(args, cluster, procs, servers, p, ngl, ts)}
+            if ref is not None:
+                rec["pipeinfer"] = {k: ref.get(k) for k in ("mode", "text", "n_prompt", "n_gen", "ttft_s", "tok_per_s",
+                                                            "decode_tok_per_s", "layer_split", "finish_reason")}
+                rec["pipeinfer"]["layers_per_host"] = counts_from_pipeinfer(ref)
+                rec["text_matches_pipeinfer"] = rec["text"] == ref["text"]
+                rec["first_diff_char"] = first_diff(rec["text"], ref["text"])
+                rec["prompt_tokens_match_pipeinfer"] = ref.get("n_prompt") in (None, len(p["prompt_tokens"]))
+            records.append(rec)
+            line = (f"{p['id']}: llama.cpp rpc {rec['decode_tok_per_s']} tok/s decode, TTFT {rec['ttft_ms']} ms, "
+                    f"{rec['n_gen']} tokens")
+            if args.draft:
+                line += f", acceptance {rec['acceptance']['rate']}"
+            if ref is not None:
+                line += (f" | pipeinfer {ref.get('mode')} {ref.get('decode_tok_per_s') or 0:.2f} tok/s decode, TTFT "
+                         f"{(ref.get('ttft_s') or 0) * 1000:.0f} ms | texts "
+                         f"{'equal' if rec['text_matches_pipeinfer'] else 'DIFFER at char ' + str(rec['first_diff_char'])}")
+            log(line)
+            log("  " + json.dumps(rec["text"])[:300])
+        summary = summarize(records)
+        log(summary_line(summary))
+        build_info = (args.bin_dir / "build-info.txt")
+        result = {
+            "schema": "pipeinfer-bench-rpc/1",
+            "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": [sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
+            "cluster": {"prefix": cluster.prefix, "n_hosts": cluster.n_hosts, "rate": cluster.rate,
+                        "cpus": getattr(cluster, "cpus", None) or None},
+            "model": args.model, "model_path": str(args.model_path), "draft": args.draft,
+            "draft_path": str(args.draft_path) if args.draft_path else None,
+            "n_predict": args.n_predict, "threads": args.threads,
+            "layers_per_host": args.counts, "ngl": ngl, "tensor_split": ts,
+            "rpc_servers": [{k: v for k, v in s.items() if k != "proc"} for s in servers],
+            "build_info": build_info.read_text() if build_info.exists() else None,
+            "summary": summary,
+            "records": records,
+            "all_texts_match_pipeinfer": all(r.get("text_matches_pipeinfer") for r in records)
+            if all("pipeinfer" in r for r in records) and records else None,
+        }
+    publish(render(COLUMNS, records), result, args.json, notes=[summary_line(summary)])
+    return 0 if result["all_texts_match_pipeinfer"] in (None, True) else 2
+
+
+COLUMNS = [Column("prompt", lambda r: r["prompt_id"], "l"), Column("tokens", lambda r: str(r.get("n_gen"))),
+           Column("llama.cpp decode tok/s", lambda r: fmt(r.get("decode_tok_per_s"))),
+           Column("llama.cpp TTFT ms", lambda r: fmt(r.get("ttft_ms"), ".0f")),
+           Column("pipeinfer decode tok/s", lambda r: fmt((r.get("pipeinfer") or {}).get("decode_tok_per_s"))),
+           Column("host 0 in, B/token", lambda r: fmt(r.get("wire_head_received_per_token"), ",.0f")),
+           Column("texts", lambda r: "–" if "pipeinfer" not in r else "same" if r["text_matches_pipeinfer"]
+                  else f"DIFFER at char {r['first_diff_char']}", "l")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    box: list[Procs] = []
     try:
-        from pipeinfer_cli.bench.prompts import load_prompts, resolve_prompts
-        from pipeinfer_cli.models.gguf_info import read_model_info
-        from pipeinfer_cli.models.model_files import resolve_model
-        from pipeinfer_cli.models.registry import load_registry
-
-        if os.geteuid() != 0:
-            raise Failure("the emulated cluster's hosts need root (namespaces)")
-        cluster = ec.Cluster(args.prefix)
-        if not cluster.is_up:
-            raise Failure(f"the emulated cluster {args.prefix} is not up: scripts/emulate-cluster.sh up N --rate RATE "
-                          f"[--prefix {args.prefix}]")
-        if cluster.n_hosts < 2:
-            raise Failure("llama.cpp over RPC needs at least 2 hosts (the client on host 0, an rpc-server on each other)")
-        for b in ("rpc-server", "llama-speculative" if args.draft else "llama-completion"):
-            if not os.access(args.bin_dir / b, os.X_OK):
-                raise Failure(f"{args.bin_dir / b} is missing: run `make llama-rpc`")
-        reg = load_registry()
-        args.model_path = resolve_model(args.model, reg).path
-        args.draft_path = resolve_model(args.draft, reg).path if args.draft else None
-        n_layer = read_model_info(args.model_path).n_layer
-        args.counts = [int(x) for x in args.layers.split(",")] if args.layers else None
-        if args.counts and len(args.counts) != cluster.n_hosts:
-            raise Failure(f"--layers gives {len(args.counts)} counts for {cluster.n_hosts} hosts")
-        chosen = load_prompts(resolve_prompts(args.prompts), None if args.only else args.limit)
-        if args.only:
-            wanted = args.only.split(",")
-            unknown = set(wanted) - {p.id for p in chosen}
-            if unknown:
-                raise Failure(f"--only: no prompt {', '.join(sorted(unknown))} in the set")
-            chosen = [p for p in chosen if p.id in wanted][: args.limit]
-        prompts = prompt_texts(args.model_path, chosen)
-        compare = load_compare(args.compare) if args.compare else []
-        args.log_dir.mkdir(parents=True, exist_ok=True)
-        procs = Procs(cluster)
-        records = []
-        with tempfile.TemporaryDirectory(prefix="bench-rpc-") as tmp:
-            # Per prompt, pipeinfer (when --pipeinfer) then llama.cpp, so that both see the same load on
-            # the machine. The first pipeinfer result decides llama.cpp's split (unless --layers); an
-            # idle rpc-server waits in accept() and costs pipeinfer nothing.
-            servers: list[dict] = []
-            ngl, ts = 0, []
-            for p in prompts:
-                ref = run_pipeinfer(args, cluster, procs, p, Path(tmp)) if args.pipeinfer else \
-                    compare_for(compare, p["id"], len(prompts))
-                if not servers:
-                    if args.counts is None:
-                        args.counts = next((c for c in map(counts_from_pipeinfer, [ref] if ref else compare)
-                                            if c and len(c) == cluster.n_hosts), None) or even_counts(n_layer, cluster.n_hosts)
-                    ngl, ts = layer_placement(n_layer, list(args.counts))
-                    servers = start_rpc_servers(args, cluster, procs, args.log_dir)
-                    print(f"rpc-server on {', '.join(s['host'] + ' ' + s['addr'] + ':' + str(s['port']) for s in servers)}; "
-                          f"layers per host {args.counts} (-ngl {ngl} -ts {','.join(map(str, ts))})", file=sys.stderr, flush=True)
-                rec = {"prompt_id": p["id"], "kind": p["kind"], **run_llamacpp(args, cluster, procs, servers, p, ngl, ts)}
-                if ref is not None:
-                    rec["pipeinfer"] = {k: ref.get(k) for k in ("mode", "text", "n_prompt", "n_gen", "ttft_s", "tok_per_s",
-                                                                "decode_tok_per_s", "layer_split", "finish_reason")}
-                    rec["pipeinfer"]["layers_per_host"] = counts_from_pipeinfer(ref)
-                    rec["text_matches_pipeinfer"] = rec["text"] == ref["text"]
-                    rec["first_diff_char"] = first_diff(rec["text"], ref["text"])
-                    rec["prompt_tokens_match_pipeinfer"] = ref.get("n_prompt") in (None, len(p["prompt_tokens"]))
-                records.append(rec)
-                line = (f"{p['id']}: llama.cpp rpc {rec['decode_tok_per_s']} tok/s decode, TTFT {rec['ttft_ms']} ms, "
-                        f"{rec['n_gen']} tokens")
-                if args.draft:
-                    line += f", acceptance {rec['acceptance']['rate']}"
-                if ref is not None:
-                    line += (f" | pipeinfer {ref.get('mode')} {ref.get('decode_tok_per_s') or 0:.2f} tok/s decode, TTFT "
-                             f"{(ref.get('ttft_s') or 0) * 1000:.0f} ms | texts "
-                             f"{'equal' if rec['text_matches_pipeinfer'] else 'DIFFER at char ' + str(rec['first_diff_char'])}")
-                print(line, flush=True)
-                print("  " + json.dumps(rec["text"])[:300], flush=True)
-            summary = summarize(records)
-            print(summary_line(summary), flush=True)
-            build_info = (args.bin_dir / "build-info.txt")
-            result = {
-                "schema": "pipeinfer-bench-rpc/1",
-                "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "command": [sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
-                "cluster": {"prefix": cluster.prefix, "n_hosts": cluster.n_hosts, "rate": cluster.rate,
-                            "cpus": getattr(cluster, "cpus", None) or None},
-                "model": args.model, "model_path": str(args.model_path), "draft": args.draft,
-                "draft_path": str(args.draft_path) if args.draft_path else None,
-                "n_predict": args.n_predict, "threads": args.threads,
-                "layers_per_host": args.counts, "ngl": ngl, "tensor_split": ts,
-                "rpc_servers": [{k: v for k, v in s.items() if k != "proc"} for s in servers],
-                "build_info": build_info.read_text() if build_info.exists() else None,
-                "summary": summary,
-                "records": records,
-                "all_texts_match_pipeinfer": all(r.get("text_matches_pipeinfer") for r in records)
-                if all("pipeinfer" in r for r in records) and records else None,
-            }
-        write_json(args.json, result)
-        return 0 if result["all_texts_match_pipeinfer"] in (None, True) else 2
-    except KeyboardInterrupt:
-        print("Error: interrupted", file=sys.stderr)
-        return 130
-    except (Failure, ec.Failure) as e:
-        print(f"Error: {e}", file=sys.stderr)
-        return 1
+        return main_guard(lambda: measure(args, argv, box))
     finally:
-        if procs is not None:
-            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                signal.signal(s, signal.SIG_IGN)
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        for procs in box:
             procs.end_all()
 
 

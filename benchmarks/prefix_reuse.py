@@ -13,17 +13,14 @@ first token at the head). Prints a table and writes JSON (--json). Starts itself
 mpiexec with --ranks R (default 2), through pipeinfer's launcher; under an external launcher the
 world size decides.
 
-    .venv/bin/python scripts/bench_prefix_reuse.py smollm2-135m-instruct --ranks 2 --repeat 5 --json out.json
+    .venv/bin/python -m benchmarks.prefix_reuse smollm2-135m-instruct --ranks 2 --repeat 5 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-from pathlib import Path
 
 NOTES = "Here are my notes from this week:\n" + "\n".join(
     f"{i + 1}. The {colour} {animal} {verb} near the {place} on {day}."
@@ -49,9 +46,9 @@ def main() -> int:
     from pipeinfer_cli.transport.launch import under_mpi_launcher
 
     if not under_mpi_launcher() and args.ranks > 1:
-        from benchlib import relaunch_self
+        from benchmarks.runner import relaunch_self
 
-        return relaunch_self(args.ranks, sys.argv[1:])
+        return relaunch_self(args.ranks, sys.argv[1:], "benchmarks.prefix_reuse")
     from pipeinfer_cli.cli.app import omp_wait_policy
 
     if (policy := omp_wait_policy()) is not None:  # as `pipeinfer` sets it, before libgomp loads
@@ -62,7 +59,7 @@ def main() -> int:
 def run(args) -> int:
     from pipeinfer_cli.runtime.job import JobConfig, Request, run_head_loop
     from pipeinfer_cli.decode.session import DecodeOptions
-    from benchlib import target_model
+    from benchmarks.runner import target_model
 
     label, path = target_model(args.model)
     cfg = JobConfig(model_path=path, model_label=label, draft_path=None,
@@ -98,30 +95,25 @@ def run(args) -> int:
 
 
 def report(args, label: str, records: list[dict]) -> int:
+    from benchmarks.figures import spread
+    from benchmarks.report import fmt_spread, markdown_table, publish
+
     by = {arm: [r for r in records if r["arm"] == arm] for arm in ("fresh", "reuse")}
     same = len({tuple(r["tokens"]) for r in records}) == 1
-    med = {arm: statistics.median(r["ttft_s"] for r in rs) for arm, rs in by.items()}
+    ttft = {arm: spread((r["ttft_s"] * 1e3 for r in rs), 1) for arm, rs in by.items()}
     summary = {"model": label, "ranks": args.ranks, "repeat": args.repeat,
                "first_turn_prompt_tokens": records[0]["first_n_prompt"], "second_turn_prompt_tokens": records[0]["n_prompt"],
-               "reused_tokens": by["reuse"][0]["reused_tokens"],
-               "ttft_fresh_ms": {"median": med["fresh"] * 1e3, "min": min(r["ttft_s"] for r in by["fresh"]) * 1e3,
-                                 "max": max(r["ttft_s"] for r in by["fresh"]) * 1e3},
-               "ttft_reuse_ms": {"median": med["reuse"] * 1e3, "min": min(r["ttft_s"] for r in by["reuse"]) * 1e3,
-                                 "max": max(r["ttft_s"] for r in by["reuse"]) * 1e3},
-               "speedup": med["fresh"] / med["reuse"], "tokens_identical": same}
-    from benchlib import markdown_table, write_json
-
-    f, r = summary["ttft_fresh_ms"], summary["ttft_reuse_ms"]
-    print(markdown_table(["model", "ranks", "turn-2 prompt", "reused", "TTFT fresh (ms)", "TTFT reuse (ms)", "speedup",
-                          "same tokens"],
-                         [[label, str(args.ranks), str(summary["second_turn_prompt_tokens"]), str(summary["reused_tokens"]),
-                           f"{f['median']:.0f} ({f['min']:.0f}–{f['max']:.0f})", f"{r['median']:.0f} ({r['min']:.0f}–{r['max']:.0f})",
-                           f"{summary['speedup']:.2f}×", "yes" if same else "NO"]], "l" * 8))
-    print(json.dumps(summary))
-    write_json(args.json_path and Path(args.json_path), {"summary": summary, "records": records})
+               "reused_tokens": by["reuse"][0]["reused_tokens"], "ttft_fresh_ms": ttft["fresh"],
+               "ttft_reuse_ms": ttft["reuse"], "speedup": ttft["fresh"]["median"] / ttft["reuse"]["median"],
+               "tokens_identical": same}
+    publish(markdown_table(["model", "ranks", "turn-2 prompt", "reused", "TTFT fresh (ms)", "TTFT reuse (ms)", "speedup",
+                            "same tokens"],
+                           [[label, str(args.ranks), str(summary["second_turn_prompt_tokens"]), str(summary["reused_tokens"]),
+                             fmt_spread(ttft["fresh"], ".0f"), fmt_spread(ttft["reuse"], ".0f"),
+                             f"{summary['speedup']:.2f}×", "yes" if same else "NO"]], "l" * 8),
+            {"summary": summary, "records": records}, args.json_path)
     return 0 if same else 1
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

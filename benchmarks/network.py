@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Bandwidth benchmark: the decoding modes on emulated hosts joined by rate-limited links, against
-the same job over shared memory (issue 11).
+the same job over shared memory.
 
 For each number of hosts N (--hosts) it runs, one after the other:
 - the shared-memory baseline: `pipeinfer bench MODEL --ranks N ...` on this machine, no emulation;
-- the same command on an emulated cluster of N hosts (scripts/emulate_cluster.py; one rank per
+- the same command on an emulated cluster of N hosts (cluster/, benchmarks/emulated.py; one rank per
   network namespace, MPI over TCP through veth links shaped with tc tbf), once per link rate
   (--rates), the links being reshaped between runs (`emulate-cluster.sh rate RATE`); the rate
   `none` leaves the links unshaped (MPI over TCP through the veths, no bandwidth limit).
@@ -13,7 +13,7 @@ Per (hosts, link, mode) it reports the median tok/s, the ratio to the same mode 
 (geometric mean over prompts of the per-prompt median tok/s ratio: paired by prompt), the wire bytes
 per generated token (the sum over every link, and what the head receives), and whether the tokens
 are identical to the shared-memory run's (every record, warmups included, against the shared-memory
-`iterative` record of its prompt). It then checks the goal of issue 11: at 10 Mbit/s every mode
+`iterative` record of its prompt). It then checks the bandwidth goal: at 10 Mbit/s every mode
 keeps >= 85 % of its shared-memory speed, at 100 Mbit/s >= 95 %, and `pipeinfer` is ahead of
 `speculative` at every bandwidth.
 
@@ -25,7 +25,7 @@ sequence R times (every other round in reverse order) and pools the records.
 Needs root (network namespaces, veths, tc). Prints a table on stdout, progress on stderr, and writes
 every figure plus the raw bench documents to --json.
 
-    sudo .venv/bin/python scripts/bench_network.py --limit 2 --json build/bench_network.json
+    sudo .venv/bin/python -m benchmarks.network --limit 2 --json build/bench_network.json
 """
 
 from __future__ import annotations
@@ -37,50 +37,42 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchlib import (PIPEINFER, ROOT, emulated_cluster, log, main_guard, median, paired_ratio, per_prompt,
-                      run_json, shown, write_json)
-from emulate_cluster import Cluster, Failure, parse_rate, require_root
+from benchmarks.emulated import Cluster, Failure, emulated_cluster, main_guard, options, require_root
+from benchmarks.figures import median, paired_ratio, per_prompt
+from benchmarks.report import Column, fmt, publish, render
+from benchmarks.runner import PIPEINFER, ROOT, log, pipeinfer, run_json, shown
+from cluster.hosts import parse_rate
 
 SHM = "shm"  # the link label of the shared-memory baseline
-GOAL = {"10mbit": 0.85, "100mbit": 0.95}  # issue 11: fraction of the shared-memory speed to keep
+GOAL = {"10mbit": 0.85, "100mbit": 0.95}  # fraction of the shared-memory speed to keep
 
 
 # -- one bench run ------------------------------------------------------------------------------
 
 def bench_cmd(a, n_hosts: int, json_path: Path) -> list[str]:
-    cmd = [a.pipeinfer, "bench", a.model, "--modes", ",".join(a.modes), "--ranks", str(n_hosts),
-           "--threads", str(a.threads), "-n", str(a.n_predict), "--limit", str(a.limit),
-           "--warmup", str(a.warmup), "--repeat", str(a.repeat), "--json", str(json_path)]
-    if a.draft:
-        cmd[3:3] = ["--draft", a.draft]
+    cmd = pipeinfer("bench", a.model, *(["--draft", a.draft] if a.draft else []), "--modes", ",".join(a.modes),
+                    "--ranks", n_hosts, "--threads", a.threads, "-n", a.n_predict, "--limit", a.limit,
+                    "--warmup", a.warmup, "--repeat", a.repeat, "--json", json_path, program=a.pipeinfer)
     return cmd + list(a.bench_arg)
 
 
 def run_bench(a, n_hosts: int, link: str, rnd: int, cluster: Cluster | None) -> dict:
     out = a.work_dir / f"h{n_hosts}_{link}_r{rnd}.json"
     cmd = bench_cmd(a, n_hosts, out)
-    shown_cmd = shown(cmd) if cluster is None else f"scripts/emulate-cluster.sh {cluster_opts(a)} exec -- {shown(cmd)}"
+    shown_cmd = shown(cmd) if cluster is None else f"scripts/emulate-cluster.sh {options(a.prefix, a.subnet)} exec -- {shown(cmd)}"
     before = cluster.counters() if cluster is not None else None
     log(f"[{n_hosts} hosts, {link}, round {rnd}] {shown_cmd}")
     job = run_json(cmd, out, cluster.env() if cluster is not None else None)
-    run = {"hosts": n_hosts, "link": link, "round": rnd, "command": shown_cmd, **job.facts()}
+    run = {"hosts": n_hosts, "link": link, "round": rnd, "command": shown_cmd, **job.kept()}
     if cluster is not None:
         after = cluster.counters()
         # Bytes through the hosts' links at the interface (payload plus TCP/IP and MPI framing, the
         # bench's warmup and the launcher's control traffic): proof that the job used the links.
         run["link_counter_bytes"] = sum(after[h][k] - before[h][k] for h in after for k in after[h])
-    if job.doc is not None:
-        run["doc"] = job.doc
-    else:
-        run["error"] = job.error
     if (job.returncode not in (0, 1) or job.doc is None) and not a.keep_going:
         raise Failure(f"bench failed on {n_hosts} hosts, link {link} (exit {job.returncode})")
     log(f"  {job.wall_s:.1f} s, exit {job.returncode}")
     return run
-
-
-def cluster_opts(a) -> str:
-    return f"--prefix {a.prefix} --subnet {a.subnet}"
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -181,36 +173,25 @@ def goal_check(rows: list[dict]) -> list[dict]:
 
 # -- output -------------------------------------------------------------------------------------
 
-def fmt(v, spec: str, none: str = "–") -> str:
-    return none if v is None else format(v, spec)
+LINKS = {SHM: "shared memory", "none": "TCP, unshaped"}
 
 
-def table(rows: list[dict], modes: list[str], markdown: bool) -> str:
+def table(rows: list[dict], modes: list[str]) -> str:
     """One line per (hosts, link, mode)."""
-    head = ["hosts", "link", "mode", "tok/s", "× shm", "decode × shm", "B/tok (all links)", "B/tok (head in)",
-            "head B/row", "tokens vs shm", "pipeinfer × spec."]
-    lines = []
-    for row in rows:
-        for m in modes:
-            f = row["modes"].get(m)
-            link = {SHM: "shared memory", "none": "TCP, unshaped"}.get(row["link"], row["link"])
-            cells = [str(row["hosts"]), link, m]
-            if f is None:
-                lines.append(cells + ["failed"] + [""] * (len(head) - 4))
-                continue
-            cells += [fmt(f["tok_per_s_median"], ".1f"), fmt(f["x_shm"], ".2f") + "×",
-                      fmt(f["x_shm_decode"], ".2f") + "×", fmt(f["wire_bytes_per_token"], ",.0f"),
-                      fmt(f["head_received_bytes_per_token"], ",.0f"), fmt(f["head_received_bytes_per_row_median"], ".0f"),
-                      "same" if f["tokens_same_as_shm"] else "DIFFER",
-                      fmt(row.get("pipeinfer_x_speculative"), ".2f") + "×" if m == "pipeinfer" else ""]
-            lines.append(cells)
-    if markdown:
-        out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|"]
-        out += ["| " + " | ".join(f"`{c}`" if i == 2 else c for i, c in enumerate(cells)) + " |" for cells in lines]
-        return "\n".join(out)
-    widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
-    return "\n".join("  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
-                     for cells in [head, *lines])
+    lines = [{"row": row, "mode": m, "f": row["modes"].get(m)} for row in rows for m in modes]
+    fig = (lambda key, spec, suffix="": lambda x: fmt((x["f"] or {}).get(key), spec, suffix))  # noqa: E731
+    cols = [Column("hosts", lambda x: str(x["row"]["hosts"]), "l"),
+            Column("link", lambda x: LINKS.get(x["row"]["link"], x["row"]["link"]), "l"),
+            Column("mode", lambda x: f"`{x['mode']}`", "l"),
+            Column("tok/s", lambda x: fmt((x["f"] or {}).get("tok_per_s_median"), ".1f") if x["f"] else "failed"),
+            Column("× shm", fig("x_shm", ".2f", "×")), Column("decode × shm", fig("x_shm_decode", ".2f", "×")),
+            Column("B/tok (all links)", fig("wire_bytes_per_token", ",.0f")),
+            Column("B/tok (head in)", fig("head_received_bytes_per_token", ",.0f")),
+            Column("head B/row", fig("head_received_bytes_per_row_median", ".0f")),
+            Column("tokens vs shm", lambda x: "" if not x["f"] else "same" if x["f"]["tokens_same_as_shm"] else "DIFFER"),
+            Column("pipeinfer × spec.", lambda x: fmt(x["row"].get("pipeinfer_x_speculative"), ".2f", "×")
+                   if x["mode"] == "pipeinfer" else "")]
+    return render(cols, lines)
 
 
 def goal_text(checks: list[dict]) -> str:
@@ -240,7 +221,7 @@ def measure(a, runs: list[dict]) -> int:
                         runs.append(run_bench(a, n, SHM, rnd, None))
                         continue
                     if cluster.rate != link:
-                        log(f"scripts/emulate-cluster.sh {cluster_opts(a)} rate {link}")
+                        log(f"scripts/emulate-cluster.sh {options(a.prefix, a.subnet)} rate {link}")
                         cluster.set_rate(link)
                     runs.append(run_bench(a, n, link, rnd, cluster))
     return 0
@@ -268,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", default="pi-bnet", help="emulated cluster prefix (only its objects are touched)")
     ap.add_argument("--subnet", default="10.215.0.0/24")
     ap.add_argument("--json", type=Path, default=ROOT / "build" / "bench_network.json")
-    ap.add_argument("--markdown", action="store_true", help="print the table as Markdown (for BENCHMARKS.md)")
+    ap.add_argument("--markdown", type=Path, nargs="?", metavar="FILE", help="the table is always printed; FILE: write the table here too")
     ap.add_argument("--from-json", type=Path, help="do not measure: print the table of an earlier --json")
     ap.add_argument("--keep-going", action="store_true", help="record a failed bench run and go on")
     a = ap.parse_args(argv)
@@ -277,14 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     a.work_dir = a.work_dir.parent / (a.work_dir.name + ".runs")
 
     if a.from_json:
-        doc = json.loads(a.from_json.read_text())  # figures recomputed from the raw bench documents
+        try:
+            doc = json.loads(a.from_json.read_text())  # figures recomputed from the raw bench documents
+        except (OSError, ValueError) as e:
+            log(f"Error: cannot read {a.from_json}: {e}; give the --json of an earlier run")
+            return 1
         cfg = argparse.Namespace(**doc["config"])
         runs = [{k: v for k, v in r.items() if k != "bench"} | ({"doc": r["bench"]} if "bench" in r else {})
                 for r in doc["runs"]]
         rows = summarize(cfg, runs)
-        print(table(rows, cfg.modes, a.markdown))
-        print()
-        print(goal_text(goal_check(rows)))
+        publish(table(rows, cfg.modes), md_path=a.markdown, notes=[goal_text(goal_check(rows))])
         return 0
 
     started = datetime.now(UTC)
@@ -308,11 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [{k: v for k, v in r.items() if k != "doc"} | ({"bench": r["doc"]} if "doc" in r else {})
                  for r in runs],
     }
-    write_json(a.json, doc)
-    print(table(rows, a.modes, a.markdown))
-    print()
-    print(goal_text(checks))
-    print(f"\n{len(runs)} bench runs in {wall / 60:.1f} min; JSON: {shown([str(a.json)])}")
+    publish(table(rows, a.modes), doc, a.json, a.markdown,
+            notes=[goal_text(checks), f"{len(runs)} bench runs in {wall / 60:.1f} min."])
     return 0
 
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Write the `make bench` results into BENCHMARKS.md, between <!-- bench:begin --> and <!-- bench:end -->.
 
-Reads the `pipeinfer bench --json` output and the llama.cpp reference (scripts/bench_llamacpp.py
+Reads the `pipeinfer bench --json` output and the llama.cpp reference (benchmarks/llamacpp.py
 --json), and writes: the exact commands, the machine, the per-mode table, the ratio of every mode
 to llama.cpp's own decoding at the same total threads, the per-prompt figures, and the plot.
 The rest of BENCHMARKS.md is left as it is; the markers are appended if missing.
 
-    python scripts/update_benchmarks.py build/bench.json --baseline build/bench_llamacpp.json \\
+    python -m benchmarks.update_md build/bench.json --baseline build/bench_llamacpp.json \\
         --plot docs/bench.png --out BENCHMARKS.md
 """
 
@@ -14,30 +14,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
 
+from benchmarks.figures import paired_ratio, per_prompt
+
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
-def paired_ratio(records: list[dict], mode: str, base: dict[str, float], key: str) -> float | None:
+def mode_ratio(records: list[dict], mode: str, base: dict[str, float], key: str) -> float | None:
     """Geometric mean over prompts of median(mode key) / llama.cpp median(key)."""
-    vals: dict[str, list[float]] = {}
-    for r in records:
-        if r["mode"] == mode and not r["warmup"] and r.get(key):
-            vals.setdefault(r["prompt_id"], []).append(r[key])
-    ratios = [statistics.median(v) / base[p] for p, v in vals.items() if base.get(p)]
-    return math.exp(statistics.fmean(math.log(x) for x in ratios)) if ratios else None
+    return paired_ratio(per_prompt((r for r in records if r["mode"] == mode and not r["warmup"]), key), base)
 
 
 def baseline_medians(doc: dict, key: str) -> dict[str, float]:
-    vals: dict[str, list[float]] = {}
-    for r in doc["records"]:
-        if r.get(key):
-            vals.setdefault(r["prompt_id"], []).append(r[key])
-    return {p: statistics.median(v) for p, v in vals.items()}
+    return per_prompt(doc["records"], key)
 
 
 def load_note(load_base: list | None, load_bench: list | None, threads: int) -> str:
@@ -61,7 +53,7 @@ def section(bench: dict, base: dict | None, plot: Path | None, out_dir: Path) ->
     lines = [BEGIN, "",
              f"## `make bench` — {h['models']['target']['name']}"
              + (f" + {h['models']['draft']['name']}" if h["models"].get("draft") else "") + f" ({h['created_utc']})", "",
-             "Written by `scripts/update_benchmarks.py` from the JSON of the run; do not edit by hand.", "",
+             "Written by `benchmarks/update_md.py` from the JSON of the run; do not edit by hand.", "",
              "**Commands** (in this order, in one `make bench`):", "", "```"]
     if base:
         lines.append(base["command"])
@@ -107,7 +99,7 @@ def section(bench: dict, base: dict | None, plot: Path | None, out_dir: Path) ->
                                               " **Its greedy tokens differ from pipeinfer's `iterative` mode on some prompt.**")),
                   "", "| mode | tok/s ÷ llama.cpp | decode tok/s ÷ llama.cpp |", "|---|---:|---:|"]
         for m in modes:
-            r1, r2 = paired_ratio(bench["records"], m, b_tok, "tok_per_s"), paired_ratio(bench["records"], m, b_dec, "decode_tok_per_s")
+            r1, r2 = mode_ratio(bench["records"], m, b_tok, "tok_per_s"), mode_ratio(bench["records"], m, b_dec, "decode_tok_per_s")
             lines.append(f"| `{m}` | {'–' if r1 is None else f'{r1:.2f}×'} | {'–' if r2 is None else f'{r2:.2f}×'} |")
         lines.append("")
     lines += ["### Per prompt (median tok/s)", "",
@@ -146,7 +138,7 @@ def replace_section(text: str, new: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bench_json", type=Path)
-    ap.add_argument("--baseline", type=Path, help="scripts/bench_llamacpp.py --json output")
+    ap.add_argument("--baseline", type=Path, help="benchmarks/llamacpp.py --json output")
     ap.add_argument("--plot", type=Path, help="the --plot PNG, linked relative to the output file")
     ap.add_argument("--out", type=Path, default=Path("BENCHMARKS.md"))
     args = ap.parse_args()

@@ -11,8 +11,8 @@ generation stops at end-of-generation or -n like a bench request, and the metric
 design.md: tok_per_s = n_gen / (t_last_token - t_start), decode_tok_per_s = (n_gen - 1) /
 (t_last_token - t_first_token). Writes JSON (--json) and prints one line per prompt on stderr.
 
-    python scripts/bench_llamacpp.py qwen-coder -n 128 --threads 2 --json build/bench_llamacpp.json
-    python scripts/bench_llamacpp.py qwen-coder --prompts grounded -n 96 --threads 2 --lookup --ctx 1024 --json build/lookup.json
+    python -m benchmarks.llamacpp qwen-coder -n 128 --threads 2 --json build/bench_llamacpp.json
+    python -m benchmarks.llamacpp qwen-coder --prompts grounded -n 96 --threads 2 --lookup --ctx 1024 --json build/lookup.json
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def main() -> int:
 
     import llama_cpp
 
-    from benchlib import median, target_model, write_json
+    from benchmarks.figures import median
+    from benchmarks.report import write_json
+    from benchmarks.runner import target_model
     from pipeinfer_cli.bench.environment import host_facts, versions
     from pipeinfer_cli.bench.prompts import load_prompts
     from pipeinfer_cli.runtime.tokenizer import Tokenizer

@@ -2,7 +2,7 @@
 """Side-by-side speed of several job shapes on one machine: topologies, rank counts, threads.
 
 Each suite is a list of configurations, each one `pipeinfer bench` command (or llama.cpp's own
-decoding through scripts/bench_llamacpp.py). The suite runs every configuration once per round,
+decoding through benchmarks/llamacpp.py). The suite runs every configuration once per round,
 every other round in reverse order, so that background load hits them alike; records of all
 rounds are pooled. Figures are paired by prompt: a ratio is the geometric mean over prompts of the
 per-prompt median tok/s ratio.
@@ -31,7 +31,7 @@ Suites:
 Prints a table on stdout, progress on stderr, and writes every figure and the raw bench documents
 to --json. Not a test: nothing asserts.
 
-    python scripts/bench_topologies.py --suite overhead --rounds 3 --json build/bench_overhead.json
+    python -m benchmarks.topologies --suite overhead --rounds 3 --json build/bench_overhead.json
 
 Reports on the JSON of earlier runs (several files pooled), without measuring:
 - --report cores      CPU ms per committed token per configuration and mode, summed over the ranks
@@ -44,8 +44,8 @@ Reports on the JSON of earlier runs (several files pooled), without measuring:
                       configuration), the speed ratio and the compute ratio: when the compute ratio
                       explains the speed ratio, the gap is in how fast the layers computed.
 
-    python scripts/bench_topologies.py --report cores build/bench_topologies_default.json --cores 2
-    python scripts/bench_topologies.py --report overhead build/overhead.json --reference "2 ranks × 1 thread(s)"
+    python -m benchmarks.topologies --report cores build/bench_topologies_default.json --cores 2
+    python -m benchmarks.topologies --report overhead build/overhead.json --reference "2 ranks × 1 thread(s)"
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchlib import ROOT, fmt, log, markdown_table, measured, median, paired_ratio, per_prompt, run_json, shown, write_json
+from benchmarks.figures import measured, median, paired_ratio, per_prompt
+from benchmarks.report import fmt, markdown_table, publish
+from benchmarks.runner import PIPEINFER, ROOT, log, module, pipeinfer, run_json, shown
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 PAIR = "qwen-coder"
@@ -164,14 +166,13 @@ NEIGHBOURS = {"sleeper": SLEEPER, "spinner": SPINNER}
 
 def command(a, c: Config, out: Path) -> list[str]:
     if c.llamacpp:
-        return [sys.executable, str(ROOT / "scripts" / "bench_llamacpp.py"), c.model, "-n", str(a.n_predict),
-                "--limit", str(a.limit), *c.args, "--json", str(out), *a.prompts]
+        return module("llamacpp", c.model, "-n", a.n_predict, "--limit", a.limit, *c.args, "--json", out, *a.prompts)
     pinned = ["taskset", "-c", c.cpus] if c.cpus else []
     args = list(c.args)
     if a.modes and "--modes" in args:  # --modes given: every configuration runs those modes
         args[args.index("--modes") + 1] = a.modes
-    return [*pinned, a.pipeinfer, "bench", c.model, *args, "-n", str(a.n_predict), "--limit", str(a.limit),
-            "--warmup", str(a.warmup), "--repeat", "1", "--temp", "0", "--json", str(out), *a.prompts]
+    return [*pinned, *pipeinfer("bench", c.model, *args, "-n", a.n_predict, "--limit", a.limit, "--warmup", a.warmup,
+                                "--repeat", 1, "--temp", 0, "--json", out, *a.prompts, program=a.pipeinfer)]
 
 
 def run_config(a, c: Config, rnd: int) -> dict:
@@ -187,12 +188,7 @@ def run_config(a, c: Config, rnd: int) -> dict:
         if neighbour is not None:
             neighbour.kill()
             neighbour.wait()
-    run = {"label": c.label, "round": rnd, "command": cmd_shown, **job.facts()}
-    if job.doc is not None:
-        run["doc"] = job.doc
-    else:
-        run["error"] = job.error
-    return run
+    return {"label": c.label, "round": rnd, "command": cmd_shown, **job.kept()}
 
 
 def records_of(run: dict) -> list[dict]:
@@ -290,7 +286,7 @@ def overhead_report(files: list[tuple[str, dict]], reference: str | None) -> str
             splits.setdefault(label, {})[(path, rnd, rec["prompt_id"])] = {
                 "wall": wall, "compute": compute, "rest": (wall - compute) / wall, "rest_ms": (wall - compute) * 1e3 / runs}
     if not splits:
-        raise SystemExit("Error: no measured requests in these files; give the JSON of scripts/bench_topologies.py")
+        raise SystemExit("Error: no measured requests in these files; give the JSON of benchmarks/topologies.py")
     ref = reference or next(iter(splits))
     if ref not in splits:
         raise SystemExit(f"Error: --reference {ref!r} is not a configuration of these files")
@@ -314,14 +310,14 @@ def report(a) -> int:
         try:
             files.append((str(path), json.loads(path.read_text())))
         except (OSError, ValueError) as exc:
-            raise SystemExit(f"Error: cannot read {path}: {exc}; give the JSON of scripts/bench_topologies.py") from None
+            raise SystemExit(f"Error: cannot read {path}: {exc}; give the JSON of benchmarks/topologies.py") from None
     if a.report == "overhead":
-        print(overhead_report(files, a.reference))
+        publish(overhead_report(files, a.reference))
         return 0
     requests = [req for _, doc in files for req in requests_of(doc)]
     if not requests:
         raise SystemExit("Error: no measured pipeinfer requests in the given files")
-    print(cores_report(requests, a.cores))
+    publish(cores_report(requests, a.cores))
     return 0
 
 
@@ -338,9 +334,10 @@ def parse_args(argv=None):
     ap.add_argument("--prompts", default=None, help="a prompt set or file, given to every run")
     ap.add_argument("--modes", default=None, help="bench's --modes for every configuration (default: each suite's own)")
     ap.add_argument("--only", default=None, help="comma-separated configuration numbers (1-based) to run")
-    ap.add_argument("--pipeinfer", default=str(Path(sys.executable).with_name("pipeinfer")))
+    ap.add_argument("--pipeinfer", default=PIPEINFER)
     ap.add_argument("--work-dir", type=Path, default=ROOT / "build" / "bench_topologies")
     ap.add_argument("--json", type=Path, help="write every figure and the raw bench documents here (required to measure)")
+    ap.add_argument("--markdown", type=Path, help="write the table here too")
     ap.add_argument("--report", choices=("cores", "overhead"), help="do not measure: report on the JSON FILES of earlier runs")
     ap.add_argument("--reference", default=None, help="--report overhead: the configuration to pair with (default: the first)")
     ap.add_argument("files", nargs="*", type=Path, help="with --report: this script's (or pipeinfer bench's) JSON")
@@ -369,10 +366,9 @@ def main(argv=None) -> int:
         for c in (configs if rnd % 2 == 0 else configs[::-1]):
             runs.append(run_config(a, c, rnd))
     rows = summarize(configs, runs)
-    print(table(rows, configs[0].label))
     doc = {"suite": a.suite, "finished": datetime.now(UTC).isoformat(timespec="seconds"),
            "argv": sys.argv[1:], "rows": rows, "runs": runs}
-    write_json(a.json, doc)
+    publish(table(rows, configs[0].label), doc, a.json, a.markdown)
     return 0 if all("doc" in r for r in runs) else 1
 
 
