@@ -9,7 +9,7 @@ BUILD  := build/native
 # llama-cpp-python is built from source once per set of ggml flags (about 7 minutes on 2 cores).
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: install deps native demo test test-slow test-properties fuzz asan bench bench-modes bench-grounded bench-native bench-native-gemma3 bench-network bench-cluster bench-prefix-reuse bench-parallel bench-topologies fault-matrix soak llama-rpc bench-rpc clean help
+.PHONY: bench-serve-recovery install deps native demo test test-slow test-properties fuzz asan bench bench-modes bench-grounded bench-native bench-native-gemma3 bench-network bench-cluster bench-prefix-reuse bench-parallel bench-topologies fault-matrix soak llama-rpc bench-rpc clean help
 
 help:
 	@echo "make install      create $(VENV), install pinned deps, build the native extension"
@@ -28,6 +28,7 @@ help:
 	@echo "make bench-topologies job shapes side by side: BENCH_SUITE=overhead|topologies|threads|pages|drafts (Qwen pair)"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
 	@echo "make bench-cluster the scaling curve: 1-8 emulated hosts with their own CPU (2/N cores each), every mode and draft, CLUSTER_REPEAT runs a row (root)"
+	@echo "make bench-serve-recovery  serve losing a node on 4 emulated hosts x 0.5 CPU (Qwen pair): answers vs fault-free, time without a pipeline (root)"
 	@echo "make llama-rpc    build llama.cpp's rpc-server, llama-completion, llama-speculative into build/llama-rpc (from the PyPI sdist)"
 	@echo "make bench-rpc    llama.cpp over RPC on a running emulated cluster vs pipeinfer on the same hosts (root)"
 	@echo "make fault-matrix every message tag x drop/delay/dup/kill/stall in real jobs (about 20 minutes)"
@@ -240,3 +241,10 @@ BENCH_RPC_ARGS ?= --limit 2 -n 32 --pipeinfer
 bench-rpc: install llama-rpc
 	@mkdir -p build
 	$(PY) -m benchmarks.rpc $(BENCH_RPC_ARGS) --json build/bench_rpc.json
+
+# serve losing a node (docs/server.md, "Surviving a lost node"): 4 emulated hosts x 0.5 CPU, the Qwen pair,
+# a rank SIGKILLed and a host's link taken down, --parallel 2 and 1; fails if any answer differs.
+bench-serve-recovery: install
+	@mkdir -p build
+	$(VENV)/bin/pipeinfer models pull qwen-coder
+	$(PY) -m benchmarks.serve_recovery --hosts 4 --cpus 0.5 --json build/serve_recovery.json --markdown build/serve_recovery.md
