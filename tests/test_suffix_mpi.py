@@ -90,3 +90,26 @@ def test_the_job_learns_each_answer_for_the_requests_after_it(smollm2_path, tmp_
     looked = bench(smollm2_path, tmp_path, "lookup", "--temp", "0.8", "--seed", "3")
     lspec = [x for x in looked["records"] if x["mode"] == "speculative"]
     assert sum(x["acceptance"]["accepted"] for x in lspec) < accepted
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_serve_learns_each_request_for_the_next(smollm2_path, tmp_path, parallel):
+    """A server's requests feed one corpus (the FIFO server's and `--parallel` slots' alike): a
+    question asked again is drafted from its first answer, and both answers are the same tokens."""
+    from serving import start_server
+
+    server = start_server(smollm2_path, "--ranks", 1, "--threads", 1, "--ctx", 1024, "--draft", "suffix",
+                          "--parallel", parallel, log_dir=tmp_path)
+    try:
+        body = {"messages": [{"role": "user", "content": "Name three colours and say why you like each."}],
+                "max_tokens": 48, "temperature": 0, "mode": "speculative"}
+        answers = [server.post_json("/v1/chat/completions", body) for _ in range(2)]
+    finally:
+        server.stop()
+    assert all(status == 200 for status, _ in answers)
+    (_, first), (_, again) = answers
+    assert first["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
+    t1, t2 = first["timings"], again["timings"]
+    # Nearly every draft holds, and most tokens come from drafts (at most 4 of every 5 with --n-draft 4).
+    assert t2["draft_n_accepted"] >= 0.9 * t2["draft_n"] and t2["draft_n_accepted"] >= 0.6 * t2["predicted_n"]
+    assert t2["draft_n_accepted"] > t1["draft_n_accepted"]
