@@ -113,3 +113,20 @@ def test_serve_learns_each_request_for_the_next(smollm2_path, tmp_path, parallel
     # Nearly every draft holds, and most tokens come from drafts (at most 4 of every 5 with --n-draft 4).
     assert t2["draft_n_accepted"] >= 0.9 * t2["draft_n"] and t2["draft_n_accepted"] >= 0.6 * t2["predicted_n"]
     assert t2["draft_n_accepted"] > t1["draft_n_accepted"]
+
+
+def test_chat_learns_across_a_reset(smollm2_path):
+    """`/reset` clears the conversation and the KV caches, not what the job learnt: the same message
+    after it is drafted from the first answer."""
+    r = subprocess.run([sys.executable, "-m", "pipeinfer_cli", "chat", str(smollm2_path), "--draft", "suffix",
+                        "-M", "speculative", "-n", "40", "--ctx", "1024"],
+                       input="Name three colours and say why you like each.\n/reset\n"
+                             "Name three colours and say why you like each.\n",
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import re
+
+    acc = [tuple(map(int, m)) for m in re.findall(r"acceptance (\d+)/(\d+)", r.stderr)]
+    assert len(acc) == 2, r.stderr
+    (a1, d1), (a2, d2) = acc
+    assert a2 >= 0.9 * d2 and a2 >= 24 and a2 > a1
