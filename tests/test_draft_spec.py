@@ -35,6 +35,24 @@ def test_every_form_parses(text, kind, model, label, props):
     assert DraftSpec.parse(spec.label) == spec  # a label reads back as the same spec
 
 
+@pytest.mark.parametrize("text, kind, model, front, label, props", [
+    ("suffix", "suffix", None, None, "suffix", {"is_suffix", "is_free", "uses_suffix"}),
+    ("lookup", "lookup", None, None, "lookup", {"is_lookup", "is_free", "uses_lookup"}),
+    ("suffix+smollm2-135m-instruct", "hybrid", "smollm2-135m-instruct", "suffix", "suffix+smollm2-135m-instruct",
+     {"is_hybrid", "uses_model", "uses_suffix"}),
+    ("lookup+m", "hybrid", "m", "lookup", "lookup+m", {"is_hybrid", "uses_model", "uses_lookup"}),
+])
+def test_suffix_forms_parse(text, kind, model, front, label, props):
+    spec = DraftSpec.parse(text)
+    assert (spec.kind, spec.model, spec.front, spec.label) == (kind, model, front, label)
+    flags = {"is_lookup", "is_suffix", "is_free", "is_hybrid", "uses_model", "uses_lookup", "uses_suffix"}
+    assert {f for f in flags if getattr(spec, f)} == props
+    assert pickle.loads(pickle.dumps(spec)) == spec and DraftSpec.parse(spec.label) == spec
+    assert spec.resolved("/c/m.gguf").front == front
+    # The planner predicts suffix drafting as prompt lookup.
+    assert not spec.planned().uses_suffix and spec.planned().uses_model == spec.uses_model
+
+
 def test_frozen_and_resolved():
     spec = DraftSpec.parse("lookup+small")
     with pytest.raises(AttributeError):
@@ -49,6 +67,9 @@ def test_frozen_and_resolved():
     ("lookup+", "after 'lookup+' name a draft model"), ("lookup+ ", "after 'lookup+' name a draft model"),
     ("lookup+lookup", "after 'lookup+' name a draft model"),
     ("lookup+lookup+m", "after 'lookup+' name a draft model"),
+    ("suffix+", "after 'suffix+' name a draft model"), ("suffix+suffix", "after 'suffix+' name a draft model"),
+    ("suffix+lookup", "after 'suffix+' name a draft model"), ("lookup+suffix", "after 'lookup+' name a draft model"),
+    ("suffix+lookup+m", "after 'suffix+' name a draft model"),
 ])
 def test_bad_input_is_one_clear_error(text, says):
     with pytest.raises(DraftSpecError) as e:
@@ -63,11 +84,15 @@ def test_inconsistent_spec_is_refused():
         DraftSpec("lookup", "m")
     with pytest.raises(DraftSpecError):
         DraftSpec("translated", "m")
+    with pytest.raises(DraftSpecError):
+        DraftSpec("suffix", front="lookup")
+    with pytest.raises(DraftSpecError):
+        DraftSpec("hybrid", "m", front="model")
 
 
 def _is_kind_text(node) -> bool:
     return isinstance(node, ast.Constant) and isinstance(node.value, str) and (
-        node.value == "lookup" or node.value.startswith("lookup+"))
+        node.value in ("lookup", "suffix") or node.value.startswith(("lookup+", "suffix+")))
 
 
 def _holds_kind_text(node) -> bool:
@@ -88,11 +113,11 @@ def _string_kind_checks(tree: ast.AST) -> list[int]:
                 lines.append(node.lineno)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                 node.func.attr in ("startswith", "removeprefix", "partition", "split") and \
-                any(isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("lookup")
+                any(isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith(("lookup", "suffix"))
                     for a in node.args):
             lines.append(node.lineno)
         elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and \
-                any(isinstance(n, ast.Constant) and n.value == "lookup+" for n in (node.left, node.right)):
+                any(isinstance(n, ast.Constant) and n.value in ("lookup+", "suffix+") for n in (node.left, node.right)):
             lines.append(node.lineno)
     return lines
 

@@ -85,7 +85,7 @@ def choose(cfg: JobConfig, n_ranks: int, has_draft: bool, prompt_tokens: list[in
         raise UsageError(f"-M auto: the profile measured {len(prof.ranks)} rank(s) but the job has {n_ranks}; "
                          "calibrate with as many ranks as the job runs")
     threads = job_threads(prof, cfg, n_ranks)
-    lookup = cfg.draft.is_lookup
+    lookup = cfg.draft.is_free  # suffix drafting is planned as prompt lookup (DraftSpec.planned)
     modes = [m for m in MODE_NAMES if not needs_draft(m) or (has_draft and (lookup or _has_model_costs(prof)))]
     acceptance = draft_acceptance(cfg, prof, prompt_tokens)
     n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
@@ -110,7 +110,7 @@ def draft_acceptance(cfg: JobConfig, prof, prompt_tokens: list[int] | None) -> A
 
     if not cfg.draft:
         return Acceptance(None, False, "no draft")
-    if cfg.draft.is_lookup:
+    if cfg.draft.is_free:  # suffix drafting too: prompt lookup's acceptance is its floor
         if prompt_tokens:
             return lookup_on_prompt(prompt_tokens)
         return assumed("prompt lookup, before any prompt is known")
@@ -131,7 +131,7 @@ def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_
                  load=load)
     stages = [r for r in t.ranks if r.role != "draft"]
     if needs_draft(mode):
-        where = LOOKUP if draft.is_lookup else (t.draft_rank if t.draft_rank is not None else "head")
+        where = LOOKUP if draft.is_free else (t.draft_rank if t.draft_rank is not None else "head")
         return Topology([r.rank for r in stages], [r.layers for r in stages], where)
     return Topology([r.rank for r in stages], [r.layers for r in stages], None)
 
@@ -190,7 +190,7 @@ def resolve(cfg: JobConfig, model: str, job, n_ranks: int, auto: bool, inside: b
 
     if cfg.model_path is None or cfg.profile is None or not (on_head or Path(cfg.profile).is_file()):
         return cfg, None  # a rank without the model or the profile: it takes the head's choice
-    tokens = prompt_tokens(cfg, given) if not inside and cfg.draft.is_lookup else None
+    tokens = prompt_tokens(cfg, given) if not inside and cfg.draft.is_free else None
     choice = choose(cfg, n_ranks, bool(cfg.draft), tokens)
     if not inside:
         os.environ[CHOICE_ENV] = json.dumps(choice.to_json())

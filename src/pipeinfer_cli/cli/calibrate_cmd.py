@@ -148,11 +148,12 @@ def _finish(profile: Profile, cfg: JobConfig, quick: bool, out_path: Path, as_js
 
 def probe_spec(cfg: JobConfig, quick: bool, n_ranks: int = 1) -> ProbeSpec:
     """What every rank times, and how often (fewer repetitions with --quick). On several ranks each
-    timed eval follows a sleep, as a stage's compute follows its wait (calibrate_probes.IDLE_GAP_S)."""
+    timed eval follows a sleep, as a stage's compute follows its wait (calibrate_probes.IDLE_GAP_S).
+    Suffix drafting is timed as prompt lookup (`DraftSpec.planned`): both cost no model."""
     from ..runtime.calibrate_probes import IDLE_GAP_S, KV_LENGTHS, QUICK_KV, ProbeSpec
 
     return ProbeSpec(str(cfg.model_path or ""), cfg.n_ctx, cfg.decode.n_draft, reps=3 if quick else 7,
-                     warmup=1 if quick else 2, overhead_tokens=16 if quick else 48, draft=cfg.draft,
+                     warmup=1 if quick else 2, overhead_tokens=16 if quick else 48, draft=cfg.draft.planned(),
                      draft_path=str(cfg.draft_path) if cfg.draft_path else None,
                      draft_prompt=128 if quick else 256, draft_proposals=4 if quick else 12,
                      link_reps=50 if quick else 200, kv_points=QUICK_KV if quick else KV_LENGTHS,

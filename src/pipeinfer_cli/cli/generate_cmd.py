@@ -54,8 +54,10 @@ big and where); --no-pull or PIPEINFER_NO_PULL=1 refuses.
 With a draft (--draft, or a pair name such as qwen-coder) the mode is pipeinfer unless -M says
 otherwise. A draft of another family (another vocabulary) is translated through text: its proposals
 are re-tokenized for the target, which verifies its own tokens (the summary line says "draft
-translated"). --draft lookup+MODEL drafts by prompt lookup where it has a confident match and with
-MODEL elsewhere; the summary line counts each source's accepted tokens.
+translated"). --draft suffix drafts from the longest earlier match in the prompt and the answer so
+far (and, in chat, serve and bench, in the job's earlier requests), no model. --draft lookup+MODEL
+or suffix+MODEL drafts by lookup or suffix where it has a confident match and with MODEL elsewhere;
+the summary line counts each source's accepted tokens.
 
 Greedy decoding (--temp 0, the default) prints exactly the same tokens in every mode; with
 --temp > 0 the same --seed also gives the same tokens in every mode.

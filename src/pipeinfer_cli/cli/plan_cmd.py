@@ -212,6 +212,9 @@ def _setup(model: str, draft: str | None, prof, profile_path: Path, ranks: int |
     from .draft_spec import parse_draft
 
     target, draft_ref, spec = resolve_models(model, parse_draft(draft), allow_pull=False)
+    if spec.uses_suffix:
+        raise UsageError(f"plan predicts prompt lookup, not suffix drafting, whose acceptance depends on the "
+                         f"job's earlier requests (--draft {spec.label}); plan --draft lookup for its floor")
     if spec.is_hybrid:
         raise UsageError(f"plan predicts a draft model or prompt lookup, not both (--draft {spec.label}); "
                          f"plan --draft {spec.model} or --draft lookup")

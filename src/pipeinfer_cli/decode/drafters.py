@@ -27,7 +27,7 @@ class Proposal:
     # Per position, the runner-up candidates (token, p) the drafter saw; used to split token trees.
     alternatives: list[list[tuple[int, float]]]
     base: list[int] | None = None  # the path it continues (set by asynchronous drafters)
-    source: str | None = None  # which drafter of a hybrid proposed it ("lookup" or "model"); None otherwise
+    source: str | None = None  # which drafter of a hybrid proposed it ("lookup", "suffix" or "model"); None otherwise
 
 
 class Drafter(Protocol):

@@ -1,39 +1,47 @@
-"""Hybrid drafting (`--draft lookup+MODEL`): prompt lookup where it has a confident match, a draft
-model elsewhere, as llama.cpp lets its model-free drafter take precedence over the draft model.
+"""Hybrid drafting (`--draft lookup+MODEL`, `--draft suffix+MODEL`): a model-free drafter (prompt
+lookup, or suffix drafting) where it has a confident match, a draft model elsewhere, as llama.cpp
+lets its model-free drafter take precedence over the draft model.
 
-Precedence: lookup's proposal is used when its first token's confidence (`lookup.py`: the hit rate
-of the match length, scaled by how many earlier occurrences agree) is at least `LOOKUP_FIRST_P`
-and the caller's `p_min`; the draft model drafts otherwise. Lookup costs no model, so asking it
-first is free; copy-heavy spans (code being edited, a quoted document) then cost no draft model
-time, and the rest still gets a model's guesses. Every proposal names its source
-(`Proposal.source`), so acceptance is counted per source (`Acceptance.by_source`).
+Precedence: the front drafter's proposal is used when its first token's confidence (`lookup.py`:
+the hit rate of the match length, scaled by how many earlier occurrences agree; `suffix.py`: the
+same from the match's frequency statistics) is at least `LOOKUP_FIRST_P` and the caller's
+`p_min`; the draft model drafts otherwise. The front drafter costs no model, so asking it first is
+free; copy-heavy spans (code being edited, a quoted document, an answer like an earlier one) then
+cost no draft model time, and the rest still gets a model's guesses. Every proposal names its
+source (`Proposal.source`: the front drafter's name, or "model"), so acceptance is counted per
+source (`Acceptance.by_source`).
 
 `HybridDrafter` wraps a model drafted synchronously (on this rank); `HybridAsyncDrafter` a draft
-rank's proxy: a confident lookup answers the request on the spot, and the draft rank is asked only
-otherwise.
+rank's proxy: a confident front drafter answers the request on the spot, and the draft rank is
+asked only otherwise.
 """
 
 from __future__ import annotations
 
-from .draft_spec import HYBRID_PREFIX
-from .drafters import Proposal
+from .drafters import Drafter, Proposal
 from .lookup import LookupDrafter, hit_rate
 from .tree import confident
 
-# Lookup goes first from a 3-token match whose earlier occurrences all agree: below that its
-# proposals are right less often than a draft model's of the same family.
+# The front drafter goes first from a 3-token match whose earlier occurrences all agree: below that
+# lookup's proposals are right less often than a draft model's of the same family.
 LOOKUP_FIRST_P = hit_rate(3)
 
 
 class HybridDrafter:
-    """Lookup first when it is confident, else the model (a head-local `Drafter`)."""
+    """A model-free drafter first when it is confident, else the model (a head-local `Drafter`).
+    front: prompt lookup unless given (a `SuffixDrafter` for suffix+MODEL)."""
 
-    def __init__(self, model, lookup: LookupDrafter | None = None):
-        self.model, self.lookup = model, lookup or LookupDrafter()
+    def __init__(self, model, front: Drafter | None = None):
+        self.model, self.front = model, front or LookupDrafter()
 
     @property
     def name(self) -> str:
-        return HYBRID_PREFIX + self.model.name
+        return self.front.name + "+" + self.model.name
+
+    @property
+    def front_name(self) -> str:
+        """The source that the front drafter's proposals name (`Proposal.source`)."""
+        return self.front.name
 
     @property
     def has_prompt_pass(self) -> bool:
@@ -43,22 +51,23 @@ class HybridDrafter:
     def kv_tokens(self) -> list[int]:
         return self.model.kv_tokens
 
-    def from_lookup(self, path: list[int], n_max: int, p_min: float) -> Proposal | None:
-        """Lookup's proposal if it takes precedence here, else None."""
-        prop = self.lookup.propose(path, n_max, p_min)
+    def from_front(self, path: list[int], n_max: int, p_min: float) -> Proposal | None:
+        """The front drafter's proposal if it takes precedence here, else None."""
+        prop = self.front.propose(path, n_max, p_min)
         if prop.tokens and prop.probs[0] >= max(p_min, LOOKUP_FIRST_P):
-            prop.source = "lookup"
+            prop.source = self.front.name
             return prop
         return None
 
     def start(self, prompt: list[int], reuse: int = 0) -> None:
+        self.front.start(prompt, reuse)
         self.model.start(prompt, reuse)
 
     def read_context(self, tokens: list[int]) -> None:
         self.model.read_context(tokens)
 
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
-        prop = self.from_lookup(path, n_max, p_min)
+        prop = self.from_front(path, n_max, p_min)
         if prop is None:
             prop = self.model.propose(path, n_max, p_min)
             prop.source = "model"
@@ -71,9 +80,9 @@ class HybridDrafter:
 class HybridAsyncDrafter(HybridDrafter):
     """Lookup first, else a draft rank asked asynchronously (`AsyncDrafter`)."""
 
-    def __init__(self, model, lookup: LookupDrafter | None = None):
-        super().__init__(model, lookup)
-        self.local: Proposal | None = None  # lookup's answer to the outstanding request
+    def __init__(self, model, front: Drafter | None = None):
+        super().__init__(model, front)
+        self.local: Proposal | None = None  # the front drafter's answer to the outstanding request
 
     @property
     def outstanding(self) -> bool:
@@ -81,7 +90,7 @@ class HybridAsyncDrafter(HybridDrafter):
 
     def request(self, path: list[int], n_max: int, p_min: float) -> None:
         assert not self.outstanding, "one draft request at a time"
-        prop = self.from_lookup(path, n_max, p_min)
+        prop = self.from_front(path, n_max, p_min)
         if prop is not None:
             prop.base = list(path)
             self.local = prop
@@ -92,9 +101,9 @@ class HybridAsyncDrafter(HybridDrafter):
         return self.local is not None or self.model.ready()
 
     def free_draft(self, path: list[int], threshold: float, n_max: int) -> list[int]:
-        """Lookup's confident tokens continuing path, if it takes precedence there: pipeinfer asks at
-        every step, also while the draft rank drafts (lookup costs nothing)."""
-        prop = self.from_lookup(path, n_max, threshold) if n_max > 0 else None
+        """The front drafter's confident tokens continuing path, if it takes precedence there:
+        pipeinfer asks at every step, also while the draft rank drafts (it costs nothing)."""
+        prop = self.from_front(path, n_max, threshold) if n_max > 0 else None
         return prop.tokens[:confident(prop.probs, threshold)] if prop is not None else []
 
     def _model_reply(self, prop: Proposal | None) -> Proposal | None:

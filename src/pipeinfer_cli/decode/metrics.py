@@ -65,7 +65,8 @@ class Acceptance:
     drafted: int = 0  # draft tokens whose verification completed
     accepted: int = 0
     verified_runs: int = 0
-    # Hybrid drafting (--draft lookup+MODEL): [drafted, accepted] per source ("lookup", "model").
+    # Hybrid drafting (--draft lookup+MODEL, suffix+MODEL): [drafted, accepted] per source
+    # ("lookup" or "suffix", and "model").
     by_source: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, drafted: int, accepted: int, source: str | None = None) -> None:

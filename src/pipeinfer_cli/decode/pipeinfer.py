@@ -223,8 +223,8 @@ class PipeInfer:
 
     def launch_reply(self) -> bool:
         """Launch the pending draft reply if it still continues the current path, else what a free
-        drafter in front of the draft rank offers (hybrid's lookup, asked at every step while the
-        draft rank drafts: it costs nothing). True if something changed."""
+        drafter in front of the draft rank offers (hybrid's lookup or suffix drafter, asked at every
+        step while the draft rank drafts: it costs nothing). True if something changed."""
         free = getattr(self.drafter, "free_draft", None)
         if (self.draft.reply is None and free is None) or not self.can_speculate():
             return False
@@ -235,7 +235,7 @@ class PipeInfer:
             if draft == []:
                 return True  # dropped: ask again
         if not draft and free is not None:
-            draft, source = free(path, self.threshold, self.draft_window(path)), "lookup"
+            draft, source = free(path, self.threshold, self.draft_window(path)), self.drafter.front_name
         if not draft:
             return False
         self.request_draft(ahead=draft)  # draft beyond this run while the head computes it

@@ -3,8 +3,9 @@
 For one request (`Head.run`): keep the reusable prefix of the previous request's KV cells or clear
 them (`prefix_cache.py`), prefill the rest and decode in the request's mode with the request
 runner (`decode/request.py`: the draft's own prefill overlapping the stages; on one stage in
-pipeinfer mode deferred until drafting shows it may pay, `draft_economy.py`), collect every
-rank's report (they travel behind the request's runs), and turn the session and reports into a
+pipeinfer mode deferred until drafting shows it may pay, `draft_economy.py`), give a suffix
+drafter's corpus the request's tokens (`decode/suffix_corpus.py`), collect every rank's report
+(they travel behind the request's runs), and turn the session and reports into a
 `GenerationResult` (its `to_json()` is `generate --json`).
 """
 
@@ -76,12 +77,13 @@ class Head:
 
     def __init__(self, link: Link | None, cfg: JobConfig, loaded: Loaded, trace: TraceRecorder, offsets: list[float],
                  cb: Callbacks | None = None):
-        from .draft_setup import head_drafter
+        from .draft_setup import head_drafter, suffix_corpus
 
         self.link, self.cfg, self.loaded, self.trace, self.offsets = link, cfg, loaded, trace, offsets
         topo = self.topo = loaded.topo
         self.tokenizer = loaded.tokenizer
         self.drafter = head_drafter(cfg, loaded, link)
+        self.corpus = suffix_corpus(self.drafter)  # suffix drafting's memory of the job's requests
         self.pipe = Pipeline(link if topo.world_size > 1 else None, loaded.engine, topo.n_stages, trace, topo.draft_rank,
                              wait_policy=link.wait_policy if link is not None else None)
         me = topo.ranks[0]
@@ -123,6 +125,8 @@ class Head:
         s = run_request(self.pipe, self.cfg, self.loaded, req, prompt, self.drafter, cb, self.trace, reuse=keep,
                         memory=self.draft_memory)
         t_end = now()
+        if self.corpus is not None:
+            self.corpus.add(s.tokens)  # the request's prompt and committed tokens, for the next ones
         _trace_commits(self.trace, s.metrics.token_times)
         # Only the committed tokens stay (a speculative batch may have written past an end of text);
         # the reports travel behind this, so they see exactly the committed length.

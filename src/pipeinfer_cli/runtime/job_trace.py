@@ -38,7 +38,7 @@ def job_trace(cfg: JobConfig, results: list[GenerationResult]) -> Trace:
              "sha256": model_sha256(Path(cfg.model_path), cfg.model_sha256, cfg.model_size)}
     draft = None
     if cfg.draft:
-        draft = {"name": cfg.draft_label, "kind": "lookup" if cfg.draft.is_lookup else "model",
+        draft = {"name": cfg.draft_label, "kind": "lookup" if cfg.draft.is_free else "model",
                  "sha256": (model_sha256(Path(cfg.draft_path), cfg.draft_sha256, cfg.draft_size)
                             if cfg.draft_path is not None else None)}
     sampling = {"temp": cfg.sampling.temperature, "seed": cfg.sampling.seed}

@@ -8,9 +8,10 @@ requests follows the load policy (decode/parallel_policy.py).
 
 The job has one draft model (on the head or on a draft rank) and it drafts for one request at a
 time: the request that finds it free holds it until it ends. Another request that needs a draft
-meanwhile drafts by prompt lookup when the job's draft includes lookup (`lookup`,
-`lookup+MODEL`), else not at all; its tokens are the same either way (verification keeps exactly
-the target's tokens), only its speed differs.
+meanwhile drafts by the job's model-free drafter when its draft has one (`lookup`, `suffix`,
+`lookup+MODEL`, `suffix+MODEL`), else not at all; its tokens are the same either way (verification
+keeps exactly the target's tokens), only its speed differs. Every request's suffix drafter shares
+the job's corpus of earlier requests, which each finished request joins.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..decode.metrics import now
 from ..decode.modes import needs_draft
 from ..decode.parallel_policy import DraftLender, Slot, SlotTable
 from ..decode.session import CANONICAL_SEQ
-from .draft_setup import fallback_drafter, lookup_drafter
+from .draft_setup import fallback_drafter, lookup_drafter, suffix_corpus, suffix_drafter
 from .head import Head, _trace_commits, assemble_result, run_request
 from .slot_pipeline import MuxFailed, PipelineMux
 
@@ -63,7 +64,8 @@ class DraftLease:
 
     def __init__(self, drafter: Drafter | AsyncDrafter | None, draft: DraftSpec, lock):
         self.drafter, self.lock, self.spec = drafter, lock, draft
-        self.lookup_only = draft.is_lookup
+        self.free_only = draft.is_free  # lookup or suffix alone: every request has its own
+        self.corpus = suffix_corpus(drafter)
         self.lender = DraftLender()
         self._mutex = threading.Lock()
 
@@ -76,19 +78,20 @@ class DraftLease:
         """(drafter, draft_reuse, held) for a request in `slot` whose target keeps `reuse` tokens."""
         if self.drafter is None:
             return None, reuse, False
-        if self.lookup_only:
-            return lookup_drafter(), reuse, False  # stateless: every request may have one
+        if self.free_only:  # every request may have one (suffix drafters share the job's corpus)
+            return (lookup_drafter() if self.spec.is_lookup else suffix_drafter(self.corpus)), reuse, False
         with self._mutex:
             held, draft_reuse = self.lender.take(slot, reuse)
         if not held:
-            return fallback_drafter(self.spec), reuse, False
+            return fallback_drafter(self.spec, self.corpus), reuse, False
         drafter = _Locked(self.drafter, self.lock) if isinstance(self.drafter, AsyncDrafter) else self.drafter
         return drafter, draft_reuse, True
 
     @property
     def lent(self) -> bool:
-        """Whether the job has a draft model that is lent to one request at a time (not lookup alone)."""
-        return self.drafter is not None and not self.lookup_only
+        """Whether the job has a draft model that is lent to one request at a time (not lookup or
+        suffix alone)."""
+        return self.drafter is not None and not self.free_only
 
     def give_back(self, slot: int) -> None:
         with self._mutex:
@@ -199,6 +202,8 @@ class ParallelRunner:
             if held:
                 self.lease.give_back(slot.index)
         t_end = now()
+        if head.corpus is not None:
+            head.corpus.add(s.tokens)  # it locks: other slots may be drafting from it
         _trace_commits(head.trace, s.metrics.token_times)
         view.seq_rm(CANONICAL_SEQ, len(s.tokens) - 1, -1)
         counters = view.take_counters()
