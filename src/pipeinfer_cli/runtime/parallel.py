@@ -102,7 +102,7 @@ class ParallelRunner:
         cfg = head.cfg
         self.head, self.service, self.cfg = head, service, cfg
         self.mux = PipelineMux(head.pipe, cfg.parallel, cfg.load_policy)
-        self.table = SlotTable(cfg.parallel, cfg.reuse_prefix)
+        self.table = SlotTable(cfg.parallel, cfg.reuse_prefix, cfg.decode.ubatch)
         self.lease = DraftLease(head.drafter, cfg.draft, self.mux.lock)
         self.threads: dict[int, threading.Thread] = {}
         self.failure: BaseException | None = None
