@@ -201,7 +201,7 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
         hosts = startup.hosts
         head_plan = plan_config(cfg, link.size, hosts.count(hosts[0]), needs_draft) if link.rank == 0 else None
         topo, cfg, source = share_plan_and_weights(link, startup, cfg, head_plan, needs_draft, _say)
-        loaded = load_rank(cfg, topo, link.rank, requests, needs_draft)
+        loaded = load_rank(cfg, topo, link.rank, requests, needs_draft, hosts)
         loaded.weights = _weights_report(source, time.monotonic() - t0, loaded)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
