@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, TypedDict
 
 import typer
 from rich import box
@@ -146,7 +146,7 @@ def plan(
     _emit(summary, setup, choice, profile, as_json, mode_list[0])
 
 
-def _emit(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | None, profile: Path, as_json: bool,
+def _emit(summary: dict[str, ModeSummary], setup: _Setup, choice: PlanChoice | None, profile: Path, as_json: bool,
           first_mode: str) -> None:
     """The plan of one request at a time: --json's object, or the table (and the split auto chose)."""
     from .plan_load import split_line
@@ -161,7 +161,19 @@ def _emit(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | None, p
         out.print(line, markup=False, highlight=False)
 
 
-def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx: int, summary: dict) -> dict:
+class PlanChoice(TypedDict, total=False):
+    """`plan --search`'s fastest mode and its settings (--json's "choice"): the settings its mode has."""
+
+    mode: str
+    n_draft: int
+    p_accept: float
+    max_inflight: int
+    layer_split: str
+    tok_per_s: float | None
+
+
+def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx: int,
+            summary: dict[str, ModeSummary]) -> PlanChoice:
     """The planner's search (the one -M auto runs): each mode's best settings into `summary`, and the
     fastest mode with its settings, each mode on the split `generate -M MODE` would use."""
     from ..planner.search import choose
@@ -172,7 +184,7 @@ def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx:
         summary[m].best = {**_knobs(m, b.opts), "layer_split": b.summary.settings["layer_split"],
                            "tok_per_s": b.tok_per_s, "note": b.note}
     split = c.per_mode[c.mode].summary.settings["layer_split"]
-    return {"mode": c.mode, **_knobs(c.mode, c.opts), "layer_split": split, "tok_per_s": c.tok_per_s}
+    return PlanChoice(mode=c.mode, **_knobs(c.mode, c.opts), layer_split=split, tok_per_s=c.tok_per_s)
 
 
 def _knobs(mode: str, o: DecodeOptions) -> dict[str, float]:
@@ -301,7 +313,7 @@ def _trace(setup: _Setup, prof, prompt, prompts, limit, trace, record, acceptanc
     return t.prompts
 
 
-def _print_table(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | None) -> None:
+def _print_table(summary: dict[str, ModeSummary], setup: _Setup, choice: PlanChoice | None) -> None:
     t = Table(title=f"predicted: {setup.label}" + (f" + {setup.draft_label}" if setup.draft_label else "")
               + f" on {plural(setup.n_ranks, 'rank')}", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
               pad_edge=False)

@@ -216,7 +216,8 @@ def _say(text: str) -> None:
 def _weights_report(source: WeightsSource | None, load_s: float, loaded: Loaded) -> LoadedWeights | None:
     """This rank's "weights" report: where they came from, bytes received, time to get and load
     them, and its memory: the peak while loading and what stays resident once loaded."""
-    from ..decode.metrics import peak_rss_mib, process_stats
+    from ..decode.metrics import process_stats
+    from ..process_memory import peak_rss_mib
 
     if source is None:
         return None
