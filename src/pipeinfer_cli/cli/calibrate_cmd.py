@@ -115,6 +115,12 @@ def calibrate(
         from ..transport.launch import relaunch
 
         os.environ[STARTED_ENV] = repr(started)
+        if waits_as_iterative(threads, prep.ranks):
+            from ..runtime.topology import WHOLE_HOST_ENV
+            from .generate_cmd import ITERATIVE_SPIN_COUNT
+
+            os.environ[WHOLE_HOST_ENV] = "1"  # the ranks wait as an iterative job's (cli/app.omp_wait_policy)
+            os.environ.setdefault("GOMP_SPINCOUNT", ITERATIVE_SPIN_COUNT)
         return relaunch(prep.ranks, sys.argv[1:])
 
     run_here_or_relaunch(prep, start.inside, prep.has_draft, relaunch_job)
@@ -172,6 +178,23 @@ def check_out_path(path: Path) -> None:
         raise UsageError(f"--out {path}: the directory {parent} does not exist; create it or choose another path")
     if not os.access(parent, os.W_OK):
         raise UsageError(f"--out {path}: the directory {parent} is not writable; choose another path")
+
+
+def waits_as_iterative(threads: str | None, n_ranks: int, environ=os.environ) -> bool:
+    """Whether the ranks that `calibrate --ranks N` starts on this machine compute with every CPU it
+    grants (--threads equal to them): the job such a profile plans is an iterative `generate --ranks
+    N` at its default threads (in the speculative modes ranks of several threads that overlap on too
+    few CPUs are refused: planner/shared_cores.unmodelled), whose ranks spin briefly between graphs
+    (cli/generate_cmd.ITERATIVE_SPIN_COUNT). Measured waiting passively, as ranks sharing a host
+    otherwise do, a rank of 2 threads is ~1.4x slower than in that job (BENCHMARKS.md, "Threads per
+    rank"), and `plan` predicted the job below its own 1-thread prediction. An OMP_WAIT_POLICY of the
+    user's wins."""
+    from ..runtime.cpu_share import cpu_share
+    from ..runtime.topology import parse_threads
+
+    if n_ranks < 2 or not threads or "OMP_WAIT_POLICY" in environ:
+        return False
+    return set(parse_threads(threads, n_ranks, 1)) == {cpu_share().threads}
 
 
 def _on_head(inside: bool) -> bool:
