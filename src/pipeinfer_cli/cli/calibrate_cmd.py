@@ -55,7 +55,10 @@ memory.
 For the Qwen pair on 2 ranks of a 2-core machine it takes about 2 minutes; --quick (fewer
 repetitions, two KV lengths, batches up to --n-draft + 1 rows) about 40 seconds. Run it on a quiet
 machine, with the ranks, threads and launcher of the jobs it should predict (the job options are
-generate's).
+generate's). Ranks it starts on this machine with --threads equal to its CPUs are timed as an
+iterative `generate --ranks N` runs them at its default threads (every CPU each, a brief spin
+between graphs); ranks that share the machine otherwise wait passively, as those of the
+speculative modes do. The profile records how each rank waited (omp_wait), and plan compares it.
 
 Only the head needs the model files, as for generate: a rank without them is sent the layers it
 times (its first layers and the last one; the whole draft file to the rank that times a draft),
