@@ -93,8 +93,8 @@ def llama_cpp_greedy(path, prompt: list[int], n_new: int) -> list[int]:
 
 
 def test_ubatch_512_is_llama_cpp_s_greedy_output_and_every_mode_keeps_it(smollm2_path):
-    """`--ubatch 512` prints llama-cpp-python's greedy tokens; iterative on 2 ranks and pipeinfer with
-    prompt lookup on 2 ranks at another --ubatch (7: the prompt in many chunks) print the same.
+    """`--ubatch 512` prints llama-cpp-python's greedy tokens; at another --ubatch (7: the prompt in many
+    chunks) pipeinfer on 2 ranks and speculative on 1, both with prompt lookup, print iterative's.
     (On SmolLM2's Q4_1 weights this machine's ggml computes the same logits at any chunk size, so
     the default chunks agree too; the option is what holds where they do not.)"""
     from pipeinfer_cli.runtime.tokenizer import Tokenizer
@@ -106,6 +106,9 @@ def test_ubatch_512_is_llama_cpp_s_greedy_output_and_every_mode_keeps_it(smollm2
     want = llama_cpp_greedy(smollm2_path, prompt, N_GEN)
     one = generate(smollm2_path, "--ubatch", 512)
     assert one["n_prompt"] == len(prompt) and one["tokens"] == want[:len(one["tokens"])]
-    for args in (("--ranks", 2, "-ub", 7), ("--ranks", 2, "--ubatch", 7, "-M", "pipeinfer", "--draft", "lookup")):
+    base = generate(smollm2_path, "--ranks", 2, "-ub", 7)  # iterative: the tokens of that --ubatch
+    for args in (("--ranks", 2, "--ubatch", 7, "-M", "pipeinfer", "--draft", "lookup"),
+                 ("-ub", 7, "-M", "speculative", "--draft", "lookup")):
         got = generate(smollm2_path, *args)
-        assert got["tokens"] == one["tokens"], args
+        assert got["tokens"] == base["tokens"], args
+        assert got["acceptance"]["drafted"] > 0, args  # the prompt repeats: lookup drafts
