@@ -83,3 +83,58 @@ def test_mode_auto_says_what_it_chose(smollm2_path, profile):
     assert r.returncode == 0, r.stderr
     assert "mode auto chose " in r.stderr and "predicted" in r.stderr and "tok/s" in r.stderr
     # Without a profile it calibrates one: tests/test_auto_mode.py.
+
+
+def test_search_names_each_mode_s_own_settings_and_figures(smollm2_path, profile):
+    """--search: iterative has no draft knobs, speculative n_draft alone; a best figure on another split
+    than the table's names that split (the draft model on the head takes layers from it in the
+    table's job); with the table's split the best iterative figure is the table's."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+
+    def plan(draft: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pipeinfer_cli", "plan", str(smollm2_path), "--profile",
+                               str(profile), "--draft", draft, "--acceptance", "0.7", "-p", "Hi there, how are you",
+                               "-n", "8", "--search", "--threads", "2", "--force"],
+                              capture_output=True, text=True, timeout=600, env=env)
+
+    r = plan("smollm2-135m-instruct")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    best = {ln.split(":")[0][5:]: ln for ln in lines if ln.startswith("best ")}
+    assert "n_draft" not in best["iterative"] and "p_accept" not in best["speculative"], best
+    assert "max_inflight" in best["pipeinfer"]
+    table = {ln.split()[0]: ln.split() for ln in lines if ln.split() and ln.split()[0] in best}
+    if table["iterative"][1] != best["iterative"].split("layers ")[1].split()[0]:
+        assert "(the split of `generate -M iterative`)" in best["iterative"]
+    r = plan("lookup")  # no draft model: one split for every mode
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    it = next(ln for ln in lines if ln.startswith("best iterative"))
+    row = next(ln.split() for ln in lines if ln.startswith("iterative "))
+    assert it == f"best iterative: no settings to search (the table's row) -> {row[2]} tok/s", (it, row)
+
+
+def test_a_piped_table_is_never_cut(monkeypatch):
+    """stdout not a terminal and no COLUMNS: rich would fit the table in 80 columns and cut cells to
+    '…'; the table comes out whole."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeinfer_cli.cli.console import print_table
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    t = Table()
+    for i in range(8):
+        t.add_column(f"column {i}", no_wrap=True)
+    t.add_row(*[f"speculative-{i}" for i in range(8)])
+    buf = io.StringIO()
+    console = Console(file=buf)
+    assert not console.is_terminal and console.width == 80
+    print_table(t, console)
+    text = buf.getvalue()
+    assert "…" not in text and all(f"speculative-{i}" in text for i in range(8)), text
+    assert console.width == 80

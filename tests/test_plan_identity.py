@@ -217,3 +217,47 @@ def test_mode_auto_states_its_acceptance_once(smollm2_path, tmp_path):
                              "--threads", "1", "-p", "Hi", "-n", 2))
     assert "was made for 2 threads per rank, this job uses 1 thread per rank" in err and "--threads 1`" in err
     assert "60%" in run("generate", "--help").stdout
+
+
+def test_how_the_ranks_wait_between_graphs_must_match(monkeypatch):
+    """An iterative job on one host at its default threads gives each rank its host's CPUs and a
+    brief spin (OMP_WAIT_POLICY=active, bounded): a profile whose ranks of several threads waited
+    passively measured them ~1.4x slower, and `plan` predicted the job below its own 1-thread
+    prediction. Such a difference is named with its fix; a profile that waited as the job does plans it."""
+    from pipeinfer_cli.cli.plan_checks import job_shapes
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+
+    def profile(wait):
+        ranks = [dataclasses.replace(rank_costs(r), host="nodeA", threads=2, usable_cpus=2.0, ranks_per_host=2,
+                                     omp_wait=wait) for r in range(2)]
+        return make_profile(2, ranks=ranks, sha256="a" * 64)
+
+    cmd = "`pipeinfer calibrate m --ranks 2 --threads 2`"
+    shapes = job_shapes(profile("active"), "iterative", None, 2)
+    assert [(s.threads, s.omp_wait) for s in shapes] == [(2, "active"), (2, "active")]
+    assert differences(profile("active"), shapes, "a" * 64, None, cmd) == []
+    (diff,) = differences(profile("passive"), shapes, "a" * 64, None, cmd)
+    assert "waited between graphs with OMP_WAIT_POLICY=passive, this job's ranks wait with active" in diff
+    assert "without OMP_WAIT_POLICY in the environment" in diff
+    # the same threads given explicitly: that job's ranks share the host and wait passively
+    explicit = job_shapes(profile("active"), "iterative", "2", 2)
+    assert [s.omp_wait for s in explicit] == ["passive", "passive"]
+    assert "with OMP_WAIT_POLICY=passive set" in differences(profile("active"), explicit, "a" * 64, None, cmd)[0]
+    assert differences(profile(None), explicit, "a" * 64, None, cmd) == []  # an older profile: not compared
+
+
+def test_calibrate_s_ranks_with_the_host_s_cpus_wait_as_the_iterative_job_s(monkeypatch):
+    from pipeinfer_cli.cli import calibrate_cmd
+    from pipeinfer_cli.runtime import cpu_share
+
+    share = cpu_share.cpu_share()
+    monkeypatch.setattr(cpu_share, "cpu_share", lambda *a, **k: dataclasses.replace(share, affinity_cpus=2,
+                                                                                     host_cpus=2, quota_cpus=None))
+    assert cpu_share.cpu_share().threads == 2
+    env = {}
+    assert calibrate_cmd.waits_as_iterative("2", 2, env)
+    assert not calibrate_cmd.waits_as_iterative("1", 2, env)  # their share: they wait passively, as that job's
+    assert not calibrate_cmd.waits_as_iterative(None, 2, env)
+    assert not calibrate_cmd.waits_as_iterative("2", 1, env)
+    assert not calibrate_cmd.waits_as_iterative("2", 2, {"OMP_WAIT_POLICY": "passive"})

@@ -38,7 +38,7 @@ LAYERS = [
     {"planner"},  # predictions from a profile: runs the policies in virtual time
     {"decode", "transport"},  # pure policies; the wire and its waits
     {"models"},  # model files: registry, fetching and cache, GGUF headers, identities, layer splits, slices
-    {"native", "_native", "errors", "wording"},  # the C++ engine's wrapper; what every layer shares
+    {"native", "_native", "errors", "wording", "process_memory"},  # the C++ engine's wrapper; what every layer shares
 ]
 
 
@@ -73,6 +73,14 @@ def test_imports_go_one_way():
             top, dep_top = name.split(".")[0], dep.split(".")[0]
             if _layer(dep_top) < _layer(top):
                 bad.append(f"{name} imports {dep}")
+    assert not bad, bad
+
+
+def test_the_wire_imports_no_policy():
+    """decode/ and transport/ share a layer: a policy may read the wire's messages, the wire never
+    imports a policy (what both need lives below them)."""
+    bad = [f"{name} imports {dep}" for name, deps in _module_imports().items() if name.startswith("transport.")
+           for dep in deps if dep.split(".")[0] == "decode"]
     assert not bad, bad
 
 

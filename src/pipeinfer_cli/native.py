@@ -27,7 +27,7 @@ import operator
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -44,6 +44,40 @@ EvalCancelled = _native.EvalCancelled
 
 KVCacheFullError = _native.KVCacheFullError
 """Raised when a batch needs more free KV cells than the cache has (a `ValueError`)."""
+
+
+class HParams(TypedDict):
+    """A model's hyperparameters as the engine read them from the file (`LayerEngine.hparams`)."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_embd_head: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    f_norm_rms_eps: float
+    rope_type: int
+    rope_freq_base: float
+    rope_freq_scale: float
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int  # 0 for a dense model
+    n_swa: int
+    swa_layers: list[int]
+
+
+class EngineStats(TypedDict):
+    """An engine's counters since it was opened (`LayerEngine.stats`)."""
+
+    evals: int
+    evals_cancelled: int
+    cancelled_mid_compute: int
+    layer_evals: int
+    layer_evals_skipped: int
+    t_compute_us: int
 
 
 class LayerEngine:
@@ -168,7 +202,7 @@ class LayerEngine:
         """Weight matrices placed in a CPU extra buffer type (CPU_REPACK)."""
         return self._eng.n_repacked
 
-    def hparams(self) -> dict[str, Any]:
+    def hparams(self) -> HParams:
         """Hyperparameters read from the file (n_head, n_head_kv, n_ff, rope settings, n_expert,
         n_expert_used, n_ff_exp (0 for a dense model), ...)."""
         return self._eng.hparams()
@@ -278,7 +312,7 @@ class LayerEngine:
         """Cells that belong to at least one sequence."""
         return self._eng.kv_used_cells()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         """Counters since the engine was opened:
 
         - evals: eval calls that passed validation

@@ -55,7 +55,10 @@ memory.
 For the Qwen pair on 2 ranks of a 2-core machine it takes about 2 minutes; --quick (fewer
 repetitions, two KV lengths, batches up to --n-draft + 1 rows) about 40 seconds. Run it on a quiet
 machine, with the ranks, threads and launcher of the jobs it should predict (the job options are
-generate's).
+generate's). Ranks it starts on this machine with --threads equal to its CPUs are timed as an
+iterative `generate --ranks N` runs them at its default threads (every CPU each, a brief spin
+between graphs); ranks that share the machine otherwise wait passively, as those of the
+speculative modes do. The profile records how each rank waited (omp_wait), and plan compares it.
 
 Only the head needs the model files, as for generate: a rank without them is sent the layers it
 times (its first layers and the last one; the whole draft file to the rank that times a draft),
@@ -115,6 +118,12 @@ def calibrate(
         from ..transport.launch import relaunch
 
         os.environ[STARTED_ENV] = repr(started)
+        if waits_as_iterative(threads, prep.ranks):
+            from ..runtime.topology import WHOLE_HOST_ENV
+            from .generate_cmd import ITERATIVE_SPIN_COUNT
+
+            os.environ[WHOLE_HOST_ENV] = "1"  # the ranks wait as an iterative job's (cli/app.omp_wait_policy)
+            os.environ.setdefault("GOMP_SPINCOUNT", ITERATIVE_SPIN_COUNT)
         return relaunch(prep.ranks, sys.argv[1:])
 
     run_here_or_relaunch(prep, start.inside, prep.has_draft, relaunch_job)
@@ -173,6 +182,23 @@ def check_out_path(path: Path) -> None:
         raise UsageError(f"--out {path}: the directory {parent} does not exist; create it or choose another path")
     if not os.access(parent, os.W_OK):
         raise UsageError(f"--out {path}: the directory {parent} is not writable; choose another path")
+
+
+def waits_as_iterative(threads: str | None, n_ranks: int, environ=os.environ) -> bool:
+    """Whether the ranks that `calibrate --ranks N` starts on this machine compute with every CPU it
+    grants (--threads equal to them): the job such a profile plans is an iterative `generate --ranks
+    N` at its default threads (in the speculative modes ranks of several threads that overlap on too
+    few CPUs are refused: planner/shared_cores.unmodelled), whose ranks spin briefly between graphs
+    (cli/generate_cmd.ITERATIVE_SPIN_COUNT). Measured waiting passively, as ranks sharing a host
+    otherwise do, a rank of 2 threads is ~1.4x slower than in that job (BENCHMARKS.md, "Threads per
+    rank"), and `plan` predicted the job below its own 1-thread prediction. An OMP_WAIT_POLICY of the
+    user's wins."""
+    from ..runtime.cpu_share import cpu_share
+    from ..runtime.topology import parse_threads
+
+    if n_ranks < 2 or not threads or "OMP_WAIT_POLICY" in environ:
+        return False
+    return set(parse_threads(threads, n_ranks, 1)) == {cpu_share().threads}
 
 
 def _on_head(inside: bool) -> bool:

@@ -42,6 +42,7 @@ class JobOptions:
     profile: o.ProfileOption = None
     threads: o.ThreadsOption = None
     ctx: o.CtxOption = 4096
+    ubatch: o.UbatchOption = None
     rank_timeout: o.RankTimeoutOption = DEFAULT_RANK_TIMEOUT_S
     no_pull: o.NoPullOption = False
 

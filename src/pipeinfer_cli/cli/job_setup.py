@@ -160,7 +160,7 @@ def make_job_config(target: ModelRef, draft_ref: ModelRef | None, spec: DraftSpe
                              p_accept=job.p_accept,
                              p_split=job.p_split, p_recovery=job.p_recovery, p_decay=job.p_decay,
                              max_branches=job.max_branches, max_inflight=job.max_inflight,
-                             spec_policy=check_spec_policy(job.spec_policy)),
+                             spec_policy=check_spec_policy(job.spec_policy), ubatch=job.ubatch),
         n_ctx=job.ctx, layer_split=job.layer_split, threads=job.threads, debug=debug_enabled(),
         rank_timeout_s=job.rank_timeout, profile=job.profile,
         model_sha256=target.entry.sha256 if target.entry else None, model_size=target.entry.size if target.entry else None,

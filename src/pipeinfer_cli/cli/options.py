@@ -51,6 +51,12 @@ ProfileOption = Annotated[Path | None, typer.Option(
          "head plans the job from it alone: only the first node needs it (as the model).")]
 ThreadsOption = Annotated[str | None, typer.Option("--threads", "-t", help="Threads per rank: one value or one per rank (default: the CPUs the rank may use, from its cpuset and cgroup quota, / ranks on its host; all of them for each rank of an iterative `generate --ranks N`, where one stage computes at a time).")]
 CtxOption = Annotated[int, typer.Option("--ctx", "-c", min=16, help="Context size (KV cells) per rank.")]
+UbatchOption = Annotated[int | None, typer.Option(
+    "--ubatch", "-ub", min=1, metavar="N", show_default=False,
+    help="Compute the prompt in chunks of N tokens from its start, as llama.cpp's -ub batches it (512 there), so "
+         "that the greedy tokens are llama.cpp's own: ggml rounds a chunk of another size differently. Default: "
+         "chunks of 16, 16, 16, 16, 32, 32, 64, 64, 128, 128, then 256 tokens, which fill the pipeline's stages "
+         "sooner (docs/modes.md). Every mode gives iterative's tokens at any N.")]
 RankTimeoutOption = Annotated[float, typer.Option(
     "--rank-timeout", min=0, metavar="SECONDS",
     help="End the job with an error naming the rank when a rank sends nothing (heartbeats included), or "

@@ -10,8 +10,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..decode.modes import needs_draft
-from ..planner.identity import RankShape, check, default_threads, differences
+from ..planner.identity import RankShape, check, default_threads, differences, job_wait
 from ..planner.shared_cores import unmodelled, usable_cpus
+
+
+def job_waits(prof, mode: str, threads: str | None, n_ranks: int) -> list[str]:
+    """How each rank of that job waits between graphs (planner/identity.job_wait)."""
+    hosts = [prof.ranks[r].host for r in range(n_ranks)]
+    out = []
+    for r in range(n_ranks):
+        rc = prof.ranks[r]
+        affinity = rc.affinity_cpus if rc.affinity_cpus is not None else rc.cores
+        whole = not needs_draft(mode) and not threads and len(set(hosts)) == 1 and n_ranks > 1
+        out.append(job_wait(whole, hosts.count(hosts[r]), affinity, rc.quota_cpus))
+    return out
 
 
 def job_threads(prof, mode: str, threads: str | None, n_ranks: int) -> list[int]:
@@ -40,10 +52,11 @@ def job_shapes(prof, mode: str, threads: str | None, n_ranks: int) -> list[RankS
     facts = host_facts() if any(prof.ranks[r].host == here for r in range(n_ranks)) else None
     hosts = [prof.ranks[r].host for r in range(n_ranks)]
     shapes = []
+    waits = job_waits(prof, mode, threads, n_ranks)
     for r, t in enumerate(job_threads(prof, mode, threads, n_ranks)):
         mine = facts if hosts[r] == here else None
         shapes.append(RankShape(r, t, hosts.count(hosts[r]), mine and mine.cpu, mine and mine.cores,
-                                mine and mine.usable_cpus))
+                                mine and mine.usable_cpus, waits[r] if t > 1 else None))
     return shapes
 
 

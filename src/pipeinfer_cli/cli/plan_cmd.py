@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, TypedDict
 
 import typer
 from rich import box
@@ -14,7 +14,7 @@ from ..decode.draft_spec import DraftSpec
 from ..decode.modes import MODE_NAMES, get_mode, needs_draft
 from ..decode.session import DecodeOptions
 from ..errors import UsageError
-from .console import err, out
+from .console import err, out, print_table
 from ..planner.acceptance import confidences as draft_confidences
 from ..planner.search import never_speculated
 from .plan_checks import check_job, check_trace
@@ -78,7 +78,7 @@ PromptsOption = Annotated[str | None, typer.Option("--prompts", help="A shipped 
 LimitOption = Annotated[int | None, typer.Option("--limit", min=1, help="Use only the first N prompts.")]
 ModesOption = Annotated[str | None, typer.Option("--modes", show_default=False, help="Comma-separated modes to predict (default: every mode with a draft, else iterative).")]
 AcceptanceOption = Annotated[float | None, typer.Option("--acceptance", min=0.0, max=1.0, help="A synthetic draft, right with this probability per token (no draft chains needed).")]
-SearchFlag = Annotated[bool, typer.Option("--search", help="Also search n_draft, p_accept and max_inflight for the fastest predicted settings per mode.")]
+SearchFlag = Annotated[bool, typer.Option("--search", help="Also search the fastest predicted settings per mode (speculative: n_draft; pipeinfer: n_draft, p_accept and max_inflight), each on the split `generate -M MODE` uses.")]
 ForceFlag = Annotated[bool, typer.Option("--force", help="Plan even when the profile or the trace was made for another job (model file, threads, ranks per host, machine): one warning line instead of the error.")]
 RecordRanksOption = Annotated[int | None, typer.Option("--record-ranks", min=1, show_default=False, help="Record the trace as an MPI job of N ranks, the target's layers split across them (`pipeinfer generate`/`bench --save-trace`, started as `--ranks N` starts them), instead of one process holding the whole target; with --layer-split, --threads and --ctx as given.")]
 PlanRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help="Ranks to plan for (default: the profile's).")]
@@ -146,7 +146,7 @@ def plan(
     _emit(summary, setup, choice, profile, as_json, mode_list[0])
 
 
-def _emit(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | None, profile: Path, as_json: bool,
+def _emit(summary: dict[str, ModeSummary], setup: _Setup, choice: PlanChoice | None, profile: Path, as_json: bool,
           first_mode: str) -> None:
     """The plan of one request at a time: --json's object, or the table (and the split auto chose)."""
     from .plan_load import split_line
@@ -161,7 +161,19 @@ def _emit(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | None, p
         out.print(line, markup=False, highlight=False)
 
 
-def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx: int, summary: dict) -> dict:
+class PlanChoice(TypedDict, total=False):
+    """`plan --search`'s fastest mode and its settings (--json's "choice"): the settings its mode has."""
+
+    mode: str
+    n_draft: int
+    p_accept: float
+    max_inflight: int
+    layer_split: str
+    tok_per_s: float | None
+
+
+def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx: int,
+            summary: dict[str, ModeSummary]) -> PlanChoice:
     """The planner's search (the one -M auto runs): each mode's best settings into `summary`, and the
     fastest mode with its settings, each mode on the split `generate -M MODE` would use."""
     from ..planner.search import choose
@@ -169,12 +181,24 @@ def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx:
     c = choose(prof, lambda m: setup.topology(m, needs_draft(m)), mode_list, replay, opts, ctx,
                on_step=lambda m, i, n: _progress(f"search {m}", i, n))
     for m, b in c.per_mode.items():
-        summary[m].best = {**_knobs(b.opts), "tok_per_s": b.tok_per_s, "note": b.note}
-    return {"mode": c.mode, **_knobs(c.opts), "tok_per_s": c.tok_per_s}
+        summary[m].best = {**_knobs(m, b.opts), "layer_split": b.summary.settings["layer_split"],
+                           "tok_per_s": b.tok_per_s, "note": b.note}
+    split = c.per_mode[c.mode].summary.settings["layer_split"]
+    return PlanChoice(mode=c.mode, **_knobs(c.mode, c.opts), layer_split=split, tok_per_s=c.tok_per_s)
 
 
-def _knobs(o) -> dict:
+def _knobs(mode: str, o: DecodeOptions) -> dict[str, float]:
+    """The settings the search tries for a mode: none for iterative, n_draft for speculative, all three
+    for pipeinfer (planner/search.candidate_options)."""
+    if not needs_draft(mode):
+        return {}
+    if mode != "pipeinfer":
+        return {"n_draft": o.n_draft}
     return {"n_draft": o.n_draft, "p_accept": o.p_accept, "max_inflight": o.max_inflight}
+
+
+def _knob_text(knobs: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in knobs.items())
 
 
 class _Setup:
@@ -292,7 +316,7 @@ def _trace(setup: _Setup, prof, prompt, prompts, limit, trace, record, acceptanc
     return t.prompts
 
 
-def _print_table(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | None) -> None:
+def _print_table(summary: dict[str, ModeSummary], setup: _Setup, choice: PlanChoice | None) -> None:
     t = Table(title=f"predicted: {setup.label}" + (f" + {setup.draft_label}" if setup.draft_label else "")
               + f" on {plural(setup.n_ranks, 'rank')}", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
               pad_edge=False)
@@ -306,7 +330,7 @@ def _print_table(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | 
                   _f(s.decode_tok_per_s, 2), _f(s.ttft_s, 3), _f(s.itl_ms["p50"], 1),
                   ("-" if s.note is None else "none") if acc is None else f"{acc:.0%}",
                   "-" if vs is None else f"{vs:.2f}x", "/".join(f"{100 * u:.0f}" for u in s.utilisation))
-    out.print(t)
+    print_table(t)
     say = lambda text: out.print(text, markup=False, highlight=False)  # noqa: E731
     say("decode: tok/s after the first token; ITL: median gap between token arrivals; speedup: against "
         "iterative (geometric mean over prompts); busy: each stage's share of the time computing")
@@ -314,18 +338,29 @@ def _print_table(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | 
         if s.note:
             say(f"* {m}: {s.note}")
         if s.best is not None:
-            b = s.best
-            say(f"best {m}: n_draft {b['n_draft']}, p_accept {b['p_accept']}, max_inflight {b['max_inflight']}"
-                f" -> {_f(b['tok_per_s'], 2)} tok/s" + (f" ({b['note']})" if b["note"] and not s.note else ""))
+            say(_best_line(m, s))
         if s.draft_misses:
             say(f"note: {m}: the trace could not answer {s.draft_misses} draft questions (beyond its "
                 "recorded depth); those drafts were cut short")
     if choice is not None:
-        knobs = "" if choice["mode"] == "iterative" else f" (n_draft {choice['n_draft']}" + (
-            f", p_accept {choice['p_accept']}, max_inflight {choice['max_inflight']})" if choice["mode"] == "pipeinfer"
-            else ")")
-        say(f"fastest: {choice['mode']}{knobs} -> {_f(choice['tok_per_s'], 2)} tok/s (what -M auto chooses for "
-            "this profile, draft and acceptance)")
+        knobs = _knob_text({k: v for k, v in choice.items() if k in ("n_draft", "p_accept", "max_inflight")})
+        split = "" if choice["layer_split"] == summary[choice["mode"]].settings["layer_split"] else \
+            f", layers {choice['layer_split']}"
+        say(f"fastest: {choice['mode']}" + (f" ({knobs}{split})" if knobs else f" ({split[2:]})" if split else "")
+            + f" -> {_f(choice['tok_per_s'], 2)} tok/s (what -M auto chooses for this profile, draft and acceptance)")
+
+
+def _best_line(mode: str, s: ModeSummary) -> str:
+    """The search's best settings of one mode. The search runs each mode on the split `generate -M
+    MODE` uses, which differs from the table's when a draft model on the head takes layers from it
+    in a job that drafts: then the line names that split, and its figure is that split's."""
+    b = s.best
+    knobs = _knob_text({k: v for k, v in b.items() if k in ("n_draft", "p_accept", "max_inflight")})
+    other = b["layer_split"] != s.settings["layer_split"]
+    where = f"layers {b['layer_split']} (the split of `generate -M {mode}`)" if other else ""
+    what = ", ".join(x for x in (knobs, where) if x) or "no settings to search (the table's row)"
+    return (f"best {mode}: {what} -> {_f(b['tok_per_s'], 2)} tok/s"
+            + (f" ({b['note']})" if b["note"] and not s.note else ""))
 
 
 def _f(v, digits: int) -> str:

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..decode.parallel_policy import LOAD_POLICIES
 from ..errors import OptionValueError, UsageError
-from .console import out
+from .console import out, print_table
 from .wording import plural
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def plan_parallel(prof, setup, modes: list[str], replay, opts: DecodeOptions, ct
                   "-" if p.vs_one_at_a_time is None else f"{p.vs_one_at_a_time:.2f}x",
                   f"{_f(p.ttft_ms['p50'], 0)}/{_f(p.ttft_ms['p99'], 0)}", f"{_f(p.itl_ms['p50'], 1)}/{_f(p.itl_ms['p99'], 1)}",
                   "/".join(f"{100 * u:.0f}" for u in p.utilisation))
-    out.print(t)
+    print_table(t)
     say = lambda text: out.print(text, markup=False, highlight=False)  # noqa: E731
     say(f"tok/s: every request's tokens over the time from the first request to the last token (bench --concurrency "
         f"{parallel}'s aggregate); vs 1: against the same prompts one at a time (serve --parallel 1); TTFT from each "

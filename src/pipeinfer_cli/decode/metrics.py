@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,10 +12,6 @@ import numpy as np
 
 def now() -> float:
     return time.perf_counter()
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
 @dataclass

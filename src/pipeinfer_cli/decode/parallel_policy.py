@@ -59,8 +59,8 @@ class Slot:
 class SlotTable:
     """The job's N slots on the head: which are busy, and what each slot's cache holds."""
 
-    def __init__(self, n_slots: int, reuse_prefix: bool = True):
-        self.slots = [Slot(i) for i in range(n_slots)]
+    def __init__(self, n_slots: int, reuse_prefix: bool = True, ubatch: int | None = None):
+        self.slots = [Slot(i, PrefixCache(ubatch=ubatch)) for i in range(n_slots)]
         self.reuse_prefix = reuse_prefix
         self._served = 0
 

@@ -5,8 +5,8 @@ tokens (all but the last, which was sampled and never fed) on every stage. The n
 only cells that are bit-identical to what a fresh prefill of its prompt would compute, so that its
 tokens are exactly those it would get without reuse:
 
-- a prefill computes the prompt in chunks at fixed positions (0, 16, 32, …, 256, 384, 512, 768, …:
-  `session.prefill_chunks`)
+- a prefill computes the prompt in chunks at fixed positions (0, 16, 32, …, 256, 384, 512, 768, …,
+  or every --ubatch tokens: `session.prefill_chunks`)
   with the batched kernels; a cell computed by a *full* chunk depends only on the tokens up to the
   chunk's end, so a later prompt that shares those tokens would compute the very same cell;
 - cells of generated tokens were computed one row at a time (batch-invariant decode), and those of
@@ -35,9 +35,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def whole_chunks(n: int) -> int:
-    """n rounded down to a prefill chunk boundary."""
-    return chunk_floor(n)
+def whole_chunks(n: int, ubatch: int | None = None) -> int:
+    """n rounded down to a prefill chunk boundary (chunks of `ubatch` tokens; None: the small-first ones)."""
+    return chunk_floor(n, ubatch)
 
 
 @dataclass
@@ -49,17 +49,19 @@ class PrefixCache:
         these may be reused.
     min_resume: the shortest prefix the stages can continue from: a sliding-window cache (Gemma 3)
         pruned the cells a shorter one would need (0: any). A shorter prefix is not kept at all.
+    ubatch: the job's prompt chunks (--ubatch; None: the small-first ones), whose boundaries these are.
     """
 
     tokens: list[int] = field(default_factory=list)
     exact: int = 0
     min_resume: int = 0
+    ubatch: int | None = None
 
     def plan(self, prompt: list[int]) -> tuple[int, int]:
         """(tokens to keep, common prefix length) for the next prompt. At least one prompt token is
         always prefilled again: its logits give the first generated token."""
         common = common_prefix(self.tokens, prompt)
-        keep = whole_chunks(min(common, self.exact, len(prompt) - 1))
+        keep = whole_chunks(min(common, self.exact, len(prompt) - 1), self.ubatch)
         return (keep if keep >= self.min_resume else 0), common
 
     def after_request(self, prompt: list[int], committed: list[int], min_resume: int = 0) -> None:
@@ -68,7 +70,7 @@ class PrefixCache:
         committed[:-1]."""
         self.tokens = list(committed[:-1])
         # The prompt's full chunks (reused, or computed from a chunk boundary) are exact.
-        self.exact = whole_chunks(min(len(prompt), len(self.tokens)))
+        self.exact = whole_chunks(min(len(prompt), len(self.tokens)), self.ubatch)
         self.min_resume = min_resume
 
     def clear(self) -> None:

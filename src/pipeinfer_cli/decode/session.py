@@ -18,16 +18,21 @@ PREFILL_CHUNK = 256  # the largest prompt chunk: every chunk from position 512 o
 # than one batch walking the stages one after another. On these CPUs a prompt token costs about the same
 # in a chunk of 16 as in one of 256 (BENCHMARKS.md, "Prompt chunks"). The positions never depend on
 # the prompt, the ranks or the mode, so every job computes the same cells (lossless across host
-# counts) and a prefix reused up to a chunk boundary is what a fresh prefill computes.
+# counts) and a prefix reused up to a chunk boundary is what a fresh prefill computes. `--ubatch N`
+# (DecodeOptions.ubatch) chunks the prompt as llama.cpp does instead: N tokens at a time from
+# position 0, so that the prompt's cells, and so the greedy tokens, are llama.cpp's (docs/modes.md).
 PREFILL_HEAD = (16, 16, 16, 16, 32, 32, 64, 64, 128, 128)
 
 
-def prefill_chunks(start: int, end: int) -> list[tuple[int, int]]:
-    """The prompt chunks [b, e) that cover positions start..end, start being a chunk boundary."""
+def prefill_chunks(start: int, end: int, ubatch: int | None = None) -> list[tuple[int, int]]:
+    """The prompt chunks [b, e) that cover positions start..end, start being a chunk boundary.
+    ubatch: chunks of that many tokens from position 0, as llama.cpp batches a prompt (its -ub);
+    None: the small-first chunks of PREFILL_HEAD, then PREFILL_CHUNK."""
     out, b = [], 0
-    sizes = iter(PREFILL_HEAD)
+    sizes = iter(PREFILL_HEAD if ubatch is None else ())
+    step = PREFILL_CHUNK if ubatch is None else ubatch
     while b < end:
-        e = b + next(sizes, PREFILL_CHUNK)
+        e = b + next(sizes, step)
         if e > start:
             if b < start:
                 raise ValueError(f"prefill from {start}: not a chunk boundary")
@@ -36,12 +41,13 @@ def prefill_chunks(start: int, end: int) -> list[tuple[int, int]]:
     return out
 
 
-def chunk_floor(n: int) -> int:
+def chunk_floor(n: int, ubatch: int | None = None) -> int:
     """The last chunk boundary at or before n (the prompt tokens whole chunks cover)."""
     b = 0
-    sizes = iter(PREFILL_HEAD)
+    sizes = iter(PREFILL_HEAD if ubatch is None else ())
+    step = PREFILL_CHUNK if ubatch is None else ubatch
     while True:
-        e = b + next(sizes, PREFILL_CHUNK)
+        e = b + next(sizes, step)
         if e > n:
             return b
         b = e
@@ -62,6 +68,7 @@ class DecodeOptions:
     max_branches: int = 1  # pipeinfer: sequences a token tree may use (1 = no trees)
     max_inflight: int = 4  # pipeinfer: runs in flight at once
     spec_policy: str = "auto"  # pipeinfer on one stage: "auto" drafts while it pays (draft_economy.py), "always"
+    ubatch: int | None = None  # prompt chunks of this many tokens (--ubatch, llama.cpp's -ub); None: small-first
 
 
 class Session:

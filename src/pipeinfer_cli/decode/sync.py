@@ -13,7 +13,8 @@ from .session import CANONICAL_SEQ, DecodeOptions, Session, prefill_chunks
 
 
 def prefill(pipe: PipelineLike, s: Session, draft_prefill: Callable[[], None] | None = None,
-            draft_in_thread: bool = True, start: int = 0, replay: Sequence[int] = ()) -> None:
+            draft_in_thread: bool = True, start: int = 0, replay: Sequence[int] = (),
+            ubatch: int | None = None) -> None:
     """Process the prompt into the canonical sequence and commit the first token.
 
     replay: tokens this request committed before, on a job that was lost (a server's request
@@ -24,6 +25,7 @@ def prefill(pipe: PipelineLike, s: Session, draft_prefill: Callable[[], None] | 
 
     start: prompt tokens whose cells the canonical sequence already holds (prefix reuse; a chunk
     boundary, so the chunks are the very ones a prefill from 0 computes: session.prefill_chunks).
+    ubatch: the chunks' size (--ubatch); None: the small-first chunks.
     The chunks are launched back to back, so on several ranks the stages work on chunk i while the
     head computes chunk i+1; only the last chunk asks for logits (its last row).
 
@@ -36,7 +38,7 @@ def prefill(pipe: PipelineLike, s: Session, draft_prefill: Callable[[], None] | 
     prompt = s.tokens
     pipe.set_sampling(s.sampling)  # every request starts here: the last stage samples its rows
     n_chunks = 0
-    for b, e in prefill_chunks(start, len(prompt)):
+    for b, e in prefill_chunks(start, len(prompt), ubatch):
         chunk = prompt[b:e]
         last = e == len(prompt)
         pipe.launch(chunk, list(range(b, b + len(chunk))), [[CANONICAL_SEQ]] * len(chunk),

@@ -13,6 +13,7 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from ..errors import ModelFileError
 from .model_files import check_gguf_file
@@ -95,7 +96,20 @@ def read_model_info(path: Path) -> ModelInfo:
 _EXPERTS = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.")
 
 
-def _tensor_bytes(tensors, n_layer: int) -> dict:
+class _TensorSizes(TypedDict):
+    """ModelInfo's fields that the tensor table gives."""
+
+    tensor_types: dict[str, int]
+    n_tensors: int
+    layer_bytes: list[int]
+    expert_bytes: list[int]
+    token_embd_bytes: int
+    output_bytes: int
+    output_tied: bool
+    other_bytes: int
+
+
+def _tensor_bytes(tensors, n_layer: int) -> _TensorSizes:
     """Bytes per layer (and of its experts), of token_embd, of the LM head (tied to token_embd when
     absent) and the rest."""
     layer_bytes = [0] * n_layer
@@ -145,7 +159,32 @@ def _count(path: Path, kv: dict, key: str, default: int) -> int:
     return v
 
 
-def _hparams(path: Path, kv: dict, arch: str) -> dict:
+class _Experts(TypedDict, total=False):
+    """ModelInfo's mixture-of-experts fields (none for a dense model)."""
+
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+
+
+class _HParams(_Experts):
+    """ModelInfo's fields that the metadata gives."""
+
+    name: str
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_embd_head: int
+    n_ff: int
+    n_ctx_train: int
+    rope_freq_base: float | None
+    n_vocab: int
+    tokenizer_model: str
+    tokenizer_pre: str
+    chat_template: bool
+
+
+def _hparams(path: Path, kv: dict, arch: str) -> _HParams:
     def count(key: str, default: int = 0) -> int:
         return _count(path, kv, f"{arch}.{key}", default)
 
@@ -170,7 +209,7 @@ def _hparams(path: Path, kv: dict, arch: str) -> dict:
     }
 
 
-def _experts(count, arch: str) -> dict:
+def _experts(count, arch: str) -> _Experts:
     """Mixture-of-experts sizes, resolved as the native loader resolves them (model_loader.cpp:
     llama's experts are feed_forward_length wide, qwen3moe's expert_feed_forward_length).
     count(key, default) reads the architecture's integer key, refusing a value that is not one."""

@@ -69,7 +69,8 @@ def file_sha256(ident: FileIdentity, trust_registry: bool = True) -> str:
     return digest
 
 
-def _load_digests() -> dict:
+def _load_digests() -> dict[str, list[int | str]]:
+    """path -> [size, mtime_ns, sha256] of the files hashed before."""
     try:
         data = json.loads((cache_dir() / _DIGESTS_FILE).read_text())
         return data if isinstance(data, dict) else {}
@@ -77,7 +78,7 @@ def _load_digests() -> dict:
         return {}
 
 
-def _store_digests(memo: dict) -> None:
+def _store_digests(memo: dict[str, list[int | str]]) -> None:
     """Best effort: a cache that cannot be written only means hashing again next time."""
     root = cache_dir()
     tmp = root / f".{_DIGESTS_FILE}.{os.getpid()}"

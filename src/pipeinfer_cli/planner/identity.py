@@ -31,6 +31,7 @@ class RankShape:
     cpu: str | None = None
     cores: int | None = None
     usable_cpus: float | None = None
+    omp_wait: str | None = None  # how its threads wait between graphs (job_wait); None: not compared
 
 
 def model_sha256(path: Path, registry_sha256: str | None = None, registry_size: int | None = None) -> str:
@@ -60,6 +61,21 @@ def default_threads(iterative: bool, n_ranks: int, ranks_per_host: int, cores: i
     if quota_cpus is not None:
         return max(1, math.ceil(cpus / max(1, ranks_per_host) - 1e-9))
     return max(1, cores // max(1, ranks_per_host))
+
+
+def job_wait(iterative_whole_host: bool, ranks_per_host: int, affinity_cpus: int, quota_cpus: float | None,
+             environ=os.environ) -> str:
+    """How a rank of the planned job waits between graphs, as cli/app.omp_wait_policy decides it
+    for the job's ranks: the user's OMP_WAIT_POLICY; passive under a CPU quota below its CPUs; active
+    (briefly: GOMP_SPINCOUNT) for a rank of an iterative job that takes its host's CPUs
+    (default_threads); passive where ranks share a host; else libgomp's default."""
+    if "OMP_WAIT_POLICY" in environ:
+        return environ["OMP_WAIT_POLICY"]
+    if quota_cpus is not None and quota_cpus < affinity_cpus:
+        return "passive"
+    if iterative_whole_host:
+        return "active"
+    return "passive" if ranks_per_host > 1 else "default"
 
 
 def differences(profile, shapes: list[RankShape], sha256: str | None, draft_sha256: str | None,
@@ -97,6 +113,15 @@ def _rank_differences(profile, shapes: list[RankShape], calibrate: str) -> list[
                        f"in this job it shares it with {s.ranks_per_host - 1}: calibrate with the job's ranks on "
                        f"the same hosts")
             break
+    waits = [(s, profile.ranks[s.rank]) for s in shapes
+             if s.omp_wait is not None and profile.ranks[s.rank].omp_wait not in (None, s.omp_wait)]
+    if waits:
+        s, rc = waits[0]
+        fix = (f"run {calibrate} without OMP_WAIT_POLICY in the environment (with as many threads per rank as the "
+               f"host's CPUs its ranks then wait as this job's do)" if s.omp_wait == "active" else
+               f"run {calibrate} with OMP_WAIT_POLICY={s.omp_wait} set")
+        out.append(f"the profile's rank {s.rank} waited between graphs with OMP_WAIT_POLICY={rc.omp_wait}, this "
+                   f"job's ranks wait with {s.omp_wait} (a rank of several threads computes at another speed): {fix}")
     for s in shapes:
         rc = profile.ranks[s.rank]
         mine = [(what, a, b) for what, a, b in (("CPU", rc.cpu, s.cpu), ("logical CPUs", rc.cores, s.cores),

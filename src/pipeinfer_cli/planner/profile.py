@@ -80,6 +80,10 @@ class RankCosts:
     affinity_cpus: int | None = None  # the CPUs it may be scheduled on (a cpuset, a launcher's binding)
     quota_cpus: float | None = None  # its cgroup's CPU quota (None: none)
     ranks_per_host: int | None = None  # ranks of the job on its host, sharing its cores and memory
+    # How its OpenMP threads waited between graphs (OMP_WAIT_POLICY: "active", "passive", or
+    # "default", libgomp's): a rank of several threads computes ~1.4x slower waiting passively
+    # (BENCHMARKS.md, "Threads per rank"). None: an older profile.
+    omp_wait: str | None = None
     # The worst spread of each measured quantity ("decode", "prefill", "output"): (median - best) /
     # best of a point's timed repeats (runtime/calibrate_noise.py). None: an older profile.
     spread: dict[str, float] | None = None

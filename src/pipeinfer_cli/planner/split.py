@@ -62,18 +62,23 @@ def profile_for_split(profile_path: Path, model_path: Path, model_label: str, in
     caller did: identity_checked), and the job's memory besides the target's weights: the KV cache
     at n_ctx cells (info: the target's gguf_info.ModelInfo), and a draft model's weights and its
     own KV cache on the rank that runs it (draft_path: None when the job runs no draft model)."""
-    from ..models.gguf_info import read_model_info
     from .identity import model_sha256
 
     profile = Profile.load(profile_path)
     if not identity_checked:
         profile.check_model(model_label, model_path.stat().st_size, f"the profile {profile_path}",
                             model_sha256(model_path))
-    draft_bytes = 0
-    if draft_path is not None:
-        d = read_model_info(draft_path)
-        draft_bytes = d.file_size + d.n_layer * n_ctx * d.kv_bytes_per_cell
+    draft_bytes = 0 if draft_path is None else draft_model_bytes(draft_path, n_ctx)
     return profile, JobMemory(n_ctx, info.kv_bytes_per_cell, draft_bytes, world_size - 1 if draft_rank else None)
+
+
+def draft_model_bytes(path: Path, n_ctx: int) -> int:
+    """A draft model's memory on the rank that runs it: its file's weights and its own KV cache at
+    n_ctx cells (the runtime's check before loading counts it the same way)."""
+    from ..models.gguf_info import read_model_info
+
+    d = read_model_info(path)
+    return d.file_size + d.n_layer * n_ctx * d.kv_bytes_per_cell
 
 
 def drafts_under_load(parallel: int, n_stages: int, load_policy: str = "yield") -> bool:

@@ -23,6 +23,7 @@ The weights are the model file's, or the slices the head streamed to a rank with
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -341,7 +342,8 @@ def measure_rank(spec: ProbeSpec, info, rank: int, threads: int, runs_draft: boo
         say(f"draft {spec.draft.label}")
         draft = draft_costs(spec, rank, threads)
     costs = RankCosts(rank=rank, threads=threads, decode=decode, prefill=prefill_grid, output_row_s=head_s + sample_s,
-                      run_overhead_s=overhead_s, probe_layers=[begin, end], spread=dict(noise.worst), **facts.as_dict())
+                      run_overhead_s=overhead_s, probe_layers=[begin, end], spread=dict(noise.worst),
+                      omp_wait=os.environ.get("OMP_WAIT_POLICY", "default"), **facts.as_dict())
     return costs, draft
 
 

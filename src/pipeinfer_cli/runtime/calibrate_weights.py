@@ -103,12 +103,12 @@ def _wants(cfg: JobConfig, spec: ProbeSpec, topo: Topology, runs_draft: Callable
 
 
 def _pick_probe(link: Link, startup: Startup, files: list[ModelFiles], digests: dict, info: ModelInfo,
-                draft: bool) -> tuple[dict[object, str | None], list[Need]]:
+                draft: bool) -> tuple[dict[tuple[int, int] | str, str | None], list[Need]]:
     """This rank's paths (by part, and "draft") it has without a stream, and the Needs it asks for:
     the probe's missing slices, or the whole model file when they would together cost more (a small
     model, whose probe holds nearly every layer and whose slices each carry its embedding table)."""
     mine, head = files[link.rank], files[0]
-    paths = {}
+    paths: dict[tuple[int, int] | str, str | None] = {}
     whole, _ = pick_copy(mine.target, head.target, digests.get("target"), None, whoami(link, startup))
     for part in probe_parts(info.layer_bytes):
         paths[part] = whole or covering_slice(digests.get("target"), part)

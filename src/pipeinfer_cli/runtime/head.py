@@ -88,7 +88,7 @@ class Head:
                              wait_policy=link.wait_policy if link is not None else None)
         me = topo.ranks[0]
         self.report = RankReporter(0, "head", list(me.layers), me.threads, trace, loaded.engine, link, loaded.weights)
-        self.prefix = PrefixCache()
+        self.prefix = PrefixCache(ubatch=cfg.decode.ubatch)
         self.draft_used = False  # a request has run the draft (its cache may hold tokens)
         self.draft_memory = DraftMemory()  # whether drafting can pay on one stage, learned by earlier requests
         cb = cb or Callbacks()

@@ -201,7 +201,7 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
         hosts = startup.hosts
         head_plan = plan_config(cfg, link.size, hosts.count(hosts[0]), needs_draft) if link.rank == 0 else None
         topo, cfg, source = share_plan_and_weights(link, startup, cfg, head_plan, needs_draft, _say)
-        loaded = load_rank(cfg, topo, link.rank, requests, needs_draft)
+        loaded = load_rank(cfg, topo, link.rank, requests, needs_draft, hosts)
         loaded.weights = _weights_report(source, time.monotonic() - t0, loaded)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
@@ -216,7 +216,8 @@ def _say(text: str) -> None:
 def _weights_report(source: WeightsSource | None, load_s: float, loaded: Loaded) -> LoadedWeights | None:
     """This rank's "weights" report: where they came from, bytes received, time to get and load
     them, and its memory: the peak while loading and what stays resident once loaded."""
-    from ..decode.metrics import peak_rss_mib, process_stats
+    from ..decode.metrics import process_stats
+    from ..process_memory import peak_rss_mib
 
     if source is None:
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 from ..decode.result import GenerationResult
 from ..errors import UsageError
@@ -45,17 +46,36 @@ def job_trace(cfg: JobConfig, results: list[GenerationResult]) -> Trace:
     return Trace(model, draft, sampling, depth, prompts, _machine(results))
 
 
-def _machine(results: list[GenerationResult]) -> dict[str, object]:
+class TraceRank(TypedDict):
+    rank: int
+    role: str
+    threads: int
+    layers: list[int]
+
+
+class TraceMachine(TypedDict):
+    """Where a trace was recorded (its "machine"): this host as host_facts sees it, the head's
+    threads, every rank's part and the layer split."""
+
+    host: str
+    cpu: str
+    cores: int
+    usable_cpus: float
+    threads: int | None
+    ranks: list[TraceRank]
+    layer_split: str | None
+
+
+def _machine(results: list[GenerationResult]) -> TraceMachine:
     from .host_facts import host_facts
 
     facts = host_facts()
     ranks = results[0].ranks if results else []
     head = next((r for r in ranks if r.rank == 0), None)
-    out = {k: getattr(facts, k) for k in ("host", "cpu", "cores", "usable_cpus")}
-    out["threads"] = None if head is None else head.threads
-    out["ranks"] = [{k: getattr(r, k) for k in ("rank", "role", "threads", "layers")} for r in ranks]
-    out["layer_split"] = results[0].layer_split if results else None
-    return out
+    return TraceMachine(host=facts.host, cpu=facts.cpu, cores=facts.cores, usable_cpus=facts.usable_cpus,
+                        threads=None if head is None else head.threads,
+                        ranks=[TraceRank(rank=r.rank, role=r.role, threads=r.threads, layers=r.layers) for r in ranks],
+                        layer_split=results[0].layer_split if results else None)
 
 
 def save_job_trace(path: Path, cfg: JobConfig, results: list[GenerationResult], say: Callable[[str], None]) -> Trace:

@@ -3,6 +3,7 @@ tokenizer, the tokenized prompts and a head-local drafter; on a draft rank, the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,19 +61,21 @@ def make_drafter(cfg: JobConfig, threads: int) -> Drafter:
     return local_drafter(cfg.draft, cfg.draft_path, cfg.n_ctx, threads)
 
 
-def load_rank(cfg: JobConfig, topo: Topology, rank: int, requests: list[Request], needs_draft: bool) -> Loaded:
+def load_rank(cfg: JobConfig, topo: Topology, rank: int, requests: list[Request], needs_draft: bool,
+              hosts: list[str] | None = None) -> Loaded:
+    """hosts: every rank's host name (start-up's check-ins); None: this rank's host is its own."""
     from ..native import LayerEngine
     from ..transport.faults import slowdown_for
 
     me = topo.ranks[rank]
     out = Loaded(topo, me)
     _warn_if_profiled_elsewhere(cfg.profile, rank)
+    check_memory_limit(cfg, topo, rank, hosts, needs_draft)
     if me.role == "draft":
         if needs_draft:
             out.drafter = make_drafter(cfg, me.threads)
         return out
     geometry = cfg.geometry  # sequences and cells per request slot
-    check_memory_limit(cfg, me, rank, topo.n_stages)
     try:
         out.engine = LayerEngine(str(cfg.model_path), me.layers[0], me.layers[1], n_ctx=geometry.n_ctx,
                                  n_threads=me.threads, n_seq_max=geometry.n_seq, n_slots=geometry.n_slots, slowdown=slowdown_for(rank))
@@ -87,31 +90,79 @@ def load_rank(cfg: JobConfig, topo: Topology, rank: int, requests: list[Request]
     return out
 
 
-def check_memory_limit(cfg: JobConfig, me: RankPlan, rank: int, n_stages: int) -> None:
-    """Refuse, before loading, a rank whose weights and KV cache cannot fit the memory limit that its
-    cgroup sets (a container's --memory, an emulated host's --mem, a Slurm job's): otherwise the
-    out-of-memory killer ends it half-way through loading, and the job can only say "killed".
-    The weights counted are those the rank copies into its own memory (its layers, repacked, and
-    the LM head on the last stage); the embedding table stays in the file's pages."""
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What one rank copies into its memory for a job: `what` it holds, about `bytes` of it."""
+
+    rank: int
+    what: str
+    bytes: int
+
+
+def rank_memory_needs(cfg: JobConfig, topo: Topology, rank: int, needs_draft: bool) -> list[MemoryNeed]:
+    """What rank `rank` holds: a stage its layers' weights (repacked into its memory; the LM head on
+    the last stage; the embedding table stays in the file's pages) and their KV cache at the job's
+    cells; the head also a draft model it runs itself, a draft rank its draft model (each with its
+    weights and its own KV cache at --ctx)."""
     from ..models.gguf_info import read_model_info
+    from ..planner.split import draft_model_bytes
+
+    me, out = topo.ranks[rank], []
+    if me.role != "draft":
+        info = read_model_info(cfg.model_path)
+        b, e = me.layers
+        weights = sum(info.layer_bytes[b:e]) + (info.output_bytes if rank == topo.n_stages - 1 else 0)
+        kv = info.kv_bytes_per_cell * (e - b) * cfg.engine_ctx  # every layer of the range
+        out.append(MemoryNeed(rank, f"layers {b}-{e - 1} and their KV cache at --ctx {cfg.n_ctx}", weights + kv))
+    draft_here = me.role == "draft" or (me.role == "head" and topo.draft_rank is None)
+    if needs_draft and draft_here and cfg.draft_path is not None:
+        out.append(MemoryNeed(rank, f"the draft model {cfg.draft_label} and its KV cache",
+                              draft_model_bytes(Path(cfg.draft_path), cfg.n_ctx)))
+    return out
+
+
+def host_memory_needs(cfg: JobConfig, topo: Topology, rank: int, hosts: list[str] | None,
+                      needs_draft: bool) -> list[MemoryNeed]:
+    """What every rank on rank `rank`'s host holds (they share its memory limit)."""
+    here = [rank] if hosts is None else [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    return [n for r in here for n in rank_memory_needs(cfg, topo, r, needs_draft)]
+
+
+def check_memory_limit(cfg: JobConfig, topo: Topology, rank: int, hosts: list[str] | None,
+                       needs_draft: bool) -> None:
+    """Refuse, before loading, a rank whose host cannot hold what the job's ranks there load, within
+    the memory limit its cgroup sets (a container's --memory, an emulated host's --mem, a Slurm
+    job's), which every process on the host shares: otherwise the out-of-memory killer ends a rank
+    half-way through loading, and the job can only say "killed". Counted: every rank of the host,
+    each with what `rank_memory_needs` says it holds (a head-local or draft rank's draft model too)."""
     from .cpu_share import memory_limit_bytes
 
     limit = memory_limit_bytes()
     if limit is None:
         return
-    info = read_model_info(cfg.model_path)
-    b, e = me.layers
-    weights = sum(info.layer_bytes[b:e]) + (info.output_bytes if rank == n_stages - 1 else 0)
-    kv = info.kv_bytes_per_cell * (e - b) * cfg.engine_ctx  # every layer of the range
-    if weights + kv > limit:
-        import socket
+    needs = host_memory_needs(cfg, topo, rank, hosts, needs_draft)
+    total = sum(n.bytes for n in needs)
+    if total > limit:
+        raise UsageError(memory_refusal(needs, limit, hosts[rank] if hosts else None, cfg.n_ctx))
 
-        from ..wording import human_bytes
 
-        raise UsageError(f"rank {rank} (host {socket.gethostname()}) needs about {human_bytes(weights + kv)} for layers "
-                         f"{b}-{e - 1} and their KV cache at --ctx {cfg.n_ctx}, but its memory limit is "
-                         f"{human_bytes(limit)} (cgroup); split the model over more hosts (--ranks), "
-                         f"lower --ctx, or raise the host's memory limit")
+def memory_refusal(needs: list[MemoryNeed], limit: int, host: str | None, n_ctx: int) -> str:
+    """The one line that refuses a host whose ranks need more than its memory limit."""
+    import socket
+
+    from ..wording import human_bytes
+
+    host = host or socket.gethostname()
+    ranks = sorted({n.rank for n in needs})
+    total = sum(n.bytes for n in needs)
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    parts = "; ".join(f"rank {n.rank}: {n.what}, {human_bytes(n.bytes)}" for n in needs)
+    together = "" if len(needs) == 1 else " together"
+    fix = "split the model over more hosts (--ranks, or fewer ranks on this host)" if len(ranks) > 1 else \
+        "split the model over more hosts (--ranks)"
+    return (f"{who} (host {host}) need{'s' if len(ranks) == 1 else ''} about {human_bytes(total)}{together} "
+            f"({parts}), but the host's memory limit is {human_bytes(limit)} (cgroup); {fix}, lower --ctx "
+            f"(now {n_ctx}), or raise the host's memory limit")
 
 
 def _load_head(cfg: JobConfig, out: Loaded, requests: list[Request], needs_draft: bool) -> None:

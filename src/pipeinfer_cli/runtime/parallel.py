@@ -17,7 +17,7 @@ the job's corpus of earlier requests, which each finished request joins.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from ..decode.draft_spec import DraftSpec
 from ..decode.drafters import AsyncDrafter
@@ -105,7 +105,7 @@ class ParallelRunner:
         cfg = head.cfg
         self.head, self.service, self.cfg = head, service, cfg
         self.mux = PipelineMux(head.pipe, cfg.parallel, cfg.load_policy)
-        self.table = SlotTable(cfg.parallel, cfg.reuse_prefix)
+        self.table = SlotTable(cfg.parallel, cfg.reuse_prefix, cfg.decode.ubatch)
         self.lease = DraftLease(head.drafter, cfg.draft, self.mux.lock)
         self.threads: dict[int, threading.Thread] = {}
         self.failure: BaseException | None = None
@@ -225,7 +225,22 @@ class ParallelRunner:
         return result
 
 
-def slot_rows(service) -> list[dict[str, object]]:
+class SlotRow(TypedDict, total=False):
+    """One slot in GET /slots and /metrics (`slot_rows`): always id, n_ctx and is_processing."""
+
+    id: int
+    n_ctx: int | None
+    is_processing: bool
+    id_task: int
+    n_decoded: int
+    mode: str
+    n_prompt_tokens: int
+    reused_tokens: int
+    draft: str | None
+    draft_model_held_by: dict[str, int | None] | None
+
+
+def slot_rows(service) -> list[SlotRow]:
     """What every slot of a service does (GET /slots, /metrics), in llama-server's manner: id,
     n_ctx, is_processing, and for a busy slot its request (id_task), mode, prompt tokens, tokens
     decoded so far, reused tokens and drafter; for a request that wanted the job's draft model

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..transport.mpi_link import Link, WaitPolicy
-from ..decode.metrics import peak_rss_mib, process_stats
+from ..decode.metrics import process_stats
+from ..process_memory import peak_rss_mib
 from ..decode.result import RankReport
 
 if TYPE_CHECKING:

@@ -165,7 +165,7 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
 
 
 def _job_command(n_ranks: int, argv: list[str], guarded: bool,
-                 program: list[str] | None = None) -> tuple[list[str], dict, str | None]:
+                 program: list[str] | None = None) -> tuple[list[str], dict[str, str], str | None]:
     """(mpiexec command, environment, directory of the guards' reports or None). guarded: each rank
     runs under transport/rank_guard.py, without the launcher's cleanup, so that a server outlives a
     rank killed by a signal and can tell its clients."""

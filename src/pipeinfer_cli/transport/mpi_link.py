@@ -16,6 +16,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TypedDict
 
 import numpy as np
 from mpi4py import MPI
@@ -33,6 +34,20 @@ class RankFailedError(PipeinferError):
 BUSY_IDLE, BUSY, BUSY_OPAQUE = 0, 1, 2  # what a rank's heartbeats say it is doing (liveness.py)
 
 
+class PeerTraffic(TypedDict):
+    bytes: int
+    messages: int
+
+
+class WireTraffic(TypedDict):
+    """A rank's traffic since the last take (its report's "wire"): per peer rank (as a string, a
+    JSON key), and the seconds it waited for messages."""
+
+    sent: dict[str, PeerTraffic]
+    received: dict[str, PeerTraffic]
+    wait_s: float
+
+
 class Traffic:
     """What this rank moved since the last take(): array bytes and messages per peer, and the time
     spent waiting for messages (sleeping between probes)."""
@@ -48,7 +63,7 @@ class Traffic:
         row[0] += nbytes
         row[1] += 1
 
-    def take(self) -> dict:
+    def take(self) -> WireTraffic:
         out = {"sent": {str(k): {"bytes": b, "messages": m} for k, (b, m) in sorted(self.sent.items())},
                "received": {str(k): {"bytes": b, "messages": m} for k, (b, m) in sorted(self.received.items())},
                "wait_s": round(self.wait_s, 4)}

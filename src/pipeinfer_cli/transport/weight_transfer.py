@@ -110,7 +110,7 @@ def receive_weights(link: Link, label: str, need: Need, model_sha256: str) -> tu
             out.write(memoryview(link.recv_array(0, Tag.WEIGHTS, np.uint8, got)))
         _, digest = _recv_ctl(link, stall_s, "the end of the stream")
         path = out.commit(digest)
-    from ..decode.metrics import peak_rss_mib
+    from ..process_memory import peak_rss_mib
 
     return path, WeightsSource("stream", total, time.monotonic() - t0, str(path), round(peak_rss_mib(), 1))
 
