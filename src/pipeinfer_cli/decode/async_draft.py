@@ -47,13 +47,16 @@ class AsyncDraft:
         # source comments").
         self.drafter.request(path, min(self.n_draft + self.lag, limit), 0.0)
 
-    def receive(self, path: Callable[[], list[int]]) -> None:
-        """Take the reply if it has arrived (without waiting); path(): the current path."""
+    def receive(self, path: Callable[[], list[int]]) -> int:
+        """Take the reply if it has arrived (without waiting); path(): the current path. Returns
+        how many tokens it proposes (0 without a reply)."""
         if self.reply is None and self.drafter.outstanding:
             prop = self.drafter.poll()
             if prop is not None:
                 self.reply = prop
                 self.lag = min(max(len(path()) - len(prop.base), 0), 2 * self.n_draft)
+                return len(prop.tokens)
+        return 0
 
     def arrived(self) -> bool:
         """A reply has arrived and waits to be received."""
@@ -88,7 +91,9 @@ class AsyncDraft:
         self.reply = None
         return cand[len(path):len(path) + keep]
 
-    def drain(self) -> None:
-        """Wait for the outstanding request's reply, if any, and forget it (end of a request)."""
-        self.drafter.wait()
+    def drain(self) -> int:
+        """Wait for the outstanding request's reply, if any, and forget it (end of a request).
+        Returns how many tokens that reply proposed (0 without one)."""
+        prop = self.drafter.wait()
         self.reply = None
+        return len(prop.tokens) if prop is not None else 0

@@ -128,6 +128,9 @@ class PipeInfer:
         m.launched += 1
         m.speculative += speculative
         m.branches_launched += len(batch.branches) - 1
+        if speculative:  # its rows past the committed tokens are drafted ones
+            frontier = len(self.s.tokens)
+            self.s.metrics.drafting.launched += sum(1 for p in batch.pos if p >= frontier)
         return True
 
     def ensure_frontier_run(self) -> None:
@@ -169,12 +172,14 @@ class PipeInfer:
         t0 = self.clock()
         prop = self.drafter.propose(tail, n_max, 0.0)
         self.draft_source = prop.source
+        self.s.metrics.drafting.proposed += len(prop.tokens)
         return [prop.tokens], t0
 
     def draft_tree(self, path: list[int], n_max: int, threshold: float) -> list[list[int]]:
         """The confident part of the draft continuing `path`, then the side branches a tree may add."""
         prop = self.drafter.propose(path, n_max, threshold)
         self.draft_source = prop.source
+        self.s.metrics.drafting.proposed += len(prop.tokens)
         keep = confident(prop.probs, threshold)
         branches = [prop.tokens[:keep]]
         budget = min(self.opts.max_branches, self.slots.n_free) - 1
@@ -206,6 +211,7 @@ class PipeInfer:
         for a in alts:
             stem = prop.tokens[:j] + [a]
             cont = self.drafter.propose(path + stem, n_max - len(stem), threshold) if n_max > len(stem) else None
+            self.s.metrics.drafting.proposed += len(cont.tokens) if cont else 0
             out.append(stem + (cont.tokens[:confident(cont.probs, threshold)] if cont else []))
         return out
 
@@ -236,6 +242,7 @@ class PipeInfer:
                 return True  # dropped: ask again
         if not draft and free is not None:
             draft, source = free(path, self.threshold, self.draft_window(path)), "lookup"
+            self.s.metrics.drafting.proposed += len(draft or [])
         if not draft:
             return False
         self.request_draft(ahead=draft)  # draft beyond this run while the head computes it
@@ -373,7 +380,7 @@ class PipeInfer:
         while not self.s.done:
             if self.handle_arrived():
                 continue
-            self.draft.receive(self.path)
+            self.s.metrics.drafting.proposed += self.draft.receive(self.path)
             if self.launch_reply():
                 continue
             self.request_draft()
@@ -390,7 +397,7 @@ class PipeInfer:
             self.flights.popleft()
             self.pipe.next_result()
         if self.draft is not None:
-            self.draft.drain()
+            self.s.metrics.drafting.proposed += self.draft.drain()
 
 
 def decode_pipeinfer(pipe: PipelineLike, s: Session, opts: DecodeOptions, drafter: Drafter | AsyncDrafter,

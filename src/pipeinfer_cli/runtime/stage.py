@@ -18,6 +18,7 @@ from ..transport.messages import (
     RUN_FLAG_INVARIANT, RUN_FLAG_SKIP, KvCommand, Msg, ResultHeader, RunHeader, SamplingSpec, Tag,
 )
 from ..transport.mpi_link import Link
+from ..decode.cpu_account import PROCESS, STAGE, WAIT
 from ..decode.metrics import now
 from ..decode.sampling import SamplingParams, from_spec, sample_rows
 from .rank_report import JobAborted, KvUsage, RankReporter, fault_injection
@@ -124,8 +125,9 @@ class _StageLoop:
                 raise self.listener.failure or JobAborted()
             st = link.probe(self.prev, Tag.STREAM)
             if st is None:
-                link.progress_sends()
-                link.idle(backoff)
+                with PROCESS.charge(WAIT):
+                    link.progress_sends()
+                    link.idle(backoff)
                 continue
             backoff.reset()
             msg = link.recv_array(self.prev, Tag.STREAM, np.int64, st)
@@ -174,7 +176,8 @@ class _StageLoop:
             self.layers_unstarted += engine.layer_end - engine.layer_begin
             self.trace.instant("skip", now(), run=hdr.run_id)
         if out is not None and self.is_last:
-            out = sample_rows(out, self.sampling, hdr.pos[hdr.output] + 1)
+            with PROCESS.charge(STAGE):
+                out = sample_rows(out, self.sampling, hdr.pos[hdr.output] + 1)
         _forward(self.link, hdr, out, self.nxt, self.trace)
 
 
@@ -182,8 +185,9 @@ def _compute(engine, hdr: RunHeader, payload: np.ndarray, is_last: bool, report:
     """This stage's layers for one run; None if it was cancelled while computing."""
     t0 = now()
     try:
-        out = engine.eval(embd=payload, pos=hdr.pos, seq_ids=hdr.seq_ids, output=hdr.output if is_last else None,
-                          batch_invariant=bool(hdr.flags & RUN_FLAG_INVARIANT))
+        with PROCESS.charge(STAGE):
+            out = engine.eval(embd=payload, pos=hdr.pos, seq_ids=hdr.seq_ids, output=hdr.output if is_last else None,
+                              batch_invariant=bool(hdr.flags & RUN_FLAG_INVARIANT))
     except EvalCancelled:
         out = None
     t1 = now()
