@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .async_draft import AsyncDraft
+from .draft_budget import DraftBudget
 from .draft_economy import PROBE_CONTEXT, DraftMemory
 from .draft_gate import draft_gate
 from .drafters import AsyncDrafter, Drafter, Proposal
@@ -73,6 +74,7 @@ class PipeInfer:
         # One stage, drafter on the head: drafting takes the cores the next token would (draft_gate.py).
         self.gate = draft_gate(opts.spec_policy, self.draft is None and pipe.n_stages == 1, drafter,
                                memory if memory is not None else DraftMemory(), prompt_pass)
+        self.budget = DraftBudget(opts.p_reach, pipe.n_stages)  # how far ahead to draft: acceptance, timings
 
     # -- bookkeeping -------------------------------------------------------------------------
     def valid(self) -> list[Flight]:
@@ -101,8 +103,9 @@ class PipeInfer:
         return self.inflight() < self.opts.max_inflight and self.slots.n_free > 0 and may_speculate(self.pipe)
 
     def draft_window(self, path: list[int]) -> int:
-        """How many tokens a draft continuing `path` may propose."""
-        return min(self.opts.n_draft, self.limit_pos - len(path))
+        """How many tokens a draft continuing `path` may propose: up to --n-draft, never past -n,
+        nor further ahead of the committed tokens than the measured acceptance makes worth it."""
+        return min(self.opts.n_draft, self.limit_pos - len(path), self.budget.room(len(path) - len(self.s.tokens)))
 
     # -- launching ---------------------------------------------------------------------------
     def launch(self, branch_tokens: list[list[int]], pos0: int, speculative: bool, source: str | None = None) -> bool:
@@ -123,7 +126,9 @@ class PipeInfer:
         run_id = self.pipe.launch(batch.tokens, batch.pos, batch.seq_ids, batch.output, speculative=speculative)
         n = len(batch.tokens)
         self.gate.launched(speculative, n, self.clock() - t0)
-        self.flights.append(Flight(run_id, pos0, batch.branches, speculative, parent, n_cells=n, source=source))
+        self.budget.head_run(n, self.clock() - t0)
+        self.flights.append(Flight(run_id, pos0, batch.branches, speculative, parent, n_cells=n, source=source,
+                                   t_launch=t0))
         m = self.s.metrics.runs
         m.launched += 1
         m.speculative += speculative
@@ -156,6 +161,7 @@ class PipeInfer:
         t1 = self.clock()
         self.pipe.trace.slice("draft", t0, t1, n_tokens=sum(len(b) for b in branches), branches=len(branches))
         self.gate.drafted(t1 - t0)
+        self.budget.drafted(sum(len(b) for b in branches), t1 - t0)
         if not branches[0]:
             return False
         self.runs_this_round += 1
@@ -225,7 +231,7 @@ class PipeInfer:
         if self.draft.busy:
             return
         path = self.path() + (ahead or [])
-        self.draft.request(path, self.limit_pos - len(path))
+        self.draft.request(path, self.limit_pos - len(path), self.budget.room(len(path) - len(self.s.tokens)))
 
     def launch_reply(self) -> bool:
         """Launch the pending draft reply if it still continues the current path, else what a free
@@ -235,6 +241,8 @@ class PipeInfer:
         if (self.draft.reply is None and free is None) or not self.can_speculate():
             return False
         path, draft = self.path(), None
+        if self.draft_window(path) <= 0:
+            return False  # enough in flight for now: the reply waits for room
         if self.draft.reply is not None:
             source = self.draft.reply.source
             draft = self.draft.take(path, self.threshold, self.draft_window(path))
@@ -304,6 +312,7 @@ class PipeInfer:
         self.pipe.trace.instant("commit", self.clock(), run=f.run_id, n=taken, branch=walk.winner)
         drafted, accepted = walk.acceptance(taken)
         acc.add(drafted, accepted, f.source)
+        self.budget.observe(drafted, accepted)
         if f.speculative and f.parent is None:
             # A speculative run launched with nothing in flight starts with the last committed token
             # (a draft rank's reply): its drafted tokens were all checked here.
@@ -335,9 +344,11 @@ class PipeInfer:
               if b.alive and b.tokens[0] == s.tokens[-1] and nxt.pos0 == len(s.tokens) - 1]
         if nxt.parent == (run_id, winner) and ok:
             acc.add(1, 1, nxt.source)
+            self.budget.observe(1, 1)
             self.prune(nxt, ok)
         else:
             acc.add(1, 0, nxt.source)
+            self.budget.observe(1, 0)
             self.reject()
 
     def handle(self, res) -> None:
@@ -345,6 +356,8 @@ class PipeInfer:
         assert f.run_id == res.run_id, f"results arrive in launch order ({f.run_id} != {res.run_id})"
         if f.cancelled or res.tokens is None or self.s.done:
             return
+        if not f.speculative and f.n_cells == 1:
+            self.budget.single_pass(self.clock() - f.t_launch)
         accepted = self.s.metrics.acceptance.accepted
         self.verify(f, res.tokens)
         self.gate.accepted(self.s.metrics.acceptance.accepted - accepted)
