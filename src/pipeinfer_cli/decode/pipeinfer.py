@@ -217,7 +217,7 @@ class PipeInfer:
         for a in alts:
             stem = prop.tokens[:j] + [a]
             cont = self.drafter.propose(path + stem, n_max - len(stem), threshold) if n_max > len(stem) else None
-            self.s.metrics.drafting.proposed += len(cont.tokens) if cont else 0
+            self.s.metrics.drafting.proposed += 1 + (len(cont.tokens) if cont else 0)  # the runner-up and its continuation
             out.append(stem + (cont.tokens[:confident(cont.probs, threshold)] if cont else []))
         return out
 
