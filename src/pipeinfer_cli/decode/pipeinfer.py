@@ -5,7 +5,8 @@ The head keeps several runs in flight down the pipeline at once:
 - a single-token, non-speculative run from the last committed token whenever no valid run in
   flight starts there, so every verification yields at least one token;
 - speculative runs that continue the draft's path beyond the runs already in flight, while the
-  draft is confident (p >= p_accept + p_adjust) and sequence slots are free.
+  draft is confident (p >= p_accept + p_adjust), sequence slots are free, and a token that far
+  ahead is worth drafting (`draft_budget.py`).
 
 KV multibuffering (`kv_slots.py`): every run writes into its own sequence. At launch a run
 inherits its parent's cells with one `seq_cp` (the parent is the previous run on its path, or the
@@ -14,9 +15,8 @@ on. KV operations travel in stream order behind the runs, so on each stage the p
 computed before the copy applies. Accepted tokens are committed with one `seq_cp(run → canonical)`
 over their positions, and the run's sequence is dropped: O(1) messages per commit.
 
-Token trees (`--max-branches B > 1`; layout and walk in `tree.py`): a speculative run may carry
-up to B branches, one KV sequence each, split once, at the first drafted position where a runner-up
-has p > p_split; each side branch continues by greedy drafting from its runner-up. Later runs
+Token trees (`--max-branches B > 1`; layout and walk in `tree.py`, where a draft splits in
+`side_branches.py`): a speculative run may carry up to B branches, one KV sequence each. Later runs
 continue one branch (`Flight.parent = (run_id, branch)`) and stay valid only if that very branch
 won: equal tokens on another branch attended to another KV context. When the previous run decides
 a tree's first token, the branches that start with a wrong token are dropped at once (`seq_rm` in
@@ -40,11 +40,12 @@ from .async_draft import AsyncDraft
 from .draft_budget import DraftBudget
 from .draft_economy import PROBE_CONTEXT, DraftMemory
 from .draft_gate import draft_gate
-from .drafters import AsyncDrafter, Drafter, Proposal
+from .drafters import AsyncDrafter, Drafter
 from .kv_slots import KvSlots
 from .metrics import now
 from .pipeline_protocol import PipelineLike, may_speculate
 from .session import CANONICAL_SEQ, DecodeOptions, Session
+from .side_branches import side_branches
 from .tree import Branch, Flight, confident, tree_batch, walk_tree
 
 
@@ -134,8 +135,7 @@ class PipeInfer:
         m.speculative += speculative
         m.branches_launched += len(batch.branches) - 1
         if speculative:  # its rows past the committed tokens are drafted ones
-            frontier = len(self.s.tokens)
-            self.s.metrics.drafting.launched += sum(1 for p in batch.pos if p >= frontier)
+            self.s.metrics.drafting.launched += sum(1 for p in batch.pos if p >= len(self.s.tokens))
         return True
 
     def ensure_frontier_run(self) -> None:
@@ -190,7 +190,8 @@ class PipeInfer:
         branches = [prop.tokens[:keep]]
         budget = min(self.opts.max_branches, self.slots.n_free) - 1
         if keep and budget > 0:
-            side = self.side_branches(path, prop, keep, n_max, threshold, budget)
+            side = side_branches(self.drafter, path, prop, keep, n_max, threshold, self.opts.p_split, budget,
+                                 self.s.metrics.drafting)
             # A tree takes more KV cells than --ctx was checked for (n_draft per run in flight): keep
             # the side branches only while the cache has room for them.
             room = (self.pipe.engine.n_ctx - len(self.s.tokens) - sum(f.n_cells for f in self.valid())
@@ -199,27 +200,6 @@ class PipeInfer:
                 side.pop()
             branches += side
         return branches
-
-    def side_branches(self, path: list[int], prop: Proposal, keep: int, n_max: int, threshold: float,
-                      budget: int) -> list[list[int]]:
-        """Narrow, deep tree: split once, at the first kept position whose runner-ups beat p_split.
-
-        Each side branch takes one of those runner-ups and continues by greedy drafting from it
-        (a drafter can continue any path). Drafters without alternatives (lookup) never split.
-        """
-        for j in range(keep):
-            alts = [t for t, p in prop.alternatives[j] if p > self.opts.p_split][:budget] if j < len(prop.alternatives) else []
-            if alts:
-                break
-        else:
-            return []
-        out = []
-        for a in alts:
-            stem = prop.tokens[:j] + [a]
-            cont = self.drafter.propose(path + stem, n_max - len(stem), threshold) if n_max > len(stem) else None
-            self.s.metrics.drafting.proposed += 1 + (len(cont.tokens) if cont else 0)  # the runner-up and its continuation
-            out.append(stem + (cont.tokens[:confident(cont.probs, threshold)] if cont else []))
-        return out
 
     # -- asynchronous drafting (dedicated draft rank) -----------------------------------------
     def request_draft(self, ahead: list[int] | None = None) -> None:
