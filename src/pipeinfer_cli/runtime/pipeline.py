@@ -173,8 +173,10 @@ class Pipeline:
 
     def wait_until(self, cond) -> None:
         """Sleep (with backoff, never spinning) until cond() is true; cond polls what it waits for.
-        A failure another rank reported is raised, and sends keep moving while waiting."""
-        backoff = self._backoff()
+        A failure another rank reported is raised, and sends keep moving while waiting. These waits
+        (a result or a draft reply) are one wait site of the link's history, so that a wait as long
+        as the recent ones is slept through rather than probed ten thousand times a second."""
+        backoff = self._backoff(site="result-or-draft")
         with PROCESS.charge(WAIT):
             while not cond():
                 if self.link is None:

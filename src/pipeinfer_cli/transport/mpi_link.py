@@ -34,13 +34,15 @@ BUSY_IDLE, BUSY, BUSY_OPAQUE = 0, 1, 2  # what a rank's heartbeats say it is doi
 
 
 class Traffic:
-    """What this rank moved since the last take(): array bytes and messages per peer, and the time
-    spent waiting for messages (sleeping between probes)."""
+    """What this rank moved since the last take(): array bytes and messages per peer, the time
+    spent waiting for messages (sleeping between probes), and how often it woke up to probe again
+    (each wake-up costs CPU, however short the sleep)."""
 
     def __init__(self):
         self.sent: dict[int, list[int]] = {}  # dest -> [bytes, messages]
         self.received: dict[int, list[int]] = {}  # source -> [bytes, messages]
         self.wait_s = 0.0
+        self.wakeups = 0
 
     @staticmethod
     def _add(table: dict[int, list[int]], peer: int, nbytes: int) -> None:
@@ -51,7 +53,7 @@ class Traffic:
     def take(self) -> dict:
         out = {"sent": {str(k): {"bytes": b, "messages": m} for k, (b, m) in sorted(self.sent.items())},
                "received": {str(k): {"bytes": b, "messages": m} for k, (b, m) in sorted(self.received.items())},
-               "wait_s": round(self.wait_s, 4)}
+               "wait_s": round(self.wait_s, 4), "wakeups": self.wakeups}
         self.__init__()
         return out
 
@@ -201,6 +203,7 @@ class Link:
         t0 = time.perf_counter()
         backoff.idle()
         self.traffic.wait_s += time.perf_counter() - t0
+        self.traffic.wakeups += 1
 
     @contextlib.contextmanager
     def computing(self, observable: bool = True):
