@@ -7,10 +7,10 @@ with probability about a^d; the tokens past the first rejection are drafted, lau
 verified for nothing (their runs are cancelled). So the head keeps drafted tokens in flight only
 up to the depth D where a^D falls under `p_reach`: at a = 0.8 and p_reach = 0.5, 3 tokens ahead;
 at a = 0.95, 13; a draft that is always right (a = 1) is not limited. The bar is lower where the
-measured timings say a drafted token is cheap (`cost_share`: its drafting on the head, plus its
-verification row on a stage, as a share of a token's pass through the pipeline): rows that cost
-next to nothing (a pipeline of fast stages) are worth drafting at a lower chance, while on CPUs,
-where a row costs about a one-token run, p_reach holds. The run that is being
+measured timings say a drafted token is cheap (`cost_share`: its verification row as a share of a
+one-token run, plus its drafting on the head as a share of a token's pass): rows that cost next
+to nothing (an accelerator's batches) are worth drafting at a lower chance, while on CPUs, where a
+row costs about a one-token run on every stage, p_reach holds. The run that is being
 drafted gets the room left (`room`), so run lengths follow the measured acceptance, and the draft
 is asked for no more than that (a draft rank too). One drafted token is always allowed when none
 is in flight, so that the acceptance goes on being measured.
@@ -41,10 +41,10 @@ class DraftBudget:
     p_reach: the least probability that a drafted token is reached (0: no limit). Where the
     stages' timings say a drafted token costs less than that share of a token's pass (rows that
     are nearly free to verify, a cheap draft), the bar is that cost instead: `cost_share`.
-    n_stages: stages of the target pipeline."""
+    """
 
-    def __init__(self, p_reach: float, n_stages: int = 1):
-        self.p_reach, self.n_stages = p_reach, n_stages
+    def __init__(self, p_reach: float):
+        self.p_reach = p_reach
         self.verified = 0.0  # decayed count of verified drafted tokens
         self.accepted = 0.0  # decayed count of those accepted
         # Timings (moving averages, seconds): the head's stage computing a one-token run, its
@@ -73,13 +73,14 @@ class DraftBudget:
             self.t_draft = _ema(self.t_draft, seconds / n_tokens)
 
     def cost_share(self) -> float | None:
-        """What a drafted token costs, as a share of a token's pass through the pipeline: its
-        drafting plus its row on a stage (a row's share of a one-token run, measured on the
-        head's stage, of the pass's share of one stage); None until measured."""
+        """What a drafted token costs against what it saves once committed (a one-token run on
+        every stage): its verification row, as a share of a one-token run (measured on the head's
+        stage; every stage computes the row), plus its drafting, as a share of a token's pass
+        through the pipeline. None until measured."""
         if self.t_single is None or self.t_row is None or not self.t_pass:
             return None
         row = min(self.t_row / self.t_single, 1.0) if self.t_single > 0 else 1.0
-        return (self.t_draft or 0.0) / self.t_pass + row / self.n_stages
+        return (self.t_draft or 0.0) / self.t_pass + row
 
     def bar(self) -> float:
         """The least probability of being reached that a drafted token must have."""

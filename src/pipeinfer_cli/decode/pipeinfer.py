@@ -75,7 +75,7 @@ class PipeInfer:
         # One stage, drafter on the head: drafting takes the cores the next token would (draft_gate.py).
         self.gate = draft_gate(opts.spec_policy, self.draft is None and pipe.n_stages == 1, drafter,
                                memory if memory is not None else DraftMemory(), prompt_pass)
-        self.budget = DraftBudget(opts.p_reach, pipe.n_stages)  # how far ahead to draft: acceptance, timings
+        self.budget = DraftBudget(opts.p_reach)  # how far ahead to draft: acceptance, timings
 
     # -- bookkeeping -------------------------------------------------------------------------
     def valid(self) -> list[Flight]:
