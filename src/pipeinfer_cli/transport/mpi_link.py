@@ -124,6 +124,11 @@ class Link:
         self.wait_policy = self.wait_policy.for_cores(alone)
         return self.wait_policy.spin_tail
 
+    def set_cpu_quota(self, quota_cpus: float | None) -> None:
+        """This rank's CFS quota in CPUs (None: none): below one CPU, its waits wake up less often
+        (`WaitPolicy.for_quota`)."""
+        self.wait_policy = self.wait_policy.for_quota(quota_cpus)
+
     # -- receiving -------------------------------------------------------------------------
     def probe(self, source: int, tag: Tag) -> _Received | None:
         """The next checked message of (source, tag) if one has arrived, without consuming it."""
