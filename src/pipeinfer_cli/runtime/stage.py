@@ -121,16 +121,7 @@ class _StageLoop:
     def run(self) -> None:
         link, backoff = self.link, self.link.backoff(site="stream")
         while True:
-            if self.listener.aborted.is_set():
-                raise self.listener.failure or JobAborted()
-            st = link.probe(self.prev, Tag.STREAM)
-            if st is None:
-                with PROCESS.charge(WAIT):
-                    link.progress_sends()
-                    link.idle(backoff)
-                continue
-            backoff.reset()
-            msg = link.recv_array(self.prev, Tag.STREAM, np.int64, st)
+            msg = self.next_message(backoff)
             kind = int(msg[0])
             if kind == Msg.RUN:
                 self.run_one(RunHeader.decode(msg))
@@ -142,6 +133,23 @@ class _StageLoop:
                     link.liveness.stop(farewell=True)
                 return
             self.control(kind, msg)
+
+    def next_message(self, backoff) -> np.ndarray:
+        """The stream's next message, waited for without spinning (charged to WAIT once per wait,
+        not at every wake-up: a charge costs a few microseconds itself)."""
+        st = self._probe()
+        if st is None:
+            with PROCESS.charge(WAIT):
+                while (st := self._probe()) is None:
+                    self.link.progress_sends()
+                    self.link.idle(backoff)
+        backoff.reset()
+        return self.link.recv_array(self.prev, Tag.STREAM, np.int64, st)
+
+    def _probe(self):
+        if self.listener.aborted.is_set():
+            raise self.listener.failure or JobAborted()
+        return self.link.probe(self.prev, Tag.STREAM)
 
     def control(self, kind: int, msg: np.ndarray) -> None:
         if kind == Msg.KV:
