@@ -217,6 +217,37 @@ def test_bench_table_and_json(bench_run):
 
 
 @pytest.mark.mpi
+def test_bench_reports_drafting_and_where_each_rank_s_cpu_went(bench_run):
+    out, r = bench_run
+    assert "drafted/tok" in r.stdout and "head own CPU" in r.stdout
+    doc = json.loads((out / "b.json").read_text())
+    for x in doc["records"]:
+        d = x["drafting"]
+        if x["mode"] == "iterative":
+            assert d["proposed"] == d["launched"] == 0
+        else:
+            assert d["proposed"] >= d["launched"] >= x["acceptance"]["drafted"] > 0
+            assert d["proposed_per_committed"] == pytest.approx(d["proposed"] / x["n_gen"])
+        for rk in x["ranks"]:
+            split = rk["cpu_split"]
+            assert set(split) == {"stage_s", "draft_s", "own_s", "own_wait_s"}
+            assert all(v >= 0 for v in split.values()) and split["own_wait_s"] <= split["own_s"]
+            # The kinds add up to the rank's CPU seconds (cpu_s is rounded to 1 ms, each kind to 0.1 ms).
+            assert split["stage_s"] + split["draft_s"] + split["own_s"] == pytest.approx(rk["cpu_s"], abs=2e-3)
+            assert split["stage_s"] > 0
+            if rk["role"] == "stage" or x["mode"] == "iterative":
+                assert split["draft_s"] == 0  # the draft model runs on the head only, and only when drafting
+            else:
+                assert split["draft_s"] > 0
+    for m in MODES:
+        s = doc["summary"][m]
+        head = s["cpu_split"]["0"]
+        assert head["role"] == "head" and 0 <= head["own_share"] <= 1
+        assert head["stage_s"] + head["draft_s"] + head["own_s"] == pytest.approx(head["cpu_s"], abs=2e-3 * 2)
+        assert (s["drafting"]["proposed_per_committed"] > 0) == (m != "iterative")
+
+
+@pytest.mark.mpi
 def test_bench_csv(bench_run):
     out, _ = bench_run
     text = (out / "b.csv").read_text()
@@ -230,7 +261,8 @@ def test_bench_csv(bench_run):
         assert row["prompt_id"] == rec["prompt_id"] and row["mode"] == rec["mode"]
         for col in ("n_prompt", "n_gen", "ttft_s", "tok_per_s", "decode_tok_per_s", "itl_ms.mean", "itl_ms.p50", "itl_ms.p90",
                     "acceptance.drafted", "acceptance.accepted", "runs.launched", "runs.cancelled", "runs.cancelled_mid_compute",
-                    "runs.layer_evals_skipped", "rank0.busy_s", "rank1.busy_s", "rank1.peak_rss_mib"):
+                    "runs.layer_evals_skipped", "rank0.busy_s", "rank1.busy_s", "rank1.peak_rss_mib",
+                    "drafting.proposed", "rank0.cpu_split.own_s", "rank1.cpu_split.stage_s"):
             float(row[col])
         assert float(row["tok_per_s"]) == pytest.approx(rec["tok_per_s"])
         assert row["tokens_match"] == "True"

@@ -71,7 +71,7 @@ class PromptPass:
 
 
 def run(d: float, policy: str, n: int = 120, prompt=PROMPT, deferred: bool = False,
-        memory: DraftMemory | None = None, **drafter):
+        memory: DraftMemory | None = None, p_reach: float = DecodeOptions.p_reach, **drafter):
     clock = Clock()
     pipe = CostedPipeline(clock)
     s = Session(list(prompt), GREEDY, n, lambda t: False, clock=clock)
@@ -81,7 +81,7 @@ def run(d: float, policy: str, n: int = 120, prompt=PROMPT, deferred: bool = Fal
     prompt_pass = PromptPass(clock, draft, list(prompt)) if deferred else None
     if not deferred:  # read after the first token, as on one stage
         PromptPass(clock, draft, list(prompt))()
-    p = PipeInfer(pipe, s, DecodeOptions(n_predict=n, n_draft=4, spec_policy=policy), draft,
+    p = PipeInfer(pipe, s, DecodeOptions(n_predict=n, n_draft=4, spec_policy=policy, p_reach=p_reach), draft,
                   wait_until=lambda c: None, clock=clock, prompt_pass=prompt_pass, memory=memory)
     p.run()
     assert s.tokens == reference(n, prompt=list(prompt))  # the schedule changes, never the tokens
@@ -110,10 +110,23 @@ def test_a_free_and_right_draft_keeps_drafting():
 
 
 def test_a_draft_that_is_often_wrong_is_switched_off():
-    # Free to draft but wrong at every third position: each run saves less than it costs.
-    always, _, _ = run(0.0, "always", wrong=lambda pos: pos % 3 == 0)
-    auto, _, p = run(0.0, "auto", wrong=lambda pos: pos % 3 == 0)
+    # Free to draft but wrong at every third position: each run saves less than it costs. (Runs
+    # of any length, p_reach 0: the economy alone.)
+    always, _, _ = run(0.0, "always", wrong=lambda pos: pos % 3 == 0, p_reach=0.0)
+    auto, _, p = run(0.0, "auto", wrong=lambda pos: pos % 3 == 0, p_reach=0.0)
     assert auto < always and p.gate.economy.pauses > 0
+
+
+def test_runs_of_an_often_wrong_draft_shorten_to_what_its_acceptance_is_worth():
+    # Wrong at every third position (acceptance about 2/3): with p_reach 0.5 runs stay short (a
+    # token 2 ahead is reached 4 times in 9), not --n-draft 4 whose later tokens are mostly
+    # verified for nothing.
+    wrong = lambda pos: pos % 3 == 0  # noqa: E731
+    long_runs, _, p0 = run(0.0, "always", wrong=wrong, p_reach=0.0)
+    short_runs, _, p = run(0.0, "always", wrong=wrong)
+    assert short_runs < long_runs
+    d0, d = p0.s.metrics.drafting, p.s.metrics.drafting
+    assert d.proposed < 0.7 * d0.proposed and d.launched < 0.7 * d0.launched
 
 
 def test_drafting_comes_back_when_it_pays_again():

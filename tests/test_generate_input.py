@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from pipeinfer_cli.cli.app import app
 from pipeinfer_cli.cli.generate_cmd import summary_line
-from pipeinfer_cli.decode.metrics import Acceptance, GenerationMetrics, ProcessStats, RunCounters
+from pipeinfer_cli.decode.cpu_account import CpuSplit
+from pipeinfer_cli.decode.metrics import Acceptance, DraftWork, GenerationMetrics, ProcessStats, RunCounters
 from pipeinfer_cli.decode.result import GenerationResult, RankReport
 from pipeinfer_cli.decode.sampling import SamplingParams, sample
 from pipeinfer_cli.decode.text_stream import TextStream
@@ -190,6 +191,21 @@ def test_summary_line_plurals_and_layer_ranges():
     r.runs = RunCounters(cancelled=0, drafting_paused=1, drafting_ended=True)
     line = summary_line(r)
     assert "drafting off (cannot pay on one stage" in line and "paused" not in line
+
+
+def test_summary_line_says_where_the_head_s_cpu_went_and_how_much_was_drafted():
+    split = CpuSplit(stage_s=1.5, draft_s=4.5, own_s=0.0625, own_wait_s=0.03)
+    head = RankReport(0, "head", [0, 9], 1, 0.0, 0.0, 6.06, 0, "sleep", ProcessStats(), cpu_split=split)
+    r = GenerationResult(
+        prompt_id="", mode="pipeinfer", model="m", draft="d", layer_split="9,19", n_ctx=64, text="x", tokens=[1] * 8,
+        finish_reason="length", n_prompt=3, n_gen=8, ttft_s=0.1, tok_per_s=2.0, decode_tok_per_s=None, itl_ms=None,
+        acceptance=Acceptance(), runs=RunCounters(), wire={}, t_start=0.0, t_end=1.0, ranks=[head],
+        drafting=DraftWork(proposed=10, launched=9))
+    line = summary_line(r)
+    assert "1.25 drafted per token" in line
+    assert "head CPU 6.1 s (layers 25%, draft 74%, own 1%)" in line
+    r.ranks, r.drafting = [RankReport(0, "head", [0, 9], 1, 0.0, 0.0, 0.0, 0, "sleep", ProcessStats())], DraftWork()
+    assert "head CPU" not in summary_line(r) and "drafted per token" not in summary_line(r)
 
 
 # -- real runs ---------------------------------------------------------------------------------------

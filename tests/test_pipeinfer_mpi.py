@@ -175,3 +175,27 @@ def test_async_draft_rank_with_a_poor_draft(tiny_pair, split):
     assert tuple(got["tokens"]) == want
     draft_ranks = [r for r in got["ranks"] if r["role"] == "draft"]
     assert len(draft_ranks) == 1 and draft_ranks[0]["runs"] > 0
+
+
+# -- where each rank's CPU goes --------------------------------------------------------------------
+def test_every_rank_reports_where_its_cpu_went(smollm2_path):
+    """A head, a stage and a draft rank: each one's cpu_s cut into its layers, the draft model and
+    the rest, adding up to cpu_s (to its rounding); the draft model's CPU only on the draft rank."""
+    want = reference(str(smollm2_path), 40, GREEDY)
+    got = generate(smollm2_path, "-p", PROMPT, "-n", 40, "--mode", "pipeinfer", "--layer-split", "0.5,0.5/1",
+                   "--draft", smollm2_path)
+    assert tuple(got["tokens"]) == want
+    roles = {}
+    for r in got["ranks"]:
+        split = r["cpu_split"]
+        assert set(split) == {"stage_s", "draft_s", "own_s", "own_wait_s"}
+        assert all(v >= 0 for v in split.values()) and split["own_wait_s"] <= split["own_s"]
+        assert split["stage_s"] + split["draft_s"] + split["own_s"] == pytest.approx(r["cpu_s"], abs=2e-3)
+        assert r["wire"]["wakeups"] >= 0
+        roles[r["role"]] = split
+    assert roles["head"]["stage_s"] > 0 and roles["head"]["draft_s"] == 0
+    assert roles["stage"]["stage_s"] > 0 and roles["stage"]["draft_s"] == 0
+    assert roles["draft"]["draft_s"] > 0 and roles["draft"]["stage_s"] == 0  # its prompt pass at least
+    d = got["drafting"]
+    assert d["proposed"] >= d["launched"] >= got["acceptance"]["drafted"]
+    assert d["proposed_per_committed"] == pytest.approx(d["proposed"] / got["n_gen"])

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 
-from pipeinfer_cli.decode.metrics import Acceptance, GenerationMetrics, ProcessStats, RunCounters
+from pipeinfer_cli.decode.cpu_account import CpuSplit
+from pipeinfer_cli.decode.metrics import Acceptance, DraftWork, GenerationMetrics, ProcessStats, RunCounters
 from pipeinfer_cli.decode.result import GenerationResult, RankReport
 
 KEYS = ["prompt_id", "mode", "model", "draft", "layer_split", "n_ctx", "text", "tokens", "finish_reason",
         "n_prompt", "n_gen", "ttft_s", "tok_per_s", "decode_tok_per_s", "itl_ms", "acceptance", "runs", "wire",
-        "t_start", "t_end", "ranks", "reused_tokens", "common_prefix_tokens", "draft_vocab"]
+        "t_start", "t_end", "ranks", "reused_tokens", "common_prefix_tokens", "draft_vocab", "drafting"]
 
 
 RANK_KEYS = ["rank", "role", "layers", "threads", "peak_rss_mib", "busy_s", "cpu_s", "runs", "wait", "process"]
@@ -73,3 +74,18 @@ def test_rank_report_keys_keep_their_order():
     assert list(r.as_dict(trace=True))[-2:] == ["trace", "clock_offset_s"]
     assert list(_rank(rows_requested=4).as_dict()) == RANK_KEYS + ["rows_requested"]
     assert "trace" not in _rank(trace=None).as_dict(trace=True)  # dropped (a server keeps none)
+
+
+def test_drafting_counts_tokens_per_committed_token():
+    d = _result(drafting=DraftWork(proposed=6, launched=5)).to_json()
+    assert d["drafting"] == {"proposed": 6, "launched": 5, "proposed_per_committed": 1.5, "launched_per_committed": 1.25}
+    assert _result(tokens=[], n_gen=0).to_json()["drafting"]["proposed_per_committed"] is None
+
+
+def test_a_rank_report_carries_its_cpu_split_last():
+    split = CpuSplit(stage_s=0.25, draft_s=0.125, own_s=0.0625, own_wait_s=0.03125)
+    d = _rank(cpu_split=split, clock_offset_s=0.0).as_dict()
+    assert list(d) == RANK_KEYS + ["clock_offset_s", "cpu_split"]
+    assert d["cpu_split"] == {"stage_s": 0.25, "draft_s": 0.125, "own_s": 0.0625, "own_wait_s": 0.0312}
+    assert split.total_s == 0.4375 and split.own_share == 0.0625 / 0.4375
+    assert "cpu_split" not in _rank().as_dict()

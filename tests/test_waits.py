@@ -111,3 +111,18 @@ def test_alone_on_cores(monkeypatch, cpus, affinity, here, mine, alone):
     monkeypatch.setattr(topology.os, "cpu_count", lambda: cpus)
     monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: set(range(affinity)))
     assert topology.alone_on_cores(here, mine) is alone
+
+
+def test_a_rank_under_a_quota_below_one_cpu_wakes_up_less_often(clock):
+    """Every wake-up comes out of a quota of a quarter of a core: soon after progress the wait
+    sleeps up to 1 ms at a time, not 0.1 ms (without prediction, a 30 ms wait)."""
+    def sleeps_in_a_wait(policy: WaitPolicy) -> list[float]:
+        b = Backoff(policy, WaitHistory(predict=False), site="stream")
+        first = len(clock.sleeps)
+        wait_once(clock, b, 0.030)
+        return clock.sleeps[first:]
+
+    free, capped = sleeps_in_a_wait(WaitPolicy()), sleeps_in_a_wait(WaitPolicy().for_quota(0.25))
+    assert max(free) == pytest.approx(1e-4) and max(capped) == pytest.approx(1e-3)
+    assert len(capped) * 5 < len(free)
+    assert WaitPolicy().for_quota(None) == WaitPolicy().for_quota(2.0) == WaitPolicy()

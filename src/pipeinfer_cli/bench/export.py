@@ -7,11 +7,11 @@ JSON (`--json`): one object
      "tokens_identical": bool, "token_mismatches": [...],
      "records": [one per (prompt, mode, repeat) in run order, warmups included with "warmup": true]}
 Each record carries the metric fields of docs/json-output.md (n_prompt, n_gen, ttft_s, tok_per_s,
-decode_tok_per_s, itl_ms, acceptance, runs, ranks) plus text and token ids. Trace events are not
+decode_tok_per_s, itl_ms, acceptance, runs, drafting, ranks) plus text and token ids. Trace events are not
 repeated here: they go to `--trace`.
 
 CSV (`--csv`): the same records flat, one row each, nested fields joined with dots
-(`itl_ms.p50`, `acceptance.rate`, `rank1.busy_s`). The header is written first as comment lines
+(`itl_ms.p50`, `acceptance.rate`, `rank1.busy_s`, `rank0.cpu_split.own_s`). The header is written first as comment lines
 `# key: value` (dotted keys, values as JSON) — read it with `pandas.read_csv(path, comment="#")`
 or skip lines starting with `#`. Text and token ids are left out of the CSV (see the JSON);
 `tokens_sha1` identifies the token sequence, so equal tokens have equal hashes.
@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 SCHEMA = "pipeinfer-bench/1"
-METRIC_FIELDS = ("n_prompt", "n_gen", "ttft_s", "tok_per_s", "decode_tok_per_s", "itl_ms", "acceptance", "runs")
+METRIC_FIELDS = ("n_prompt", "n_gen", "ttft_s", "tok_per_s", "decode_tok_per_s", "itl_ms", "acceptance", "runs", "drafting")
 RANK_FIELDS = ("role", "threads", "peak_rss_mib", "busy_s", "cpu_s")
 EMPTY_ITL = {"mean": None, "p50": None, "p90": None}
 
@@ -88,6 +88,8 @@ def flat_record(rec: dict) -> dict:
         row[f"{p}.layers"] = "-".join(map(str, r["layers"])) if r.get("layers") else ""
         for k in RANK_FIELDS:
             row[f"{p}.{k}"] = r.get(k)
+        for k, v in (r.get("cpu_split") or {}).items():
+            row[f"{p}.cpu_split.{k}"] = v
     return row
 
 

@@ -27,6 +27,8 @@ def mode_table(summary: dict[str, dict], modes: list[str], title: str) -> Table:
     t.add_column("accept", justify="right")
     t.add_column("acc. len", justify="right")
     t.add_column("runs launched/cancelled", justify="right")
+    t.add_column("drafted/tok", justify="right")
+    t.add_column("head own CPU", justify="right")
     has = {b: any(f"vs_{b}" in summary[m]["speedup"] for m in modes) for b in ("iterative", "speculative")}
     for b in ("iterative", "speculative"):
         if has[b]:
@@ -44,12 +46,20 @@ def mode_table(summary: dict[str, dict], modes: list[str], title: str) -> Table:
             _f(s["acceptance"]["rate"], "{:.0%}"),
             _f(s["acceptance"]["mean_accepted_len"]),
             f"{_f(s['runs']['launched'], '{:.1f}')}/{_f(s['runs']['cancelled'], '{:.1f}')}",
+            _f(s["drafting"]["proposed_per_committed"]),
+            _f(head_own_share(s), "{:.0%}"),
         ]
         row += [_x(s["speedup"].get(f"vs_{b}")) for b in ("iterative", "speculative") if has[b]]
         bad = s["mismatched_prompts"]
         row.append(Text(f"DIFFER on {plural(len(bad), 'prompt')}", style="bold red") if bad else Text("same", style="green"))
         t.add_row(*row)
     return t
+
+
+def head_own_share(mode_summary: dict) -> float | None:
+    """The head's own work (not its layers, not the draft model) as a share of its CPU seconds."""
+    head = mode_summary.get("cpu_split", {}).get("0")
+    return head["own_share"] if head else None
 
 
 def prompt_table(records: list[dict], modes: list[str], mismatched: set[str]) -> Table:
@@ -77,7 +87,7 @@ def markdown_table(summary: dict[str, dict], modes: list[str]) -> str:
     """The mode table as GitHub markdown (for BENCHMARKS.md)."""
     bases = [b for b in ("iterative", "speculative") if any(f"vs_{b}" in summary[m]["speedup"] for m in modes)]
     head = ["mode", "tok/s median (min–max)", "decode tok/s", "TTFT ms", "ITL p50/p90 ms", "acceptance",
-            "mean acc. len", "runs launched/cancelled"] + [f"× {b}" for b in bases] + ["tokens"]
+            "mean acc. len", "runs launched/cancelled", "drafted/tok", "head own CPU"] + [f"× {b}" for b in bases] + ["tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
     for m in modes:
         s = summary[m]
@@ -86,7 +96,8 @@ def markdown_table(summary: dict[str, dict], modes: list[str]) -> str:
                  _f(None if s["ttft_s"] is None else s["ttft_s"] * 1e3, "{:.0f}"),
                  f"{_f(s['itl_ms']['p50'], '{:.1f}')} / {_f(s['itl_ms']['p90'], '{:.1f}')}",
                  _f(s["acceptance"]["rate"], "{:.0%}"), _f(s["acceptance"]["mean_accepted_len"]),
-                 f"{_f(s['runs']['launched'], '{:.1f}')} / {_f(s['runs']['cancelled'], '{:.1f}')}"]
+                 f"{_f(s['runs']['launched'], '{:.1f}')} / {_f(s['runs']['cancelled'], '{:.1f}')}",
+                 _f(s["drafting"]["proposed_per_committed"]), _f(head_own_share(s), "{:.0%}")]
         cells += [_x(s["speedup"].get(f"vs_{b}")) for b in bases]
         cells.append(f"**differ on {plural(len(s['mismatched_prompts']), 'prompt')}**" if s["mismatched_prompts"] else "same")
         lines.append("| " + " | ".join(cells) + " |")

@@ -4,6 +4,9 @@
 - TTFT, ITL p50 and p90: median over records of each record's value;
 - acceptance rate: pooled, sum(accepted) / sum(drafted); mean accepted length: median over records;
 - runs launched / cancelled: mean per request;
+- drafting: pooled, tokens the drafter proposed and launched, and both per committed token;
+- cpu_split: per rank, the CPU seconds of every record summed by kind of work (stage, draft, own,
+  own_wait), with the rank's cpu_s and own_share (own_s / cpu_s);
 - speedup of mode M over base B: geometric mean over prompts of median tok/s(M) / median tok/s(B)
   on that prompt — paired by prompt, so a mode is never flattered by having easier prompts.
 """
@@ -83,6 +86,37 @@ def _by_source(rs: list[dict]) -> dict:
     return {"by_source": {s: {"drafted": d, "accepted": a, "rate": a / d if d else None} for s, (d, a) in sorted(pooled.items())}}
 
 
+def _drafting(rs: list[dict]) -> dict:
+    """Tokens proposed and launched, pooled over the records, and per committed token."""
+    n_gen = sum(r["n_gen"] for r in rs)
+    proposed = sum((r.get("drafting") or {}).get("proposed", 0) for r in rs)
+    launched = sum((r.get("drafting") or {}).get("launched", 0) for r in rs)
+    return {"proposed": proposed, "launched": launched,
+            "proposed_per_committed": proposed / n_gen if n_gen else None,
+            "launched_per_committed": launched / n_gen if n_gen else None}
+
+
+CPU_KINDS = ("stage_s", "draft_s", "own_s", "own_wait_s")
+
+
+def _cpu_split(rs: list[dict]) -> dict:
+    """{rank: {role, cpu_s, stage_s, draft_s, own_s, own_wait_s, own_share}} summed over the records."""
+    out: dict[str, dict] = {}
+    for r in rs:
+        for rank in r.get("ranks", []):
+            split = rank.get("cpu_split")
+            if split is None:
+                continue
+            row = out.setdefault(str(rank["rank"]), {"role": rank["role"], "cpu_s": 0.0, **{k: 0.0 for k in CPU_KINDS}})
+            row["cpu_s"] += rank["cpu_s"]
+            for k in CPU_KINDS:
+                row[k] += split[k]
+    for row in out.values():
+        total = row["stage_s"] + row["draft_s"] + row["own_s"]
+        row["own_share"] = row["own_s"] / total if total > 0 else None
+    return out
+
+
 def summarize(records: list[dict], modes: list[str], mismatches: list[dict]) -> dict[str, dict]:
     measured = [r for r in records if not r["warmup"]]
     tok_medians = per_prompt_medians(records, "tok_per_s")
@@ -105,6 +139,8 @@ def summarize(records: list[dict], modes: list[str], mismatches: list[dict]) -> 
                            "mean_accepted_len": _median(_values(rs, lambda r: r["acceptance"]["mean_accepted_len"])),
                            **_by_source(rs)},
             "runs": {k: _mean(_values(rs, lambda r, k=k: r["runs"][k])) for k in _run_keys(rs)},
+            "drafting": _drafting(rs),
+            "cpu_split": _cpu_split(rs),
             "speedup": {f"vs_{b}": speedup(tok_medians, mode, b) for b in BASELINES if b in modes},
             "decode_speedup": {f"vs_{b}": speedup(dec_medians, mode, b) for b in BASELINES if b in modes},
             "mismatched_prompts": sorted({m["prompt_id"] for m in mismatches if m["mode"] == mode}),

@@ -218,6 +218,16 @@ def _by_source(acc) -> str:
     return f" ({', '.join(rows)})" if rows else ""
 
 
+def _head_cpu(r: GenerationResult) -> str:
+    """'head CPU 6.1 s (layers 26%, draft 73%, own 1%)', or '' when the head did not count it."""
+    split = r.ranks[0].cpu_split if r.ranks else None
+    if split is None or split.total_s <= 0:
+        return ""
+    shares = [("layers", split.stage_s), ("draft", split.draft_s), ("own", split.own_s)]
+    return (f"head CPU {split.total_s:.1f} s ("
+            + ", ".join(f"{name} {v / split.total_s:.0%}" for name, v in shares if v > 0 or name != "draft") + ")")
+
+
 def summary_line(r: GenerationResult, auto=None) -> str:
     parts = [plural(r.n_gen, "token"), f"{r.tok_per_s:.2f} tok/s" if r.tok_per_s else "",
              f"decode {r.decode_tok_per_s:.2f} tok/s" if r.decode_tok_per_s else "",
@@ -233,6 +243,9 @@ def summary_line(r: GenerationResult, auto=None) -> str:
         parts.append(f"drafting paused {plural(runs.drafting_paused, 'time')}")
     if runs.cancelled:
         parts.append(f"{plural(runs.cancelled, 'run')} cancelled")
+    if r.drafting.proposed and r.n_gen:
+        parts.append(f"{r.drafting.proposed / r.n_gen:.2f} drafted per token")
+    parts.append(_head_cpu(r))
     parts.append(f"mode {r.mode}" if auto is None else f"mode {auto.summary(r.tok_per_s)}")
     parts.append(f"{plural(len(r.ranks), 'rank')} (layers {format_layer_ranges([x.layers for x in r.ranks])})")
     return "pipeinfer: " + ", ".join(p for p in parts if p)

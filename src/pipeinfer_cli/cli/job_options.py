@@ -36,6 +36,7 @@ class JobOptions:
     p_decay: o.PDecayOption = 0.0
     max_branches: o.MaxBranchesOption = 1
     max_inflight: o.MaxInflightOption = 4
+    p_reach: o.PReachOption = 0.5
     spec_policy: o.SpecPolicyOption = "auto"
     ranks: o.JobRanksOption = None
     layer_split: o.LayerSplitOption = None

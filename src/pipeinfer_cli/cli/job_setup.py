@@ -159,7 +159,7 @@ def make_job_config(target: ModelRef, draft_ref: ModelRef | None, spec: DraftSpe
         decode=DecodeOptions(n_predict=job.n_predict, n_draft=job.n_draft, n_min=_draft_min(job), p_min=job.p_min,
                              p_accept=job.p_accept,
                              p_split=job.p_split, p_recovery=job.p_recovery, p_decay=job.p_decay,
-                             max_branches=job.max_branches, max_inflight=job.max_inflight,
+                             max_branches=job.max_branches, max_inflight=job.max_inflight, p_reach=job.p_reach,
                              spec_policy=check_spec_policy(job.spec_policy), ubatch=job.ubatch),
         n_ctx=job.ctx, layer_split=job.layer_split, threads=job.threads, debug=debug_enabled(),
         rank_timeout_s=job.rank_timeout, profile=job.profile,

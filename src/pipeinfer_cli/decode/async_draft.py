@@ -32,12 +32,14 @@ class AsyncDraft:
         """A request or a reply is pending: no new request now."""
         return self.drafter.outstanding or self.reply is not None
 
-    def request(self, path: list[int], limit: int) -> None:
+    def request(self, path: list[int], limit: int, room: int | None = None) -> None:
         """Ask for a draft continuing `path`, unless a request or a reply is pending.
 
-        limit: how many tokens may still follow `path` (the draft window's hard end).
+        limit: how many tokens may still follow `path` (the draft window's hard end); room: how
+        many the head would launch after `path` (draft_budget.py; None: --n-draft).
         """
-        if self.busy or min(self.n_draft, limit) <= 0 or path == self.refused:
+        want = self.n_draft if room is None else min(self.n_draft, room)
+        if self.busy or min(want, limit) <= 0 or path == self.refused:
             return
         # The path keeps moving while the draft rank drafts (the head decodes on): ask for as many
         # more tokens as it moved during the last round trip, so the reply still reaches ahead, and
@@ -45,15 +47,18 @@ class AsyncDraft:
         # (the tokens the path has meanwhile committed need no confidence). That was faster than
         # cutting the draft short at the draft rank (BENCHMARKS.md, "Figures formerly quoted in
         # source comments").
-        self.drafter.request(path, min(self.n_draft + self.lag, limit), 0.0)
+        self.drafter.request(path, min(want + self.lag, limit), 0.0)
 
-    def receive(self, path: Callable[[], list[int]]) -> None:
-        """Take the reply if it has arrived (without waiting); path(): the current path."""
+    def receive(self, path: Callable[[], list[int]]) -> int:
+        """Take the reply if it has arrived (without waiting); path(): the current path. Returns
+        how many tokens it proposes (0 without a reply)."""
         if self.reply is None and self.drafter.outstanding:
             prop = self.drafter.poll()
             if prop is not None:
                 self.reply = prop
                 self.lag = min(max(len(path()) - len(prop.base), 0), 2 * self.n_draft)
+                return len(prop.tokens)
+        return 0
 
     def arrived(self) -> bool:
         """A reply has arrived and waits to be received."""
@@ -88,7 +93,9 @@ class AsyncDraft:
         self.reply = None
         return cand[len(path):len(path) + keep]
 
-    def drain(self) -> None:
-        """Wait for the outstanding request's reply, if any, and forget it (end of a request)."""
-        self.drafter.wait()
+    def drain(self) -> int:
+        """Wait for the outstanding request's reply, if any, and forget it (end of a request).
+        Returns how many tokens that reply proposed (0 without one)."""
+        prop = self.drafter.wait()
         self.reply = None
+        return len(prop.tokens) if prop is not None else 0

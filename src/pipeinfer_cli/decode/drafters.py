@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from .cpu_account import DRAFT, PROCESS
 from .prefix_cache import PrefixCache
 from .sampling import softmax_top
 from .session import chunk_floor, prefill_chunks
@@ -81,7 +82,9 @@ class AsyncDrafter(Protocol):
 
 
 class LlamaDrafter:
-    """A GGUF draft model run by llama.cpp (llama-cpp-python's low-level API) on this rank."""
+    """A GGUF draft model run by llama.cpp (llama-cpp-python's low-level API) on this rank.
+
+    Its prompt pass and proposals are charged to this process's CPU account as DRAFT (cpu_account.py)."""
 
     name = "model"
     has_prompt_pass = True  # it must read the prompt before it can draft (`start`)
@@ -153,6 +156,10 @@ class LlamaDrafter:
         that its own full prefill chunks computed, as the target does (`prefix_cache.py`), so that
         it drafts exactly as it would after a fresh start.
         """
+        with PROCESS.charge(DRAFT):
+            self._start(prompt, reuse)
+
+    def _start(self, prompt: list[int], reuse: int) -> None:
         keep = min(reuse, PrefixCache(self.kv_tokens, self.exact).plan(prompt)[0]) if reuse > 0 else 0
         if keep:
             self.lib.llama_memory_seq_rm(self.mem, 0, keep, -1)
@@ -167,15 +174,20 @@ class LlamaDrafter:
         """Hold only `tokens`, at positions 0.. (in one batch): a short context to draft from
         without reading the prompt (a cost probe, draft_economy.py). The next `start` reads the
         prompt afresh."""
-        self.lib.llama_memory_seq_rm(self.mem, -1, -1, -1)
-        if tokens:
-            self._decode(tokens, 0)
+        with PROCESS.charge(DRAFT):
+            self.lib.llama_memory_seq_rm(self.mem, -1, -1, -1)
+            if tokens:
+                self._decode(tokens, 0)
         self.kv_tokens, self.exact = list(tokens), 0
 
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
-        out = Proposal([], [], [])
         if n_max <= 0:
-            return out
+            return Proposal([], [], [])
+        with PROCESS.charge(DRAFT):
+            return self._propose(path, n_max, p_min)
+
+    def _propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
+        out = Proposal([], [], [])
         logits = self._sync(path)
         while True:
             top, p = softmax_top(logits, self.n_alternatives)

@@ -93,12 +93,26 @@ class Acceptance:
 
 
 @dataclass
+class DraftWork:
+    """What the drafter did for a request, in target tokens, whatever became of it (docs/json-output.md, `drafting`)."""
+
+    proposed: int = 0  # tokens the drafter proposed: launched, cut by the confidence threshold, or dropped (a stale reply)
+    launched: int = 0  # of which sent down the pipeline as rows of speculative runs (side branches included)
+
+    def to_dict(self, n_gen: int) -> dict:
+        return {"proposed": self.proposed, "launched": self.launched,
+                "proposed_per_committed": self.proposed / n_gen if n_gen else None,
+                "launched_per_committed": self.launched / n_gen if n_gen else None}
+
+
+@dataclass
 class GenerationMetrics:
     n_prompt: int = 0
     t_start: float = 0.0  # start of prompt processing (models loaded)
     token_times: list[float] = field(default_factory=list)  # head clock when each token was committed
     acceptance: Acceptance = field(default_factory=Acceptance)
     runs: RunCounters = field(default_factory=RunCounters)
+    drafting: DraftWork = field(default_factory=DraftWork)
 
     def committed(self, n: int, t: float) -> None:
         self.token_times.extend([t] * n)

@@ -5,7 +5,8 @@ The head keeps several runs in flight down the pipeline at once:
 - a single-token, non-speculative run from the last committed token whenever no valid run in
   flight starts there, so every verification yields at least one token;
 - speculative runs that continue the draft's path beyond the runs already in flight, while the
-  draft is confident (p >= p_accept + p_adjust) and sequence slots are free.
+  draft is confident (p >= p_accept + p_adjust), sequence slots are free, and a token that far
+  ahead is worth drafting (`draft_budget.py`).
 
 KV multibuffering (`kv_slots.py`): every run writes into its own sequence. At launch a run
 inherits its parent's cells with one `seq_cp` (the parent is the previous run on its path, or the
@@ -14,9 +15,8 @@ on. KV operations travel in stream order behind the runs, so on each stage the p
 computed before the copy applies. Accepted tokens are committed with one `seq_cp(run → canonical)`
 over their positions, and the run's sequence is dropped: O(1) messages per commit.
 
-Token trees (`--max-branches B > 1`; layout and walk in `tree.py`): a speculative run may carry
-up to B branches, one KV sequence each, split once, at the first drafted position where a runner-up
-has p > p_split; each side branch continues by greedy drafting from its runner-up. Later runs
+Token trees (`--max-branches B > 1`; layout and walk in `tree.py`, where a draft splits in
+`side_branches.py`): a speculative run may carry up to B branches, one KV sequence each. Later runs
 continue one branch (`Flight.parent = (run_id, branch)`) and stay valid only if that very branch
 won: equal tokens on another branch attended to another KV context. When the previous run decides
 a tree's first token, the branches that start with a wrong token are dropped at once (`seq_rm` in
@@ -37,13 +37,15 @@ from collections import deque
 from collections.abc import Callable
 
 from .async_draft import AsyncDraft
+from .draft_budget import DraftBudget
 from .draft_economy import PROBE_CONTEXT, DraftMemory
 from .draft_gate import draft_gate
-from .drafters import AsyncDrafter, Drafter, Proposal
+from .drafters import AsyncDrafter, Drafter
 from .kv_slots import KvSlots
 from .metrics import now
 from .pipeline_protocol import PipelineLike, may_speculate
 from .session import CANONICAL_SEQ, DecodeOptions, Session
+from .side_branches import side_branches
 from .tree import Branch, Flight, confident, tree_batch, walk_tree
 
 
@@ -73,6 +75,7 @@ class PipeInfer:
         # One stage, drafter on the head: drafting takes the cores the next token would (draft_gate.py).
         self.gate = draft_gate(opts.spec_policy, self.draft is None and pipe.n_stages == 1, drafter,
                                memory if memory is not None else DraftMemory(), prompt_pass)
+        self.budget = DraftBudget(opts.p_reach)  # how far ahead to draft: acceptance, timings
 
     # -- bookkeeping -------------------------------------------------------------------------
     def valid(self) -> list[Flight]:
@@ -101,8 +104,9 @@ class PipeInfer:
         return self.inflight() < self.opts.max_inflight and self.slots.n_free > 0 and may_speculate(self.pipe)
 
     def draft_window(self, path: list[int]) -> int:
-        """How many tokens a draft continuing `path` may propose."""
-        return min(self.opts.n_draft, self.limit_pos - len(path))
+        """How many tokens a draft continuing `path` may propose: up to --n-draft, never past -n,
+        nor further ahead of the committed tokens than the measured acceptance makes worth it."""
+        return min(self.opts.n_draft, self.limit_pos - len(path), self.budget.room(len(path) - len(self.s.tokens)))
 
     # -- launching ---------------------------------------------------------------------------
     def launch(self, branch_tokens: list[list[int]], pos0: int, speculative: bool, source: str | None = None) -> bool:
@@ -123,11 +127,15 @@ class PipeInfer:
         run_id = self.pipe.launch(batch.tokens, batch.pos, batch.seq_ids, batch.output, speculative=speculative)
         n = len(batch.tokens)
         self.gate.launched(speculative, n, self.clock() - t0)
-        self.flights.append(Flight(run_id, pos0, batch.branches, speculative, parent, n_cells=n, source=source))
+        self.budget.head_run(n, self.clock() - t0)
+        self.flights.append(Flight(run_id, pos0, batch.branches, speculative, parent, n_cells=n, source=source,
+                                   t_launch=t0))
         m = self.s.metrics.runs
         m.launched += 1
         m.speculative += speculative
         m.branches_launched += len(batch.branches) - 1
+        if speculative:  # its rows past the committed tokens are drafted ones
+            self.s.metrics.drafting.launched += sum(1 for p in batch.pos if p >= len(self.s.tokens))
         return True
 
     def ensure_frontier_run(self) -> None:
@@ -153,6 +161,7 @@ class PipeInfer:
         t1 = self.clock()
         self.pipe.trace.slice("draft", t0, t1, n_tokens=sum(len(b) for b in branches), branches=len(branches))
         self.gate.drafted(t1 - t0)
+        self.budget.drafted(sum(len(b) for b in branches), t1 - t0)
         if not branches[0]:
             return False
         self.runs_this_round += 1
@@ -169,17 +178,20 @@ class PipeInfer:
         t0 = self.clock()
         prop = self.drafter.propose(tail, n_max, 0.0)
         self.draft_source = prop.source
+        self.s.metrics.drafting.proposed += len(prop.tokens)
         return [prop.tokens], t0
 
     def draft_tree(self, path: list[int], n_max: int, threshold: float) -> list[list[int]]:
         """The confident part of the draft continuing `path`, then the side branches a tree may add."""
         prop = self.drafter.propose(path, n_max, threshold)
         self.draft_source = prop.source
+        self.s.metrics.drafting.proposed += len(prop.tokens)
         keep = confident(prop.probs, threshold)
         branches = [prop.tokens[:keep]]
         budget = min(self.opts.max_branches, self.slots.n_free) - 1
         if keep and budget > 0:
-            side = self.side_branches(path, prop, keep, n_max, threshold, budget)
+            side = side_branches(self.drafter, path, prop, keep, n_max, threshold, self.opts.p_split, budget,
+                                 self.s.metrics.drafting)
             # A tree takes more KV cells than --ctx was checked for (n_draft per run in flight): keep
             # the side branches only while the cache has room for them.
             room = (self.pipe.engine.n_ctx - len(self.s.tokens) - sum(f.n_cells for f in self.valid())
@@ -188,26 +200,6 @@ class PipeInfer:
                 side.pop()
             branches += side
         return branches
-
-    def side_branches(self, path: list[int], prop: Proposal, keep: int, n_max: int, threshold: float,
-                      budget: int) -> list[list[int]]:
-        """Narrow, deep tree: split once, at the first kept position whose runner-ups beat p_split.
-
-        Each side branch takes one of those runner-ups and continues by greedy drafting from it
-        (a drafter can continue any path). Drafters without alternatives (lookup) never split.
-        """
-        for j in range(keep):
-            alts = [t for t, p in prop.alternatives[j] if p > self.opts.p_split][:budget] if j < len(prop.alternatives) else []
-            if alts:
-                break
-        else:
-            return []
-        out = []
-        for a in alts:
-            stem = prop.tokens[:j] + [a]
-            cont = self.drafter.propose(path + stem, n_max - len(stem), threshold) if n_max > len(stem) else None
-            out.append(stem + (cont.tokens[:confident(cont.probs, threshold)] if cont else []))
-        return out
 
     # -- asynchronous drafting (dedicated draft rank) -----------------------------------------
     def request_draft(self, ahead: list[int] | None = None) -> None:
@@ -219,7 +211,7 @@ class PipeInfer:
         if self.draft.busy:
             return
         path = self.path() + (ahead or [])
-        self.draft.request(path, self.limit_pos - len(path))
+        self.draft.request(path, self.limit_pos - len(path), self.budget.room(len(path) - len(self.s.tokens)))
 
     def launch_reply(self) -> bool:
         """Launch the pending draft reply if it still continues the current path, else what a free
@@ -229,6 +221,8 @@ class PipeInfer:
         if (self.draft.reply is None and free is None) or not self.can_speculate():
             return False
         path, draft = self.path(), None
+        if self.draft_window(path) <= 0:
+            return False  # enough in flight for now: the reply waits for room
         if self.draft.reply is not None:
             source = self.draft.reply.source
             draft = self.draft.take(path, self.threshold, self.draft_window(path))
@@ -236,6 +230,7 @@ class PipeInfer:
                 return True  # dropped: ask again
         if not draft and free is not None:
             draft, source = free(path, self.threshold, self.draft_window(path)), self.drafter.front_name
+            self.s.metrics.drafting.proposed += len(draft or [])
         if not draft:
             return False
         self.request_draft(ahead=draft)  # draft beyond this run while the head computes it
@@ -297,6 +292,7 @@ class PipeInfer:
         self.pipe.trace.instant("commit", self.clock(), run=f.run_id, n=taken, branch=walk.winner)
         drafted, accepted = walk.acceptance(taken)
         acc.add(drafted, accepted, f.source)
+        self.budget.observe(drafted, accepted)
         if f.speculative and f.parent is None:
             # A speculative run launched with nothing in flight starts with the last committed token
             # (a draft rank's reply): its drafted tokens were all checked here.
@@ -328,9 +324,11 @@ class PipeInfer:
               if b.alive and b.tokens[0] == s.tokens[-1] and nxt.pos0 == len(s.tokens) - 1]
         if nxt.parent == (run_id, winner) and ok:
             acc.add(1, 1, nxt.source)
+            self.budget.observe(1, 1)
             self.prune(nxt, ok)
         else:
             acc.add(1, 0, nxt.source)
+            self.budget.observe(1, 0)
             self.reject()
 
     def handle(self, res) -> None:
@@ -338,6 +336,8 @@ class PipeInfer:
         assert f.run_id == res.run_id, f"results arrive in launch order ({f.run_id} != {res.run_id})"
         if f.cancelled or res.tokens is None or self.s.done:
             return
+        if not f.speculative and f.n_cells == 1:
+            self.budget.single_pass(self.clock() - f.t_launch)
         accepted = self.s.metrics.acceptance.accepted
         self.verify(f, res.tokens)
         self.gate.accepted(self.s.metrics.acceptance.accepted - accepted)
@@ -373,7 +373,7 @@ class PipeInfer:
         while not self.s.done:
             if self.handle_arrived():
                 continue
-            self.draft.receive(self.path)
+            self.s.metrics.drafting.proposed += self.draft.receive(self.path)
             if self.launch_reply():
                 continue
             self.request_draft()
@@ -390,7 +390,7 @@ class PipeInfer:
             self.flights.popleft()
             self.pipe.next_result()
         if self.draft is not None:
-            self.draft.drain()
+            self.s.metrics.drafting.proposed += self.draft.drain()
 
 
 def decode_pipeinfer(pipe: PipelineLike, s: Session, opts: DecodeOptions, drafter: Drafter | AsyncDrafter,

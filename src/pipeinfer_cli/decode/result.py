@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .metrics import Acceptance, ProcessStats, RunCounters
+from .cpu_account import CpuSplit
+from .metrics import Acceptance, DraftWork, ProcessStats, RunCounters
 
 # Set by the service (`pipeinfer serve`) only; in the JSON once it set them.
 SERVICE_FIELDS = ("queue_s", "request_seq", "run_index", "slot")
@@ -21,7 +22,7 @@ class RankReport:
 
     Optional parts are left out of the JSON when None: `weights` (the first request's), the engine's
     counters and KV cells (a rank with an engine), `wire` (a rank with a link), the head's
-    `rows_requested` and a stage's `skipped_before_start`."""
+    `rows_requested` and a stage's `skipped_before_start`, and `cpu_split` (a rank that counted it)."""
 
     rank: int
     role: str  # "head", "stage" or "draft"
@@ -43,6 +44,7 @@ class RankReport:
     skipped_before_start: int | None = None  # stage: runs cancelled before they started
     trace: list | None = field(default_factory=list)  # trace events (None: dropped); never in generate's JSON
     clock_offset_s: float | None = None  # this rank's clock against the head's (set by the head)
+    cpu_split: CpuSplit | None = None  # cpu_s by kind of work: target layers, draft model, the rest (decode/cpu_account.py)
 
     def as_dict(self, trace: bool = False) -> dict:
         """The JSON object, keys in their historical order."""
@@ -61,6 +63,8 @@ class RankReport:
             d["trace"] = self.trace
         if self.clock_offset_s is not None:
             d["clock_offset_s"] = self.clock_offset_s
+        if self.cpu_split is not None:
+            d["cpu_split"] = self.cpu_split.as_dict()
         return d
 
 
@@ -91,6 +95,7 @@ class GenerationResult:
     reused_tokens: int = 0  # prompt tokens whose KV cells were kept from the previous request (prefix reuse)
     common_prefix_tokens: int = 0  # prompt tokens in common with the previous request, reused or not
     draft_vocab: str | None = None  # "direct" (the draft's tokens are the target's) or "translated" (through text); None without a draft
+    drafting: DraftWork = field(default_factory=DraftWork)  # tokens the drafter proposed and launched (per committed token in the JSON)
     debug_diverged: bool = False  # PIPEINFER_DEBUG_DIVERGE changed the last token (tests); in the JSON only if set
     queue_s: float | None = None  # serve: seconds the request waited in the queue
     request_seq: int | None = None  # serve: the request's number, in submission order
@@ -112,6 +117,7 @@ class GenerationResult:
             "ranks": [r.as_dict(trace) for r in self.ranks],
             "reused_tokens": self.reused_tokens, "common_prefix_tokens": self.common_prefix_tokens,
             "draft_vocab": self.draft_vocab,  # after the keys that came before it: their order is kept
+            "drafting": self.drafting.to_dict(self.n_gen),
         }
         if self.debug_diverged:
             d["debug_diverged"] = True

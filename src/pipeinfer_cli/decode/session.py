@@ -67,6 +67,7 @@ class DecodeOptions:
     p_decay: float = 0.0  # pipeinfer: p_adjust shrinks by this per rejection
     max_branches: int = 1  # pipeinfer: sequences a token tree may use (1 = no trees)
     max_inflight: int = 4  # pipeinfer: runs in flight at once
+    p_reach: float = 0.5  # pipeinfer: draft a token only while acceptance^(tokens ahead) >= p_reach (draft_budget.py; 0: no limit)
     spec_policy: str = "auto"  # pipeinfer on one stage: "auto" drafts while it pays (draft_economy.py), "always"
     ubatch: int | None = None  # prompt chunks of this many tokens (--ubatch, llama.cpp's -ub); None: small-first
 

@@ -151,6 +151,8 @@ def decode_speculative(pipe: PipelineLike, s: Session, opts: DecodeOptions, draf
         n_max = min(opts.n_draft, s.remaining - 1)
         prop = drafter.propose(s.tokens, n_max, opts.p_min) if n_max > 0 and may_speculate(pipe) else None
         draft = prop.tokens if prop is not None else []
+        s.metrics.drafting.proposed += len(draft)
+        s.metrics.drafting.launched += len(draft)
         batch = [s.tokens[-1]] + draft
         pipe.launch(batch, list(range(pos, pos + len(batch))), [[CANONICAL_SEQ]] * len(batch), [True] * len(batch),
                     speculative=bool(draft))

@@ -36,6 +36,7 @@ class Flight:
     cancelled: bool = False
     n_cells: int = 0  # rows of its batch (KV cells it takes on each stage)
     source: str | None = None  # the hybrid drafter's source of its drafted tokens (Proposal.source)
+    t_launch: float = 0.0  # the head's clock when it was launched
 
     @property
     def tokens(self) -> list[int]:

@@ -223,7 +223,7 @@ def assemble_result(cfg: JobConfig, req: Request, topo, tok, s: Session, ranks: 
         tokens=s.generated, finish_reason=s.finish_reason,
         **vars(s.metrics.rates()), acceptance=replace(s.metrics.acceptance), runs=runs,
         wire=wire_summary(ranks, len(s.generated), topo.n_stages).as_dict(),
-        t_start=s.metrics.t_start, t_end=t_end, ranks=ranks,
+        t_start=s.metrics.t_start, t_end=t_end, ranks=ranks, drafting=replace(s.metrics.drafting),
     )
 
 

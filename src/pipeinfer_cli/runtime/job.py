@@ -28,6 +28,7 @@ from ..decode.result import GenerationResult
 from .head import Callbacks, Head, serve_requests
 from .job_config import JobConfig, Request  # noqa: F401 - part of this module's API
 from .loaded import Loaded
+from .cpu_share import cpu_share
 from .loading import load_rank
 from ..decode.modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
 from .topology import Topology, alone_on_cores, plan_config
@@ -145,13 +146,15 @@ def head_clock_offsets(link: Link) -> list[float]:
 
 def start_liveness(link: Link, rank_timeout_s: float, loaded: Loaded, hosts: list[str], threads: list[int]) -> None:
     """Once every rank has loaded: name the ranks for errors, say whether this rank has its cores
-    to itself (waits may then stay awake when PIPEINFER_WAIT_SPIN=tail asks), and with a
+    to itself (waits may then stay awake when PIPEINFER_WAIT_SPIN=tail asks) and whether a CPU
+    quota below one CPU holds it (its waits then wake up less often), and with a
     --rank-timeout start the heartbeats and deadlines (transport/liveness.py).
 
     hosts, threads: every rank's host name and busy threads (start-up's check-ins)."""
     link.name_ranks(rank_names(loaded.topo, hosts))
     here = sum(n for host, n in zip(hosts, threads) if host == hosts[link.rank])
     link.set_alone_on_cores(alone_on_cores(here, threads[link.rank]))
+    link.set_cpu_quota(cpu_share().quota_cpus)
     if rank_timeout_s > 0 and link.size > 1:
         engine = loaded.engine
         Liveness(link, rank_timeout_s, engine.eval_progress if engine is not None else (lambda: 0)).start()

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..transport.messages import KV_USAGE, REPORT, RUN_FLAG_INVARIANT, SHUTDOWN, KvCommand, KvOp, ResultHeader, RunHeader, Tag
 from ..transport.mpi_link import Backoff, Link, RankFailedError, WaitPolicy
+from ..decode.cpu_account import PROCESS, STAGE, WAIT
 from ..decode.metrics import now
 from ..decode.sampling import SamplingParams, sample_rows, to_spec
 from ..decode.result import RankReport
@@ -79,14 +80,16 @@ class Pipeline:
         hdr = RunHeader(run_id, np.asarray(pos, np.int32), seq_ids, np.asarray(output, bool), speculative=speculative,
                         flags=RUN_FLAG_INVARIANT if invariant else 0)
         t0 = now()
-        with self.link.computing() if self.link is not None else contextlib.nullcontext():
+        with self.link.computing() if self.link is not None else contextlib.nullcontext(), PROCESS.charge(STAGE):
             out = self.engine.eval(tokens=np.asarray(tokens, np.int32), pos=hdr.pos, seq_ids=seq_ids,
                                    output=hdr.output if self.n_stages == 1 else None, batch_invariant=invariant)
+            if self.n_stages == 1:
+                out = sample_rows(out, self.sampling, hdr.pos[hdr.output] + 1)
         t1 = now()
         self.busy_s += t1 - t0
         self.trace.slice("stage", t0, t1, run=run_id, n_tokens=len(tokens), spec=speculative)
         if self.n_stages == 1:
-            self.ready.append(RunResult(run_id, sample_rows(out, self.sampling, hdr.pos[hdr.output] + 1)))
+            self.ready.append(RunResult(run_id, out))
             self.last_result_id = run_id
         else:
             head = hdr.encode()
@@ -157,27 +160,31 @@ class Pipeline:
     def next_result(self) -> RunResult:
         """Wait (without spinning) for the oldest outstanding result. Results arrive in launch order."""
         backoff = self._backoff(site="result")
-        while not self.ready:
-            if self.poll():
-                break
-            if self.link is not None:
-                self.link.idle(backoff, awaiting=self.awaiting())
-            else:
-                backoff.idle()
+        with PROCESS.charge(WAIT):
+            while not self.ready:
+                if self.poll():
+                    break
+                if self.link is not None:
+                    self.link.idle(backoff, awaiting=self.awaiting())
+                else:
+                    backoff.idle()
         backoff.reset()  # records how long this wait lasted
         return self.ready.popleft()
 
     def wait_until(self, cond) -> None:
         """Sleep (with backoff, never spinning) until cond() is true; cond polls what it waits for.
-        A failure another rank reported is raised, and sends keep moving while waiting."""
-        backoff = self._backoff()
-        while not cond():
-            if self.link is None:
-                backoff.idle()
-                continue
-            self.link.raise_reported_error()
-            self.link.progress_sends()
-            self.link.idle(backoff, awaiting=self.awaiting())
+        A failure another rank reported is raised, and sends keep moving while waiting. These waits
+        (a result or a draft reply) are one wait site of the link's history, so that a wait as long
+        as the recent ones is slept through rather than probed ten thousand times a second."""
+        backoff = self._backoff(site="result-or-draft")
+        with PROCESS.charge(WAIT):
+            while not cond():
+                if self.link is None:
+                    backoff.idle()
+                    continue
+                self.link.raise_reported_error()
+                self.link.progress_sends()
+                self.link.idle(backoff, awaiting=self.awaiting())
 
     def _backoff(self, **kwargs) -> Backoff:
         """A Backoff with the link's wait policy and history, or (one rank) this pipeline's policy."""

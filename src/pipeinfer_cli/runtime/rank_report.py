@@ -3,11 +3,11 @@ abort signal, and the debug fault injection (stages, draft rank and head alike).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..transport.mpi_link import Link, WaitPolicy
+from ..decode.cpu_account import PROCESS, CpuAccount
 from ..decode.metrics import process_stats
 from ..process_memory import peak_rss_mib
 from ..decode.result import RankReport
@@ -41,14 +41,16 @@ class RankReporter:
     as a `RankReport`.
 
     Every count restarts at each report, so a report is exactly one request's share. cpu_s counts
-    CPU seconds since the previous report, so an idle rank that spins would show it."""
+    CPU seconds since the previous report, so an idle rank that spins would show it; cpu_split says
+    where they went (the process's `CpuAccount`, charged by the pipeline, the stage and the draft
+    model; cpu: another account, for tests)."""
 
     def __init__(self, rank: int, role: str, layers, threads: int, trace, engine=None, link: Link | None = None,
-                 weights: LoadedWeights | None = None):
+                 weights: LoadedWeights | None = None, cpu: CpuAccount = PROCESS):
         self.rank, self.role, self.layers, self.threads = rank, role, layers, threads
         # where the rank's weights came from, once per job (runtime/weight_stream.py LoadedWeights)
         self.weights = weights.as_dict() if weights is not None else None
-        self.trace, self.engine, self.link = trace, engine, link
+        self.trace, self.engine, self.link, self.cpu = trace, engine, link, cpu
         self.busy_s = 0.0  # seconds computing (stage evals, draft proposals)
         self.runs = 0  # runs computed or draft requests answered
         self.kv_at_start: int | None = None  # KV cells in use when this request began (after the last clear)
@@ -56,7 +58,7 @@ class RankReporter:
 
     def _reset(self) -> None:
         self.busy_s, self.runs, self.kv_at_start = 0.0, 0, None
-        self._cpu0 = time.process_time()
+        self.cpu.take()
         self._engine0 = dict(self.engine.stats()) if self.engine is not None else None
         if self.link is not None:
             self.link.traffic.take()
@@ -65,10 +67,12 @@ class RankReporter:
         """The report since the previous one (trace events included); counting starts again."""
         events = list(self.trace.events)
         self.trace.events.clear()
+        split = self.cpu.take()
         out = RankReport(self.rank, self.role, self.layers, self.threads, round(peak_rss_mib(), 1),
-                         round(self.busy_s, 4), round(time.process_time() - self._cpu0, 3), self.runs,
+                         round(self.busy_s, 4), round(split.total_s, 3), self.runs,
                          self._wait_style(), process_stats(), weights=self.weights,
-                         rows_requested=rows_requested, skipped_before_start=skipped_before_start, trace=events)
+                         rows_requested=rows_requested, skipped_before_start=skipped_before_start, trace=events,
+                         cpu_split=split)
         if self.engine is not None:
             stats = dict(self.engine.stats())
             out.engine = {k: v - self._engine0.get(k, 0) for k, v in stats.items()}

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..transport.messages import DraftReply, DraftRequest, Msg, Tag
 from ..transport.mpi_link import Link
+from ..decode.cpu_account import PROCESS, WAIT
 from ..decode.drafters import Drafter, Proposal
 from ..decode.trace import TraceRecorder
 from ..decode.metrics import now
@@ -96,7 +97,8 @@ def serve_draft(link: Link, drafter: Drafter, threads: int, trace: TraceRecorder
     n_req = 0  # over the whole job, for fault injection
     report = RankReporter(link.rank, "draft", None, threads, trace, link=link, weights=weights)
     while True:
-        st = link.wait_probe(0, Tag.DRAFT_REQ, on_idle=check_abort)
+        with PROCESS.charge(WAIT):
+            st = link.wait_probe(0, Tag.DRAFT_REQ, on_idle=check_abort)
         req = DraftRequest.decode(link.recv_array(0, Tag.DRAFT_REQ, np.int64, st))
         if req.kind == Msg.SHUTDOWN:
             if link.liveness is not None:

@@ -18,6 +18,7 @@ from ..transport.messages import (
     RUN_FLAG_INVARIANT, RUN_FLAG_SKIP, KvCommand, Msg, ResultHeader, RunHeader, SamplingSpec, Tag,
 )
 from ..transport.mpi_link import Link
+from ..decode.cpu_account import PROCESS, STAGE, WAIT
 from ..decode.metrics import now
 from ..decode.sampling import SamplingParams, from_spec, sample_rows
 from .rank_report import JobAborted, KvUsage, RankReporter, fault_injection
@@ -120,15 +121,7 @@ class _StageLoop:
     def run(self) -> None:
         link, backoff = self.link, self.link.backoff(site="stream")
         while True:
-            if self.listener.aborted.is_set():
-                raise self.listener.failure or JobAborted()
-            st = link.probe(self.prev, Tag.STREAM)
-            if st is None:
-                link.progress_sends()
-                link.idle(backoff)
-                continue
-            backoff.reset()
-            msg = link.recv_array(self.prev, Tag.STREAM, np.int64, st)
+            msg = self.next_message(backoff)
             kind = int(msg[0])
             if kind == Msg.RUN:
                 self.run_one(RunHeader.decode(msg))
@@ -140,6 +133,23 @@ class _StageLoop:
                     link.liveness.stop(farewell=True)
                 return
             self.control(kind, msg)
+
+    def next_message(self, backoff) -> np.ndarray:
+        """The stream's next message, waited for without spinning (charged to WAIT once per wait,
+        not at every wake-up: a charge costs a few microseconds itself)."""
+        st = self._probe()
+        if st is None:
+            with PROCESS.charge(WAIT):
+                while (st := self._probe()) is None:
+                    self.link.progress_sends()
+                    self.link.idle(backoff)
+        backoff.reset()
+        return self.link.recv_array(self.prev, Tag.STREAM, np.int64, st)
+
+    def _probe(self):
+        if self.listener.aborted.is_set():
+            raise self.listener.failure or JobAborted()
+        return self.link.probe(self.prev, Tag.STREAM)
 
     def control(self, kind: int, msg: np.ndarray) -> None:
         if kind == Msg.KV:
@@ -174,7 +184,8 @@ class _StageLoop:
             self.layers_unstarted += engine.layer_end - engine.layer_begin
             self.trace.instant("skip", now(), run=hdr.run_id)
         if out is not None and self.is_last:
-            out = sample_rows(out, self.sampling, hdr.pos[hdr.output] + 1)
+            with PROCESS.charge(STAGE):
+                out = sample_rows(out, self.sampling, hdr.pos[hdr.output] + 1)
         _forward(self.link, hdr, out, self.nxt, self.trace)
 
 
@@ -182,8 +193,9 @@ def _compute(engine, hdr: RunHeader, payload: np.ndarray, is_last: bool, report:
     """This stage's layers for one run; None if it was cancelled while computing."""
     t0 = now()
     try:
-        out = engine.eval(embd=payload, pos=hdr.pos, seq_ids=hdr.seq_ids, output=hdr.output if is_last else None,
-                          batch_invariant=bool(hdr.flags & RUN_FLAG_INVARIANT))
+        with PROCESS.charge(STAGE):
+            out = engine.eval(embd=payload, pos=hdr.pos, seq_ids=hdr.seq_ids, output=hdr.output if is_last else None,
+                              batch_invariant=bool(hdr.flags & RUN_FLAG_INVARIANT))
     except EvalCancelled:
         out = None
     t1 = now()

@@ -49,13 +49,15 @@ class WireTraffic(TypedDict):
 
 
 class Traffic:
-    """What this rank moved since the last take(): array bytes and messages per peer, and the time
-    spent waiting for messages (sleeping between probes)."""
+    """What this rank moved since the last take(): array bytes and messages per peer, the time
+    spent waiting for messages (sleeping between probes), and how often it woke up to probe again
+    (each wake-up costs CPU, however short the sleep)."""
 
     def __init__(self):
         self.sent: dict[int, list[int]] = {}  # dest -> [bytes, messages]
         self.received: dict[int, list[int]] = {}  # source -> [bytes, messages]
         self.wait_s = 0.0
+        self.wakeups = 0
 
     @staticmethod
     def _add(table: dict[int, list[int]], peer: int, nbytes: int) -> None:
@@ -66,7 +68,7 @@ class Traffic:
     def take(self) -> WireTraffic:
         out = {"sent": {str(k): {"bytes": b, "messages": m} for k, (b, m) in sorted(self.sent.items())},
                "received": {str(k): {"bytes": b, "messages": m} for k, (b, m) in sorted(self.received.items())},
-               "wait_s": round(self.wait_s, 4)}
+               "wait_s": round(self.wait_s, 4), "wakeups": self.wakeups}
         self.__init__()
         return out
 
@@ -136,6 +138,11 @@ class Link:
         their predicted sleep if PIPEINFER_WAIT_SPIN=tail asked and it is alone. Returns the choice."""
         self.wait_policy = self.wait_policy.for_cores(alone)
         return self.wait_policy.spin_tail
+
+    def set_cpu_quota(self, quota_cpus: float | None) -> None:
+        """This rank's CFS quota in CPUs (None: none): below one CPU, its waits wake up less often
+        (`WaitPolicy.for_quota`)."""
+        self.wait_policy = self.wait_policy.for_quota(quota_cpus)
 
     # -- receiving -------------------------------------------------------------------------
     def probe(self, source: int, tag: Tag) -> _Received | None:
@@ -216,6 +223,7 @@ class Link:
         t0 = time.perf_counter()
         backoff.idle()
         self.traffic.wait_s += time.perf_counter() - t0
+        self.traffic.wakeups += 1
 
     @contextlib.contextmanager
     def computing(self, observable: bool = True):

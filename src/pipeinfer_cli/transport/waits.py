@@ -22,6 +22,13 @@ BACKOFF_MAX_S = 1e-3  # the longest sleep of a rank that has been idle for a whi
 # between stages" and "Figures formerly quoted in source comments").
 BACKOFF_HOT_MAX_S = 1e-4
 BACKOFF_HOT_S = 0.05
+# A rank held below one CPU by a CFS quota (a container's --cpus, an emulated host's --cpus) pays
+# every wake-up out of its quota: each costs about 14 us of CPU on the test VM (the sleep's own
+# system calls, however short the sleep), so probing every 0.1 ms takes a seventh of a core, more
+# than half of a 0.25-CPU host, and the rank's own work waits for it. Its quota's period (1 to 4 ms
+# below one CPU) already delays it by that much whenever it is throttled, so its hot phase sleeps
+# up to BACKOFF_MAX_S as an idle wait does (`WaitPolicy.for_quota`).
+QUOTA_HOT_MAX_S = BACKOFF_MAX_S
 
 
 # A wait that has lasted about the same for a while (the next stage's compute, in a steady
@@ -57,6 +64,7 @@ class WaitPolicy:
     predict: bool = True
     spin: str = ""
     spin_tail: bool = False
+    hot_hi: float = BACKOFF_HOT_MAX_S  # the longest sleep soon after progress (`for_quota`)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "WaitPolicy":
@@ -71,6 +79,11 @@ class WaitPolicy:
         """This policy for a rank that has (or has not) its cores to itself: it stays awake after a
         predicted sleep only when PIPEINFER_WAIT_SPIN=tail asked and it is alone."""
         return replace(self, spin_tail=self.spin == "tail" and alone_on_cores)
+
+    def for_quota(self, quota_cpus: float | None) -> "WaitPolicy":
+        """This policy for a rank under a CFS quota of quota_cpus CPUs (None: none): below one CPU,
+        its waits never probe more often than every QUOTA_HOT_MAX_S."""
+        return replace(self, hot_hi=QUOTA_HOT_MAX_S if quota_cpus is not None and quota_cpus < 1.0 else BACKOFF_HOT_MAX_S)
 
     def style(self) -> str:
         """How this process waits for messages, as the JSON reports it per rank."""
@@ -111,9 +124,10 @@ class Backoff:
                  "wake_at")
 
     def __init__(self, policy: WaitPolicy, history: WaitHistory | None = None, lo: float = BACKOFF_MIN_S,
-                 hi: float = BACKOFF_MAX_S, hot_hi: float = BACKOFF_HOT_MAX_S, hot_s: float = BACKOFF_HOT_S,
+                 hi: float = BACKOFF_MAX_S, hot_hi: float | None = None, hot_s: float = BACKOFF_HOT_S,
                  site: str | None = None):
-        self.lo, self.hi, self.hot_hi, self.hot_s = lo, hi, min(hot_hi, hi), hot_s
+        self.lo, self.hi, self.hot_s = lo, hi, hot_s
+        self.hot_hi = min(policy.hot_hi if hot_hi is None else hot_hi, hi)
         self.site = site
         self.history = history if site is not None else None
         self.spin, self.spin_tail = policy.spin_always, policy.spin_tail  # copied: idle() is the hot path
