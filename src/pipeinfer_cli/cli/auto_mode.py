@@ -1,7 +1,9 @@
-"""`-M auto`: the mode and settings the plan predicts fastest for this job's ranks and draft.
+"""`-M auto`: the mode, settings, placement and threads the plan predicts fastest for this job's
+ranks and draft; and `--layer-split auto`'s placement of a drafting mode.
 
-The search is the planner's (planner/search.py: the one `plan --search` runs), on the profile of
-these ranks (--profile, else one calibrated quickly and cached: cli/auto_profile.py), for the
+The search is the planner's (planner/search.py: the one `plan --search` runs), over the placements
+of planner/placement.py (where the draft runs, how many layers the head holds, each rank's threads),
+on the profile of these ranks (--profile, else one calibrated quickly and cached: cli/auto_profile.py), for the
 request the job will run, with the draft's acceptance measured where it can be
 (planner/acceptance.py: on the prompt itself for lookup; by `calibrate --draft` for a model) and
 assumed (DEFAULT_ACCEPTANCE) where not. The job says what it chose, and on what acceptance, on
@@ -35,7 +37,10 @@ class AutoChoice:
     decode: DecodeOptions
     predicted_tok_per_s: float | None
     acceptance: Acceptance  # what the draft was planned to get right, and how that was obtained
-    threads: str = ""  # the profile's threads per rank, which the job runs with (--threads)
+    threads: str = ""  # the threads per rank the job runs with (--threads)
+    layer_split: str | None = None  # the placement chosen (--layer-split in layer counts); None: the job's own
+    placement: str = ""  # how: "draft on rank 3 of its own", ...; and what the other candidates predicted
+    threads_how: str = ""  # where the threads' costs came from (the profile's, measured, extrapolated)
 
     def describe(self) -> str:
         d = self.decode
@@ -46,15 +51,18 @@ class AutoChoice:
         return f"auto chose {self.mode}{' (' + knobs.strip() + ')' if knobs else ''}{pred}"
 
     def announce(self) -> str:
-        """The job's start-up line: what auto chose and on what acceptance."""
+        """The job's start-up line: what auto chose, where, and on what acceptance."""
         on = "" if self.acceptance.rate is None else f", on {self.acceptance.describe()}"
-        return f"pipeinfer: -M {self.describe()}{on}, run with the profile's --threads {self.threads}"
+        where = "" if self.layer_split is None else f", --layer-split {self.layer_split} ({self.placement})"
+        threads = self.threads_how or f"the profile's --threads {self.threads}"
+        return f"pipeinfer: -M {self.describe()}{where}{on}, run with {threads}"
 
     def to_json(self) -> dict:
         """The choice (generate --json's "auto"; CHOICE_ENV carries it to the job's ranks)."""
         a, d = self.acceptance, self.decode
         return {"mode": self.mode, "n_draft": d.n_draft, "p_accept": d.p_accept, "max_inflight": d.max_inflight,
                 "predicted_tok_per_s": self.predicted_tok_per_s, "threads": self.threads,
+                "layer_split": self.layer_split, "placement": self.placement, "threads_how": self.threads_how,
                 "acceptance": {"rate": a.rate, "measured": a.measured, "source": a.source}}
 
     def summary(self, measured_tok_per_s: float | None) -> str:
@@ -66,38 +74,167 @@ class AutoChoice:
         return f"{self.describe()}{speed} (planned on acceptance {how} {self.acceptance.rate:.0%})"
 
 
-def choose(cfg: JobConfig, n_ranks: int, has_draft: bool, prompt_tokens: list[int] | None = None) -> AutoChoice:
-    """The fastest predicted mode and settings for this job (cfg: a JobConfig with a profile).
-    prompt_tokens: the request's prompt, when the job knows it before it starts (generate)."""
+def choose(cfg: JobConfig, n_ranks: int, has_draft: bool, prompt_tokens: list[int] | None = None,
+           measured: dict | None = None, say=None) -> AutoChoice:
+    """The fastest predicted mode, settings and placement for this job (cfg: a JobConfig with a
+    profile). prompt_tokens: the request's prompt, when the job knows it before it starts
+    (generate). measured: {threads: Profile} of these ranks at other thread counts (cached
+    calibrations), which the search takes instead of extrapolating. say(line): stderr."""
     from ..decode.modes import MODE_NAMES, needs_draft
     from ..planner import search
-    from ..planner.identity import model_sha256
-    from ..planner.plan import Replay
-    from ..planner.profile import Profile
 
-    if cfg.profile is None:
-        raise UsageError("-M auto needs a profile of the ranks: run `pipeinfer calibrate MODEL --ranks N --out "
-                         "profile.json` (with the draft), then pass --profile profile.json")
-    prof = Profile.load(cfg.profile)
-    prof.check_model(cfg.model_label, cfg.model_path.stat().st_size, f"the profile {cfg.profile}",
-                     model_sha256(cfg.model_path, cfg.model_sha256, cfg.model_size))
-    if len(prof.ranks) < n_ranks:
-        raise UsageError(f"-M auto: the profile measured {len(prof.ranks)} rank(s) but the job has {n_ranks}; "
-                         "calibrate with as many ranks as the job runs")
-    threads = job_threads(prof, cfg, n_ranks)
+    prof = _checked_profile(cfg, n_ranks, "-M auto")
     lookup = cfg.draft.is_lookup
     modes = [m for m in MODE_NAMES if not needs_draft(m) or (has_draft and (lookup or _has_model_costs(prof)))]
     acceptance = draft_acceptance(cfg, prof, prompt_tokens)
-    n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
-    rate = DEFAULT_ACCEPTANCE if acceptance.rate is None else acceptance.rate  # no draft: no mode drafts
-    replay = Replay([search.auto_request(prompt_tokens, n_gen)], rate, confidences=acceptance.confidences)
+    if acceptance.rate is not None and not acceptance.measured and say is not None:
+        say(f"pipeinfer: -M auto: warning: planning on an assumed draft acceptance of {acceptance.rate:.0%}: "
+            f"{acceptance.source.removeprefix('assumed: ')}; `pipeinfer calibrate --draft` measures it")
+    replay = _replay(cfg, acceptance, prompt_tokens)
 
     def topo_of(mode: str):
         return job_topology(cfg.model_path, cfg.model_label, n_ranks, cfg.layer_split, cfg.draft_path, cfg.draft,
                             needs_draft(mode), mode, cfg.profile, cfg.n_ctx)
 
-    c = search.choose(prof, topo_of, modes, replay, cfg.decode, cfg.n_ctx)
-    return AutoChoice(c.mode, c.opts, c.tok_per_s, acceptance, threads)
+    places = lambda m: job_placements(cfg, prof, n_ranks, m, replay, measured)  # noqa: E731
+    c = search.choose(prof, topo_of, modes, replay, cfg.decode, cfg.n_ctx, placements_of=places)
+    p = c.placement
+    chosen_split = p.layer_split() if split_is_chosen(cfg, n_ranks) else None
+    return AutoChoice(c.mode, c.opts, c.tok_per_s, acceptance, p.threads_option(), chosen_split,
+                      placement_note(c.per_mode[c.mode]), threads_note(prof, p, measured))
+
+
+def _checked_profile(cfg: JobConfig, n_ranks: int, why: str):
+    from ..planner.identity import model_sha256
+    from ..planner.profile import Profile
+
+    if cfg.profile is None:
+        raise UsageError(f"{why} needs a profile of the ranks: run `pipeinfer calibrate MODEL --ranks N --out "
+                         "profile.json` (with the draft), then pass --profile profile.json")
+    prof = Profile.load(cfg.profile)
+    prof.check_model(cfg.model_label, cfg.model_path.stat().st_size, f"the profile {cfg.profile}",
+                     model_sha256(cfg.model_path, cfg.model_sha256, cfg.model_size))
+    if len(prof.ranks) < n_ranks:
+        raise UsageError(f"{why}: the profile measured {len(prof.ranks)} rank(s) but the job has {n_ranks}; "
+                         "calibrate with as many ranks as the job runs")
+    return prof
+
+
+def _replay(cfg: JobConfig, acceptance: Acceptance, prompt_tokens: list[int] | None):
+    from ..planner import search
+    from ..planner.plan import Replay
+
+    n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
+    rate = DEFAULT_ACCEPTANCE if acceptance.rate is None else acceptance.rate  # no draft: no mode drafts
+    return Replay([search.auto_request(prompt_tokens, n_gen)], rate, confidences=acceptance.confidences)
+
+
+def split_is_chosen(cfg: JobConfig, n_ranks: int) -> bool:
+    """Whether the planner places the job (--layer-split auto, auto/1, or none given with -M auto)
+    rather than the user's own fractions."""
+    return n_ranks > 1 and (not cfg.layer_split or cfg.layer_split.startswith("auto"))
+
+
+def draft_kind(cfg: JobConfig, mode: str) -> str | None:
+    """What the mode drafts with: "model" (a draft model, hybrid included), "lookup", or None."""
+    from ..decode.modes import needs_draft
+
+    if not needs_draft(mode) or not cfg.draft:
+        return None
+    return "model" if cfg.draft.uses_model else "lookup"
+
+
+def job_placements(cfg: JobConfig, prof, n_ranks: int, mode: str, replay, measured: dict | None = None,
+                   threads: list[list[int]] | None = None) -> list:
+    """The placements the search compares for `mode` (planner/placement.py): every thread count the
+    job could run with (thread_options) times, where the planner places the job, every placement;
+    else the job's own split. The head's own work is measured by simulating the mode at the job's
+    settings on the first candidate, then the candidates are split again with it."""
+    from ..decode.modes import needs_draft
+    from ..planner.placement import Placement, at_threads, draft_on, placements
+    from ..planner.plan import run_mode
+    from ..planner.search import head_load
+    from ..planner.split import HeadLoad
+
+    kind = draft_kind(cfg, mode)
+    out: list[Placement] = []
+    for t in threads or thread_options(prof, cfg, n_ranks, mode):
+        if not split_is_chosen(cfg, n_ranks):
+            topo = job_topology(cfg.model_path, cfg.model_label, n_ranks, cfg.layer_split, cfg.draft_path, cfg.draft,
+                                needs_draft(mode), mode, cfg.profile, cfg.n_ctx)
+            p, guessed = at_threads(prof, t, measured)
+            if isinstance(topo.draft, int) or topo.draft == "head":
+                p = draft_on(p, prof, topo.draft if isinstance(topo.draft, int) else 0)
+            out.append(Placement(topo, p, t, "the job's --layer-split", guessed))
+            continue
+        fixed = None
+        if cfg.layer_split and cfg.layer_split.startswith("auto"):
+            fixed = "rank" if "/" in cfg.layer_split else "head"
+            if fixed == "head" and cfg.layer_split == "auto":
+                fixed = None  # --layer-split auto: the planner places the draft too
+        mem = _job_memory(cfg, n_ranks, kind == "model")
+        first = placements(prof, n_ranks, t, kind, mem, HeadLoad(), fixed, measured)
+        load = HeadLoad()
+        if kind is not None:
+            preds = run_mode(first[0].profile, first[0].topo, mode, replay, cfg.decode, cfg.n_ctx)
+            load = head_load(preds)
+        out += placements(prof, n_ranks, t, kind, mem, load, fixed, measured)
+    return out
+
+
+def _job_memory(cfg: JobConfig, n_ranks: int, with_draft: bool):
+    from ..models.gguf_info import read_model_info
+    from ..planner.split import profile_for_split
+
+    _, mem = profile_for_split(cfg.profile, cfg.model_path, cfg.model_label, read_model_info(cfg.model_path),
+                               cfg.n_ctx, cfg.draft_path if with_draft else None, n_ranks, False, True)
+    return mem
+
+
+def thread_options(prof, cfg: JobConfig, n_ranks: int, mode: str) -> list[list[int]]:
+    """The threads per rank the job could run with: --threads as given; else the profile's and
+    `generate`'s default for the mode on the profile's hosts (cli/plan_checks.job_threads: all of a
+    host's CPUs for iterative on one machine, a share of them for the drafting modes), without those
+    the planner cannot model for a mode whose ranks compute at once (several threads per rank on
+    too few CPUs: planner/shared_cores.unmodelled)."""
+    from ..decode.modes import needs_draft
+    from ..planner.shared_cores import unmodelled, usable_cpus
+    from ..runtime.topology import parse_threads
+    from .plan_checks import job_threads
+
+    if cfg.threads is not None:
+        return [parse_threads(cfg.threads, n_ranks, 1)]
+    opts = []
+    for t in ([rc.threads for rc in prof.ranks[:n_ranks]], job_threads(prof, mode, None, n_ranks)):
+        if t in opts:
+            continue
+        if needs_draft(mode) and opts and unmodelled([(r, prof.ranks[r].host, t[r], usable_cpus(prof.ranks[r]))
+                                                       for r in range(n_ranks)]):
+            continue
+        opts.append(t)
+    return opts
+
+
+def placement_note(best) -> str:
+    """How the chosen placement compares with the others the search simulated (coarse figures)."""
+    p = best.placement
+    if p is None:
+        return ""
+    others = [f"{q.what} {q.layer_split()}: {s:.2f}" for q, s in best.others if s is not None and q.threads == p.threads]
+    return p.what + (f"; against {'; '.join(others)} tok/s on the coarse grid" if others else "")
+
+
+def threads_note(prof, p, measured: dict | None) -> str:
+    """Where the chosen threads' costs came from: the profile's, a profile at those threads, or extrapolated."""
+    from ..planner.placement import THREAD_SCALING
+
+    base = [rc.threads for rc in prof.ranks[:len(p.threads)]]
+    if p.threads == base:
+        return f"the profile's --threads {p.threads_option()}"
+    if not p.extrapolated:
+        return f"--threads {p.threads_option()} (measured by a calibration at those threads)"
+    return (f"--threads {p.threads_option()} (the profile measured {','.join(map(str, sorted(set(base))))}: costs "
+            f"extrapolated, speed-up (threads ratio within the usable CPUs) ** {THREAD_SCALING})")
 
 
 def _has_model_costs(prof) -> bool:
@@ -136,65 +273,85 @@ def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_
     return Topology([r.rank for r in stages], [r.layers for r in stages], None)
 
 
-def job_threads(prof, cfg: JobConfig, n_ranks: int) -> str:
-    """The threads the job runs with: the profile's, which its predictions are for (a job's default
-    differs by mode, and -M auto compares modes on the profile's). --threads other than the
-    profile's is refused: the profile did not measure that job."""
-    from ..runtime.topology import parse_threads
-
-    measured = [rc.threads for rc in prof.ranks[:n_ranks]]
-    if cfg.threads is not None:
-        given = parse_threads(cfg.threads, n_ranks, 1)
-        if given != measured:
-            raise UsageError(f"-M auto: the profile {cfg.profile} was made for {_per_rank(measured)}, this job uses "
-                             f"{_per_rank(given)}: run `pipeinfer calibrate {cfg.model_label} --ranks {n_ranks} "
-                             f"--threads {cfg.threads}`, or drop --threads (-M auto runs with the profile's)")
-    return ",".join(map(str, measured)) if len(set(measured)) > 1 else str(measured[0])
-
-
-def _per_rank(threads: list[int]) -> str:
-    from ..wording import plural
-
-    return f"{plural(threads[0], 'thread')} per rank" if len(set(threads)) == 1 else "threads " + ",".join(map(str, threads))
-
-
 # The launching command's decisions, inherited by the ranks of the job it starts, which take them
 # instead of deciding again (a rank does not have the prompt; every rank must run the same settings).
 CHOICE_ENV = "PIPEINFER_AUTO_CHOICE"
 
 
+# The placement --layer-split auto chose (without -M auto), for the ranks of the job started next.
+PLACEMENT_ENV = "PIPEINFER_AUTO_PLACEMENT"
+
+
 def resolve(cfg: JobConfig, model: str, job, n_ranks: int, auto: bool, inside: bool, on_head: bool, given,
-            say) -> tuple[JobConfig, AutoChoice | None]:
+            say, mode: str | None = None) -> tuple[JobConfig, AutoChoice | None]:
     """Before a job starts: the profile that -M auto and --layer-split auto need (given, cached, or
-    calibrated now), then -M auto's choice (None without -M auto). Returns the job's configuration
-    with that profile, and the choice. given: the prompt (PromptInput), known to the launching
-    command of `generate`; say(line): stderr, once per job."""
+    calibrated now), then -M auto's choice (None without -M auto), or --layer-split auto's
+    placement for `mode` (the job's). Returns the job's configuration with that profile (and the
+    placement chosen, as its --layer-split), and the choice. given: the prompt (PromptInput), known
+    to the launching command of `generate`; say(line): stderr, once per job."""
     import os
 
     import json
 
     split_auto = bool(cfg.layer_split) and cfg.layer_split.startswith("auto")
-    if cfg.profile is None and (auto or split_auto) and cfg.model_path is not None:
+    if cfg.profile is None and (auto or split_auto) and (cfg.model_path is not None or inside):
         from .auto_profile import ensure_profile
         from .options import PROFILE_ENV
 
         why = "-M auto" if auto else "--layer-split auto"
         cfg = replace(cfg, profile=ensure_profile(cfg, model, job, n_ranks, why, inside, say))
-        if not inside:
+        if not inside and cfg.profile is not None:
             os.environ[PROFILE_ENV] = str(cfg.profile)  # the ranks of the job started next: their --profile
-    if not auto:
-        return cfg, None
-    if os.environ.get(CHOICE_ENV) and inside:
-        return cfg, from_env(os.environ[CHOICE_ENV], cfg.decode)
     from pathlib import Path
 
-    if cfg.model_path is None or cfg.profile is None or not (on_head or Path(cfg.profile).is_file()):
+    usable = (cfg.model_path is not None and cfg.profile is not None and (on_head or Path(cfg.profile).is_file()))
+    if not auto:
+        if split_auto and os.environ.get(PLACEMENT_ENV) and inside:
+            return replace(cfg, layer_split=os.environ[PLACEMENT_ENV]), None
+        if split_auto and usable and on_head and mode is not None and draft_kind(cfg, mode) is not None:
+            tokens = prompt_tokens(cfg, given) if not inside and cfg.draft.is_lookup else None
+            cfg = place(cfg, mode, n_ranks, tokens, say)
+            if not inside:
+                os.environ[PLACEMENT_ENV] = cfg.layer_split
+        return cfg, None
+    if os.environ.get(CHOICE_ENV) and inside:
+        choice = from_env(os.environ[CHOICE_ENV], cfg.decode)
+        return (cfg if choice.layer_split is None else replace(cfg, layer_split=choice.layer_split)), choice
+    if not usable:
         return cfg, None  # a rank without the model or the profile: it takes the head's choice
     tokens = prompt_tokens(cfg, given) if not inside and cfg.draft.is_lookup else None
-    choice = choose(cfg, n_ranks, bool(cfg.draft), tokens)
+    from .auto_profile import measured_profiles
+
+    choice = choose(cfg, n_ranks, bool(cfg.draft), tokens, measured_profiles(cfg, job, n_ranks), say)
     if not inside:
         os.environ[CHOICE_ENV] = json.dumps(choice.to_json())
+    if choice.layer_split is not None:
+        cfg = replace(cfg, layer_split=choice.layer_split)
     return cfg, choice
+
+
+def place(cfg: JobConfig, mode: str, n_ranks: int, prompt_tokens_: list[int] | None, say) -> JobConfig:
+    """--layer-split auto without -M auto, for a mode that drafts: the placement the search
+    predicts fastest for the job's mode and settings at its threads (planner/placement.py), said on
+    stderr; the configuration with it as the job's --layer-split."""
+    from ..planner.search import search_placed
+    from .plan_checks import job_threads
+
+    prof = _checked_profile(cfg, n_ranks, "--layer-split auto")
+    acceptance = draft_acceptance(cfg, prof, prompt_tokens_)
+    if acceptance.rate is not None and not acceptance.measured:
+        say(f"pipeinfer: --layer-split auto: warning: placing the draft on an assumed acceptance of "
+            f"{acceptance.rate:.0%}: {acceptance.source.removeprefix('assumed: ')}")
+    replay = _replay(cfg, acceptance, prompt_tokens_)
+    threads = [job_threads(prof, mode, cfg.threads, n_ranks)]
+    cands = job_placements(cfg, prof, n_ranks, mode, replay, threads=threads)
+    best = search_placed(cands, mode, replay, cfg.decode, cfg.n_ctx) if len(cands) > 1 else None
+    if best is None:
+        return cfg
+    split = best.placement.layer_split()
+    pred = "" if best.tok_per_s is None else f", predicted {best.tok_per_s:.2f} tok/s"
+    say(f"pipeinfer: --layer-split auto placed the job: --layer-split {split} ({placement_note(best)}){pred}")
+    return replace(cfg, layer_split=split)
 
 
 def prompt_tokens(cfg: JobConfig, given) -> list[int] | None:
@@ -219,24 +376,26 @@ def from_env(text: str, decode: DecodeOptions) -> AutoChoice:
     a = d["acceptance"]
     opts = replace(decode, n_draft=d["n_draft"], p_accept=d["p_accept"], max_inflight=d["max_inflight"])
     return AutoChoice(d["mode"], opts, d["predicted_tok_per_s"], Acceptance(a["rate"], a["measured"], a["source"]),
-                      d["threads"])
+                      d["threads"], d.get("layer_split"), d.get("placement", ""), d.get("threads_how", ""))
 
 
 def replan_settings(cfg: JobConfig, mode: str, n_ranks: int, rate: float,
                     max_inflight_cap: int | None = None) -> tuple[DecodeOptions, float | None]:
     """The planner's best settings for `mode` (the job's: its ranks were started for it) at `rate`;
     max_inflight_cap: the runs in flight the started job's KV sequences hold (search.candidate_options)."""
-    from ..decode.modes import needs_draft
     from ..planner import search
     from ..planner.plan import Replay
     from ..planner.profile import Profile
+    from ..runtime.topology import parse_threads
 
     prof = Profile.load(cfg.profile)
     n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
-    topo = job_topology(cfg.model_path, cfg.model_label, n_ranks, cfg.layer_split, cfg.draft_path, cfg.draft,
-                        needs_draft(mode), mode, cfg.profile, cfg.n_ctx)
-    best = search.search_settings(prof, topo, mode, Replay([search.auto_request(None, n_gen)], rate), cfg.decode,
-                                  cfg.n_ctx, max_inflight_cap=max_inflight_cap)
+    replay = Replay([search.auto_request(None, n_gen)], rate)
+    # The job's own placement (the one chosen at its start is its --layer-split now) at its threads.
+    threads = [parse_threads(cfg.threads, n_ranks, 1)] if cfg.threads else None
+    p = job_placements(cfg, prof, n_ranks, mode, replay, threads=threads)[0]
+    best = search.search_settings(p.profile, p.topo, mode, replay, cfg.decode, cfg.n_ctx,
+                                  max_inflight_cap=max_inflight_cap)
     return best.opts, best.tok_per_s
 
 

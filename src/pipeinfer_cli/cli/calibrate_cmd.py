@@ -126,8 +126,19 @@ def calibrate(
         _finish(profile, prep.cfg, quick, out_path, as_json, started)
 
 
-def _finish(profile: Profile, cfg: JobConfig, quick: bool, out_path: Path, as_json: bool, started: float) -> None:
-    """On the head: the calibration's warnings, the draft's acceptance, the profile written and shown."""
+def calibrate_in_job(cfg: JobConfig, n_ranks: int, out_path: Path | None, command: str) -> None:
+    """A quick calibration of the ranks of the job this process is one of (every rank calls it; a
+    job started by the user's own mpiexec, which -M auto or --layer-split auto needs a profile of):
+    the head writes the profile to out_path (None on the other ranks), progress on stderr."""
+    from ..runtime.calibrate import run_calibration
+
+    profile = run_calibration(replace(cfg, rank_timeout_s=0.0), probe_spec(cfg, True, n_ranks), command, _progress)
+    if profile is not None:
+        _save(profile, cfg, True, out_path)
+
+
+def _save(profile: Profile, cfg: JobConfig, quick: bool, out_path: Path) -> None:
+    """On the head: the calibration's warnings, the draft's acceptance, the profile written."""
     for line in profile.warnings:
         err.print(f"calibrate: warning: {line}", markup=False, highlight=False)
     if profile.draft is not None and profile.draft.is_model and cfg.draft_path is not None:
@@ -138,6 +149,11 @@ def _finish(profile: Profile, cfg: JobConfig, quick: bool, out_path: Path, as_js
         profile.save(out_path)
     except OSError as e:
         raise PipeinferError(f"cannot write the profile to {out_path}: {e.strerror or e}") from None
+
+
+def _finish(profile: Profile, cfg: JobConfig, quick: bool, out_path: Path, as_json: bool, started: float) -> None:
+    """On the head: the calibration's warnings, the draft's acceptance, the profile written and shown."""
+    _save(profile, cfg, quick, out_path)
     if as_json:
         sys.stdout.write(profile.to_json() + "\n")
     else:

@@ -266,7 +266,7 @@ def prepare_job(model: str, mode: str | None, job, inside: bool, given=None) -> 
     cfg = make_job_config(target, draft_ref, spec, job)
     on_head = not inside or launcher_rank() == 0
     say = lambda line: _announce(line, inside)  # noqa: E731
-    cfg, choice = resolve(cfg, model, job, want, auto, inside, on_head, given, say)
+    cfg, choice = resolve(cfg, model, job, want, auto, inside, on_head, given, say, mode)
     if choice is not None:
         mode, cfg = choice.mode, replace(cfg, decode=choice.decode, threads=choice.threads)
         say(choice.announce())
