@@ -41,6 +41,13 @@ class AutoChoice:
     layer_split: str | None = None  # the placement chosen (--layer-split in layer counts); None: the job's own
     placement: str = ""  # how: "draft on rank 3 of its own", ...; and what the other candidates predicted
     threads_how: str = ""  # where the threads' costs came from (the profile's, measured, extrapolated)
+    threads_default: bool = False  # they are what the job starts with by default for the mode (no --threads)
+
+    @property
+    def job_threads(self) -> str | None:
+        """The job's --threads: None where the chosen threads are the mode's default (so the job
+        starts as `generate -M MODE` would, e.g. an iterative job's ranks spinning on the whole host)."""
+        return None if self.threads_default else self.threads
 
     def describe(self) -> str:
         d = self.decode
@@ -63,6 +70,7 @@ class AutoChoice:
         return {"mode": self.mode, "n_draft": d.n_draft, "p_accept": d.p_accept, "max_inflight": d.max_inflight,
                 "predicted_tok_per_s": self.predicted_tok_per_s, "threads": self.threads,
                 "layer_split": self.layer_split, "placement": self.placement, "threads_how": self.threads_how,
+                "threads_default": self.threads_default,
                 "acceptance": {"rate": a.rate, "measured": a.measured, "source": a.source}}
 
     def summary(self, measured_tok_per_s: float | None) -> str:
@@ -100,8 +108,11 @@ def choose(cfg: JobConfig, n_ranks: int, has_draft: bool, prompt_tokens: list[in
     c = search.choose(prof, topo_of, modes, replay, cfg.decode, cfg.n_ctx, placements_of=places)
     p = c.placement
     chosen_split = p.layer_split() if split_is_chosen(cfg, n_ranks) else None
+    from .plan_checks import job_threads
+
+    default = cfg.threads is None and p.threads == job_threads(prof, c.mode, None, n_ranks)
     return AutoChoice(c.mode, c.opts, c.tok_per_s, acceptance, p.threads_option(), chosen_split,
-                      placement_note(c.per_mode[c.mode]), threads_note(prof, p, measured))
+                      placement_note(c.per_mode[c.mode]), threads_note(prof, p, measured), default)
 
 
 def _checked_profile(cfg: JobConfig, n_ranks: int, why: str):
@@ -215,6 +226,20 @@ def thread_options(prof, cfg: JobConfig, n_ranks: int, mode: str) -> list[list[i
     return opts
 
 
+def placement_search(setup, prof, opts: DecodeOptions, threads: str | None, replay):
+    """For `plan --search --layer-split auto` (setup: plan's _Setup): the placements -M auto
+    searches for each mode, as job_placements gives them for the job `plan` describes; None
+    where plan has the user's own split (each mode is then planned on it, at the profile's threads)."""
+    from ..runtime.job_config import JobConfig
+
+    if not (setup.layer_split or "").startswith("auto") or setup.n_ranks < 2:
+        return None
+    cfg = JobConfig(model_path=setup.path, model_label=setup.label, draft_path=setup.draft_path, draft=setup.draft,
+                    decode=opts, n_ctx=setup.n_ctx, layer_split=setup.layer_split, threads=threads,
+                    profile=setup.profile_path)
+    return lambda mode: job_placements(cfg, prof, setup.n_ranks, mode, replay)
+
+
 def placement_note(best) -> str:
     """How the chosen placement compares with the others the search simulated (coarse figures)."""
     p = best.placement
@@ -309,7 +334,7 @@ def resolve(cfg: JobConfig, model: str, job, n_ranks: int, auto: bool, inside: b
         if split_auto and os.environ.get(PLACEMENT_ENV) and inside:
             return replace(cfg, layer_split=os.environ[PLACEMENT_ENV]), None
         if split_auto and usable and on_head and mode is not None and draft_kind(cfg, mode) is not None:
-            tokens = prompt_tokens(cfg, given) if not inside and cfg.draft.is_lookup else None
+            tokens = prompt_tokens(cfg, given) if cfg.draft.is_lookup else None
             cfg = place(cfg, mode, n_ranks, tokens, say)
             if not inside:
                 os.environ[PLACEMENT_ENV] = cfg.layer_split
@@ -317,9 +342,11 @@ def resolve(cfg: JobConfig, model: str, job, n_ranks: int, auto: bool, inside: b
     if os.environ.get(CHOICE_ENV) and inside:
         choice = from_env(os.environ[CHOICE_ENV], cfg.decode)
         return (cfg if choice.layer_split is None else replace(cfg, layer_split=choice.layer_split)), choice
-    if not usable:
-        return cfg, None  # a rank without the model or the profile: it takes the head's choice
-    tokens = prompt_tokens(cfg, given) if not inside and cfg.draft.is_lookup else None
+    if not usable or not on_head:
+        # A rank other than the head of a job started by the user's own launcher takes the head's
+        # plan and configuration (runtime/weight_stream.py) and runs with the default mode meanwhile.
+        return cfg, None
+    tokens = prompt_tokens(cfg, given) if cfg.draft.is_lookup else None
     from .auto_profile import measured_profiles
 
     choice = choose(cfg, n_ranks, bool(cfg.draft), tokens, measured_profiles(cfg, job, n_ranks), say)
@@ -376,7 +403,8 @@ def from_env(text: str, decode: DecodeOptions) -> AutoChoice:
     a = d["acceptance"]
     opts = replace(decode, n_draft=d["n_draft"], p_accept=d["p_accept"], max_inflight=d["max_inflight"])
     return AutoChoice(d["mode"], opts, d["predicted_tok_per_s"], Acceptance(a["rate"], a["measured"], a["source"]),
-                      d["threads"], d.get("layer_split"), d.get("placement", ""), d.get("threads_how", ""))
+                      d["threads"], d.get("layer_split"), d.get("placement", ""), d.get("threads_how", ""),
+                      d.get("threads_default", False))
 
 
 def replan_settings(cfg: JobConfig, mode: str, n_ranks: int, rate: float,
@@ -392,7 +420,9 @@ def replan_settings(cfg: JobConfig, mode: str, n_ranks: int, rate: float,
     n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
     replay = Replay([search.auto_request(None, n_gen)], rate)
     # The job's own placement (the one chosen at its start is its --layer-split now) at its threads.
-    threads = [parse_threads(cfg.threads, n_ranks, 1)] if cfg.threads else None
+    from .plan_checks import job_threads
+
+    threads = [parse_threads(cfg.threads, n_ranks, 1) if cfg.threads else job_threads(prof, mode, None, n_ranks)]
     p = job_placements(cfg, prof, n_ranks, mode, replay, threads=threads)[0]
     best = search.search_settings(p.profile, p.topo, mode, replay, cfg.decode, cfg.n_ctx,
                                   max_inflight_cap=max_inflight_cap)

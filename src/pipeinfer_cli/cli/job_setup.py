@@ -268,6 +268,6 @@ def prepare_job(model: str, mode: str | None, job, inside: bool, given=None) -> 
     say = lambda line: _announce(line, inside)  # noqa: E731
     cfg, choice = resolve(cfg, model, job, want, auto, inside, on_head, given, say, mode)
     if choice is not None:
-        mode, cfg = choice.mode, replace(cfg, decode=choice.decode, threads=choice.threads)
+        mode, cfg = choice.mode, replace(cfg, decode=choice.decode, threads=choice.job_threads)
         say(choice.announce())
     return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), bool(spec), choice, target, draft_ref)

@@ -142,7 +142,7 @@ def plan(
     summary = plan_modes(prof, setup.topology, mode_list, replay, opts, ctx)
     for m, s in summary.items():
         s.note = never_speculated(m, s, setup.topology(m).draft)
-    choice = _search(prof, setup, mode_list, replay, opts, ctx, summary) if search else None
+    choice = _search(prof, setup, mode_list, replay, opts, ctx, summary, threads) if search else None
     _emit(summary, setup, choice, profile, as_json, mode_list[0])
 
 
@@ -161,16 +161,28 @@ def _emit(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | None, p
         out.print(line, markup=False, highlight=False)
 
 
-def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx: int, summary: dict) -> dict:
+def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx: int, summary: dict,
+            threads: str | None = None) -> dict:
     """The planner's search (the one -M auto runs): each mode's best settings into `summary`, and the
-    fastest mode with its settings, each mode on the split `generate -M MODE` would use."""
+    fastest mode with its settings, each mode on the split `generate -M MODE` would use; with
+    --layer-split auto, also where the draft runs and the threads (-M auto's placements)."""
     from ..planner.search import choose
+    from .auto_mode import placement_search
 
     c = choose(prof, lambda m: setup.topology(m, needs_draft(m)), mode_list, replay, opts, ctx,
-               on_step=lambda m, i, n: _progress(f"search {m}", i, n))
+               on_step=lambda m, i, n: _progress(f"search {m}", i, n),
+               placements_of=placement_search(setup, prof, opts, threads, replay))
     for m, b in c.per_mode.items():
-        summary[m].best = {**_knobs(b.opts), "tok_per_s": b.tok_per_s, "note": b.note}
-    return {"mode": c.mode, **_knobs(c.opts), "tok_per_s": c.tok_per_s}
+        summary[m].best = {**_knobs(b.opts), "tok_per_s": b.tok_per_s, "note": b.note, **_placed(b)}
+    return {"mode": c.mode, **_knobs(c.opts), "tok_per_s": c.tok_per_s, **_placed(c.per_mode[c.mode])}
+
+
+def _placed(best) -> dict:
+    from .auto_mode import placement_note
+
+    p = best.placement
+    return {} if p is None else {"layer_split": p.layer_split(), "threads": p.threads_option(),
+                                 "placement": placement_note(best)}
 
 
 def _knobs(o) -> dict:
@@ -313,7 +325,9 @@ def _print_table(summary: dict[str, ModeSummary], setup: _Setup, choice: dict | 
         if s.best is not None:
             b = s.best
             say(f"best {m}: n_draft {b['n_draft']}, p_accept {b['p_accept']}, max_inflight {b['max_inflight']}"
-                f" -> {_f(b['tok_per_s'], 2)} tok/s" + (f" ({b['note']})" if b["note"] and not s.note else ""))
+                + (f", --layer-split {b['layer_split']} --threads {b['threads']} ({b['placement']})"
+                   if "layer_split" in b else "")
+                + f" -> {_f(b['tok_per_s'], 2)} tok/s" + (f" ({b['note']})" if b["note"] and not s.note else ""))
         if s.draft_misses:
             say(f"note: {m}: the trace could not answer {s.draft_misses} draft questions (beyond its "
                 "recorded depth); those drafts were cut short")
