@@ -276,7 +276,10 @@ def draft_acceptance(cfg: JobConfig, prof, prompt_tokens: list[int] | None) -> A
         if prompt_tokens:
             return lookup_on_prompt(prompt_tokens)
         return assumed("prompt lookup, before any prompt is known")
-    return from_profile(prof.draft) or assumed("the profile's calibration did not measure the draft's acceptance")
+    note = prof.draft.acceptance_note if prof.draft is not None else None
+    why = f"calibrate did not measure the draft's acceptance: {note}" if note else \
+        "the profile's calibration did not measure the draft's acceptance"
+    return from_profile(prof.draft) or assumed(why)
 
 
 def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_path, draft, job_drafts: bool,

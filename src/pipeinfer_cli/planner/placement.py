@@ -7,7 +7,7 @@ For a job of N ranks and a mode that drafts with a model, the candidates are eve
 - the draft in the head's process, N target stages, the layers balanced by measured time with the
   head's own work counted (`split.HeadLoad`: the draft's evals by the tokens it drafts, its
   bookkeeping per speculative result, both as the simulation of the mode counts them);
-- the same with a lighter head: it holds 3/4, 1/2 or 1/4 of the layers that balance gives it
+- the same with a lighter head: it holds 3/4 or 1/2 of the layers that balance gives it
   (at least one), the others balanced over the other stages;
 - the draft on a rank of its own (`…/1`): the last rank, on its host, drafts; N - 1 target stages.
 
@@ -38,7 +38,7 @@ from .split import HeadLoad, JobMemory, auto_split
 
 # The exponent of the speed-up from more threads when no profile measured them (module doc).
 THREAD_SCALING = 0.8
-LIGHTER_HEAD = (0.75, 0.5, 0.25)  # shares of the balanced head's layers tried for a lighter head
+LIGHTER_HEAD = (0.75, 0.5)  # shares of the balanced head's layers tried for a lighter head
 
 
 @dataclass
@@ -51,10 +51,11 @@ class Placement:
     threads: list[int]  # per rank of the job (a draft rank included)
     what: str  # "draft on the head", "draft on rank 3", "lighter head (5 of 7 layers)", ...
     extrapolated: list[int] | None = None  # ranks whose costs are extrapolated to their threads
+    idle_draft_rank: bool = False  # the user's split has a draft rank (auto/1) that this mode leaves idle
 
     def layer_split(self) -> str:
         """The --layer-split that runs it: layer counts per stage (exact), "/1" for a draft rank."""
-        return self.topo.describe()
+        return self.topo.describe() + ("/1" if self.idle_draft_rank else "")
 
     def threads_option(self) -> str:
         t = self.threads
@@ -158,10 +159,12 @@ def placements(profile: Profile, n_ranks: int, threads: list[int], draft: str | 
             except UsageError as e:
                 errors.append(e)
     else:
+        idle = fixed == "rank" and n_ranks >= 2  # the user's auto/1: the last rank stays the draft rank
+        stages = stages[:-1] if idle else stages
         split = auto_split(prof, stages, False, replace(mem, draft_rank=None, draft_bytes=0), parallel, load_policy,
                            HeadLoad(0.0, head.commits if draft else 0.0))
         out.append(Placement(Topology(stages, split, where), prof, threads,
-                             "prompt lookup on the head" if draft else "no draft", guessed))
+                             "prompt lookup on the head" if draft else "no draft", guessed, idle))
     if not out and errors:
         raise errors[0]
     return out

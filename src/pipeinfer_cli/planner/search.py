@@ -40,7 +40,7 @@ P_ACCEPT = (0.0, 0.3, 0.5, 0.7, 0.9)
 MAX_INFLIGHT = (2, 4, 6, 8)  # those up to twice the stages (at least 2 and 4): more runs than that only queue
 
 # The coarse grid each placement candidate is compared on (the winner is searched on the whole grid).
-COARSE_N_DRAFT = (1, 2, 4)
+COARSE_N_DRAFT = (1, 3)
 COARSE_P_ACCEPT = (0.0, 0.5)
 
 # The request -M auto plans for when it has no prompt of its own (chat, serve): prompt and reply tokens.
@@ -85,7 +85,7 @@ def candidate_options(mode: str, opts: DecodeOptions, n_stages: int = 2,
     inflight = [f for f in MAX_INFLIGHT if f <= max(4, 2 * n_stages)
                 and (max_inflight_cap is None or f <= max_inflight_cap)] or [max_inflight_cap]
     if coarse:
-        inflight = sorted({inflight[0], inflight[-1]})
+        inflight = inflight[-1:]
     return [replace(opts, n_draft=k, p_accept=p, max_inflight=f)
             for k, p, f in itertools.product(n_drafts, p_accepts, inflight)]
 
