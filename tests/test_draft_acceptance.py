@@ -27,7 +27,7 @@ def _with_memory(monkeypatch, available: int) -> None:
 
 
 def test_slices_of_the_target_give_what_the_whole_target_gives(tiny_pair):
-    from pipeinfer_cli.cli.plan_record import sliced_agreement
+    from pipeinfer_cli.cli.draft_acceptance import sliced_agreement
 
     target, _ = tiny_pair
     full = [5, 9, 14, 3, 22, 7, 11, 30, 2, 8]
@@ -38,7 +38,7 @@ def test_slices_of_the_target_give_what_the_whole_target_gives(tiny_pair):
 
 
 def test_a_target_that_does_not_fit_whole_is_measured_in_slices(tiny_pair, monkeypatch):
-    from pipeinfer_cli.cli.plan_record import MEMORY_USE, measure_draft_acceptance
+    from pipeinfer_cli.cli.draft_acceptance import MEMORY_USE, measure_draft_acceptance
 
     target, draft = tiny_pair
     # Room for the draft and a few of the target's layers at a time, not for the whole target.
@@ -53,7 +53,7 @@ def test_a_target_that_does_not_fit_whole_is_measured_in_slices(tiny_pair, monke
 
 def test_where_nothing_fits_calibrate_says_why_and_auto_repeats_it(tiny_pair, monkeypatch):
     from pipeinfer_cli.cli.auto_mode import draft_acceptance
-    from pipeinfer_cli.cli.plan_record import measure_draft_acceptance
+    from pipeinfer_cli.cli.draft_acceptance import measure_draft_acceptance
 
     target, draft = tiny_pair
     _with_memory(monkeypatch, draft.stat().st_size // 2)

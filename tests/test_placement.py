@@ -113,7 +113,7 @@ def test_other_threads_are_extrapolated_or_taken_from_a_measured_profile():
 def test_auto_considers_the_threads_the_job_would_run_with():
     """A 1-thread profile of 2 ranks on one 2-CPU box: iterative runs with both CPUs per rank by
     default, which -M auto must weigh against the drafting modes at 1 thread (they compute at once)."""
-    from pipeinfer_cli.cli.auto_mode import thread_options
+    from pipeinfer_cli.cli.auto_placement import thread_options
 
     prof = hosts(2, threads=1, host="vm", draft_token_s=3e-3)
     cfg = SimpleNamespace(threads=None)

@@ -95,7 +95,7 @@ def _in_this_job(cfg: JobConfig, model: str, job, n_ranks: int, why: str, say) -
     """ensure_profile on every rank of a running job (the module doc)."""
     from ..transport.start_waits import start_timeout_s
     from ..transport.startup import job_startup
-    from .calibrate_cmd import calibrate_in_job
+    from .calibrate_run import calibrate_in_job
 
     startup = job_startup()
     head = startup.link.rank == 0

@@ -167,7 +167,7 @@ def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx:
     fastest mode with its settings, each mode on the split `generate -M MODE` would use; with
     --layer-split auto, also where the draft runs and the threads (-M auto's placements)."""
     from ..planner.search import choose
-    from .auto_mode import placement_search
+    from .auto_placement import placement_search
 
     c = choose(prof, lambda m: setup.topology(m, needs_draft(m)), mode_list, replay, opts, ctx,
                on_step=lambda m, i, n: _progress(f"search {m}", i, n),
@@ -178,7 +178,7 @@ def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx:
 
 
 def _placed(best) -> dict:
-    from .auto_mode import placement_note
+    from .auto_placement import placement_note
 
     p = best.placement
     return {} if p is None else {"layer_split": p.layer_split(), "threads": p.threads_option(),
