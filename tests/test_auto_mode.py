@@ -201,3 +201,13 @@ def test_auto_under_the_users_own_mpiexec_calibrates_its_ranks_in_place(smollm2_
     iterative = run(*args, "-M", "iterative", env={"PIPEINFER_CACHE": str(cache)})
     assert iterative.returncode == 0, iterative.stderr
     assert json.loads(second.stdout)["text"] == auto["text"] == json.loads(iterative.stdout)["text"]
+
+
+def test_calibrate_with_an_auto_split_does_not_calibrate_twice(smollm2_path, tmp_path):
+    """calibrate --layer-split auto measures equal shares: it needs no profile first (it ran the
+    quick calibration of -M auto before its own)."""
+    env = {"PIPEINFER_CACHE": str(tmp_path / "cache")}
+    r = run("calibrate", smollm2_path, "--layer-split", "auto", "--quick", "--out", tmp_path / "p.json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "calibrating them quickly" not in r.stderr and not (tmp_path / "cache" / "profiles").exists()
+    assert (tmp_path / "p.json").is_file()

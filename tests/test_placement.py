@@ -133,3 +133,15 @@ def test_auto_considers_the_threads_the_job_would_run_with():
     at_one = search.search_settings(prof, Topology([0, 1], [(0, 14), (14, 28)]), "iterative", poor, DecodeOptions(),
                                     4096)
     assert c.tok_per_s > at_one.tok_per_s
+
+
+def test_several_requests_at_once_keep_their_own_split():
+    """serve --parallel N balances the stages for the aggregate (planner/split.py): auto does not
+    place the job for one request's speed there."""
+    from pipeinfer_cli.cli.auto_placement import split_is_chosen
+
+    job = SimpleNamespace(layer_split="auto", parallel=1)
+    assert split_is_chosen(job, 2) and not split_is_chosen(job, 1)
+    assert not split_is_chosen(SimpleNamespace(layer_split="auto", parallel=2), 2)
+    assert not split_is_chosen(SimpleNamespace(layer_split="2,1", parallel=1), 2)
+    assert split_is_chosen(SimpleNamespace(layer_split=None, parallel=1), 3)  # -M auto without a split

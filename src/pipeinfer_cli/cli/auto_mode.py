@@ -196,7 +196,8 @@ def resolve(cfg: JobConfig, model: str, job, n_ranks: int, auto: bool, inside: b
     if not auto:
         if split_auto and os.environ.get(PLACEMENT_ENV) and inside:
             return replace(cfg, layer_split=os.environ[PLACEMENT_ENV]), None
-        if split_auto and usable and on_head and mode is not None and draft_kind(cfg, mode) is not None:
+        if (split_auto and usable and on_head and mode is not None and draft_kind(cfg, mode) is not None
+                and split_is_chosen(cfg, n_ranks)):
             tokens = prompt_tokens(cfg, given) if cfg.draft.is_lookup else None
             cfg = place(cfg, mode, n_ranks, tokens, say)
             if not inside:

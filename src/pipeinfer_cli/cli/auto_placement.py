@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 
 def split_is_chosen(cfg: JobConfig, n_ranks: int) -> bool:
     """Whether the planner places the job (--layer-split auto, auto/1, or none given with -M auto)
-    rather than the user's own fractions."""
-    return n_ranks > 1 and (not cfg.layer_split or cfg.layer_split.startswith("auto"))
+    rather than the user's own fractions. Not for several requests at once (serve --parallel N):
+    their split is balanced for the aggregate (planner/split.py), not for one request's speed."""
+    return n_ranks > 1 and cfg.parallel <= 1 and (not cfg.layer_split or cfg.layer_split.startswith("auto"))
 
 
 def draft_kind(cfg: JobConfig, mode: str) -> str | None:

@@ -98,6 +98,11 @@ def calibrate(
     started = float(os.environ.get(STARTED_ENV) or time.time())
     if _on_head(under_mpi_launcher()):  # the head writes the profile
         check_out_path(out_path)
+    if layer_split and layer_split.startswith("auto"):  # measured with equal shares: no profile needed first
+        from ..runtime.calibrate import calibration_split
+        from ..transport.start_waits import launcher_size
+
+        layer_split = calibration_split(layer_split, ranks or launcher_size() or 1)
     job = JobOptions(draft=draft, ranks=ranks, layer_split=layer_split, threads=threads, ctx=ctx, n_draft=n_draft,
                      rank_timeout=rank_timeout, no_pull=no_pull)
     start = begin_job(model, None, None, job)
