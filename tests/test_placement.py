@@ -145,3 +145,36 @@ def test_several_requests_at_once_keep_their_own_split():
     assert not split_is_chosen(SimpleNamespace(layer_split="auto", parallel=2), 2)
     assert not split_is_chosen(SimpleNamespace(layer_split="2,1", parallel=1), 2)
     assert split_is_chosen(SimpleNamespace(layer_split=None, parallel=1), 3)  # -M auto without a split
+
+
+def test_a_job_runs_the_placement_chosen_and_prints_iteratives_text(smollm2_path, tmp_path):
+    """generate --layer-split auto on 3 ranks with a draft as slow as 60 of its layers (a profile
+    made for SmolLM2's header): the job runs the draft on a rank of its own, says so, and its
+    text is iterative's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from pipeinfer_cli.models.gguf_info import read_model_info
+    from pipeinfer_cli.planner.identity import model_sha256
+
+    info = read_model_info(smollm2_path)
+    prof = hosts(3, draft_token_s=60e-3)
+    prof.model = replace(prof.model, n_layer=info.n_layer, layer_bytes=info.layer_bytes, n_embd=info.n_embd,
+                         file_bytes=info.file_size, sha256=model_sha256(smollm2_path))
+    prof.save(tmp_path / "p.json")
+
+    def generate(*args):
+        r = subprocess.run([sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "-p", "1, 2, 3, 1, 2,",
+                            "-n", "8", "--ranks", "3", "--json", *args], capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ))
+        assert r.returncode == 0, r.stderr
+        return r, json.loads(r.stdout)
+
+    placed, out = generate("--draft", str(smollm2_path), "-M", "pipeinfer", "--layer-split", "auto", "--profile",
+                           str(tmp_path / "p.json"))
+    assert "--layer-split auto placed the job: --layer-split " in placed.stderr, placed.stderr
+    assert "/1 (draft on rank 2 of its own" in placed.stderr and out["layer_split"].endswith("/1")
+    _, iterative = generate("-M", "iterative")
+    assert out["text"] == iterative["text"]
