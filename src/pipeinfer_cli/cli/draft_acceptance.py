@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ..decode.drafters import Drafter
     from ..planner.profile import DraftCosts
     from ..runtime.job_config import JobConfig
 
@@ -120,7 +121,7 @@ def _sliced_target_agreement(cfg: JobConfig, tok, slices, prompt: list[int], n_g
     return sliced_agreement(cfg.model_path, slices, path, len(prompt), probs, n_ctx, threads)
 
 
-def _draft_path(drafter, prompt: list[int], n_gen: int, is_eog) -> tuple[list[int], list[float]]:
+def _draft_path(drafter: Drafter, prompt: list[int], n_gen: int, is_eog) -> tuple[list[int], list[float]]:
     """The draft's greedy tokens after the prompt (and the probability of each), up to its end of text."""
     path, probs = list(prompt), []
     drafter.start(path)

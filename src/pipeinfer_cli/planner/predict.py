@@ -113,7 +113,7 @@ def predict(profile: Profile, topo: Topology, mode: str, pt: PromptTrace, opts: 
     return Prediction(mode, pt.prompt_id, rates.n_prompt, rates.n_gen, rates.ttft_s, rates.tok_per_s,
                       rates.decode_tok_per_s, rates.itl_ms, s.metrics.acceptance.to_dict(), vars(s.metrics.runs).copy(),
                       pipe.utilisation(), index.misses if index is not None else 0,
-                      getattr(getattr(drafter, "model", None), "evals", 0),
+                      drafter.model.evals if isinstance(drafter, (ReplayDrafter, ReplayDraftRank)) else 0,
                       {"layer_split": topo.describe(), "draft": topo.draft, "n_draft": opts.n_draft,
                        "p_accept": opts.p_accept, "max_inflight": opts.max_inflight, "max_branches": opts.max_branches})
 
