@@ -172,3 +172,42 @@ def test_chat_says_what_auto_chose_and_that_its_acceptance_is_assumed(smollm2_pa
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stderr.splitlines() if x.startswith("pipeinfer: -M auto chose "))
     assert "on an assumed acceptance of 60% (assumed: prompt lookup, before any prompt is known)" in line
+
+
+def test_auto_under_the_users_own_mpiexec_calibrates_its_ranks_in_place(smollm2_path, tmp_path):
+    """`mpiexec -n 3 pipeinfer generate … -M auto` (no --ranks, no --profile): the running ranks are
+    calibrated inside the job, the profile is cached for the next such job, the text is iterative's."""
+    import shutil
+    from pathlib import Path
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / Path(smollm2_path).name).symlink_to(smollm2_path)
+    env = {**os.environ, "PIPEINFER_CACHE": str(cache)}
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+    args = ["generate", "smollm2-135m-instruct", "--draft", "lookup", "-p", PROMPT, "-n", "6", "--json"]
+    job = [mpiexec, "-n", "3", sys.executable, "-m", "pipeinfer_cli", *args, "-M", "auto"]
+    first = subprocess.run(job, capture_output=True, text=True, timeout=900, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "-M auto: no profile of these 3 ranks yet; calibrating them quickly inside this job" in first.stderr
+    assert "needs a profile" not in first.stderr and "calibrate: rank 2:" in first.stderr
+    kept = list((cache / "profiles").glob("*.json"))
+    assert len(kept) == 1 and len(json.loads(kept[0].read_text())["ranks"]) == 3
+    auto = json.loads(first.stdout)
+    assert auto["auto"]["mode"] and auto["auto"]["acceptance"]["measured"]  # lookup, on the head's prompt
+    second = subprocess.run(job, capture_output=True, text=True, timeout=900, env=env)
+    assert second.returncode == 0, second.stderr
+    assert f"-M auto: reusing profile {kept[0]}" in second.stderr and "calibrating" not in second.stderr
+    iterative = run(*args, "-M", "iterative", env={"PIPEINFER_CACHE": str(cache)})
+    assert iterative.returncode == 0, iterative.stderr
+    assert json.loads(second.stdout)["text"] == auto["text"] == json.loads(iterative.stdout)["text"]
+
+
+def test_calibrate_with_an_auto_split_does_not_calibrate_twice(smollm2_path, tmp_path):
+    """calibrate --layer-split auto measures equal shares: it needs no profile first (it ran the
+    quick calibration of -M auto before its own)."""
+    env = {"PIPEINFER_CACHE": str(tmp_path / "cache")}
+    r = run("calibrate", smollm2_path, "--layer-split", "auto", "--quick", "--out", tmp_path / "p.json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "calibrating them quickly" not in r.stderr and not (tmp_path / "cache" / "profiles").exists()
+    assert (tmp_path / "p.json").is_file()

@@ -213,9 +213,12 @@ def test_mode_auto_states_its_acceptance_once(smollm2_path, tmp_path):
     assert len(lines) == 1 and "on a measured acceptance of" in lines[0], r.stderr  # prompt lookup, on the prompt
     assert "(measured on the prompt: lookup " in lines[0], r.stderr
     assert lines[0].endswith("run with the profile's --threads 2"), r.stderr  # what the profile measured
-    err = one_line_error(run("generate", smollm2_path, "--draft", "lookup", "-M", "auto", "--profile", prof,
-                             "--threads", "1", "-p", "Hi", "-n", 2))
-    assert "was made for 2 threads per rank, this job uses 1 thread per rank" in err and "--threads 1`" in err
+    # --threads other than the profile's: planned at those threads, the costs extrapolated, and said so.
+    r = run("generate", smollm2_path, "--draft", "lookup", "-M", "auto", "--profile", prof, "--threads", "1",
+            "-p", "Hi", "-n", 2, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["auto"]["threads"] == "1"
+    assert "run with --threads 1 (the profile measured 2: costs extrapolated" in r.stderr, r.stderr
     assert "60%" in run("generate", "--help").stdout
 
 

@@ -1,7 +1,9 @@
-"""`-M auto`: the mode and settings the plan predicts fastest for this job's ranks and draft.
+"""`-M auto`: the mode, settings, placement and threads the plan predicts fastest for this job's
+ranks and draft; and `--layer-split auto`'s placement of a drafting mode.
 
-The search is the planner's (planner/search.py: the one `plan --search` runs), on the profile of
-these ranks (--profile, else one calibrated quickly and cached: cli/auto_profile.py), for the
+The search is the planner's (planner/search.py: the one `plan --search` runs), over the placements
+of planner/placement.py (where the draft runs, how many layers the head holds, each rank's threads),
+on the profile of these ranks (--profile, else one calibrated quickly and cached: cli/auto_profile.py), for the
 request the job will run, with the draft's acceptance measured where it can be
 (planner/acceptance.py: on the prompt itself for lookup; by `calibrate --draft` for a model) and
 assumed (DEFAULT_ACCEPTANCE) where not. The job says what it chose, and on what acceptance, on
@@ -18,9 +20,10 @@ import threading
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..decode.draft_spec import LOOKUP
 from ..errors import UsageError
 from ..planner.acceptance import DEFAULT_ACCEPTANCE, Acceptance
+from .auto_placement import (draft_kind, job_placements, job_topology, placement_note,  # noqa: F401 - job_topology: plan's
+                             split_is_chosen, threads_note)
 
 if TYPE_CHECKING:
     from ..decode.session import DecodeOptions
@@ -35,7 +38,17 @@ class AutoChoice:
     decode: DecodeOptions
     predicted_tok_per_s: float | None
     acceptance: Acceptance  # what the draft was planned to get right, and how that was obtained
-    threads: str = ""  # the profile's threads per rank, which the job runs with (--threads)
+    threads: str = ""  # the threads per rank the job runs with (--threads)
+    layer_split: str | None = None  # the placement chosen (--layer-split in layer counts); None: the job's own
+    placement: str = ""  # how: "draft on rank 3 of its own", ...; and what the other candidates predicted
+    threads_how: str = ""  # where the threads' costs came from (the profile's, measured, extrapolated)
+    threads_default: bool = False  # they are what the job starts with by default for the mode (no --threads)
+
+    @property
+    def job_threads(self) -> str | None:
+        """The job's --threads: None where the chosen threads are the mode's default (so the job
+        starts as `generate -M MODE` would, e.g. an iterative job's ranks spinning on the whole host)."""
+        return None if self.threads_default else self.threads
 
     def describe(self) -> str:
         d = self.decode
@@ -46,15 +59,19 @@ class AutoChoice:
         return f"auto chose {self.mode}{' (' + knobs.strip() + ')' if knobs else ''}{pred}"
 
     def announce(self) -> str:
-        """The job's start-up line: what auto chose and on what acceptance."""
+        """The job's start-up line: what auto chose, where, and on what acceptance."""
         on = "" if self.acceptance.rate is None else f", on {self.acceptance.describe()}"
-        return f"pipeinfer: -M {self.describe()}{on}, run with the profile's --threads {self.threads}"
+        where = "" if self.layer_split is None else f", --layer-split {self.layer_split} ({self.placement})"
+        threads = self.threads_how or f"the profile's --threads {self.threads}"
+        return f"pipeinfer: -M {self.describe()}{where}{on}, run with {threads}"
 
     def to_json(self) -> dict:
         """The choice (generate --json's "auto"; CHOICE_ENV carries it to the job's ranks)."""
         a, d = self.acceptance, self.decode
         return {"mode": self.mode, "n_draft": d.n_draft, "p_accept": d.p_accept, "max_inflight": d.max_inflight,
                 "predicted_tok_per_s": self.predicted_tok_per_s, "threads": self.threads,
+                "layer_split": self.layer_split, "placement": self.placement, "threads_how": self.threads_how,
+                "threads_default": self.threads_default,
                 "acceptance": {"rate": a.rate, "measured": a.measured, "source": a.source}}
 
     def summary(self, measured_tok_per_s: float | None) -> str:
@@ -66,38 +83,62 @@ class AutoChoice:
         return f"{self.describe()}{speed} (planned on acceptance {how} {self.acceptance.rate:.0%})"
 
 
-def choose(cfg: JobConfig, n_ranks: int, has_draft: bool, prompt_tokens: list[int] | None = None) -> AutoChoice:
-    """The fastest predicted mode and settings for this job (cfg: a JobConfig with a profile).
-    prompt_tokens: the request's prompt, when the job knows it before it starts (generate)."""
+def choose(cfg: JobConfig, n_ranks: int, has_draft: bool, prompt_tokens: list[int] | None = None,
+           measured: dict | None = None, say=None) -> AutoChoice:
+    """The fastest predicted mode, settings and placement for this job (cfg: a JobConfig with a
+    profile). prompt_tokens: the request's prompt, when the job knows it before it starts
+    (generate). measured: {threads: Profile} of these ranks at other thread counts (cached
+    calibrations), which the search takes instead of extrapolating. say(line): stderr."""
     from ..decode.modes import MODE_NAMES, needs_draft
     from ..planner import search
-    from ..planner.identity import model_sha256
-    from ..planner.plan import Replay
-    from ..planner.profile import Profile
 
-    if cfg.profile is None:
-        raise UsageError("-M auto needs a profile of the ranks: run `pipeinfer calibrate MODEL --ranks N --out "
-                         "profile.json` (with the draft), then pass --profile profile.json")
-    prof = Profile.load(cfg.profile)
-    prof.check_model(cfg.model_label, cfg.model_path.stat().st_size, f"the profile {cfg.profile}",
-                     model_sha256(cfg.model_path, cfg.model_sha256, cfg.model_size))
-    if len(prof.ranks) < n_ranks:
-        raise UsageError(f"-M auto: the profile measured {len(prof.ranks)} rank(s) but the job has {n_ranks}; "
-                         "calibrate with as many ranks as the job runs")
-    threads = job_threads(prof, cfg, n_ranks)
+    prof = _checked_profile(cfg, n_ranks, "-M auto")
     lookup = cfg.draft.is_free  # suffix drafting is planned as prompt lookup (DraftSpec.planned)
     modes = [m for m in MODE_NAMES if not needs_draft(m) or (has_draft and (lookup or _has_model_costs(prof)))]
     acceptance = draft_acceptance(cfg, prof, prompt_tokens)
-    n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
-    rate = DEFAULT_ACCEPTANCE if acceptance.rate is None else acceptance.rate  # no draft: no mode drafts
-    replay = Replay([search.auto_request(prompt_tokens, n_gen)], rate, confidences=acceptance.confidences)
+    if acceptance.rate is not None and not acceptance.measured and say is not None:
+        say(f"pipeinfer: -M auto: warning: planning on an assumed draft acceptance of {acceptance.rate:.0%}: "
+            f"{acceptance.source.removeprefix('assumed: ')}; `pipeinfer calibrate --draft` measures it")
+    replay = _replay(cfg, acceptance, prompt_tokens)
 
     def topo_of(mode: str):
         return job_topology(cfg.model_path, cfg.model_label, n_ranks, cfg.layer_split, cfg.draft_path, cfg.draft,
                             needs_draft(mode), mode, cfg.profile, cfg.n_ctx)
 
-    c = search.choose(prof, topo_of, modes, replay, cfg.decode, cfg.n_ctx)
-    return AutoChoice(c.mode, c.opts, c.tok_per_s, acceptance, threads)
+    places = lambda m: job_placements(cfg, prof, n_ranks, m, replay, measured)  # noqa: E731
+    c = search.choose(prof, topo_of, modes, replay, cfg.decode, cfg.n_ctx, placements_of=places)
+    p = c.placement
+    chosen_split = p.layer_split() if split_is_chosen(cfg, n_ranks) else None
+    from .plan_checks import job_threads
+
+    default = cfg.threads is None and p.threads == job_threads(prof, c.mode, None, n_ranks)
+    return AutoChoice(c.mode, c.opts, c.tok_per_s, acceptance, p.threads_option(), chosen_split,
+                      placement_note(c.per_mode[c.mode]), threads_note(prof, p, measured), default)
+
+
+def _checked_profile(cfg: JobConfig, n_ranks: int, why: str):
+    from ..planner.identity import model_sha256
+    from ..planner.profile import Profile
+
+    if cfg.profile is None:
+        raise UsageError(f"{why} needs a profile of the ranks: run `pipeinfer calibrate MODEL --ranks N --out "
+                         "profile.json` (with the draft), then pass --profile profile.json")
+    prof = Profile.load(cfg.profile)
+    prof.check_model(cfg.model_label, cfg.model_path.stat().st_size, f"the profile {cfg.profile}",
+                     model_sha256(cfg.model_path, cfg.model_sha256, cfg.model_size))
+    if len(prof.ranks) < n_ranks:
+        raise UsageError(f"{why}: the profile measured {len(prof.ranks)} rank(s) but the job has {n_ranks}; "
+                         "calibrate with as many ranks as the job runs")
+    return prof
+
+
+def _replay(cfg: JobConfig, acceptance: Acceptance, prompt_tokens: list[int] | None):
+    from ..planner import search
+    from ..planner.plan import Replay
+
+    n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
+    rate = DEFAULT_ACCEPTANCE if acceptance.rate is None else acceptance.rate  # no draft: no mode drafts
+    return Replay([search.auto_request(prompt_tokens, n_gen)], rate, confidences=acceptance.confidences)
 
 
 def _has_model_costs(prof) -> bool:
@@ -114,48 +155,10 @@ def draft_acceptance(cfg: JobConfig, prof, prompt_tokens: list[int] | None) -> A
         if prompt_tokens:
             return lookup_on_prompt(prompt_tokens)
         return assumed("prompt lookup, before any prompt is known")
-    return from_profile(prof.draft) or assumed("the profile's calibration did not measure the draft's acceptance")
-
-
-def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_path, draft, job_drafts: bool,
-                 mode: str, profile_path, n_ctx: int, load: tuple[int, str] = (1, "yield")):
-    """The planner's Topology of the job that runs `mode` (job_drafts: a draft model on the head takes
-    layers from it), as `plan` and `-M auto` both plan it; load: requests at once and the load
-    policy (serve --parallel N --load-policy P), which --layer-split auto balances the stages for."""
-    from ..decode.modes import needs_draft
-    from ..planner.predict import Topology
-    from ..runtime.topology import plan_job
-
-    t = plan_job(model_path, model_label, n_ranks, n_ranks, layer_split, None, draft_path, job_drafts,
-                 has_draft=bool(draft), profile_path=profile_path, n_ctx=n_ctx, identity_checked=True,
-                 load=load)
-    stages = [r for r in t.ranks if r.role != "draft"]
-    if needs_draft(mode):
-        where = LOOKUP if draft.is_free else (t.draft_rank if t.draft_rank is not None else "head")
-        return Topology([r.rank for r in stages], [r.layers for r in stages], where)
-    return Topology([r.rank for r in stages], [r.layers for r in stages], None)
-
-
-def job_threads(prof, cfg: JobConfig, n_ranks: int) -> str:
-    """The threads the job runs with: the profile's, which its predictions are for (a job's default
-    differs by mode, and -M auto compares modes on the profile's). --threads other than the
-    profile's is refused: the profile did not measure that job."""
-    from ..runtime.topology import parse_threads
-
-    measured = [rc.threads for rc in prof.ranks[:n_ranks]]
-    if cfg.threads is not None:
-        given = parse_threads(cfg.threads, n_ranks, 1)
-        if given != measured:
-            raise UsageError(f"-M auto: the profile {cfg.profile} was made for {_per_rank(measured)}, this job uses "
-                             f"{_per_rank(given)}: run `pipeinfer calibrate {cfg.model_label} --ranks {n_ranks} "
-                             f"--threads {cfg.threads}`, or drop --threads (-M auto runs with the profile's)")
-    return ",".join(map(str, measured)) if len(set(measured)) > 1 else str(measured[0])
-
-
-def _per_rank(threads: list[int]) -> str:
-    from ..wording import plural
-
-    return f"{plural(threads[0], 'thread')} per rank" if len(set(threads)) == 1 else "threads " + ",".join(map(str, threads))
+    note = prof.draft.acceptance_note if prof.draft is not None else None
+    why = f"calibrate did not measure the draft's acceptance: {note}" if note else \
+        "the profile's calibration did not measure the draft's acceptance"
+    return from_profile(prof.draft) or assumed(why)
 
 
 # The launching command's decisions, inherited by the ranks of the job it starts, which take them
@@ -163,38 +166,83 @@ def _per_rank(threads: list[int]) -> str:
 CHOICE_ENV = "PIPEINFER_AUTO_CHOICE"
 
 
+# The placement --layer-split auto chose (without -M auto), for the ranks of the job started next.
+PLACEMENT_ENV = "PIPEINFER_AUTO_PLACEMENT"
+
+
 def resolve(cfg: JobConfig, model: str, job, n_ranks: int, auto: bool, inside: bool, on_head: bool, given,
-            say) -> tuple[JobConfig, AutoChoice | None]:
+            say, mode: str | None = None) -> tuple[JobConfig, AutoChoice | None]:
     """Before a job starts: the profile that -M auto and --layer-split auto need (given, cached, or
-    calibrated now), then -M auto's choice (None without -M auto). Returns the job's configuration
-    with that profile, and the choice. given: the prompt (PromptInput), known to the launching
-    command of `generate`; say(line): stderr, once per job."""
+    calibrated now), then -M auto's choice (None without -M auto), or --layer-split auto's
+    placement for `mode` (the job's). Returns the job's configuration with that profile (and the
+    placement chosen, as its --layer-split), and the choice. given: the prompt (PromptInput), known
+    to the launching command of `generate`; say(line): stderr, once per job."""
     import os
 
     import json
 
     split_auto = bool(cfg.layer_split) and cfg.layer_split.startswith("auto")
-    if cfg.profile is None and (auto or split_auto) and cfg.model_path is not None:
+    if cfg.profile is None and (auto or split_auto) and (cfg.model_path is not None or inside):
         from .auto_profile import ensure_profile
         from .options import PROFILE_ENV
 
         why = "-M auto" if auto else "--layer-split auto"
         cfg = replace(cfg, profile=ensure_profile(cfg, model, job, n_ranks, why, inside, say))
-        if not inside:
+        if not inside and cfg.profile is not None:
             os.environ[PROFILE_ENV] = str(cfg.profile)  # the ranks of the job started next: their --profile
-    if not auto:
-        return cfg, None
-    if os.environ.get(CHOICE_ENV) and inside:
-        return cfg, from_env(os.environ[CHOICE_ENV], cfg.decode)
     from pathlib import Path
 
-    if cfg.model_path is None or cfg.profile is None or not (on_head or Path(cfg.profile).is_file()):
-        return cfg, None  # a rank without the model or the profile: it takes the head's choice
-    tokens = prompt_tokens(cfg, given) if not inside and cfg.draft.is_free else None
-    choice = choose(cfg, n_ranks, bool(cfg.draft), tokens)
+    usable = (cfg.model_path is not None and cfg.profile is not None and (on_head or Path(cfg.profile).is_file()))
+    if not auto:
+        if split_auto and os.environ.get(PLACEMENT_ENV) and inside:
+            return replace(cfg, layer_split=os.environ[PLACEMENT_ENV]), None
+        if (split_auto and usable and on_head and mode is not None and draft_kind(cfg, mode) is not None
+                and split_is_chosen(cfg, n_ranks)):
+            tokens = prompt_tokens(cfg, given) if cfg.draft.is_free else None
+            cfg = place(cfg, mode, n_ranks, tokens, say)
+            if not inside:
+                os.environ[PLACEMENT_ENV] = cfg.layer_split
+        return cfg, None
+    if os.environ.get(CHOICE_ENV) and inside:
+        choice = from_env(os.environ[CHOICE_ENV], cfg.decode)
+        return (cfg if choice.layer_split is None else replace(cfg, layer_split=choice.layer_split)), choice
+    if not usable or not on_head:
+        # A rank other than the head of a job started by the user's own launcher takes the head's
+        # plan and configuration (runtime/weight_stream.py) and runs with the default mode meanwhile.
+        return cfg, None
+    tokens = prompt_tokens(cfg, given) if cfg.draft.is_free else None
+    from .auto_profile import measured_profiles
+
+    choice = choose(cfg, n_ranks, bool(cfg.draft), tokens, measured_profiles(cfg, job, n_ranks), say)
     if not inside:
         os.environ[CHOICE_ENV] = json.dumps(choice.to_json())
+    if choice.layer_split is not None:
+        cfg = replace(cfg, layer_split=choice.layer_split)
     return cfg, choice
+
+
+def place(cfg: JobConfig, mode: str, n_ranks: int, prompt_tokens_: list[int] | None, say) -> JobConfig:
+    """--layer-split auto without -M auto, for a mode that drafts: the placement the search
+    predicts fastest for the job's mode and settings at its threads (planner/placement.py), said on
+    stderr; the configuration with it as the job's --layer-split."""
+    from ..planner.search import search_placed
+    from .plan_checks import job_threads
+
+    prof = _checked_profile(cfg, n_ranks, "--layer-split auto")
+    acceptance = draft_acceptance(cfg, prof, prompt_tokens_)
+    if acceptance.rate is not None and not acceptance.measured:
+        say(f"pipeinfer: --layer-split auto: warning: placing the draft on an assumed acceptance of "
+            f"{acceptance.rate:.0%}: {acceptance.source.removeprefix('assumed: ')}")
+    replay = _replay(cfg, acceptance, prompt_tokens_)
+    threads = [job_threads(prof, mode, cfg.threads, n_ranks)]
+    cands = job_placements(cfg, prof, n_ranks, mode, replay, threads=threads)
+    best = search_placed(cands, mode, replay, cfg.decode, cfg.n_ctx) if len(cands) > 1 else None
+    if best is None:
+        return cfg
+    split = best.placement.layer_split()
+    pred = "" if best.tok_per_s is None else f", predicted {best.tok_per_s:.2f} tok/s"
+    say(f"pipeinfer: --layer-split auto placed the job: --layer-split {split} ({placement_note(best)}){pred}")
+    return replace(cfg, layer_split=split)
 
 
 def prompt_tokens(cfg: JobConfig, given) -> list[int] | None:
@@ -219,24 +267,29 @@ def from_env(text: str, decode: DecodeOptions) -> AutoChoice:
     a = d["acceptance"]
     opts = replace(decode, n_draft=d["n_draft"], p_accept=d["p_accept"], max_inflight=d["max_inflight"])
     return AutoChoice(d["mode"], opts, d["predicted_tok_per_s"], Acceptance(a["rate"], a["measured"], a["source"]),
-                      d["threads"])
+                      d["threads"], d.get("layer_split"), d.get("placement", ""), d.get("threads_how", ""),
+                      d.get("threads_default", False))
 
 
 def replan_settings(cfg: JobConfig, mode: str, n_ranks: int, rate: float,
                     max_inflight_cap: int | None = None) -> tuple[DecodeOptions, float | None]:
     """The planner's best settings for `mode` (the job's: its ranks were started for it) at `rate`;
     max_inflight_cap: the runs in flight the started job's KV sequences hold (search.candidate_options)."""
-    from ..decode.modes import needs_draft
     from ..planner import search
     from ..planner.plan import Replay
     from ..planner.profile import Profile
+    from ..runtime.topology import parse_threads
 
     prof = Profile.load(cfg.profile)
     n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
-    topo = job_topology(cfg.model_path, cfg.model_label, n_ranks, cfg.layer_split, cfg.draft_path, cfg.draft,
-                        needs_draft(mode), mode, cfg.profile, cfg.n_ctx)
-    best = search.search_settings(prof, topo, mode, Replay([search.auto_request(None, n_gen)], rate), cfg.decode,
-                                  cfg.n_ctx, max_inflight_cap=max_inflight_cap)
+    replay = Replay([search.auto_request(None, n_gen)], rate)
+    # The job's own placement (the one chosen at its start is its --layer-split now) at its threads.
+    from .plan_checks import job_threads
+
+    threads = [parse_threads(cfg.threads, n_ranks, 1) if cfg.threads else job_threads(prof, mode, None, n_ranks)]
+    p = job_placements(cfg, prof, n_ranks, mode, replay, threads=threads)[0]
+    best = search.search_settings(p.profile, p.topo, mode, replay, cfg.decode, cfg.n_ctx,
+                                  max_inflight_cap=max_inflight_cap)
     return best.opts, best.tok_per_s
 
 

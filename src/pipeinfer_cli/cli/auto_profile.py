@@ -12,6 +12,16 @@ $XDG_CACHE_HOME/pipeinfer, else ~/.cache/pipeinfer) under profiles/, one file pe
 so a job of another shape, another model file or on another machine calibrates its own. The
 calibration is `pipeinfer calibrate MODEL --ranks N --quick` (the same command, run as a
 subprocess; its progress goes to stderr). Delete the file to measure again.
+
+A job started by the user's own launcher (`mpiexec -n 3 pipeinfer generate … -M auto`, no
+--ranks) cannot start a calibration job of its own: its ranks are the ones to measure, and they
+are running. So they calibrate in place: the head says whether it has a cached profile of this
+job (a start-up check-in, transport/startup.py, so a rank that fails first is reported as in any
+job), and if not, every rank runs the quick calibration's measuring code (runtime/calibrate.py)
+right there, the head writes the profile to the same cache file, and the job goes on with it.
+
+Profiles of the same job at other thread counts (`--threads T`, cached the same way) are what
+-M auto takes for those thread counts instead of extrapolating (`measured_profiles`).
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import PipeinferError, UsageError
+from ..errors import PipeinferError
 
 if TYPE_CHECKING:
     from ..runtime.job_config import JobConfig
@@ -54,9 +64,13 @@ def profile_path(cfg: JobConfig, key: dict) -> Path:
     return cache_dir() / PROFILES_DIR / f"{name}-{key['ranks']}r-{digest}.json"
 
 
-def ensure_profile(cfg: JobConfig, model: str, job, n_ranks: int, why: str, inside: bool, say) -> Path:
+def ensure_profile(cfg: JobConfig, model: str, job, n_ranks: int, why: str, inside: bool, say) -> Path | None:
     """The cached profile of this job (calibrated now if there is none). why: the option that needs
-    it ('-M auto'); say(line): a line on stderr (the launching command's, not every rank's)."""
+    it ('-M auto'); say(line): a line on stderr (the launching command's, not every rank's).
+    inside: this process is a rank of the job (the user's own launcher): calibrated in place, every
+    rank taking part; None on a rank other than the head (it takes the head's plan)."""
+    if inside:
+        return _in_this_job(cfg, model, job, n_ranks, why, say)
     key = job_key(cfg, n_ranks, job.threads, job.n_draft)
     path = profile_path(cfg, key)
     if path.is_file():
@@ -64,9 +78,6 @@ def ensure_profile(cfg: JobConfig, model: str, job, n_ranks: int, why: str, insi
             "delete it to measure again, or pass --profile)")
         return path
     command = calibrate_command(model, job, n_ranks, path)
-    if inside:  # already a rank of an MPI job: calibrating would start a job inside this one
-        raise UsageError(f"{why} needs a profile of these ranks and none is cached for this job; run "
-                         f"`mpiexec -n {n_ranks} pipeinfer {_shown(command)}` first (or pass --profile FILE)")
     from ..models.cache import ensure_writable_cache
 
     ensure_writable_cache()
@@ -78,6 +89,55 @@ def ensure_profile(cfg: JobConfig, model: str, job, n_ranks: int, why: str, insi
         raise PipeinferError(f"{why}: the quick calibration failed (exit status {rc}); run `pipeinfer "
                              f"{_shown(command)}` to see why, or pass --profile FILE")
     return path
+
+
+def _in_this_job(cfg: JobConfig, model: str, job, n_ranks: int, why: str, say) -> Path | None:
+    """ensure_profile on every rank of a running job (the module doc)."""
+    from ..transport.start_waits import start_timeout_s
+    from ..transport.startup import job_startup
+    from .calibrate_run import calibrate_in_job
+
+    startup = job_startup()
+    head = startup.link.rank == 0
+    path = None
+    if head:
+        path = profile_path(cfg, job_key(cfg, n_ranks, job.threads, job.n_draft))
+    # Every rank checks in (the head with whether it has the profile): the first start-up exchange.
+    have = startup.check_in("profile", path.is_file() if head else None, deadline_s=start_timeout_s())[0]
+    if have:
+        say(f"pipeinfer: {why}: reusing profile {path} (calibrated before for this machine, model and job shape; "
+            "delete it to measure again, or pass --profile)")
+        return path
+    command = "pipeinfer " + _shown(calibrate_command(model, job, n_ranks, path or Path("profile.json")))
+    if head:
+        from ..models.cache import ensure_writable_cache
+
+        ensure_writable_cache()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        say(f"pipeinfer: {why}: no profile of these {n_ranks} ranks yet; calibrating them quickly inside this job "
+            f"(what `{command.replace(str(path), 'FILE')}` measures, about a minute), kept in {path} for the next job "
+            "of this shape")
+    calibrate_in_job(cfg, n_ranks, path, command)
+    return path
+
+
+def measured_profiles(cfg: JobConfig, job, n_ranks: int) -> dict:
+    """{threads: Profile} of this job calibrated at other thread counts (`--threads T`, cached by
+    ensure_profile), for -M auto's search; empty where there are none."""
+    from ..planner.profile import Profile, ProfileError
+    from ..runtime.host_facts import host_facts
+
+    out = {}
+    if cfg.model_path is None:
+        return out
+    for t in range(1, int(host_facts().cores) + 1):
+        path = profile_path(cfg, job_key(cfg, n_ranks, str(t), job.n_draft))
+        if path.is_file():
+            try:
+                out[t] = Profile.load(path)
+            except ProfileError:
+                continue
+    return out
 
 
 def calibrate_command(model: str, job, n_ranks: int, out: Path) -> list[str]:

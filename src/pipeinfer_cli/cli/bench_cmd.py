@@ -146,7 +146,7 @@ def bench(
     _check_save_trace(save_trace, job, levels, [json_out, csv_out, trace_out, plot_out])
     # Every job command's set-up (models, ranks, JobConfig), then its one launcher (run_here_or_relaunch).
     inside = under_mpi_launcher()
-    prep = prepare_job(model, None, job, inside)
+    prep = prepare_job(model, None, job, inside, place=False)
     cfg, target, draft_ref, spec, want = prep.cfg, prep.target, prep.draft_ref, prep.cfg.draft, prep.ranks
     needs_draft = _check_models(prep, mode_list, prompt_set)
     if levels is not None:  # under load: one `pipeinfer serve` job (cli/bench_serve.py)

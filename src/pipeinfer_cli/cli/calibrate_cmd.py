@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from ..errors import PipeinferError, UsageError
+from ..errors import UsageError
 from ..transport.deadlines import CALIBRATE_RANK_TIMEOUT_S
+from .calibrate_run import probe_spec, progress, save_profile
 from .console import err, out
 from .job_options import JobOptions
 from .job_setup import begin_job, run_here_or_relaunch
@@ -25,11 +26,9 @@ from .wording import epilog, human_bytes, plural
 if TYPE_CHECKING:
     from ..runtime.job_config import JobConfig
     from ..planner.profile import Profile
-    from ..runtime.calibrate_probes import ProbeSpec
 
 # The epoch time the command started at, passed to the relaunched job (its head prints the duration).
 STARTED_ENV = "PIPEINFER_CALIBRATE_STARTED"
-DRAFT_ACCEPTANCE_TOKENS = {False: 96, True: 32}  # tokens a draft model's acceptance is measured on (by --quick)
 NON_TTY_WIDTH = 200  # into a file or a pipe (under mpiexec, always), the table is never cut
 
 EPILOG = epilog("""Examples:
@@ -102,6 +101,11 @@ def calibrate(
     started = float(os.environ.get(STARTED_ENV) or time.time())
     if _on_head(under_mpi_launcher()):  # the head writes the profile
         check_out_path(out_path)
+    if layer_split and layer_split.startswith("auto"):  # measured with equal shares: no profile needed first
+        from ..runtime.calibrate import calibration_split
+        from ..transport.start_waits import launcher_size
+
+        layer_split = calibration_split(layer_split, ranks or launcher_size() or 1)
     job = JobOptions(draft=draft, ranks=ranks, layer_split=layer_split, threads=threads, ctx=ctx, n_draft=n_draft,
                      rank_timeout=rank_timeout, no_pull=no_pull)
     start = begin_job(model, None, None, job)
@@ -130,45 +134,20 @@ def calibrate(
     from ..runtime.calibrate import run_calibration
 
     profile = run_calibration(prep.cfg, probe_spec(prep.cfg, quick, prep.ranks), "pipeinfer " + shlex.join(sys.argv[1:]),
-                              _progress)
+                              progress)
     if profile is not None:  # the head reports; the other ranks are done
         _finish(profile, prep.cfg, quick, out_path, as_json, started)
 
 
 def _finish(profile: Profile, cfg: JobConfig, quick: bool, out_path: Path, as_json: bool, started: float) -> None:
     """On the head: the calibration's warnings, the draft's acceptance, the profile written and shown."""
-    for line in profile.warnings:
-        err.print(f"calibrate: warning: {line}", markup=False, highlight=False)
-    if profile.draft is not None and profile.draft.is_model and cfg.draft_path is not None:
-        from .plan_record import measure_draft_acceptance
-
-        measure_draft_acceptance(cfg, profile.draft, DRAFT_ACCEPTANCE_TOKENS[quick], lambda line: _progress(0, line))
-    try:
-        profile.save(out_path)
-    except OSError as e:
-        raise PipeinferError(f"cannot write the profile to {out_path}: {e.strerror or e}") from None
+    save_profile(profile, cfg, quick, out_path)
     if as_json:
         sys.stdout.write(profile.to_json() + "\n")
     else:
         print_tables(profile, cfg.decode.n_draft)
     err.print(f"pipeinfer calibrate: {plural(len(profile.ranks), 'rank')} measured in {time.time() - started:.1f} s; "
               f"profile written to {out_path.resolve()}", markup=False, highlight=False)
-
-
-def probe_spec(cfg: JobConfig, quick: bool, n_ranks: int = 1) -> ProbeSpec:
-    """What every rank times, and how often (fewer repetitions with --quick). On several ranks each
-    timed eval follows a sleep, as a stage's compute follows its wait (calibrate_probes.IDLE_GAP_S).
-    Suffix drafting is timed as prompt lookup (`DraftSpec.planned`): both cost no model."""
-    from ..runtime.calibrate_probes import IDLE_GAP_S, KV_LENGTHS, QUICK_KV, ProbeSpec
-
-    return ProbeSpec(str(cfg.model_path or ""), cfg.n_ctx, cfg.decode.n_draft, reps=3 if quick else 7,
-                     warmup=1 if quick else 2, overhead_tokens=16 if quick else 48, draft=cfg.draft.planned(),
-                     draft_path=str(cfg.draft_path) if cfg.draft_path else None,
-                     draft_prompt=128 if quick else 256, draft_proposals=4 if quick else 12,
-                     link_reps=50 if quick else 200, kv_points=QUICK_KV if quick else KV_LENGTHS,
-                     extra_rows=not quick, prefill_reps=2 if quick else 3, max_reps=6 if quick else 21,
-                     prefill_max_reps=4 if quick else 9,
-                     idle_gap_s=IDLE_GAP_S if n_ranks > 1 else 0.0)
 
 
 def check_out_path(path: Path) -> None:
@@ -225,12 +204,6 @@ def _check_layers(cfg: JobConfig) -> None:
     if n_layer < 2:
         raise UsageError(f"{cfg.model_label} has {plural(n_layer, 'layer')}; calibrate needs at least 2 (it times "
                          "the first layers apart from the last one)")
-
-
-def _progress(rank: int | None, line: str) -> None:
-    where = "" if rank is None else f"rank {rank}: "
-    err.print(f"calibrate: {where}{line}", markup=False, highlight=False)
-    sys.stderr.flush()
 
 
 def _ms(seconds: float, digits: int = 3) -> str:

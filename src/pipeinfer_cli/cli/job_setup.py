@@ -205,7 +205,7 @@ class JobStart:
 
 
 def begin_job(model: str | None, model_opt: str | None, mode: str | None, job,
-              read_input: Callable[[bool], object] | None = None) -> JobStart:
+              read_input: Callable[[bool], object] | None = None, parallel: int = 1) -> JobStart:
     """The steps every job command starts with, in this order: one model, -n checked,
     read_input(inside) (the prompt, say: what a user typed is checked before any model is
     resolved), then the ranks, models and mode (prepare_job)."""
@@ -215,7 +215,7 @@ def begin_job(model: str | None, model_opt: str | None, mode: str | None, job,
     check_n_predict(job.n_predict)
     inside = under_mpi_launcher()
     given = read_input(inside) if read_input is not None else None
-    return JobStart(prepare_job(model, mode, job, inside, given), inside, given)
+    return JobStart(prepare_job(model, mode, job, inside, given, parallel), inside, given)
 
 
 def run_here_or_relaunch(prep: PreparedJob, inside: bool, needs_draft: bool, relaunch_job: Callable[[], int]) -> None:
@@ -249,9 +249,13 @@ def _announce(line: str, inside: bool) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def prepare_job(model: str, mode: str | None, job, inside: bool, given=None) -> PreparedJob:
+def prepare_job(model: str, mode: str | None, job, inside: bool, given=None, parallel: int = 1,
+                place: bool = True) -> PreparedJob:
     """Ranks, models (pulled unless inside the MPI job or --no-pull), mode and JobConfig of a job command.
-    given: the prompt the command read (for -M auto to measure prompt lookup's acceptance on)."""
+    given: the prompt the command read (for -M auto to measure prompt lookup's acceptance on);
+    parallel: requests at once (serve --parallel N: -M auto and --layer-split auto then keep the
+    split balanced for them, cli/auto_placement.py); place: --layer-split auto may place the draft
+    for the job's mode (bench, which runs every mode on one job, does not)."""
     from .draft_spec import resolve_draft_models
 
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
@@ -264,10 +268,12 @@ def prepare_job(model: str, mode: str | None, job, inside: bool, given=None) -> 
     auto = mode == AUTO
     mode = check_mode(None if auto else mode, bool(spec))
     cfg = make_job_config(target, draft_ref, spec, job)
+    if parallel > 1:
+        cfg = replace(cfg, parallel=parallel)
     on_head = not inside or launcher_rank() == 0
     say = lambda line: _announce(line, inside)  # noqa: E731
-    cfg, choice = resolve(cfg, model, job, want, auto, inside, on_head, given, say)
+    cfg, choice = resolve(cfg, model, job, want, auto, inside, on_head, given, say, mode if place else None)
     if choice is not None:
-        mode, cfg = choice.mode, replace(cfg, decode=choice.decode, threads=choice.threads)
+        mode, cfg = choice.mode, replace(cfg, decode=choice.decode, threads=choice.job_threads)
         say(choice.announce())
     return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), bool(spec), choice, target, draft_ref)

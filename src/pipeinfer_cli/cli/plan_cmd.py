@@ -142,7 +142,7 @@ def plan(
     summary = plan_modes(prof, setup.topology, mode_list, replay, opts, ctx)
     for m, s in summary.items():
         s.note = never_speculated(m, s, setup.topology(m).draft)
-    choice = _search(prof, setup, mode_list, replay, opts, ctx, summary) if search else None
+    choice = _search(prof, setup, mode_list, replay, opts, ctx, summary, threads) if search else None
     _emit(summary, setup, choice, profile, as_json, mode_list[0])
 
 
@@ -162,29 +162,44 @@ def _emit(summary: dict[str, ModeSummary], setup: _Setup, choice: PlanChoice | N
 
 
 class PlanChoice(TypedDict, total=False):
-    """`plan --search`'s fastest mode and its settings (--json's "choice"): the settings its mode has."""
+    """`plan --search`'s fastest mode and its settings (--json's "choice"): the settings its mode has,
+    and with --layer-split auto where the draft runs and the threads (-M auto's placement)."""
 
     mode: str
     n_draft: int
     p_accept: float
     max_inflight: int
     layer_split: str
+    threads: str
+    placement: str
     tok_per_s: float | None
 
 
 def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx: int,
-            summary: dict[str, ModeSummary]) -> PlanChoice:
+            summary: dict[str, ModeSummary], threads: str | None = None) -> PlanChoice:
     """The planner's search (the one -M auto runs): each mode's best settings into `summary`, and the
-    fastest mode with its settings, each mode on the split `generate -M MODE` would use."""
+    fastest mode with its settings, each mode on the split `generate -M MODE` would use; with
+    --layer-split auto, also where the draft runs and the threads (-M auto's placements)."""
     from ..planner.search import choose
+    from .auto_placement import placement_search
 
     c = choose(prof, lambda m: setup.topology(m, needs_draft(m)), mode_list, replay, opts, ctx,
-               on_step=lambda m, i, n: _progress(f"search {m}", i, n))
+               on_step=lambda m, i, n: _progress(f"search {m}", i, n),
+               placements_of=placement_search(setup, prof, opts, threads, replay))
     for m, b in c.per_mode.items():
         summary[m].best = {**_knobs(m, b.opts), "layer_split": b.summary.settings["layer_split"],
-                           "tok_per_s": b.tok_per_s, "note": b.note}
+                           "tok_per_s": b.tok_per_s, "note": b.note, **_placed(b)}
     split = c.per_mode[c.mode].summary.settings["layer_split"]
-    return PlanChoice(mode=c.mode, **_knobs(c.mode, c.opts), layer_split=split, tok_per_s=c.tok_per_s)
+    return PlanChoice(mode=c.mode, **_knobs(c.mode, c.opts), **{"layer_split": split, **_placed(c.per_mode[c.mode])},
+                      tok_per_s=c.tok_per_s)
+
+
+def _placed(best) -> dict[str, str]:
+    from .auto_placement import placement_note
+
+    p = best.placement
+    return {} if p is None else {"layer_split": p.layer_split(), "threads": p.threads_option(),
+                                 "placement": placement_note(best)}
 
 
 def _knobs(mode: str, o: DecodeOptions) -> dict[str, float]:
@@ -357,7 +372,10 @@ def _best_line(mode: str, s: ModeSummary) -> str:
     b = s.best
     knobs = _knob_text({k: v for k, v in b.items() if k in ("n_draft", "p_accept", "max_inflight")})
     other = b["layer_split"] != s.settings["layer_split"]
-    where = f"layers {b['layer_split']} (the split of `generate -M {mode}`)" if other else ""
+    if "placement" in b:  # --layer-split auto: the search placed the draft and chose the threads
+        where = f"--layer-split {b['layer_split']} --threads {b['threads']} ({b['placement']})"
+    else:
+        where = f"layers {b['layer_split']} (the split of `generate -M {mode}`)" if other else ""
     what = ", ".join(x for x in (knobs, where) if x) or "no settings to search (the table's row)"
     return (f"best {mode}: {what} -> {_f(b['tok_per_s'], 2)} tok/s"
             + (f" ({b['note']})" if b["note"] and not s.note else ""))

@@ -11,9 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 
@@ -21,10 +19,6 @@ from ..decode.draft_spec import LOOKUP, MODEL
 from ..errors import UsageError
 from ..planner.record import CHAIN_DEPTH
 from .console import err
-
-if TYPE_CHECKING:
-    from ..runtime.job_config import JobConfig
-    from ..planner.profile import DraftCosts
 
 
 def _say(text: str) -> None:
@@ -180,57 +174,3 @@ def _refuse_translated_by_path(setup) -> None:
         _refuse_translated(tok, setup)
     finally:
         tok.close()
-
-
-# The raw text (no chat template: every model has a tokenizer, not every one a template) a draft
-# model's acceptance is measured after: code and prose, as the shipped prompt sets mix them.
-CALIBRATION_TEXT = (
-    "Write a Python function that returns the n-th Fibonacci number, then explain how it works.\n\n"
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
-    "The function keeps the last two numbers of the sequence and")
-
-
-def measure_draft_acceptance(cfg: JobConfig, draft: DraftCosts, n_gen: int, say: Callable[[str], None]) -> None:
-    """`calibrate --draft MODEL` on the head: the draft's acceptance against the target on a
-    calibration prompt (n_gen tokens generated greedily after CALIBRATION_TEXT by the whole
-    target in this process: CALIBRATION_TEXT), into the profile's `draft` (DraftCosts). Skipped, and said, where the
-    target and the draft do not both fit in this host's available memory, or the draft has another
-    vocabulary. say(line): progress on stderr."""
-    from ..decode.drafters import LlamaDrafter
-    from ..decode.sampling import SamplingParams
-    from ..models.gguf_info import read_model_info
-    from ..native import LayerEngine
-    from ..planner.record import draft_agreement, target_tokens
-    from ..runtime.host_facts import host_facts
-    from ..runtime.tokenizer import Tokenizer
-    from ..runtime.vocab import draft_vocab
-
-    need = cfg.model_path.stat().st_size + cfg.draft_path.stat().st_size
-    if need > 0.8 * host_facts().mem_available_bytes:
-        say("draft acceptance not measured: the target and the draft do not both fit in this host's memory "
-            "(-M auto will assume it)")
-        return
-    tok = Tokenizer(cfg.model_path)
-    try:
-        prompt = tok.encode(CALIBRATION_TEXT)
-        threads, n_ctx = os.cpu_count() or 1, len(prompt) + n_gen + 8
-        say(f"draft acceptance: {draft.name} against the target, {n_gen} tokens of a calibration prompt")
-        engine = LayerEngine(str(cfg.model_path), 0, read_model_info(cfg.model_path).n_layer, n_ctx=n_ctx,
-                             n_threads=threads, n_seq_max=2)
-        toks, _ = target_tokens(engine, prompt, n_gen, tok.is_eog, SamplingParams())
-        del engine
-        drafter = LlamaDrafter(cfg.draft_path, n_ctx=n_ctx, n_threads=threads)
-        try:
-            if draft_vocab(tok, drafter) != "direct":
-                say("draft acceptance not measured: the draft has another vocabulary (-M auto will assume it)")
-                return
-            right, wrong = draft_agreement(drafter, prompt + toks, len(prompt))
-        finally:
-            drafter.close()
-    finally:
-        tok.close()
-    n = len(right) + len(wrong)
-    if n:
-        draft.acceptance, draft.acceptance_tokens = len(right) / n, n
-        draft.confidence_right, draft.confidence_wrong = right, wrong
-        say(f"draft acceptance: {len(right)}/{n} ({len(right) / n:.0%})")

@@ -108,7 +108,7 @@ def serve(
                                            api_key, prefix_reuse, max_restarts))
     # A rank of a job: started by the front, or under a launcher of the user's own.
     split_rule = default_split(job, parallel)
-    prep = begin_job(model, model_opt, mode, job).prep
+    prep = begin_job(model, model_opt, mode, job, parallel=parallel).prep
     prep.cfg = replace(prep.cfg, reuse_prefix=prefix_reuse, parallel=parallel, load_policy=load_policy)
     check_parallel(prep.cfg)
     announce_split(split_rule, prep)

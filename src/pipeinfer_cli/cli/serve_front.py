@@ -103,7 +103,7 @@ def serve_from_front(model, model_opt, mode, job, host: str, port: int, queue: i
     http.start()
     try:
         split_rule = default_split(job, parallel)
-        start = begin_job(model, model_opt, mode, job)
+        start = begin_job(model, model_opt, mode, job, parallel=parallel)
         prep = start.prep
         prep.cfg = replace(prep.cfg, reuse_prefix=prefix_reuse, parallel=parallel, load_policy=load_policy)
         check_parallel(prep.cfg)

@@ -51,6 +51,7 @@ class Prediction:
     runs: dict
     utilisation: list[float]  # per stage, share of the request's time spent computing
     draft_misses: int = 0  # draft questions the trace could not answer (past its depth, tree side branches)
+    draft_evals: int = 0  # tokens a draft model evaluated (what drafting cost: rejected drafts included)
     settings: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -112,6 +113,7 @@ def predict(profile: Profile, topo: Topology, mode: str, pt: PromptTrace, opts: 
     return Prediction(mode, pt.prompt_id, rates.n_prompt, rates.n_gen, rates.ttft_s, rates.tok_per_s,
                       rates.decode_tok_per_s, rates.itl_ms, s.metrics.acceptance.to_dict(), vars(s.metrics.runs).copy(),
                       pipe.utilisation(), index.misses if index is not None else 0,
+                      drafter.model.evals if isinstance(drafter, (ReplayDrafter, ReplayDraftRank)) else 0,
                       {"layer_split": topo.describe(), "draft": topo.draft, "n_draft": opts.n_draft,
                        "p_accept": opts.p_accept, "max_inflight": opts.max_inflight, "max_branches": opts.max_branches})
 

@@ -105,6 +105,7 @@ class DraftCosts:
     acceptance_tokens: int = 0
     confidence_right: list[float] | None = None
     confidence_wrong: list[float] | None = None
+    acceptance_note: str | None = None  # why calibrate did not measure the acceptance (None: it did, or an older profile)
 
     @property
     def is_lookup(self) -> bool:

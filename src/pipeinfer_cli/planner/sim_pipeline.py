@@ -8,7 +8,12 @@ Discrete events, as the real job does them:
   hidden states cross a link as its latency plus bytes over its bandwidth;
 - a cancel goes from the head to every stage directly: a stage that has not started the run skips
   it (its fixed cost only), one that is computing it stops at the next layer;
-- the last stage samples and sends token ids back to the head.
+- the last stage samples and sends token ids back to the head;
+- the head's own bookkeeping: its measured fixed cost per run (`run_overhead_s`: launch, result,
+  commit of one token, as calibrate times its iterative loop) is in the head's part of every run,
+  and a speculative run's result that the head takes (it verifies the drafted tokens, commits the
+  accepted ones, cancels what they invalidate) costs it that fixed cost once more
+  (`HEAD_COMMIT_RUNS`), computed on the head's host like its layers.
 
 Ranks of one host compute at their measured speed while their threads fit its usable CPUs; when
 they could outnumber them, every computation goes through `planner/shared_cores.py` (processor
@@ -33,6 +38,10 @@ from .costs import StageCost
 from .profile import LinkCosts, RankCosts
 from .shared_cores import HEADER_BYTES, CoreSim, SimRun, Task, core_sim
 MAX_WAITS = 1_000_000
+# The head's work on a speculative run's result (verify, commit, cancel), in units of its measured
+# fixed cost per run: an estimate (calibrate times the iterative loop, whose runs commit one token
+# and cancel nothing), charged per result taken; planner/split.py charges it per commit likewise.
+HEAD_COMMIT_RUNS = 1.0
 
 
 @dataclass
@@ -44,6 +53,7 @@ class _Run:
     invariant: bool
     sampled: np.ndarray
     t_sent: float  # the head has computed its layers and sent the run on
+    speculative: bool = False  # it carries drafted tokens: its result costs the head a commit
     t_cancel: float | None = None
     arrival: float = 0.0  # result at the head (recomputed as runs are launched and cancelled)
     starts: list[float] = field(default_factory=list)  # per stage >= 1: when it takes the run
@@ -108,8 +118,10 @@ class SimulatedPipeline(VirtualPipeline):
             self.t = end
         if self.n_stages == 1:
             self.ready.append(RunResult(run_id, sampled))
+            if speculative:
+                self._commit_work()
             return run_id
-        self.inflight.append(_Run(run_id, rows, n_out, kv, invariant, sampled, self.t))
+        self.inflight.append(_Run(run_id, rows, n_out, kv, invariant, sampled, self.t, speculative))
         self._schedule()
         return run_id
 
@@ -126,8 +138,16 @@ class SimulatedPipeline(VirtualPipeline):
         self._schedule()
 
     # -- computations besides the runs ----------------------------------------------------------
-    def head_compute(self, seconds: float, threads: int) -> None:
-        """The head computes something else (a draft model's evals) for `seconds` alone."""
+    def _commit_work(self) -> None:
+        """The head verifies and commits a speculative run's result (HEAD_COMMIT_RUNS)."""
+        seconds = HEAD_COMMIT_RUNS * self.stages[0].costs.run_overhead_s
+        if seconds > 0:
+            self.busy_s[0] += seconds
+            self.head_compute(seconds, None)
+
+    def head_compute(self, seconds: float, threads: int | None) -> None:
+        """The head computes something else (a draft model's evals; threads None: the head's own)
+        for `seconds` alone."""
         if self.sim is None:
             self.t += seconds
             return
@@ -205,6 +225,8 @@ class SimulatedPipeline(VirtualPipeline):
             cancelled = r.t_cancel is not None or not r.computed[-1]
             self.ready.append(RunResult(r.run_id, None if cancelled else r.sampled))
             got = True
+            if r.speculative and not cancelled:
+                self._commit_work()
         return got
 
     def next_event(self) -> float | None:

@@ -2,8 +2,11 @@
 
 Each stage's cost is the measured time of a typical request on it (TYPICAL_PROMPT prompt tokens in
 chunks, TYPICAL_GEN one-row decoding runs): its layers at the rank's own seconds per layer for each
-phase, the LM head's rows on the last stage, a draft model's tokens on the head when it drafts
-there. Both phases count, so neither the prompt (where the LM head reads one row) nor decoding is
+phase, the LM head's rows on the last stage, and on the head its own work besides its layers
+(`HeadLoad`): a draft model's evals when it drafts there, charged by the tokens it drafts per
+generated token (not one per generated token: pipeinfer drafts ahead of what it commits, and a
+rejected draft was drafted all the same), and its bookkeeping of every speculative result it
+verifies and commits (its measured fixed cost per run, once more per such result). Both phases count, so neither the prompt (where the LM head reads one row) nor decoding is
 balanced at the other's expense. A rank gets no share its memory cannot hold: its weights, the KV
 cache of its layers at the job's --ctx and the draft model it runs must fit in MEMORY_USE of its
 host's available memory, divided among the ranks that share the host.
@@ -38,6 +41,10 @@ if TYPE_CHECKING:
 TYPICAL_PROMPT = 256
 TYPICAL_GEN = 128
 TYPICAL_KV = 512
+# Drafted tokens per generated token when nothing simulated the job's mode: pipeinfer at its default
+# settings (n_draft 4, p_accept 0.5, 4 runs in flight) and the assumed 60 % acceptance drafts about
+# this many on 2 to 4 stages (planner/placement.py measures it in the simulation instead).
+DRAFT_TOKENS_PER_TOKEN = 2.0
 MEMORY_USE = 0.9  # of a host's available memory, for the weights, KV caches and drafts of its ranks
 
 
@@ -53,6 +60,18 @@ class JobMemory:
 
     def kv_bytes(self, n_layers: int) -> int:
         return n_layers * self.n_ctx * self.kv_bytes_per_cell
+
+
+@dataclass(frozen=True)
+class HeadLoad:
+    """The head's own work per generated token besides its layers, in a mode that drafts: the
+    tokens a draft model on the head drafts (evals at the draft's measured seconds per token) and
+    the speculative results it verifies and commits (each at the head's measured fixed cost per
+    run, `run_overhead_s`: the bookkeeping of one more run through its loop). The simulation of the
+    job's mode gives both (planner/placement.py); the defaults are the estimate above."""
+
+    draft_tokens: float = DRAFT_TOKENS_PER_TOKEN
+    commits: float = 0.0
 
 
 def profile_for_split(profile_path: Path, model_path: Path, model_label: str, info: ModelInfo, n_ctx: int,
@@ -89,8 +108,11 @@ def drafts_under_load(parallel: int, n_stages: int, load_policy: str = "yield") 
     return load_policy == "yield" and parallel < n_stages
 
 
-def stage_seconds(profile: Profile, rank: int, b: int, e: int, draft_on_head: bool = False) -> float:
-    """Seconds of a typical request on profile rank `rank` holding layers [b, e)."""
+def stage_seconds(profile: Profile, rank: int, b: int, e: int, draft_on_head: bool = False,
+                  head: HeadLoad | None = None) -> float:
+    """Seconds of a typical request on profile rank `rank` holding layers [b, e); the head (b == 0)
+    also does `head`'s work per generated token (HeadLoad(): the estimate), its draft's only with
+    draft_on_head."""
     m = profile.model
     rc = profile.ranks[rank]
     n = e - b
@@ -99,8 +121,11 @@ def stage_seconds(profile: Profile, rank: int, b: int, e: int, draft_on_head: bo
     decode = TYPICAL_GEN * (n * grid_seconds(rc.decode, 1, TYPICAL_KV) + rc.run_overhead_s)
     if e == m.n_layer:
         decode += (TYPICAL_GEN + 1) * rc.output_row_s
-    if b == 0 and draft_on_head and profile.draft is not None:
-        decode += TYPICAL_GEN * profile.draft.token_s
+    if b == 0:
+        head = head or HeadLoad()
+        decode += TYPICAL_GEN * head.commits * rc.run_overhead_s
+        if draft_on_head and profile.draft is not None:
+            decode += TYPICAL_GEN * head.draft_tokens * profile.draft.token_s
     return prefill + decode
 
 
@@ -126,11 +151,14 @@ def stage_bytes(profile: Profile, mem: JobMemory, b: int, e: int, draft_here: bo
 
 
 def auto_split(profile: Profile, stage_ranks: list[int], draft_on_head: bool = False,
-               mem: JobMemory | None = None, parallel: int = 1, load_policy: str = "yield") -> list[tuple[int, int]]:
+               mem: JobMemory | None = None, parallel: int = 1, load_policy: str = "yield",
+               head: HeadLoad | None = None, head_layers: int | None = None) -> list[tuple[int, int]]:
     """Layer ranges for the stages (profile ranks, in pipeline order) that minimise the slowest
     stage's time on a typical request, within each rank's share of its host's memory.
     parallel, load_policy: requests at once and when they speculate; a draft on the head that
-    does not speculate under that load is not counted (see the module doc)."""
+    does not speculate under that load is not counted (see the module doc). head: the head's own
+    work per generated token (HeadLoad; None: the estimate). head_layers: the head holds exactly
+    that many layers (a lighter head, planner/placement.py), the others are balanced as above."""
     mem = mem or JobMemory()
     draft_on_head = draft_on_head and drafts_under_load(parallel, len(stage_ranks), load_policy)
     n_ranks = len(stage_ranks) + (mem.draft_rank is not None)
@@ -141,7 +169,9 @@ def auto_split(profile: Profile, stage_ranks: list[int], draft_on_head: bool = F
     def cost(i: int, b: int, e: int) -> float:
         if stage_bytes(profile, mem, b, e, heads_draft and i == 0) > room[i]:
             return math.inf
-        return stage_seconds(profile, stage_ranks[i], b, e, draft_on_head and i == 0)
+        if i == 0 and head_layers is not None and e != head_layers:
+            return math.inf
+        return stage_seconds(profile, stage_ranks[i], b, e, draft_on_head and i == 0, head)
 
     return min_max_split(profile.model.n_layer, len(stage_ranks), cost)
 
