@@ -39,6 +39,7 @@ from ..errors import PipeinferError
 
 if TYPE_CHECKING:
     from ..runtime.job_config import JobConfig
+    from ..planner.profile import Profile
 
 PROFILES_DIR = "profiles"
 
@@ -121,7 +122,7 @@ def _in_this_job(cfg: JobConfig, model: str, job, n_ranks: int, why: str, say) -
     return path
 
 
-def measured_profiles(cfg: JobConfig, job, n_ranks: int) -> dict:
+def measured_profiles(cfg: JobConfig, job, n_ranks: int) -> dict[int, Profile]:
     """{threads: Profile} of this job calibrated at other thread counts (`--threads T`, cached by
     ensure_profile), for -M auto's search; empty where there are none."""
     from ..planner.profile import Profile, ProfileError

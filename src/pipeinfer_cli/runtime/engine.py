@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..transport.front_channel import Channel, ChannelClosed
 from .job_config import JobConfig
+from .parallel import SlotRow, slot_rows
 from .service import Service
 from .service_request import Event, InvalidRequest, ServiceUnavailable
 
@@ -102,10 +103,8 @@ class _Bridge:
                 self.service.stop(message[1])
                 return
 
-    def _slot_rows(self) -> list[dict[str, object]]:
+    def _slot_rows(self) -> list[SlotRow]:
         """GET /slots as the front's clients see it: requests named by the front's ids."""
-        from .parallel import slot_rows
-
         front_id = {ticket.seq: request_id for request_id, ticket in list(self.tickets.items())}
         rows = slot_rows(self.service)
         for row in rows:

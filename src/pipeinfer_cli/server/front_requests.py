@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from ..runtime.parallel import SlotRow, slot_rows
 from ..runtime.service import Service
 from ..runtime.service_request import Event, Ticket
 from ..transport.front_channel import Channel, ChannelClosed
@@ -30,7 +31,7 @@ class RequestRouter:
         self._cancel_sent: set[int] = set()
         self._nonces = itertools.count(1)
         self._slot_asks: dict[int, threading.Event] = {}  # GET /slots waiting for the head's rows
-        self._slot_answers: dict[int, list[dict]] = {}
+        self._slot_answers: dict[int, list[SlotRow]] = {}
 
     def start(self) -> None:
         threading.Thread(target=self.dispatch, daemon=True, name="front-dispatch").start()
@@ -53,7 +54,7 @@ class RequestRouter:
     def committed(self, ticket: Ticket) -> list[int]:
         return self._committed.get(ticket.seq, [])
 
-    def slot_answer(self, nonce: int, rows: list[dict]) -> None:
+    def slot_answer(self, nonce: int, rows: list[SlotRow]) -> None:
         self._slot_answers[nonce] = rows
         if (asked := self._slot_asks.pop(nonce, None)) is not None:
             asked.set()
@@ -119,12 +120,10 @@ class RequestRouter:
             ticket.emit(event)
         self.service.release(ticket)
 
-    def slot_rows(self, timeout_s: float = 2.0) -> list[dict]:
+    def slot_rows(self, timeout_s: float = 2.0) -> list[SlotRow]:
         """GET /slots: the head's rows (which request holds the draft model, …), asked over the
         channel; while there is no pipeline, or if the head does not answer in time, the front's own
         view (which request runs in which slot)."""
-        from ..runtime.parallel import slot_rows
-
         channel = self.channel
         if channel is not None and not channel.closed and self.service.status == "ok":
             nonce = next(self._nonces)
