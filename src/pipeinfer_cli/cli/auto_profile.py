@@ -11,7 +11,9 @@ $XDG_CACHE_HOME/pipeinfer, else ~/.cache/pipeinfer) under profiles/, one file pe
 
 so a job of another shape, another model file or on another machine calibrates its own. The
 calibration is `pipeinfer calibrate MODEL --ranks N --quick` (the same command, run as a
-subprocess; its progress goes to stderr). Delete the file to measure again.
+subprocess; its progress goes to stderr). A Ctrl-C or SIGTERM that stops the job command during it
+stops the calibration's MPI job too (every process, its shared memory), and the command ends with
+one `Error:` line once that is done. Delete the file to measure again.
 
 A job started by the user's own launcher (`mpiexec -n 3 pipeinfer generate … -M auto`, no
 --ranks) cannot start a calibration job of its own: its ranks are the ones to measure, and they
@@ -85,7 +87,7 @@ def ensure_profile(cfg: JobConfig, model: str, job, n_ranks: int, why: str, insi
     path.parent.mkdir(parents=True, exist_ok=True)
     say(f"pipeinfer: {why}: no profile of these ranks yet; calibrating them quickly (`pipeinfer {_shown(command)}`, "
         f"about a minute), kept in {path} for the next job of this shape")
-    rc = subprocess.run([sys.executable, "-m", "pipeinfer_cli", *command], stdout=subprocess.DEVNULL).returncode
+    rc = run_calibration(command)
     if rc != 0 or not path.is_file():
         raise PipeinferError(f"{why}: the quick calibration failed (exit status {rc}); run `pipeinfer "
                              f"{_shown(command)}` to see why, or pass --profile FILE")
@@ -139,6 +141,28 @@ def measured_profiles(cfg: JobConfig, job, n_ranks: int) -> dict[int, Profile]:
             except ProfileError:
                 continue
     return out
+
+
+def run_calibration(command: list[str]) -> int:
+    """Run `pipeinfer calibrate …` (command: its argv after `pipeinfer`) and return its exit status.
+    A stop signal (Ctrl-C, SIGTERM, SIGHUP) is passed on to it, and once it has stopped its job (every
+    process, on every host, and their shared memory) this command ends with the same status: the
+    calibration said `Error: interrupted` (or `Error: stopped by SIGTERM`) already, or this says it
+    when it was stopped before it could."""
+    import signal
+
+    import typer
+
+    from ..errors import error_line
+    from ..transport.launch import pipeinfer_command, run_stoppable
+
+    rc, stopped = run_stoppable(pipeinfer_command(command), stdout=subprocess.DEVNULL)
+    if stopped is None:
+        return rc
+    if rc != 128 + stopped:  # it did not end as relaunch() ends after its one line (killed before it could)
+        name = "interrupted" if stopped == signal.SIGINT else f"stopped by {signal.Signals(stopped).name}"
+        print(error_line(name), file=sys.stderr, flush=True)
+    raise typer.Exit(128 + stopped)
 
 
 def calibrate_command(model: str, job, n_ranks: int, out: Path) -> list[str]:

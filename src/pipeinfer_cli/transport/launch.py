@@ -99,6 +99,38 @@ def start_own_session(cmd: list[str], **popen_kw) -> subprocess.Popen:
     return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent(), **popen_kw)
 
 
+def run_stoppable(cmd: list[str], **popen_kw) -> tuple[int, int | None]:
+    """Run a command that may start an MPI job of its own (an implicit `calibrate --quick`) and wait
+    for it: (its exit status, the stop signal this process received meanwhile, or None).
+
+    The child runs in a session of its own that gets SIGTERM if this process dies, even by SIGKILL
+    (start_own_session). A Ctrl-C, SIGTERM or SIGHUP that reaches this process is passed on to it
+    alone, once, and this process waits until the child has stopped its job (every process of it,
+    its shared memory: relaunch()) before it goes on: a stop never leaves the child, or its job,
+    running behind the command the user stopped. The status is Popen's (-N: killed by signal N)."""
+    got: list[int] = []
+    proc: subprocess.Popen | None = None
+
+    def forward(signum, _frame) -> None:
+        if got:  # a second Ctrl-C changes nothing: the child is stopping already
+            return
+        got.append(signum)
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in _STOP_SIGNALS}
+    try:
+        proc = start_own_session(cmd, **popen_kw)
+        if got:  # a stop that arrived while it started
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(got[0])
+        rc = proc.wait()
+    finally:
+        _restore_handlers(previous)
+    return rc, (got[0] if got else None)
+
+
 PUMP_DRAIN_S = 10
 
 
