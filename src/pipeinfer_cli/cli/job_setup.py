@@ -259,6 +259,10 @@ def prepare_job(model: str, mode: str | None, job, inside: bool, given=None, par
     from .draft_spec import resolve_draft_models
 
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
+    if not inside:
+        from ..transport.hostfile import warn_shared_hosts
+
+        warn_shared_hosts(want)
     target, draft_ref, spec = resolve_draft_models(resolve_models, model, job.draft,
                                                      allow_pull=not inside and not job.no_pull,
                                                      on_head=not inside or launcher_rank() == 0)

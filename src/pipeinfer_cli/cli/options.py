@@ -42,7 +42,7 @@ SpecPolicyOption = Annotated[str, typer.Option(
          "confident. Several stages, or a draft rank: always.")]
 MaxInflightOption = Annotated[int, typer.Option("--max-inflight", min=1, max=32, help="pipeinfer: runs in flight at once.")]
 PReachOption = Annotated[float, typer.Option("--p-reach", min=0.0, max=1.0, help="pipeinfer: draft a token only while the chance that it is reached (the acceptance measured so far, to the power of the drafted tokens ahead of it) is at least this, or at least what drafting and verifying it costs against what it saves when the measured timings say that is less (cheap batch rows); 0: as far as --n-draft and --max-inflight allow.")]
-JobRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help="Ranks to start with mpiexec on this machine (default: the MPI world size, or 1).")]
+JobRanksOption = Annotated[int | None, typer.Option("--ranks", "-r", min=1, help="Ranks to start with mpiexec: on this machine, or on the hosts of the hostfile HYDRA_HOST_FILE names, one per slot in order (a line on stderr names a host that gets more ranks than its slots) (default: the MPI world size, or 1).")]
 LayerSplitOption = Annotated[str | None, typer.Option("--layer-split", help="Fractions of the layers per target stage, '/1' for a draft rank: 0.5,0.5 or 0.5,0.5/1; or auto (auto/1): balanced by the time each rank measured (its --profile; generate, bench, chat and serve calibrate one quickly when none is given). Default: balanced by bytes (serve --parallel N on several ranks: auto, for N requests at once).")]
 PROFILE_ENV = "PIPEINFER_PROFILE"
 ProfileOption = Annotated[Path | None, typer.Option(
