@@ -162,6 +162,44 @@ def test_a_whole_cached_copy_serves_any_stage(cache, tmp_path):
     assert pick_copy(None, head, "cd" * 32, (3, 7), "rank 1 (host h)") == (None, None)  # another model's
 
 
+def test_a_cached_slice_that_includes_a_stages_layers_serves_it(cache, tmp_path):
+    """Slices of other boundaries (a calibration's probe, an earlier job's split): the smallest
+    one whose layers include the stage's is read, none that lacks one of them."""
+    from pipeinfer_cli.models.model_identity import identify
+    from pipeinfer_cli.models.weight_copies import pick_copy
+
+    head_file = tmp_path / "head.gguf"
+    head_file.write_bytes(b"w" * 3000)
+    head = identify(head_file)
+    _store(b"a" * 900, layers=(0, 6))
+    wide = _store(b"b" * 2000, layers=(0, 16))
+    narrow = _store(b"c" * 1000, layers=(5, 15))
+    assert pick_copy(None, head, "ab" * 32, (7, 14), "rank 1 (host h)")[0] == narrow
+    assert pick_copy(None, head, "ab" * 32, (0, 14), "rank 1 (host h)")[0] == wide
+    assert pick_copy(None, head, "ab" * 32, (14, 20), "rank 1 (host h)") == (None, None)
+
+
+def test_a_stage_computes_the_same_from_a_wider_slice(smollm2_path, tmp_path):
+    from pipeinfer_cli import _native
+    from pipeinfer_cli.native import LayerEngine
+
+    n = _native.gguf_metadata(str(smollm2_path))["kv"]["llama.block_count"]
+    wide = _write(stage_slice(smollm2_path, "0" * 64, 0, n - 4), tmp_path / "wide.gguf")
+    tail = _write(stage_slice(smollm2_path, "0" * 64, 5, n), tmp_path / "tail.gguf")
+    h = np.random.default_rng(0).standard_normal((5, 576)).astype(np.float32)
+    pos, seq = np.arange(5, dtype=np.int32), [[0]] * 5
+
+    def middle(path: Path):
+        return LayerEngine(str(path), 7, 14, n_ctx=64, n_threads=1).eval(embd=h, pos=pos, seq_ids=seq)
+
+    def last(path: Path):
+        return LayerEngine(str(path), n - 3, n, n_ctx=64, n_threads=1).eval(embd=h, pos=pos, seq_ids=seq,
+                                                                             output=[True] * 5)
+
+    assert np.array_equal(middle(smollm2_path), middle(wide))
+    assert np.array_equal(last(smollm2_path), last(tail))
+
+
 def test_a_node_cache_that_cannot_take_slices_is_one_clear_error(cache):
     """The cache root writable but its slices/ not (here: a file in its place): one error naming
     the node cache and the fix, not an internal error; a bad slice that cannot be removed is said."""

@@ -2,9 +2,10 @@
 
 At start-up every rank says which model files it has (`ModelFiles`); the head hashes a model
 only when some rank's copy is not its very file (`digests_needed`). A rank then uses, in this
-order: the head's very file, its own copy of the same size and sha256, a slice in its node cache
-whose bytes are checked (`pick_copy`); without one it asks the head for a `Need`, and the bytes
-it receives are said in its report as a `WeightsSource`.
+order: the head's very file, its own copy of the same size and sha256, a file in its node cache
+that holds its layers, whatever that file's boundaries, its bytes checked (`pick_copy`); without
+one it asks the head for a `Need` (naming the tensors of it that cached files hold, which the head
+does not send), and the bytes it receives are said in its report as a `WeightsSource`.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def pick_copy(mine: FileIdentity | None, head: FileIdentity, digest: str | None,
               whoami: str) -> tuple[Path | None, WeightsSource | None]:
     """(path, WeightsSource) of the weights this rank can load without a stream, or (None, None).
     A damaged slice in the node cache is said in one warning line (whoami names the rank)."""
-    from . import slice_cache
+    from .slice_reuse import covering_file
 
     if mine is not None and mine.same_file(head):
         return Path(mine.path), WeightsSource("local", path=mine.path)
@@ -92,14 +93,13 @@ def pick_copy(mine: FileIdentity | None, head: FileIdentity, digest: str | None,
     # per path, size and mtime): a registry copy damaged after its pull would give wrong tokens.
     if mine is not None and mine.size == head.size and file_sha256(mine, trust_registry=False) == digest:
         return Path(mine.path), WeightsSource("local", path=mine.path)
-    # The part itself, else a whole copy of the model (which a calibration may have been sent): it
-    # serves any layer range.
-    for part in (layers, None) if layers is not None else (None,):
-        path, why = slice_cache.lookup(digest, part)
-        if why is not None:
-            print(f"pipeinfer: warning: {whoami}: {why}", file=sys.stderr, flush=True)
-        if path is not None:
-            return path, WeightsSource("cache", path=str(path))
+    # The part itself, else a whole copy of the model (which a calibration may have been sent), else
+    # any cached slice whose layers include the part (models/slice_reuse.py).
+    path, warnings = covering_file(digest, layers)
+    for why in warnings:
+        print(f"pipeinfer: warning: {whoami}: {why}", file=sys.stderr, flush=True)
+    if path is not None:
+        return path, WeightsSource("cache", path=str(path))
     return None, None
 
 

@@ -43,22 +43,12 @@ def probe_parts(layer_bytes: list[int]) -> list[tuple[int, int]]:
 
 
 def covering_slice(model_sha256: str | None, part: tuple[int, int]) -> Path | None:
-    """A cached slice of this model that holds the layers [begin, end) of `part` (the probe's own
-    slice first), its bytes checked; None when the node cache has none."""
-    from ..models import slice_cache
+    """A cached file of this model that holds the layers [begin, end) of `part` (the probe's own
+    slice first, then a whole copy, then any slice that includes them), its bytes checked; None
+    when the node cache has none."""
+    from ..models.slice_reuse import covering_file
 
-    if model_sha256 is None:
-        return None
-    path, _ = slice_cache.lookup(model_sha256, part)
-    if path is not None:
-        return path
-    for entry in sorted(slice_cache.list_cached(), key=lambda e: e.size):
-        if (entry.model_sha256 == model_sha256 and entry.layers is not None
-                and entry.layers[0] <= part[0] and part[1] <= entry.layers[1]):
-            path, _ = slice_cache.lookup(model_sha256, entry.layers)
-            if path is not None:
-                return path
-    return None
+    return covering_file(model_sha256, part)[0]
 
 
 def share_probe_weights(link: Link, startup: Startup, cfg: JobConfig, spec: ProbeSpec,
