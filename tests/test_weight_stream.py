@@ -410,6 +410,30 @@ def test_streamed_layers_give_the_tokens_of_one_rank(smollm2_path, tmp_path, mod
 
 
 @pytest.mark.mpi
+def test_a_new_split_is_sent_only_the_layers_the_node_cache_lacks(smollm2_path, tmp_path):
+    """Rank 1 holds layers 15-29 from a job split 1,1; a job split 1,2 needs 10-29: the head sends
+    layers 10-14 (and the file's header), the rank copies the rest from its cached slice, and the
+    new file replaces the slice it includes. The tokens are the 1-rank job's."""
+    head, node = cache_with(tmp_path, "head", smollm2_path), tmp_path / "node"
+    args = ["generate", MODEL, "-p", PROMPT, "-n", 12, "--threads", 1, "--json", "--no-pull"]
+    solo = _solo(head, args)
+    rc, out, err = _mpmd([head, node], [*args, "--layer-split", "1,1"])
+    assert rc == 0, err
+    first = json.loads(out)["ranks"][1]["weights"]
+    rc, out, err = _mpmd([head, node], [*args, "--layer-split", "1,2"])
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["tokens"] == solo["tokens"]
+    second = got["ranks"][1]["weights"]
+    assert second["source"] == "stream"
+    assert 0 < second["bytes_received"] < first["bytes_received"] / 2, (first, second)
+    assert "sending it layers 10-29" in err and "of it from its node cache" in err, err
+    assert "(the new layers 10-29 holds their layers)" in err
+    slices = sorted(p.name for p in (node / "slices").glob("*.gguf"))
+    assert len(slices) == 1 and slices[0].endswith(".layers-10-29.gguf"), slices
+
+
+@pytest.mark.mpi
 def test_a_draft_rank_is_sent_the_whole_draft_and_a_corrupt_slice_is_sent_again(smollm2_path, tmp_path):
     head = cache_with(tmp_path, "head", smollm2_path)
     args = ["generate", MODEL, "-p", PROMPT, "-n", 24, "--threads", 1, "--json", "--no-pull",
@@ -527,3 +551,24 @@ def test_prune_spares_a_file_a_running_job_writes_and_rm_takes_a_path(cache, tmp
     r = subprocess.run([PIPEINFER, "models", "rm", str(model)], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "removed 1 rank slice" in r.stderr, r.stderr
     assert list_cached() == [] and model.exists()
+
+
+def test_the_wire_skips_exactly_the_pieces_the_rank_holds():
+    from pipeinfer_cli.models.weight_slices import outside
+
+    data = bytes(range(256)) * 40
+    skipped = [(100, 50, "a"), (150, 10, "b"), (4000, 3000, "c"), (10000, 240, "d")]
+    for step in (1, 7, 64, 999, len(data)):
+        sent, at = bytearray(), 0
+        for k in range(0, len(data), step):
+            chunk = data[k:k + step]
+            for part in outside(chunk, at, skipped):
+                sent += part
+            at += len(chunk)
+        kept = bytearray()
+        pos = 0
+        for start, size, _ in skipped:
+            kept += data[pos:start]
+            pos = start + size
+        kept += data[pos:]
+        assert bytes(sent) == bytes(kept)

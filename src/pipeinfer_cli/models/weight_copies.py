@@ -44,6 +44,7 @@ class Need:
     what: str  # "target" or "draft"
     layers: tuple[int, int] | None  # the target's [begin, end); None: the whole file (a draft's, or
     # the target's when a calibration's probe slices would together cost more)
+    cached: tuple[str, ...] = ()  # tensors of it that the rank's node cache holds (not sent)
 
     def describe(self) -> str:
         if self.layers is None:
@@ -119,3 +120,11 @@ def remove_cut_streams(whoami: str) -> None:
         size = human_bytes(sum(n for _, n in removed))
         print(f"pipeinfer: {whoami}: removed {what} ({size}) that a cut stream of weights left in the node cache "
               f"{slice_cache.slices_dir()}", file=sys.stderr, flush=True)
+
+
+def target_need(digest: str | None, layers: tuple[int, int] | None) -> Need:
+    """A rank's Need of the target's layers (None: the whole file), with the tensors of them that
+    files in its node cache hold already, which the head then does not send (models/slice_reuse.py)."""
+    from .slice_reuse import cached_tensors
+
+    return Need("target", layers, tuple(sorted(cached_tensors(digest, layers))))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,12 @@ class SliceSource:
     meta: bytes
     pieces: list[tuple[int, int, int]]
     total: int
+    names: tuple[str, ...] = ()  # the tensor of each piece (a stage slice's; none for a whole file)
+
+    def skipped(self, held: Iterable[str]) -> list[tuple[int, int, str]]:
+        """(dst_offset, size, name) of each piece whose tensor the receiver holds already, in order."""
+        held = set(held)
+        return [(dst, size, name) for (_, size, dst), name in zip(self.pieces, self.names) if name in held]
 
 
 def stage_slice(path: Path, sha256: str, begin: int, end: int) -> SliceSource:
@@ -60,7 +66,7 @@ def stage_slice(path: Path, sha256: str, begin: int, end: int) -> SliceSource:
     n_layer = int(md["kv"][f"{arch}.block_count"])
     names = stage_tensor_names([t[0] for t in md["tensors"]], n_layer, begin, end)
     meta, pieces, total = _native.gguf_slice_layout(str(path), names, sha256, begin, end)
-    return SliceSource(Path(path), meta, [tuple(p) for p in pieces], total)
+    return SliceSource(Path(path), meta, [tuple(p) for p in pieces], total, tuple(names))
 
 
 def whole_file(path: Path) -> SliceSource:
@@ -103,3 +109,21 @@ def iter_chunks(src: SliceSource, chunk_bytes: int) -> Iterator[bytes]:
             yield bytes(pending)
     finally:
         os.close(fd)
+
+
+def outside(chunk: bytes, at: int, skipped: list[tuple[int, int, str]]) -> Iterator[memoryview]:
+    """The parts of a chunk of the slice (starting at byte `at`) that lie outside the skipped
+    pieces, in order: what crosses the wire when the receiver holds those pieces. A part never
+    runs into a skipped piece, so the receiver, writing in order, meets each skipped piece exactly
+    where a part ended."""
+    view, end, pos = memoryview(chunk), at + len(chunk), at
+    for start, size, _ in skipped:
+        if start + size <= pos:
+            continue
+        if start >= end:
+            break
+        if start > pos:
+            yield view[pos - at:start - at]
+        pos = min(end, start + size)
+    if pos < end:
+        yield view[pos - at:]

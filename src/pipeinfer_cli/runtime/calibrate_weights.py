@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..models.weight_copies import ModelFiles, Need, digests_needed, pick_copy, remove_cut_streams
+from ..models.weight_copies import ModelFiles, Need, digests_needed, pick_copy, remove_cut_streams, target_need
 from ..transport.mpi_link import Link
 from .calibrate_probes import ProbeSpec, probe_layers
 from .job_config import JobConfig
@@ -102,7 +102,7 @@ def _pick_probe(link: Link, startup: Startup, files: list[ModelFiles], digests: 
     whole, _ = pick_copy(mine.target, head.target, digests.get("target"), None, whoami(link, startup))
     for part in probe_parts(info.layer_bytes):
         paths[part] = whole or covering_slice(digests.get("target"), part)
-    needs = probe_needs(info, [p for p in paths if paths[p] is None])
+    needs = probe_needs(info, [p for p in paths if paths[p] is None], digests.get("target"))
     if draft and head.draft is not None:
         paths["draft"], _ = pick_copy(mine.draft, head.draft, digests.get("draft"), None, whoami(link, startup))
         if paths["draft"] is None:
@@ -110,12 +110,12 @@ def _pick_probe(link: Link, startup: Startup, files: list[ModelFiles], digests: 
     return paths, needs
 
 
-def probe_needs(info: ModelInfo, missing: list[tuple[int, int]]) -> list[Need]:
-    """What a rank asks for the probe's parts it lacks: their slices, or the whole model file when
-    the slices would together be as large."""
+def probe_needs(info: ModelInfo, missing: list[tuple[int, int]], digest: str | None = None) -> list[Need]:
+    """What a rank asks for the probe's parts it lacks: their slices (less the tensors its node
+    cache holds), or the whole model file when the slices would together be as large."""
     if missing and sum(slice_bytes(info, p) for p in missing) >= info.file_size:
         return [Need("target", None)]
-    return [Need("target", p) for p in missing]
+    return [target_need(digest, p) for p in missing]
 
 
 def slice_bytes(info: ModelInfo, part: tuple[int, int]) -> int:

@@ -8,9 +8,11 @@ rank, `share_plan_and_weights`):
    the models' sha256 where a rank's copy is not the head's very file (`digests_needed`).
 3. Each rank picks its weights (`models/weight_copies.py` `pick_copy`): the head's file when it is
    the same file; its own copy when it has the same size and sha256; else its node cache.
-4. "weights": ranks that found none of these say what they need (`Need`), and the head streams it
-   to them one after the other (`transport/weight_transfer.py`: a stage its rank slice, a draft
-   rank the whole draft file); the rank keeps the bytes in its node cache for the next job.
+4. "weights": ranks that found none of these say what they need (`Need`), with the tensors of it
+   that files of other boundaries in their node cache hold, and the head streams them the rest,
+   one rank after the other (`transport/weight_transfer.py`: a stage its rank slice, a draft rank
+   the whole draft file); the rank writes the file from both and keeps it in its node cache for
+   the next job.
 
 Every rank's report in the JSON says where its weights came from, how many bytes it received and
 how long it took (`LoadedWeights`).
@@ -23,7 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..models.weight_copies import ModelFiles, Need, WeightsSource, digests_needed, pick_copy, remove_cut_streams
+from ..models.weight_copies import (ModelFiles, Need, WeightsSource, digests_needed, pick_copy, remove_cut_streams,
+                                    target_need)
 from ..transport.mpi_link import Link
 from ..transport.weight_transfer import receive_weights, send_weights
 from .job_config import JobConfig
@@ -79,7 +82,7 @@ def share_plan_and_weights(link: Link, startup: Startup, cfg: JobConfig, topo: T
         layers = tuple(plan.layers) if want == "target" else None
         paths[want], source = pick_copy(mine.of(want), head.of(want), digests.get(want), layers, whoami(link, startup))
         if paths[want] is None:
-            needs.append(Need(want, layers))
+            needs.append(target_need(digests.get(want), layers) if want == "target" else Need(want, layers))
     for need, path, streamed in receive_needs(link, startup, head_cfg, needs, digests):
         paths[need.what], source = path, streamed
     return topo, replace(head_cfg, model_path=paths["target"], draft_path=paths["draft"]), source

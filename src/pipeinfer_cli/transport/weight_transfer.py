@@ -1,6 +1,8 @@
 """A model's bytes from the head to one rank: in chunks, with at most STREAM_WINDOW of them in
 flight, so that no rank ever holds more than its share plus a few chunks; the rank writes them to
 its node cache (`models/slice_cache.py`), checked against the sha256 the head sends at the end.
+Tensors the rank's node cache holds already, in files of other boundaries, are not sent: the
+rank copies them into place from those files, and the sha256 checks them with the rest.
 
 The head says one line per streamed rank and its progress every PROGRESS_EVERY_S seconds. A side
 that stops hearing from the other for PIPEINFER_START_TIMEOUT seconds raises `WeightsError`; a
@@ -40,31 +42,39 @@ class WeightsError(PipeinferError):
 
 def send_weights(link: Link, src: SliceSource, label: str, need: Need, rank: int, host: str,
                  say: Callable[[str], None]) -> None:
-    """Head: send one rank the bytes of src, the part of the model `label` that `need` asks for.
+    """Head: send one rank the bytes of src, the part of the model `label` that `need` asks for,
+    less the tensors the rank's node cache holds (need.cached: it copies those itself, at their
+    place). The sha256 sent at the end is the whole file's, so the rank checks both alike.
     Stops early (quietly) when the rank checked in with an error instead (it reports it at the next
     check-in); raises WeightsError when it stops taking the chunks for PIPEINFER_START_TIMEOUT seconds."""
     import hashlib
 
-    from ..models.weight_slices import iter_chunks
+    from ..models.weight_slices import iter_chunks, outside
 
-    say(f"rank {rank} (host {host}) has no copy of {label}: sending it {need.describe()} ({human_bytes(src.total)})")
-    link.send_pickled(("begin", src.total), rank, Tag.WEIGHTS_CTL)
-    digest, sent, t0 = hashlib.sha256(), 0, time.monotonic()
+    skipped = src.skipped(need.cached)
+    wire = src.total - sum(size for _, size, _ in skipped)
+    held = f"; {human_bytes(src.total - wire)} of it from its node cache" if skipped else ""
+    say(f"rank {rank} (host {host}) has no copy of {label}: sending it {need.describe()} "
+        f"({human_bytes(wire)}{held})")
+    link.send_pickled(("begin", src.total, skipped), rank, Tag.WEIGHTS_CTL)
+    digest, sent, at, t0 = hashlib.sha256(), 0, 0, time.monotonic()
     last_note = t0
     stall_s = start_timeout_s()
     rate = stream_rate_limit()
     for chunk in iter_chunks(src, STREAM_CHUNK_BYTES):
-        if rate is not None:
-            time.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
-        if not _wait_for_window(link, rank, stall_s, host):
-            return
         digest.update(chunk)
-        link.send_array(np.frombuffer(chunk, np.uint8), rank, Tag.WEIGHTS)
-        sent += len(chunk)
+        for part in outside(chunk, at, skipped):
+            if rate is not None:
+                time.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
+            if not _wait_for_window(link, rank, stall_s, host):
+                return
+            link.send_array(np.frombuffer(part, np.uint8), rank, Tag.WEIGHTS)
+            sent += len(part)
+        at += len(chunk)
         now = time.monotonic()
-        if now - last_note >= PROGRESS_EVERY_S:
+        if now - last_note >= PROGRESS_EVERY_S and wire:
             last_note = now
-            say(f"rank {rank}: {human_bytes(sent)} of {human_bytes(src.total)} ({100 * sent / src.total:.0f} %), "
+            say(f"rank {rank}: {human_bytes(sent)} of {human_bytes(wire)} ({100 * sent / wire:.0f} %), "
                 f"{human_bytes(sent / (now - t0))}/s")
     link.send_pickled(("end", digest.hexdigest()), rank, Tag.WEIGHTS_CTL)
     if not _wait_for_window(link, rank, stall_s, host, limit=0):
@@ -98,21 +108,74 @@ _TIMEOUT_HINT = "PIPEINFER_START_TIMEOUT sets how long to wait"
 
 def receive_weights(link: Link, label: str, need: Need, model_sha256: str) -> tuple[Path, WeightsSource]:
     """A rank: take the stream of one Need (of the model called label, whose sha256 names it in the
-    node cache) into the node cache; its path and source."""
-    from ..models.slice_cache import SliceWriter
+    node cache) into the node cache, copying the tensors the head skipped from the cached files
+    that hold them; its path and source."""
+    from ..models.cache_budget import MAX_ENV, cache_cap, describe_cap, drop_included, make_room
+    from ..models.slice_cache import SliceWriter, read_entry
+    from ..models.slice_reuse import cached_tensors
 
     stall_s = start_timeout_s()
-    _, total = _recv_ctl(link, stall_s, "the start of the stream")
-    t0 = time.monotonic()
+    begin = _recv_ctl(link, stall_s, "the start of the stream")
+    total, skipped = begin[1], list(begin[2]) if len(begin) > 2 else []
+    copies = cached_tensors(model_sha256, need.layers) if skipped else {}
+    missing = [name for _, _, name in skipped if name not in copies]
+    if missing:  # removed since the rank asked (another job of this host pruned its node cache)
+        raise WeightsError(f"the node cache no longer holds {missing[0]} of {label}, which the head did not send; "
+                           "run the job again")
+    t0, received = time.monotonic(), 0
+    keep = {copies[name].path for _, _, name in skipped}
+    _say_removed(make_room(total, keep), f"(those no job used for longest) to stay under {describe_cap(cache_cap())} "
+                 f"({MAX_ENV})")
     with SliceWriter(label, model_sha256, need.layers, total) as out, _sigterm_raises():
         while out.written < total:
+            if skipped and out.written == skipped[0][0]:
+                _copy_tensor(out, copies[skipped.pop(0)[2]])
+                continue
             got = _wait_chunk(link, stall_s, out.written, total)
-            out.write(memoryview(link.recv_array(0, Tag.WEIGHTS, np.uint8, got)))
+            block = link.recv_array(0, Tag.WEIGHTS, np.uint8, got)
+            out.write(memoryview(block))
+            received += len(block)
         _, digest = _recv_ctl(link, stall_s, "the end of the stream")
         path = out.commit(digest)
+    written = read_entry(path)
+    if written is not None:
+        _say_removed(drop_included(written), f"(the new {written.describe()} holds their layers)")
     from ..process_memory import peak_rss_mib
 
-    return path, WeightsSource("stream", total, time.monotonic() - t0, str(path), round(peak_rss_mib(), 1))
+    return path, WeightsSource("stream", received, time.monotonic() - t0, str(path), round(peak_rss_mib(), 1))
+
+
+def _say_removed(removed: list, why: str) -> None:
+    """One line on stderr for files removed from this node's cache (models/cache_budget.py)."""
+    if not removed:
+        return
+    import socket
+    import sys
+
+    from ..models.slice_cache import slices_dir
+
+    what = ", ".join(f"{e.model} {e.describe()}" for e in removed[:3]) + (" …" if len(removed) > 3 else "")
+    print(f"pipeinfer: host {socket.gethostname()}: removed {len(removed)} file(s) ({what}; "
+          f"{human_bytes(sum(e.size for e in removed))}) from the node cache {slices_dir()} {why}",
+          file=sys.stderr, flush=True)
+
+
+def _copy_tensor(out, copy) -> None:
+    """Append a cached tensor's bytes (models/slice_reuse.TensorCopy) to the file being written."""
+    import os
+
+    fd = os.open(copy.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < copy.size:
+            block = os.pread(fd, min(STREAM_CHUNK_BYTES, copy.size - done), copy.offset + done)
+            if not block:
+                raise WeightsError(f"the cached {copy.path.name} ends inside a tensor; run `pipeinfer models prune` "
+                                   "and the job again")
+            out.write(block)
+            done += len(block)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
