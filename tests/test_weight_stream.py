@@ -572,3 +572,76 @@ def test_the_wire_skips_exactly_the_pieces_the_rank_holds():
             pos = start + size
         kept += data[pos:]
         assert bytes(sent) == bytes(kept)
+
+
+def test_the_node_cache_cap_removes_the_least_recently_used_files_first(cache, monkeypatch):
+    from pipeinfer_cli.models import cache_budget, slice_cache
+
+    old, mid, new = _store(b"o" * 1000, layers=(0, 4)), _store(b"m" * 1000, layers=(4, 8)), _store(b"n" * 1000, layers=(8, 12))
+    for k, p in enumerate((old, mid, new)):  # last used long ago, in this order
+        os.utime(p.with_suffix(".json"), (1000 + k, 1000 + k))
+    monkeypatch.setenv("PIPEINFER_NODE_CACHE_MAX", "3000")
+    assert cache_budget.cache_cap() == 3000
+    removed = cache_budget.make_room(1000, keep=[old])  # old is a source of the file to write: kept
+    assert [e.path for e in removed] == [mid]
+    assert sorted(e.path for e in slice_cache.list_cached()) == sorted([old, new])
+    os.utime(new.with_suffix(".json"))  # just used: a running job's
+    assert cache_budget.make_room(5000, keep=[old]) == []
+    monkeypatch.setenv("PIPEINFER_NODE_CACHE_MAX", "none")
+    assert cache_budget.cache_cap() is None and cache_budget.make_room(10**12) == []
+
+
+@pytest.mark.parametrize("text, want", [("16G", 16 << 30), ("500M", 500 << 20), ("1.5GiB", 3 << 29), ("123", 123),
+                                        ("none", None)])
+def test_node_cache_sizes(text, want):
+    from pipeinfer_cli.models.cache_budget import parse_size
+
+    assert parse_size(text) == want
+
+
+def test_a_bad_node_cache_cap_is_one_clear_error(monkeypatch):
+    from pipeinfer_cli.errors import UsageError
+    from pipeinfer_cli.models.cache_budget import cache_cap
+
+    monkeypatch.setenv("PIPEINFER_NODE_CACHE_MAX", "lots")
+    with pytest.raises(UsageError, match=r"PIPEINFER_NODE_CACHE_MAX='lots' is not a size; give bytes with an optional "
+                                         r"K, M, G or T \(e.g. 16G or 500M\), or `none` for no cap"):
+        cache_cap()
+
+
+def test_the_default_cap_is_16_gib_or_a_quarter_of_the_disk(cache, monkeypatch):
+    import shutil
+
+    from pipeinfer_cli.models import cache_budget
+
+    monkeypatch.delenv("PIPEINFER_NODE_CACHE_MAX", raising=False)
+    disk = shutil.disk_usage(cache.parent).total
+    assert cache_budget.cache_cap() == min(16 << 30, disk // 4)
+
+
+def test_a_whole_copy_or_a_wider_slice_replaces_the_slices_it_includes(cache):
+    from pipeinfer_cli.models import cache_budget, slice_cache
+
+    inner, outer, other = _store(b"i" * 100, layers=(4, 8)), _store(b"o" * 300, layers=(2, 9)), _store(b"x" * 100, layers=(8, 12))
+    removed = cache_budget.drop_included(slice_cache.read_entry(outer))
+    assert [e.path for e in removed] == [inner] and other.exists() and outer.exists()
+    whole = _store(b"w" * 1000, layers=None)
+    assert sorted(e.path for e in cache_budget.drop_included(slice_cache.read_entry(whole))) == sorted([outer, other])
+
+
+def test_prune_max_size_removes_the_least_recently_used_slices(cache):
+    old, new = _store(b"o" * 3000, layers=(0, 4)), _store(b"n" * 3000, layers=(4, 8))
+    os.utime(old.with_suffix(".json"), (1000, 1000))
+    env = {**os.environ, "PIPEINFER_CACHE": str(cache)}
+    r = subprocess.run([PIPEINFER, "models", "prune", "--max-size", "4000"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "1 slice and 0 leftover files: freed 3.0 kB" in r.stderr, r.stderr
+    assert not old.exists() and new.exists()
+    bad = subprocess.run([PIPEINFER, "models", "prune", "--max-size", "big"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and bad.stderr.startswith("Error: --max-size='big' is not a size"), bad.stderr
+
+
+def test_the_cap_is_said_in_the_units_it_is_written_in():
+    from pipeinfer_cli.models.cache_budget import describe_cap
+
+    assert [describe_cap(c) for c in (16 << 30, 1536 << 20, 500 << 20, 999, None)] == [
+        "a cap of 16 GiB", "a cap of 1.5 GiB", "a cap of 500 MiB", "a cap of 999 bytes", "no cap"]

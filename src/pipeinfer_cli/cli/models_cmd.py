@@ -13,6 +13,7 @@ from rich.table import Table
 from ..models.cache import cache_dir, cached_model_path, ensure_writable_cache
 from ..models.fetch import pull_model
 from ..models.registry import load_registry
+from ..models.cache_budget import parse_size
 from ..models.slice_cache import leftovers, list_cached, part_name, partial_files, remove
 from .console import byte_progress, err, out
 from .options import JsonFlag
@@ -147,16 +148,21 @@ def _print_slices(slices: list[dict]) -> None:
 def prune(
     unused_days: Annotated[float | None, typer.Option("--unused-days", help="Only slices no job used, and partial files nothing wrote, for this many days.", min=0)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")] = False,
+    max_size: Annotated[str | None, typer.Option("--max-size", help="Only the slices no job used for longest, until the node cache holds at most SIZE (16G, 500M), as jobs keep it under PIPEINFER_NODE_CACHE_MAX.")] = None,
 ) -> None:
     """Remove the rank slices of the node cache (the weights a job's head sent this node), and the partial
     files of jobs that were cut (never those a running job is writing). With --unused-days N, only
-    slices no job used and partial files nothing wrote for N days. Complete model files stay
+    slices no job used and partial files nothing wrote for N days; with --max-size SIZE, only the
+    least recently used slices until the rest fit in SIZE. Complete model files stay
     (`pipeinfer models rm NAME` removes one).
 
-    A slice is only a copy: the next job that needs it is sent it again by its head.
+    A slice is only a copy: the next job that needs it is sent it again by its head. Jobs keep the node
+    cache under a cap by themselves (PIPEINFER_NODE_CACHE_MAX, default 16G or a quarter of its disk).
     """
     cutoff = None if unused_days is None else time.time() - unused_days * 86400
     victims = [s for s in list_cached() if cutoff is None or s.last_used < cutoff]
+    if max_size is not None:
+        victims = _over(victims, parse_size(max_size, "--max-size"))
     stray = leftovers(unused_since=cutoff)
     freed = sum(s.size for s in victims) + sum(p.stat().st_size for p in stray if p.exists())
     for s in victims:
@@ -170,6 +176,18 @@ def prune(
     verb = "would free" if dry_run else "freed"
     err.print(f"{plural(len(victims), 'slice')} and {plural(len(stray), 'leftover file')}: {verb} {human_bytes(freed)}",
               markup=False, highlight=False)
+
+
+def _over(candidates: list, cap: int | None) -> list:
+    """The least recently used of the candidates, as many as the node cache must lose to hold at most cap."""
+    total = sum(s.size for s in list_cached())
+    out = []
+    for s in sorted(candidates, key=lambda s: s.last_used):
+        if cap is None or total <= cap:
+            break
+        out.append(s)
+        total -= s.size
+    return out
 
 
 @app.command("rm")

@@ -58,9 +58,13 @@ def cache_cap(environ=os.environ) -> int | None:
 
 
 def describe_cap(cap: int | None) -> str:
-    from ..wording import human_bytes
-
-    return "no cap" if cap is None else f"a cap of {human_bytes(cap)}"
+    """'a cap of 16 GiB' (in the units the variable is written in), or 'no cap'."""
+    if cap is None:
+        return "no cap"
+    for unit in ("T", "G", "M", "K"):
+        if cap >= _UNITS[unit]:
+            return f"a cap of {cap / _UNITS[unit]:.3g} {unit}iB"
+    return f"a cap of {cap} bytes"
 
 
 def make_room(size: int, keep: Iterable[Path] = (), cap: int | None = -1) -> list[slice_cache.CachedSlice]:
