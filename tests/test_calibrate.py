@@ -17,7 +17,8 @@ import pytest
 from jobprocs import finish_job, start_job
 from pipeinfer_cli.planner.identity import model_sha256
 from pipeinfer_cli.planner.profile import Profile
-from pipeinfer_cli.runtime.calibrate_probes import PROBE_BYTES, ProbeSpec, fit_link, host_facts, probe_layers
+from pipeinfer_cli.runtime.calibrate_probes import (PROBE_BYTES, QUICK_PROBE_BYTES, ProbeSpec, fit_link, host_facts,
+                                                    probe_layers)
 
 JOB_TIMEOUT_S = 240  # --quick on SmolLM2 takes 10-30 s; much longer beside other jobs
 
@@ -33,7 +34,7 @@ def assert_sane(profile: Profile, n_ranks: int) -> None:
         assert r.threads >= 1 and r.cores >= 1 and r.host and r.cpu
         assert r.mem_total_bytes >= r.mem_available_bytes > 0
         assert r.output_row_s >= 0 and r.run_overhead_s >= 0
-        assert r.probe_layers[0] == 0 and 1 <= r.probe_layers[1] <= profile.model.n_layer - 1
+        assert 0 <= r.probe_layers[0] < r.probe_layers[1] == profile.model.n_layer - 1
         for line in r.decode.s:
             assert all(v > 0 for v in line)
             assert line == sorted(line), r.decode  # a larger batch never costs less (non_decreasing)
@@ -142,12 +143,21 @@ def test_an_out_path_under_a_file_and_a_broken_profile_are_named_with_the_fix(tm
         Profile.load(bad)
 
 
-def test_probe_layers_hold_about_the_budget_and_never_the_last_layer():
+def test_probe_layers_hold_about_the_budget_just_before_the_last_layer():
     mb = 2**20
-    assert probe_layers([40 * mb] * 28) == (0, PROBE_BYTES // (40 * mb))  # 12 layers of 40 MB
+    assert probe_layers([40 * mb] * 28) == (27 - PROBE_BYTES // (40 * mb), 27)  # 12 layers of 40 MB
+    assert probe_layers([40 * mb] * 28, QUICK_PROBE_BYTES) == (24, 27)  # --quick: 3 of them
     assert probe_layers([2 * mb] * 30) == (0, 29)  # a small model: all but the last
-    assert probe_layers([900 * mb] * 4) == (0, 1)  # one layer over the budget: still one
+    assert probe_layers([900 * mb] * 4) == (2, 3)  # one layer over the budget: still one
     assert probe_layers([1, 1]) == (0, 1)
+
+
+def test_ranks_on_different_hosts_measure_together_and_ranks_of_one_host_in_turn():
+    from pipeinfer_cli.runtime.calibrate import measure_rounds
+
+    assert measure_rounds(["a", "b", "c", "d"]) == [[0, 1, 2, 3]]
+    assert measure_rounds(["a", "b", "c", "d", "a"]) == [[0, 1, 2, 3], [4]]
+    assert measure_rounds(["vm", "vm", "vm"]) == [[0], [1], [2]]
 
 
 def test_grid_points_follow_n_draft_and_ctx():

@@ -2,11 +2,11 @@
 
 - a cached slice that holds the probe's layers is used (the probe's own slice, or a job's stage);
 - a real 2-rank job whose rank 1 has an empty cache (MPMD, one PIPEINFER_CACHE per rank): the head
-  sends rank 1 the probe's slices and says so; the profile has both ranks' rows, the model's
+  sends rank 1 the probe's slice, or the whole file, and says so; the profile has both ranks' rows, the model's
   identity and the machine's as a normal calibration records them, and `plan --profile` and
   `--layer-split auto --profile` take it (and repeat the calibration's warnings); the next
   calibration reads rank 1's node cache;
-- a draft rank without the models is sent the probe's slices and the whole draft file, and times it.
+- a draft rank without the models is sent the probe's slice and the whole draft file, and times it.
 
 The emulated cluster's version (2 hosts, host 1 without the model) is in test_emulated_cluster.py.
 """
@@ -48,9 +48,10 @@ def _store(model_sha: str, layers: tuple[int, int], data: bytes) -> Path:
         return w.commit(hashlib.sha256(data).hexdigest())
 
 
-def test_the_probe_is_its_first_layers_and_the_last_one():
-    assert probe_parts([2 << 20] * 30) == [(0, 29), (29, 30)]
-    assert probe_parts([900 << 20] * 4) == [(0, 1), (3, 4)]
+def test_the_probe_is_one_range_ending_at_the_last_layer():
+    assert probe_parts([2 << 20] * 30) == [(0, 30)]
+    assert probe_parts([900 << 20] * 4) == [(2, 4)]
+    assert probe_parts([40 << 20] * 28, 128 << 20) == [(24, 28)]
 
 
 def test_a_cached_slice_that_holds_the_probe_layers_is_used(cache):
@@ -85,7 +86,7 @@ def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, tmp_path):
     args = ["calibrate", MODEL, "--quick", "--threads", 1, "--no-pull", "--out", out]
     rc, _, err = _mpmd([head, empty], args)
     assert rc == 0, err
-    # SmolLM2's probe (layers 0-28 and 29) would be two slices larger than the file: it is sent the file
+    # SmolLM2's probe (layers 0-28 and 29) is every layer: it is sent the file
     assert f"has no copy of {MODEL}: sending it the whole model file" in err and "sending it layers" not in err
     assert "calibrate: rank 1: layers 0-28" in err and "Traceback" not in err
     profile = Profile.load(out)
@@ -144,9 +145,8 @@ def test_a_probe_asks_for_its_slices_or_the_whole_file_whichever_is_smaller():
     mb = 2**20
     small = SimpleNamespace(layer_bytes=[2 * mb] * 30, token_embd_bytes=28 * mb, output_bytes=28 * mb,
                             other_bytes=0, file_size=(60 + 28) * mb)
-    assert probe_needs(small, [(0, 29), (29, 30)]) == [Need("target", None)]
+    assert probe_needs(small, [(0, 30)]) == [Need("target", None)]
     large = SimpleNamespace(layer_bytes=[40 * mb] * 28, token_embd_bytes=200 * mb, output_bytes=200 * mb,
                             other_bytes=0, file_size=(1120 + 200) * mb)
-    assert probe_needs(large, [(0, 12), (27, 28)]) == [Need("target", (0, 12)), Need("target", (27, 28))]
-    assert probe_needs(large, [(27, 28)]) == [Need("target", (27, 28))]  # the first part was cached
+    assert probe_needs(large, [(15, 28)]) == [Need("target", (15, 28))]
     assert probe_needs(large, []) == []

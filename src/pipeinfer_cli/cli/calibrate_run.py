@@ -50,7 +50,7 @@ def probe_spec(cfg: JobConfig, quick: bool, n_ranks: int = 1) -> ProbeSpec:
     """What every rank times, and how often (fewer repetitions with --quick). On several ranks each
     timed eval follows a sleep, as a stage's compute follows its wait (calibrate_probes.IDLE_GAP_S).
     Suffix drafting is timed as prompt lookup (`DraftSpec.planned`): both cost no model."""
-    from ..runtime.calibrate_probes import IDLE_GAP_S, KV_LENGTHS, QUICK_KV, ProbeSpec
+    from ..runtime.calibrate_probes import IDLE_GAP_S, KV_LENGTHS, PROBE_BYTES, QUICK_KV, QUICK_PROBE_BYTES, ProbeSpec
 
     return ProbeSpec(str(cfg.model_path or ""), cfg.n_ctx, cfg.decode.n_draft, reps=3 if quick else 7,
                      warmup=1 if quick else 2, overhead_tokens=16 if quick else 48, draft=cfg.draft.planned(),
@@ -59,7 +59,8 @@ def probe_spec(cfg: JobConfig, quick: bool, n_ranks: int = 1) -> ProbeSpec:
                      link_reps=50 if quick else 200, kv_points=QUICK_KV if quick else KV_LENGTHS,
                      extra_rows=not quick, prefill_reps=2 if quick else 3, max_reps=6 if quick else 21,
                      prefill_max_reps=4 if quick else 9,
-                     idle_gap_s=IDLE_GAP_S if n_ranks > 1 else 0.0)
+                     idle_gap_s=IDLE_GAP_S if n_ranks > 1 else 0.0,
+                     probe_bytes=QUICK_PROBE_BYTES if quick else PROBE_BYTES)
 
 
 def progress(rank: int | None, line: str) -> None:

@@ -1,8 +1,9 @@
 """`pipeinfer calibrate` on every rank of a job: each rank's timings in turn, then the links.
 
-The head leads. It measures itself (calibrate_probes.measure_rank), then orders each other rank to
-measure, one after another, while every rank not measuring sleeps in a coarse wait (a probe every
-10 ms at most): ranks that share a host do not disturb each other's timings. Then, for every link
+The head leads. It orders the ranks to measure (calibrate_probes.measure_rank) in rounds: ranks on
+different hosts at the same time, as a job runs them, and ranks that share a host one after another,
+while every rank not measuring sleeps in a coarse wait (a probe every 10 ms at most), so that they
+do not disturb each other's timings (`measure_rounds`). Then, for every link
 a job uses (each target stage to the next, the last stage back to the head, the head to and from a
 draft rank), the two ranks exchange messages of 1 to 256 rows of hidden states through the job's
 `Link`, with its real waits, and the sender fits latency and bandwidth. The head assembles the
@@ -70,7 +71,7 @@ def run_calibration(cfg: JobConfig, spec: ProbeSpec, command: str, say: Callable
     link.name_ranks(rank_names(topo, startup.hosts))
     if cfg.rank_timeout_s > 0 and link.size > 1:
         Liveness(link, cfg.rank_timeout_s).start()
-    job = _Job(link, topo, info, spec, cfg.sampling, say)
+    job = _Job(link, topo, info, spec, cfg.sampling, say, startup.hosts)
     if link.rank != 0:
         _serve(job, cfg.debug)
         return None
@@ -119,6 +120,20 @@ def calibration_split(layer_split: str | None, n_ranks: int) -> str | None:
     return ",".join(["1"] * (n_ranks - n_draft)) + ("/1" if n_draft else "")
 
 
+def measure_rounds(hosts: list[str]) -> list[list[int]]:
+    """The ranks that measure together, round by round: the k-th rank of every host in round k
+    (hosts[r]: rank r's host). Ranks on one host never measure at the same time."""
+    seen: dict[str, int] = {}
+    rounds: list[list[int]] = []
+    for rank, host in enumerate(hosts):
+        k = seen.get(host, 0)
+        seen[host] = k + 1
+        if k == len(rounds):
+            rounds.append([])
+        rounds[k].append(rank)
+    return rounds
+
+
 def link_pairs(topo: Topology) -> list[tuple[int, int]]:
     """The (sender, receiver) pairs a job of this topology sends hidden states, results or drafts over."""
     n = topo.n_stages
@@ -132,8 +147,9 @@ class _Job:
     """One rank's side of the calibration (the module doc)."""
 
     def __init__(self, link: Link, topo: Topology, info, spec: ProbeSpec, sampling: SamplingParams,
-                 say: Callable[[int, str], None]):
+                 say: Callable[[int, str], None], hosts: list[str]):
         self.link, self.topo, self.info, self.spec, self.sampling, self.say = link, topo, info, spec, sampling, say
+        self.hosts = hosts
 
     def runs_draft(self, rank: int) -> bool:
         """Whether the draft is measured on this rank: where the job would run it."""
@@ -149,15 +165,18 @@ class _Job:
     # -- the head ------------------------------------------------------------------------------
     def lead(self) -> tuple[list[RankCosts], DraftCosts | None, list[LinkCosts]]:
         link = self.link
-        ranks, draft = [], None
-        for r in range(link.size):
-            if r == 0:
-                costs, d = self.measure()
-            else:
-                link.send_pickled(("measure",), r, Tag.CALIBRATE)
-                costs, d = self.await_from(r)
-            ranks.append(costs)
-            draft = d or draft
+        got: dict[int, tuple[RankCosts, DraftCosts | None]] = {}
+        for together in measure_rounds(self.hosts):
+            for r in together:
+                if r != 0:
+                    link.send_pickled(("measure",), r, Tag.CALIBRATE)
+            if 0 in together:
+                got[0] = self.measure()
+            for r in together:
+                if r != 0:
+                    got[r] = self.await_from(r)
+        ranks = [got[r][0] for r in range(link.size)]
+        draft = next((d for r in range(link.size) if (d := got[r][1]) is not None), None)
         links = []
         for a, b in link_pairs(self.topo):
             self.say(0, f"link {a} -> {b}: round trips of {'/'.join(map(str, LINK_ROWS))} rows")

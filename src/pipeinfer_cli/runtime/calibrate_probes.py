@@ -2,8 +2,9 @@
 
 Everything is timed on probe engines, independent of the job's layer split:
 
-- the layers: a `LayerEngine` on layers [0, k), k layers holding about PROBE_BYTES of weights (at
-  least 1, never the last layer), timed for batch-invariant runs of r rows at KV length kv
+- the layers: a `LayerEngine` on the k layers just before the last one, holding about PROBE_BYTES
+  of weights (QUICK_PROBE_BYTES with --quick; at least 1 layer), fed rows of a random table as
+  hidden states as a middle stage is, timed for batch-invariant runs of r rows at KV length kv
   (decoding, verification of r-1 drafted tokens) and for prompt chunks; seconds per layer;
 - the output: an engine on the last layer alone (with the final norm and the LM head), its
   runs with every row an output row against the per-layer cost of the same run, plus the sampler;
@@ -17,8 +18,10 @@ points of a grid interleaved repetition by repetition, so that a slow spell of t
 over them; rounds are added, up to `max_reps`, while a point's repeats disagree
 (calibrate_noise.py), and the worst spread of each quantity is kept in the rank's costs.
 
-The weights are the model file's, or the slices the head streamed to a rank without it
-(`model_path`: a file holding the probe's first layers; `last_path`: one holding the last layer).
+The probe's layers and the last layer are one contiguous range ending at the last layer, so a rank
+without the model is sent one slice (with the embedding table only where the LM head is tied to it;
+the head streams it, or the whole file when that is no larger). `model_path` is a file holding the
+probe's layers, `last_path` one holding the last layer (the same slice, or the model file).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from .pipeline import Pipeline
 
 IDLE_GAP_S = 0.025  # a stage's wait before it computes, as idle_gap.py measured it (BENCHMARKS.md)
 PROBE_BYTES = 512 * 2**20  # weights of the layer probe: enough layers that one eval is well above timer noise
+QUICK_PROBE_BYTES = 128 * 2**20  # --quick: a quarter (still tens of ms per eval on a core), a quarter to send
 KV_LENGTHS = (16, 256, 1024)  # KV lengths of the decode grid (those that fit --ctx)
 QUICK_KV = (16, 512)  # --quick: two, for a shorter fill
 PREFILL_ROWS = (16, 64, 256)  # prompt chunk sizes (256 = PREFILL_CHUNK, the chunk every prefill uses)
@@ -58,7 +62,7 @@ LINK_ROWS = (1, 8, 64, 256)  # message sizes of the link probe, in rows of n_emb
 class ProbeSpec:
     """What to time on every rank, and how often (the same on every rank)."""
 
-    model_path: str  # a file holding layers [0, k) of the probe (the model, or a streamed slice)
+    model_path: str  # a file holding the probe's layers (the model, or a streamed slice)
     n_ctx: int  # the job's --ctx: caps the KV lengths and chunk sizes
     n_draft: int  # --n-draft: decode rows go 1 .. n_draft + 1, then a few beyond
     reps: int  # timed repetitions per point (the median is kept)
@@ -77,6 +81,7 @@ class ProbeSpec:
     prefill_max_reps: int = 0  # the same for the prompt chunks
     spread_limit: float = SPREAD_LIMIT  # (median - best) / best above which a point is repeated
     last_path: str | None = None  # a file holding the last layer; None: model_path
+    probe_bytes: int = PROBE_BYTES  # weights of the layer probe (probe_layers)
 
     @property
     def decode_rows(self) -> list[int]:
@@ -100,12 +105,17 @@ class ProbeSpec:
 
 
 def probe_layers(layer_bytes: list[int], budget: int = PROBE_BYTES) -> tuple[int, int]:
-    """[0, k): as many layers from the first as hold about `budget` bytes, 1 <= k <= n_layer - 1."""
+    """[n - 1 - k, n - 1): the k layers just before the last one that hold about `budget` bytes,
+    1 <= k <= n - 1 (a 1-layer model: [0, 1)). With the last layer they form one range ending at
+    it: one slice to send a rank without the model."""
+    n = len(layer_bytes)
+    if n < 2:
+        return 0, n
     k, total = 0, 0
-    while k < len(layer_bytes) - 1 and (k == 0 or total + layer_bytes[k] <= budget):
-        total += layer_bytes[k]
+    while k < n - 1 and (k == 0 or total + layer_bytes[n - 2 - k] <= budget):
+        total += layer_bytes[n - 2 - k]
         k += 1
-    return 0, max(1, k)
+    return n - 1 - k, n - 1
 
 
 def _timed(spec: ProbeSpec, points: list, once: Callable[[object], float], noise: NoiseLog | None, what: str,
@@ -185,8 +195,9 @@ def layer_costs(spec: ProbeSpec, eng, n_vocab: int, noise: NoiseLog | None = Non
 
 
 class _EmbeddingFront:
-    """The last-layer engine as a first stage: token ids in, rows of a small random table as its
-    hidden states (so that the head's loop can run over it). Keeps the seconds of every eval."""
+    """An engine of layers past the first (the last layer, the layer probe) as a first stage: token
+    ids in, rows of a small random table as its hidden states (so that the head's loop can run over
+    it). Keeps the seconds of every eval."""
 
     def __init__(self, eng, n_embd: int):
         self.eng = eng
@@ -319,13 +330,15 @@ def measure_rank(spec: ProbeSpec, info, rank: int, threads: int, runs_draft: boo
     from ..native import LayerEngine
 
     facts = host_facts()
-    begin, end = probe_layers(info.layer_bytes)
+    begin, end = probe_layers(info.layer_bytes, spec.probe_bytes)
     say(f"layers {begin}-{end - 1} ({sum(info.layer_bytes[begin:end]) / 1e6:.0f} MB), {plural(threads, 'thread')}: "
         f"{len(spec.decode_rows)} batch sizes x KV {'/'.join(map(str, spec.kv_lengths))}, prompt chunks "
         f"{'/'.join(map(str, spec.prefill_rows))}")
     slow = slowdown_for(rank)  # PIPEINFER_DEBUG_SLOW: an emulated slower node is measured as such
     probe = LayerEngine(spec.model_path, begin, end, n_ctx=spec.probe_ctx(), n_threads=threads, n_seq_max=2,
                         slowdown=slow)
+    if begin > 0:  # a middle range: hidden states in, as a middle stage gets them
+        probe = _EmbeddingFront(probe, info.n_embd)
     noise = NoiseLog(spec.spread_limit)
     decode, prefill_grid = layer_costs(spec, probe, info.n_vocab, noise)
     say(f"output rows and per-run overhead on layer {info.n_layer - 1}")

@@ -1,16 +1,18 @@
 """The weights `pipeinfer calibrate` times on each rank: a model on the head is enough.
 
-Every rank times the same probe (calibrate_probes.py): layers [0, k) and the last layer. A rank
-uses, in this order (as a job's ranks do, runtime/weight_stream.py):
+Every rank times the same probe (calibrate_probes.py): the k layers before the last one, and the
+last one: one range [n - 1 - k, n), one slice. A rank uses, in this order (as a job's ranks do,
+runtime/weight_stream.py):
 
 1. its own copy of the model: the head's very file, or one of the same size and sha256;
-2. its node cache (`slice_cache`): the probe's own slices from an earlier calibration, or any
-   cached slice of the model that holds the probe's layers (a job's first stage holds [0, k), its
-   last stage the last layer), its bytes checked against their sha256;
-3. else the head streams it the probe's two slices, or the whole model file when the two would
-   together be larger (a small model: its probe holds nearly every layer, and each slice carries
-   the embedding table), and the whole draft file to the rank that times the draft; it keeps them
-   in its node cache for the next calibration or job (a job's stage reads a whole cached file too).
+2. its node cache: the probe's own slice from an earlier calibration, a whole copy, or any cached
+   slice of the model that holds the probe's layers (a job's last stage often does), its bytes
+   checked against their sha256 (models/slice_reuse.py);
+3. else the head streams it the probe's slice (less the tensors of it that cached files of other
+   boundaries hold), or the whole model file when that is no larger (a small model: its probe
+   holds nearly every layer), and the whole draft file to the rank that times the draft; it keeps
+   them in its node cache for the next calibration or job (a job's stage reads a cached file that
+   holds its layers, or copies the tensors it holds).
 
 The head plans the job (the calibration's topology, for each count of ranks per host that occurs)
 and reads the model's header for every rank, so a rank without the file learns its threads, the
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from ..models.weight_copies import ModelFiles, Need, digests_needed, pick_copy, remove_cut_streams, target_need
 from ..transport.mpi_link import Link
-from .calibrate_probes import ProbeSpec, probe_layers
+from .calibrate_probes import PROBE_BYTES, ProbeSpec, probe_layers
 from .job_config import JobConfig
 from .topology import Topology, plan_config
 from .weight_stream import receive_needs, stream_what_ranks_need, whoami
@@ -36,10 +38,9 @@ if TYPE_CHECKING:
     from ..transport.startup import Startup
 
 
-def probe_parts(layer_bytes: list[int]) -> list[tuple[int, int]]:
-    """The layer ranges a rank's probe loads: its first layers, and the last one."""
-    n = len(layer_bytes)
-    return [probe_layers(layer_bytes), (n - 1, n)]
+def probe_parts(layer_bytes: list[int], budget: int = PROBE_BYTES) -> list[tuple[int, int]]:
+    """The layer ranges a rank's probe loads: one, from its first probe layer to the last layer."""
+    return [(probe_layers(layer_bytes, budget)[0], len(layer_bytes))]
 
 
 def covering_slice(model_sha256: str | None, part: tuple[int, int]) -> Path | None:
@@ -72,7 +73,7 @@ def share_probe_weights(link: Link, startup: Startup, cfg: JobConfig, spec: Prob
         return topos[hosts.count(hosts[0])], info, spec
     topos, info, digests, spec = startup.check_in("plan")[0]
     topo = topos[hosts.count(hosts[link.rank])]
-    paths, needs = _pick_probe(link, startup, files, digests, info, runs_draft(spec, topo, link.rank))
+    paths, needs = _pick_probe(link, startup, files, digests, info, runs_draft(spec, topo, link.rank), spec.probe_bytes)
     for need, path, _ in receive_needs(link, startup, cfg, needs, digests):
         if need.what == "draft":
             paths["draft"] = path
@@ -80,7 +81,7 @@ def share_probe_weights(link: Link, startup: Startup, cfg: JobConfig, spec: Prob
             paths[need.layers] = path
         else:  # the whole model file: every part still missing
             paths.update({p: path for p, have in paths.items() if have is None and p != "draft"})
-    return topo, info, _with_paths(spec, paths, probe_parts(info.layer_bytes))
+    return topo, info, _with_paths(spec, paths, probe_parts(info.layer_bytes, spec.probe_bytes))
 
 
 def _wants(cfg: JobConfig, spec: ProbeSpec, topo: Topology, runs_draft: Callable[[ProbeSpec, Topology, int], bool],
@@ -93,14 +94,14 @@ def _wants(cfg: JobConfig, spec: ProbeSpec, topo: Topology, runs_draft: Callable
 
 
 def _pick_probe(link: Link, startup: Startup, files: list[ModelFiles], digests: dict, info: ModelInfo,
-                draft: bool) -> tuple[dict[tuple[int, int] | str, str | None], list[Need]]:
+                draft: bool, budget: int) -> tuple[dict[tuple[int, int] | str, str | None], list[Need]]:
     """This rank's paths (by part, and "draft") it has without a stream, and the Needs it asks for:
     the probe's missing slices, or the whole model file when they would together cost more (a small
     model, whose probe holds nearly every layer and whose slices each carry its embedding table)."""
     mine, head = files[link.rank], files[0]
     paths: dict[tuple[int, int] | str, str | None] = {}
     whole, _ = pick_copy(mine.target, head.target, digests.get("target"), None, whoami(link, startup))
-    for part in probe_parts(info.layer_bytes):
+    for part in probe_parts(info.layer_bytes, budget):
         paths[part] = whole or covering_slice(digests.get("target"), part)
     needs = probe_needs(info, [p for p in paths if paths[p] is None], digests.get("target"))
     if draft and head.draft is not None:
@@ -128,7 +129,7 @@ def slice_bytes(info: ModelInfo, part: tuple[int, int]) -> int:
 
 
 def _with_paths(spec: ProbeSpec, paths: dict, parts: list[tuple[int, int]]) -> ProbeSpec:
-    first, last = (str(paths[p]) for p in parts)
+    first, last = str(paths[parts[0]]), str(paths[parts[-1]])
     draft = paths.get("draft")
     return dataclasses.replace(spec, model_path=first, last_path=last,
                                draft_path=str(draft) if draft is not None else spec.draft_path)
