@@ -86,7 +86,8 @@ def ensure_profile(cfg: JobConfig, model: str, job, n_ranks: int, why: str, insi
     ensure_writable_cache()
     path.parent.mkdir(parents=True, exist_ok=True)
     say(f"pipeinfer: {why}: no profile of these ranks yet; calibrating them quickly (`pipeinfer {_shown(command)}`, "
-        f"about a minute), kept in {path} for the next job of this shape")
+        f"about a minute on one machine, longer on slow hosts and where ranks are sent the model's layers), kept in "
+        f"{path} for the next job of this shape")
     rc = run_calibration(command)
     if rc != 0 or not path.is_file():
         raise PipeinferError(f"{why}: the quick calibration failed (exit status {rc}); run `pipeinfer "
