@@ -438,3 +438,25 @@ def test_a_ctrl_c_under_the_users_mpiexec_is_said_once_by_rank_0(monkeypatch, ca
     monkeypatch.setenv("PMI_RANK", "0")
     say_interrupted()
     assert capsys.readouterr().err == "Error: interrupted\n"
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir() or not Path("/proc/self/maps").exists(), reason="Linux: reads /proc")
+def test_a_one_rank_job_stopped_by_sigterm_says_so_and_leaves_no_shared_memory(smollm2_path):
+    """SIGTERM's default action ended the process without MPI_Finalize: its MPICH shared-memory
+    file stayed in /dev/shm, and nothing was said."""
+    marker = uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "-n", "3000", "--ctx", "4096",
+           "--threads", "1", "-p", "The quick brown fox"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=job_env(marker),
+                         start_new_session=True)
+    try:
+        assert os.read(p.stdout.fileno(), 1 << 16)  # decoding
+        shm = {Path(line.split(None, 5)[5].strip()) for line in Path(f"/proc/{p.pid}/maps").read_text().splitlines()
+               if "/dev/shm/mpich_" in line}
+        os.kill(p.pid, signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert (p.returncode, err.decode()) == (143, "Error: stopped by SIGTERM\n")
+    assert shm and [f for f in shm if f.exists()] == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -99,6 +100,21 @@ def _on_interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
 
 
+class _Stopped(BaseException):
+    """SIGTERM in a process no MPI launcher started (a 1-rank job, a command before it
+    starts its job): raised on the main thread, so that the command unwinds as after a Ctrl-C and
+    MPI is finalized at exit (which removes the process's shared memory in /dev/shm; the default
+    action left it there), then said in one line. relaunch() has its own handlers while a job runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_stop(signum, _frame) -> None:
+    raise _Stopped(signum)
+
+
 def omp_wait_policy(environ=os.environ) -> str | None:
     """The OpenMP wait policy for this process, or None to keep libgomp's default (spin briefly,
     about 300,000 rounds, then sleep).
@@ -171,11 +187,17 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in JOB_COMMANDS:
         report_sigill()
     signal.signal(signal.SIGINT, _on_interrupt)
+    if not under_mpi_launcher():  # a rank ends by SIGTERM's default: its launcher cleans up after it
+        signal.signal(signal.SIGTERM, _on_stop)
     try:
         app()
     except KeyboardInterrupt:
         say_interrupted()
         raise SystemExit(130) from None
+    except _Stopped as exc:
+        with contextlib.suppress(OSError, ValueError):  # stderr may be gone
+            err.print(f"Error: stopped by {signal.Signals(exc.signum).name}")
+        raise SystemExit(128 + exc.signum) from None
     except SystemExit as exc:
         # Typer turns a KeyboardInterrupt inside a command into a silent exit status 130. (A job
         # started by relaunch() handles Ctrl-C itself and reports it: _interrupted stays False.)
