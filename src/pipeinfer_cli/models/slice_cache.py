@@ -86,14 +86,20 @@ def lookup(model_sha256: str, layers: tuple[int, int] | None) -> tuple[Path | No
     elif sha256_file(path) != entry.sha256:
         why = "its bytes no longer match their sha256 (corrupted)"
     if why is None:
-        with contextlib.suppress(OSError):  # a read-only cache still serves; only the last use goes unrecorded
-            os.utime(_sidecar(path))  # last use, for `models prune --unused-days`
+        touch(path)
         return path, None
     try:
         remove(path)
     except OSError as e:
         why += f" (and it could not be removed: {(e.strerror or str(e)).lower()})"
     return None, f"the cached {path.name} was not used: {why}; it is fetched again"
+
+
+def touch(path: Path) -> None:
+    """Record a cached file's use now (its record's mtime: `models prune --unused-days`, and the node
+    cache's cap, which removes the least recently used first)."""
+    with contextlib.suppress(OSError):  # a read-only cache still serves; only the last use goes unrecorded
+        os.utime(_sidecar(path))
 
 
 def remove(path: Path) -> None:

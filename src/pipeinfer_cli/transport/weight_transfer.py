@@ -111,7 +111,7 @@ def receive_weights(link: Link, label: str, need: Need, model_sha256: str) -> tu
     node cache) into the node cache, copying the tensors the head skipped from the cached files
     that hold them; its path and source."""
     from ..models.cache_budget import MAX_ENV, cache_cap, describe_cap, drop_included, make_room
-    from ..models.slice_cache import SliceWriter, read_entry
+    from ..models.slice_cache import SliceWriter, read_entry, touch
     from ..models.slice_reuse import cached_tensors
 
     stall_s = start_timeout_s()
@@ -137,6 +137,8 @@ def receive_weights(link: Link, label: str, need: Need, model_sha256: str) -> tu
             received += len(block)
         _, digest = _recv_ctl(link, stall_s, "the end of the stream")
         path = out.commit(digest)
+    for source in keep:  # the files it copied from were used too (least recently used goes first)
+        touch(source)
     written = read_entry(path)
     if written is not None:
         _say_removed(drop_included(written), f"(the new {written.describe()} holds their layers)")
