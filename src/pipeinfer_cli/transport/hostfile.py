@@ -14,7 +14,8 @@ import os
 from collections import Counter
 from pathlib import Path
 
-HOSTFILE_ENV = "HYDRA_HOST_FILE"
+from .host_probe import HOSTFILE_ENV, ranks_on
+
 # Set once the launching command has said it, so that the calibration it runs first (a command of
 # its own, `calibrate --ranks N`) does not say it again.
 SAID_ENV = "PIPEINFER_SHARED_HOSTS_SAID"
@@ -40,12 +41,8 @@ def read_hostfile(path: str | os.PathLike) -> list[tuple[str, int]] | None:
 
 
 def placement(hosts: list[tuple[str, int]], n_ranks: int) -> list[str]:
-    """The host of each rank, as Hydra fills the slots (the module docstring)."""
-    out: list[str] = []
-    while len(out) < n_ranks:
-        for host, slots in hosts:
-            out += [host] * min(slots, n_ranks - len(out))
-    return out
+    """The host of each rank, as Hydra fills the slots (the module docstring; host_probe.ranks_on)."""
+    return ranks_on([f"{host}:{slots}" for host, slots in hosts], n_ranks)
 
 
 def shared_hosts_line(hosts: list[tuple[str, int]], n_ranks: int, path: str) -> str | None:
