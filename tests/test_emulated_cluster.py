@@ -277,7 +277,7 @@ def test_a_model_on_the_head_alone_gives_the_tokens_of_shared_memory(smollm2_pat
 
 def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, cluster2, tmp_path):
     """calibrate on 2 hosts, the model on the head's only: host 1 is sent the model over its link
-    (the probe's two slices would be larger), the profile has both ranks' rows measured on their own hosts, and the next
+    (the probe's slice holds every layer of SmolLM2), the profile has both ranks' rows measured on their own hosts, and the next
     calibration reads host 1's node cache."""
     from pipeinfer_cli.planner.identity import model_sha256
     from pipeinfer_cli.planner.profile import Profile
@@ -303,7 +303,55 @@ def test_calibrate_with_the_model_on_the_head_alone(smollm2_path, cluster2, tmp_
         assert all(rc.decode.s[0][0] > 0 and rc.spread is not None and rc.ranks_per_host == 1 for rc in profile.ranks)
         assert profile.model.sha256 == model_sha256(smollm2_path)
     slices = sorted(p.name.split(".", 1)[1] for p in Path(f"{cache}.{_host_of(1, 2)}/slices").glob("*.gguf"))
-    assert slices == ["whole.gguf"]  # the probe's two slices would be larger than the file
+    assert slices == ["whole.gguf"]  # the probe's slice would be every layer: no smaller than the file
+
+
+def test_a_stop_during_the_implicit_calibration_leaves_nothing_on_any_host(smollm2_path, cluster2, tmp_path):
+    """`generate --ranks 2 --layer-split auto` without a profile calibrates first; SIGTERM to the
+    command (through `exec`, which passes it on) during the calibration: the command ends with one
+    line once no process of the calibration's job is left on either host and their MPI shared
+    memory is gone. Before, the calibration ran on with its ranks after the command had died."""
+    marker = uuid.uuid4().hex
+    args = [sys.executable, "-m", "pipeinfer_cli", "generate", str(smollm2_path), "--ranks", 2, "--layer-split",
+            "auto", "--threads", 1, "-p", PROMPT, "-n", 4]
+    p = subprocess.Popen(cluster2.cmd("exec", "--", *map(str, args)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=job_env(marker, PIPEINFER_CACHE=str(tmp_path / "cache")), start_new_session=True)
+    shm: set[Path] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(b"calibrate" in Path(f"/proc/{q}/cmdline").read_bytes() for q in _ranks_in(cluster2)):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.1)
+        time.sleep(2)  # MPI started on both hosts
+        for q in cluster2.pids():
+            try:
+                shm |= {Path(line.split(None, 5)[5].strip()) for line in Path(f"/proc/{q}/maps").read_text().splitlines()
+                        if "/dev/shm/mpich_" in line}
+            except OSError:
+                continue
+        os.kill(p.pid, signal.SIGTERM)
+        p.wait(timeout=60)
+        left = cluster2.pids()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        assert_no_survivors(marker)
+    _, err = p.communicate(timeout=30)
+    assert left == []
+    assert shm and [f for f in shm if f.exists()] == []
+    assert p.returncode == 128 + signal.SIGTERM
+    assert err.decode().splitlines().count("Error: stopped by SIGTERM") == 1, err.decode()
+
+
+def _ranks_in(emu) -> list[int]:
+    out = []
+    for q in emu.pids():
+        try:
+            if b"PMI_RANK=" in Path(f"/proc/{q}/environ").read_bytes():
+                out.append(q)
+        except OSError:
+            continue
+    return out
 
 
 # -- the bytes cross the shaped link --------------------------------------------------------------
