@@ -125,6 +125,10 @@ def remove_cut_streams(whoami: str) -> None:
 def target_need(digest: str | None, layers: tuple[int, int] | None) -> Need:
     """A rank's Need of the target's layers (None: the whole file), with the tensors of them that
     files in its node cache hold already, which the head then does not send (models/slice_reuse.py)."""
+    from .slice_cache import touch
     from .slice_reuse import cached_tensors
 
-    return Need("target", layers, tuple(sorted(cached_tensors(digest, layers))))
+    held = cached_tensors(digest, layers)
+    for path in {c.path for c in held.values()}:  # in use from now: the node cache's cap spares it
+        touch(path)
+    return Need("target", layers, tuple(sorted(held)))
