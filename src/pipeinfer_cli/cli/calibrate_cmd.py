@@ -39,11 +39,12 @@ EPILOG = epilog("""Examples:
 
   mpiexec -f hosts -n 4 pipeinfer calibrate qwen-coder --out cluster.json
 
-What is measured, on every rank in turn (the others sleep, so that ranks sharing a host do not
-disturb each other): seconds per layer of a batch-invariant run of 1 to 2 x --n-draft rows
-(decoding and verifying drafted tokens) at KV lengths 16, 256 and 1024, and of prompt chunks of
-16, 64 and 256 tokens, on a probe of the first layers (about 512 MB of weights); the cost of an
-output row (LM head and sampler) on the last layer; the rank's fixed cost per run (the head's
+What is measured, on ranks of different hosts at the same time and on ranks that share a host in
+turn (the others sleep, so that they do not disturb each other): seconds per layer of a
+batch-invariant run of 1 to 2 x --n-draft rows (decoding and verifying drafted tokens) at KV
+lengths 16, 256 and 1024, and of prompt chunks of 16, 64 and 256 tokens, on a probe of the layers
+just before the last one (about 512 MB of weights, 128 MB with --quick); the cost of an output row
+(LM head and sampler) on the last layer; the rank's fixed cost per run (the head's
 loop); with --draft, the draft's seconds per proposed token and per prompt token, on the rank that
 would run it, and a draft model's acceptance (its greedy next token against the whole target's on
 96 tokens of a calibration prompt, 32 with --quick, on the head, where both fit in its memory: what
@@ -51,17 +52,19 @@ would run it, and a draft model's acceptance (its greedy next token against the 
 last back to the head, a draft rank), with the job's real waits; and each host's CPU, cores and
 memory.
 
-For the Qwen pair on 2 ranks of a 2-core machine it takes about 2 minutes; --quick (fewer
-repetitions, two KV lengths, batches up to --n-draft + 1 rows) about 40 seconds. Run it on a quiet
-machine, with the ranks, threads and launcher of the jobs it should predict (the job options are
-generate's). Ranks it starts on this machine with --threads equal to its CPUs are timed as an
-iterative `generate --ranks N` runs them at its default threads (every CPU each, a brief spin
-between graphs); ranks that share the machine otherwise wait passively, as those of the
-speculative modes do. The profile records how each rank waited (omp_wait), and plan compares it.
+For the Qwen pair on 2 ranks of a 2-core machine it took about 2 minutes; --quick (fewer
+repetitions, two KV lengths, batches up to --n-draft + 1 rows, a quarter of the layers) about 40
+seconds. Slower hosts take longer, and ranks without the model wait for their weights first
+(docs/calibrate.md, "How long"). Run it on a quiet machine, with the ranks, threads and launcher of
+the jobs it should predict (the job options are generate's). Ranks it starts on this machine with
+--threads equal to its CPUs are timed as an iterative `generate --ranks N` runs them at its default
+threads (every CPU each, a brief spin between graphs); ranks that share the machine otherwise wait
+passively, as those of the speculative modes do. The profile records how each rank waited
+(omp_wait), and plan compares it.
 
 Only the head needs the model files, as for generate: a rank without them is sent the layers it
-times (its first layers and the last one; the whole draft file to the rank that times a draft),
-or reuses the slices its node cache holds; the head says what it sends, with progress.
+times (one slice: the probe's layers and the last one; the whole draft file to the rank that times
+a draft), less what its node cache holds; the head says what it sends, with progress.
 
 Every figure is timed again, round after round, until the median of its repeats is within 10 % of
 the best one (at most 21 timed rounds, 6 with --quick); the worst spread of each rank is in the
@@ -75,7 +78,7 @@ FILE` splits the layers by. docs/calibrate.md describes its fields.
 
 OutOption = Annotated[Path, typer.Option("--out", "-o", help="Write the profile here (JSON; replaced atomically).")]
 ProfileJsonFlag = Annotated[bool, typer.Option("--json", help="Print the profile (what --out holds) on stdout instead of the table.")]
-QuickOption = Annotated[bool, typer.Option("--quick", help="Fewer repetitions (3 rounds, at most 6 while they disagree): under a minute for the Qwen pair on 2 ranks, noisier figures.")]
+QuickOption = Annotated[bool, typer.Option("--quick", help="Fewer repetitions (3 rounds, at most 6 while they disagree) on a quarter of the layers (128 MB of weights: also what a rank without the model is sent): under a minute for the Qwen pair on 2 ranks of one machine, noisier figures.")]
 
 
 def calibrate(
