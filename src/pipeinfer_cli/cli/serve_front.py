@@ -14,7 +14,7 @@ from ..runtime.service import Service
 from ..server.front import Front, JobShape
 from ..transport.host_probe import HOSTFILE_ENV, answering, host_name, hostfile_hosts, ranks_on
 from .console import err
-from .serve_options import _log_request, announce_split, check_parallel, default_split, stopped_line
+from .serve_options import _log_request, announce_split, check_parallel, default_split, print_banner, stopped_line
 from .job_setup import begin_job
 from .wording import plural
 
@@ -120,7 +120,7 @@ def serve_from_front(model, model_opt, mode, job, host: str, port: int, queue: i
             if again:
                 say(f"serving again: {plural(len(info.ranks), 'rank')}: {'; '.join(info.ranks)}")
             else:
-                _banner_lines(info, service, host, port, prep.auto)
+                print_banner(info.cfg, info.ranks, info.default_mode, service.max_queue, _reachable(host, port), prep.auto)
 
         code, stopped_by = run_front(service, prep.ranks, max_restarts, on_ready, lambda cfg: Tokenizer(cfg.model_path),
                                      front.append)
@@ -140,16 +140,3 @@ def _reachable(host: str, port: int) -> str:
 
     shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
     return f"http://{shown}:{port}" + (" (every interface)" if shown != host else "")
-
-
-def _banner_lines(info, service, host: str, port: int, auto=None) -> None:
-    """Printed once the job has loaded, in the manner of llama-server."""
-    cfg = info.cfg
-    chosen = "" if auto is None else f" (-M {auto.summary(None)})"
-    lines = [f"model {cfg.model_label}, draft {cfg.draft_label or 'none'}, default mode {info.default_mode}{chosen}, "
-             f"context {cfg.n_ctx} cells, queue {service.max_queue}" +
-             (f", {cfg.parallel} slots of {cfg.slot_ctx} cells ({cfg.load_policy})" if cfg.parallel > 1 else ""),
-             f"{plural(len(info.ranks), 'rank')}: {'; '.join(info.ranks)}",
-             f"ready: {_reachable(host, port)}/v1 (chat/completions, completions, models), /health, /metrics, /slots"]
-    for line in lines:
-        err.print(f"pipeinfer serve: {line}", markup=False, highlight=False)

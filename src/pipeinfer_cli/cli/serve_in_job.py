@@ -13,8 +13,7 @@ import typer
 
 from ..decode.result import GenerationResult
 from .console import err
-from .serve_options import _log_request, stopped_line
-from .wording import plural
+from .serve_options import _log_request, print_banner, stopped_line
 
 if TYPE_CHECKING:
     from ..runtime.job_config import JobConfig
@@ -131,15 +130,7 @@ def _stop_on_signals(service) -> list[str]:
 
 def _banner(service, host: str, port: int, auto=None) -> None:
     """Printed once the models are loaded, in the manner of llama-server."""
-    from ..runtime.topology import format_layer_ranges
+    from ..runtime.engine import describe_ranks
 
-    cfg, topo = service.cfg, service.loaded.topo
-    ranks = "; ".join(f"{r.rank} {r.role} ({format_layer_ranges([r.layers])}, {plural(r.threads, 'thread')})" for r in topo.ranks)
-    chosen = "" if auto is None else f" (-M {auto.summary(None)})"
-    lines = [f"model {cfg.model_label}, draft {cfg.draft_label or 'none'}, default mode {service.default_mode()}{chosen}, "
-             f"context {cfg.n_ctx} cells, queue {service.max_queue}" +
-             (f", {cfg.parallel} slots of {cfg.slot_ctx} cells ({cfg.load_policy})" if cfg.parallel > 1 else ""),
-             f"{plural(len(topo.ranks), 'rank')}: {ranks}",
-             f"ready: http://{host}:{port}/v1 (chat/completions, completions, models), /health, /metrics, /slots"]
-    for line in lines:
-        err.print(f"pipeinfer serve: {line}", markup=False, highlight=False)
+    print_banner(service.cfg, describe_ranks(service.loaded.topo), service.default_mode(), service.max_queue,
+                 f"http://{host}:{port}", auto)

@@ -102,3 +102,17 @@ def _log_request(endpoint: str, result: GenerationResult) -> None:
     line = summary_line(result).removeprefix("pipeinfer: ")
     err.print(f"pipeinfer serve: {endpoint} #{result.prompt_id}: {result.finish_reason}, {line}",
               markup=False, highlight=False)
+
+
+def print_banner(cfg: JobConfig, ranks: list[str], default_mode: str, max_queue: int, address: str, auto=None) -> None:
+    """Printed once the job has loaded, in the manner of llama-server. ranks: runtime/engine.describe_ranks."""
+    from .wording import plural
+
+    chosen = "" if auto is None else f" (-M {auto.summary(None)})"
+    lines = [f"model {cfg.model_label}, draft {cfg.draft_label or 'none'}, default mode {default_mode}{chosen}, "
+             f"context {cfg.n_ctx} cells, queue {max_queue}" +
+             (f", {cfg.parallel} slots of {cfg.slot_ctx} cells ({cfg.load_policy})" if cfg.parallel > 1 else ""),
+             f"{plural(len(ranks), 'rank')}: {'; '.join(ranks)}",
+             f"ready: {address}/v1 (chat/completions, completions, models), /health, /metrics, /slots"]
+    for line in lines:
+        err.print(f"pipeinfer serve: {line}", markup=False, highlight=False)

@@ -31,6 +31,14 @@ class EngineInfo:
     default_mode: str
 
 
+def describe_ranks(topo) -> list[str]:
+    """Each rank as a server's banner lists it: '0 head (0-14, 1 thread)'."""
+    from ..wording import plural
+    from .topology import format_layer_ranges
+
+    return [f"{r.rank} {r.role} ({format_layer_ranges([r.layers])}, {plural(r.threads, 'thread')})" for r in topo.ranks]
+
+
 def serve_engine(cfg: JobConfig, service: Service, channel: Channel) -> None:
     """Run on every rank of the job (the head passes its service and channel; the other ranks serve
     the pipeline): the front's requests until it says stop or goes away. A rank's failure is sent to
@@ -64,14 +72,11 @@ class _Bridge:
 
     def ready(self, service: Service) -> None:
         from ..transport.startup import job_startup
-        from ..wording import plural
         from .job import rank_names
-        from .topology import format_layer_ranges
 
         topo, hosts = service.loaded.topo, job_startup().hosts
-        ranks = [f"{r.rank} {r.role} ({format_layer_ranges([r.layers])}, {plural(r.threads, 'thread')})"
-                 for r in topo.ranks]
-        info = EngineInfo(service.cfg, rank_names(topo, hosts), ranks, list(hosts), service.default_mode())
+        info = EngineInfo(service.cfg, rank_names(topo, hosts), describe_ranks(topo), list(hosts),
+                          service.default_mode())
         self._send("ready", info)
 
     def failed(self, message: str) -> None:

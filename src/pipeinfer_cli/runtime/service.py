@@ -226,6 +226,10 @@ class Service:
             if self.status in ("ok", "loading"):
                 self.status, self.message = "restarting", message
 
+    def mark_ready(self) -> None:
+        """The models are loaded elsewhere (a front's job): as the pipeline thread's on_start says."""
+        self._ready(None)
+
     def resume_serving(self) -> None:
         with self._cond:
             if self.status == "restarting":

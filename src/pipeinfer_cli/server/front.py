@@ -137,19 +137,9 @@ class Front:
         while True:
             if self._stopping():
                 return None
-            try:
-                message = channel.recv(timeout=0.2)
-            except ChannelClosed:
-                job.wait(STOP_WAIT_S)
-                raise JobLost(self._ended_line(job)) from None
-            if message is None:
-                if not job.running():
-                    raise JobLost(self._ended_line(job))
-                continue
-            if message[0] == "ready":
+            message = self._next(channel, job)
+            if message is not None and message[0] == "ready":
                 return message[1]
-            if message[0] == "failed":
-                raise JobLost(message[1])
 
     def _ready(self, info: EngineInfo, first: bool) -> None:
         service = self.service
@@ -165,7 +155,7 @@ class Front:
             self.on_ready(info, self._ever_ready)
         self._ever_ready = self._job_ready = True
         if service.status == "loading":
-            service._ready(None)  # noqa: SLF001 - the front's service has no pipeline thread of its own
+            service.mark_ready()
         service.resume_serving()
 
     def _serve(self, channel: Channel, job: SupervisedJob) -> None:
@@ -177,21 +167,24 @@ class Front:
             if self._stopping():
                 self._stop_job_in_order(channel, job)
                 return
-            try:
-                message = channel.recv(timeout=0.2)
-            except ChannelClosed:
-                job.wait(STOP_WAIT_S)
-                raise JobLost(self._ended_line(job)) from None
-            if message is None:
-                if not job.running():
-                    raise JobLost(self._ended_line(job))
-                continue
-            if message[0] == "event":
+            message = self._next(channel, job)
+            if message is not None and message[0] == "event":
                 self.requests.event(message[1], message[2])
-            elif message[0] == "slots":
+            elif message is not None and message[0] == "slots":
                 self.requests.slot_answer(message[1], message[2])
-            elif message[0] == "failed":
-                raise JobLost(message[1])
+
+    def _next(self, channel: Channel, job: SupervisedJob) -> tuple | None:
+        """The head's next message (None: none within a moment); JobLost once the job failed (the
+        head said why), its channel closed or its launcher ended."""
+        try:
+            message = channel.recv(timeout=0.2)
+        except ChannelClosed:
+            raise JobLost(self._ended_line(job)) from None
+        if message is None and not job.running():
+            raise JobLost(self._ended_line(job))
+        if message is not None and message[0] == "failed":
+            raise JobLost(message[1])
+        return message
 
     # -- losing and restarting the job --------------------------------------------------------------
     def _recover(self, why: str) -> bool:
