@@ -169,3 +169,21 @@ def test_health_answers_loading_while_the_profile_is_calibrated(smollm2_path, tm
         assert "split for 2 requests at once" in server.stderr()
     finally:
         server.stop()
+
+
+def test_the_front_binds_where_it_runs_and_names_a_reachable_address(smollm2_path, tmp_path):
+    """--host is bound by the command the user typed (the front), and with every interface the
+    lines name this machine, not an address only the head's host could use."""
+    import socket
+
+    server = start_server(smollm2_path, "--ranks", 2, "--threads", 1, "--ctx", 512, "--host", "0.0.0.0",
+                          log_dir=tmp_path)
+    try:
+        with socket.create_connection((socket.gethostname(), server.port), timeout=5):
+            pass
+    finally:
+        server.stop()
+    log = server.stderr()
+    name = socket.gethostname()
+    assert f"listening on http://{name}:{server.port} (every interface);" in log, log
+    assert f"ready: http://{name}:{server.port}/v1 " in log, log

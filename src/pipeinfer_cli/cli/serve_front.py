@@ -113,7 +113,8 @@ def serve_from_front(model, model_opt, mode, job, host: str, port: int, queue: i
 
             check_plan(prep.cfg, prep.ranks, prep.has_draft)
         service.mode, settings.model, settings.draft = prep.mode, prep.cfg.model_label, prep.cfg.draft_label
-        say(f"listening on {_reachable(host, port)}; loading {prep.cfg.model_label}"
+        every = " (every interface)" if host in ("0.0.0.0", "::", "") else ""
+        say(f"listening on {_reachable(host, port)}{every}; loading {prep.cfg.model_label}"
             + (f" (draft {prep.cfg.draft_label})" if prep.cfg.draft_label else "") + " …")
 
         def on_ready(info, again: bool) -> None:
@@ -139,4 +140,4 @@ def _reachable(host: str, port: int) -> str:
     import socket
 
     shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-    return f"http://{shown}:{port}" + (" (every interface)" if shown != host else "")
+    return f"http://{shown}:{port}"
