@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +88,7 @@ def _wait_new_rank(server, rank: int, old: int, within_s: float = 120) -> int:
 
 def test_a_killed_stage_is_survived_with_the_same_answers(smollm2_path, tmp_path):
     args = ("--ranks", 3, "--threads", 1, "--ctx", 2048, "--parallel", 2, "--draft", "lookup", "--rank-timeout", 10)
+    shm_before = set(Path("/dev/shm").glob("mpich_shm_*"))
     server = start_server(smollm2_path, *args, log_dir=tmp_path)
     try:
         reference = _answers(server)
@@ -102,6 +104,8 @@ def test_a_killed_stage_is_survived_with_the_same_answers(smollm2_path, tmp_path
         assert not (set(old.values()) & alive), (old, alive)
     finally:
         server.stop()
+    # The killed rank could not remove its MPI shared memory: the front did, and the new job's.
+    assert set(Path("/dev/shm").glob("mpich_shm_*")) <= shm_before
     log = server.stderr()
     lines = [ln for ln in log.splitlines() if "starting the job again" in ln]
     assert len(lines) == 1 and "rank 2 (stage 3 of 3" in lines[0] and "SIGKILL" in lines[0], log

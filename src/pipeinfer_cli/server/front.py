@@ -130,6 +130,7 @@ class Front:
         info = self._until_ready(channel, job)
         if info is None:
             return
+        job.started()
         self._ready(info, first)
         self._serve(channel, job)
 
@@ -244,6 +245,7 @@ class Front:
     def _stop_job_in_order(self, channel: Channel, job: SupervisedJob) -> None:
         """A stop signal: every request ends with an error (the service's stop), the head is told to
         stop and the job ends by itself, or by force after STOP_WAIT_S."""
+        job.started()  # the shared memory its ranks map now, removed once they are gone
         self.requests.send(channel, "stop", f"the server is shutting down ({self.stop_signal})")
         deadline = time.monotonic() + STOP_WAIT_S
         while job.running() and time.monotonic() < deadline:

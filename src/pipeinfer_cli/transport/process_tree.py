@@ -158,6 +158,13 @@ class JobProcesses:
                 self.stop()
                 return
 
+    def note_shared_memory(self) -> None:
+        """Read which MPICH shared-memory files the job's processes map now (once they have started
+        MPI), so that they are removed when the job ends, even if a rank was killed and could not."""
+        with self._lock:
+            if not self._reaped:
+                self._refresh()
+
     def _head_alive(self) -> bool:
         table = _process_table()
         return any(rank == 0 and pid in table and table[pid].state != b"Z" for pid, rank in self.ranks.items())
@@ -229,10 +236,11 @@ class JobProcesses:
         else:
             self.proc.wait()
 
-    def finish(self) -> int:
+    def finish(self, ended: bool = False) -> int:
         """After mpiexec exited: if the job was stopped, make sure every process of it is gone
         (SIGKILL after the grace period) and remove its shared-memory files; reap mpiexec and
-        return its exit status."""
+        return its exit status. ended: remove the shared-memory files of a job that ended by itself
+        too (its processes are all gone: a killed rank could not remove them)."""
         with self._lock:
             stop_at = self._stop_at
         if stop_at is not None:
@@ -247,7 +255,7 @@ class JobProcesses:
                 self._timer.cancel()
             rc = self.proc.wait()
             self._reaped = True
-            if (stop_at is not None or self.first_ended) and not self._alive(_process_table()):
+            if (stop_at is not None or self.first_ended or ended) and not self._alive(_process_table()):
                 for path in self._shm:
                     with contextlib.suppress(OSError):
                         os.unlink(path)

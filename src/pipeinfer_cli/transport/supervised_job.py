@@ -38,6 +38,11 @@ class SupervisedJob:
                          name="find-ranks").start()
         self.rc: int | None = None
 
+    def started(self) -> None:
+        """Every rank has started (the head said it is ready): note the shared memory they map, which
+        a rank killed later leaves behind, to remove it when the job ends."""
+        self.processes.note_shared_memory()
+
     def running(self) -> bool:
         return self._proc.poll() is None
 
@@ -75,7 +80,9 @@ class SupervisedJob:
             return None
         if self.rc is None:
             self._watched.set()
-            self.rc = self.processes.finish()
+            # The job is over for good: shared memory that a killed rank (or one killed by the
+            # launcher after it) could not remove goes too.
+            self.rc = self.processes.finish(ended=True)
             for pump in self._pumps:
                 pump.join(timeout=5)
         return self.rc
