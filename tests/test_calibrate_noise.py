@@ -75,7 +75,7 @@ def test_without_a_bound_the_minimum_is_all():
 def _rank(rank, one_row_ms, cpu="CPU A", usable=2.0, threads=1, host=None):
     grid = CostGrid([1, 2], [16], [[one_row_ms * 1e-3, one_row_ms * 2e-3]])
     return RankCosts(rank, host or f"h{rank}", cpu, 2, threads, 8 << 30, 4 << 30, grid,
-                     CostGrid([16], [0], [[1e-3]]), 1e-4, 1e-4, [0, 1], usable, 2, None, 1, {"decode": 0.02})
+                     CostGrid([16], [0], [[1e-3]]), 1e-4, 1e-4, [0, 1], usable, 2, None, 1, spread={"decode": 0.02})
 
 
 def test_twins_that_disagree_are_named_with_their_figures():

@@ -127,7 +127,7 @@ def placements(profile: Profile, n_ranks: int, threads: list[int], draft: str | 
     out: list[Placement] = []
     errors: list[UsageError] = []
     stages = list(range(n_ranks))
-    where = LOOKUP if draft == "lookup" else None
+    where = LOOKUP if draft == LOOKUP else None
     if draft == "model":
         on_head = draft_on(prof, profile, 0)
         head_mem = replace(mem, draft_rank=None)
