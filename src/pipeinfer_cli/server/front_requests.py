@@ -29,6 +29,7 @@ class RequestRouter:
         self._outstanding: dict[int, Ticket] = {}  # handed to the head, not finished
         self._committed: dict[int, list[int]] = {}  # per ticket: tokens whose text its client received
         self._cancel_sent: set[int] = set()
+        self._changed = threading.Event()  # a request finished or a head attached: the dispatcher looks now
         self._nonces = itertools.count(1)
         self._slot_asks: dict[int, threading.Event] = {}  # GET /slots waiting for the head's rows
         self._slot_answers: dict[int, list[SlotRow]] = {}
@@ -40,6 +41,7 @@ class RequestRouter:
         """The new job's head (None: the job is gone); returns the previous channel."""
         with self.lock:
             previous, self.channel = self.channel, channel
+            self._changed.set()
             return previous
 
     def take_running(self) -> list[Ticket]:
@@ -71,7 +73,8 @@ class RequestRouter:
                         self.send(channel, "cancel", seq)
                 free = len(self._outstanding) < service.parallel
             if channel is None or channel.closed or service.status != "ok" or not free:
-                time.sleep(0.05)
+                self._changed.wait(0.05)  # a slot freed, or a new head: at once; else look again soon
+                self._changed.clear()
                 continue
             ticket = service.take_parallel(timeout=0.2)
             if ticket is None:
@@ -114,6 +117,7 @@ class RequestRouter:
             self._committed.pop(seq, None)
             self._cancel_sent.discard(seq)
             self._free_slot(ticket)
+        self._changed.set()
         if event.kind == "done":
             self.service._finish(ticket, event.result)  # noqa: SLF001 - the observers (metrics, the log line) too
         else:
