@@ -28,7 +28,7 @@ help:
 	@echo "make bench-topologies job shapes side by side: BENCH_SUITE=overhead|topologies|threads|pages|drafts (Qwen pair)"
 	@echo "make bench-network modes on 2 and 3 emulated hosts at 1gbit/100mbit/10mbit vs shared memory (root)"
 	@echo "make bench-cluster the scaling curve: 1-8 emulated hosts with their own CPU (2/N cores each), every mode and draft, CLUSTER_REPEAT runs a row (root)"
-	@echo "make bench-serve-recovery  serve losing a node on 4 emulated hosts x 0.5 CPU (Qwen pair): answers vs fault-free, time without a pipeline (root)"
+	@echo "make bench-serve-recovery  serve losing a node on 4 emulated hosts x 0.5 CPU (Qwen pair): answers vs fault-free, time without a pipeline (root, about 6 minutes)"
 	@echo "make llama-rpc    build llama.cpp's rpc-server, llama-completion, llama-speculative into build/llama-rpc (from the PyPI sdist)"
 	@echo "make bench-rpc    llama.cpp over RPC on a running emulated cluster vs pipeinfer on the same hosts (root)"
 	@echo "make fault-matrix every message tag x drop/delay/dup/kill/stall in real jobs (about 20 minutes)"
