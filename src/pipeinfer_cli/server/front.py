@@ -95,14 +95,18 @@ class Front:
                     self._run_one_job(first)
                     break  # stopped in order
                 except JobLost as lost:
-                    explained = self._job is not None and self._job.reported_error()
-                    if not self._ever_ready or (not self._job_ready and explained):
-                        # The job could not start (its error line said why, or this one does): a
-                        # restart would fail the same way.
+                    job = self._job
+                    if job is not None and not self._job_ready:
+                        job.wait(STOP_WAIT_S)  # its own account of why it could not start
+                    explained = job is not None and job.reported_error()
+                    refused = job is not None and job.rc == 2  # a usage error: the model does not fit, …
+                    if not self._ever_ready or (not self._job_ready and refused):
+                        # The job could not start for a reason a restart would meet again (a rank
+                        # lost while it starts is not one: that is restarted, within --max-restarts).
                         if not explained:
                             self.say(f"Error: {lost}")
                         self.service.fail(f"the server could not start its job: {lost}")
-                        return self._job_exit_code()
+                        return self._job_exit_code() if not self._ever_ready else 1
                     if not self._recover(str(lost)):
                         return 1
                 finally:
