@@ -16,6 +16,10 @@ configuration (--configs) through `pipeinfer bench` as a user runs it, with the 
                                 (the PipeInfer paper's 8-node shape is 7 + 1)
     pipeinfer:DRAFT@shared      N target stages + 1 draft rank that shares host 0 with the head:
                                 its own process, drafting while the head works, on the head's quota
+    auto:DRAFT                  what `generate -M auto --layer-split auto --draft DRAFT` chooses by
+                                itself on N ranks with no profile given: mode, settings, placement
+                                and threads (the first run of a cluster calibrates quickly and caches
+                                the profile; its time is the row's `calibrate s`)
 
 DRAFT is a model name, `lookup`, or `lookup+MODEL`. Every row runs --repeat times (default 3, or
 CLUSTER_REPEAT), the rows of one cluster in alternated rounds so that background load hits them
@@ -44,6 +48,7 @@ from benchmarks.emulated import Cluster, Failure, emulated_cluster, main_guard, 
 from benchmarks.figures import first_difference, median, spread
 from benchmarks.report import Column, fmt, fmt_spread, publish, render
 from benchmarks.runner import PIPEINFER, ROOT, log, pipeinfer, run_json, shown
+from benchmarks.scaling_auto import auto_cmd, run_auto
 
 DEFAULT_CONFIGS = ("iterative,speculative:qwen2.5-coder-0.5b-instruct,pipeinfer:qwen2.5-coder-0.5b-instruct,"
                    "pipeinfer:smollm2-135m-instruct,pipeinfer:lookup,pipeinfer:lookup+qwen2.5-coder-0.5b-instruct,"
@@ -51,21 +56,24 @@ DEFAULT_CONFIGS = ("iterative,speculative:qwen2.5-coder-0.5b-instruct,pipeinfer:
 # What a run keeps of each record of the job's JSON (`pipeinfer bench --json`): the figures below
 # and the ranks' own reports, which extra columns read.
 RECORD_KEYS = ("prompt_id", "mode", "tokens", "n_prompt", "n_gen", "tok_per_s", "decode_tok_per_s", "ttft_s",
-               "acceptance", "ranks")
+               "acceptance", "ranks", "drafting")
 
 
 def parse_config(text: str) -> dict:
     mode, _, rest = text.partition(":")
     draft, _, place = rest.partition("@")
-    if mode not in ("iterative", "speculative", "pipeinfer"):
-        raise Failure(f"config {text!r}: the mode must be iterative, speculative or pipeinfer")
+    if mode not in ("iterative", "speculative", "pipeinfer", "auto"):
+        raise Failure(f"config {text!r}: the mode must be iterative, speculative, pipeinfer or auto")
     if mode != "iterative" and not draft:
         raise Failure(f"config {text!r}: {mode} needs a draft (MODE:DRAFT)")
     if place not in ("", "head", "own", "shared"):
         raise Failure(f"config {text!r}: the placement after @ is head, own or shared")
+    if mode == "auto" and place:
+        raise Failure(f"config {text!r}: auto chooses the placement itself; drop the @{place}")
     if place in ("own", "shared") and (not draft or draft.startswith("lookup")):
         raise Failure(f"config {text!r}: only a draft model runs as a rank of its own (@{place})")
-    return {"label": text, "mode": mode, "draft": draft or None, "placement": place or ("head" if draft else None)}
+    placement = "auto" if mode == "auto" else place or ("head" if draft else None)  # auto: the job's choice
+    return {"label": text, "mode": mode, "draft": draft or None, "placement": placement}
 
 
 # -- columns read from the job's JSON --------------------------------------------------------------
@@ -99,7 +107,9 @@ def _at(value, keys: list[str]) -> float | None:
 
 # Columns every table shows, read from the job's JSON records (a per-rank figure the job reports,
 # e.g. RecordColumn("draft CPU s", "ranks.*.draft_cpu_s")); --column adds more for one run.
-JOB_COLUMNS: list[RecordColumn] = []
+JOB_COLUMNS: list[RecordColumn] = [RecordColumn("drafted / token", "drafting.proposed_per_committed"),
+                                   RecordColumn("head CPU s", "ranks.0.cpu_s"),
+                                   RecordColumn("head own s", "ranks.0.cpu_split.own_s")]
 
 
 def parse_column(text: str) -> RecordColumn:
@@ -156,16 +166,16 @@ def run_one(a, c: Cluster, n_hosts: int, rate: str, cfg: dict, mem: str | None, 
     cmd = bench_cmd(a, n_hosts, cfg, out)
     ranks = n_hosts + 1 if cfg["placement"] == "shared" else n_hosts
     log(f"[{n_hosts} hosts x {c.cpus[0]:g} CPU, {rate}{', mem ' + mem if mem else ''}, run {rnd + 1}/{a.repeat}] "
-        f"{cfg['label']}: {shown(cmd)}")
+        f"{cfg['label']}: {shown(cmd) if cfg['mode'] != 'auto' else shown(auto_cmd(a, n_hosts, cfg, None))}")
     before = c.usage()
-    job = run_json(on_cluster(c, ranks, cmd), out, c.env())
+    job = run_auto(a, c, n_hosts, cfg) if cfg["mode"] == "auto" else run_json(on_cluster(c, ranks, cmd), out, c.env())
     after = c.usage()
     run = {"round": rnd, "returncode": job.returncode, "wall_s": round(job.wall_s, 1),
            "host_cpu_s": {h: round(after[h]["cpu_s"] - before[h]["cpu_s"], 2) for h in after},
            "host_throttled_s": {h: round(after[h]["throttled_s"] - before[h]["throttled_s"], 2) for h in after},
            "host_mem_peak": {h: after[h]["mem_peak"] for h in after}, "oom": c.memory_failures(before)}
     if job.ok:
-        run["records"] = [{k: r.get(k) for k in RECORD_KEYS} for r in job.doc["records"]]
+        run["records"] = [{k: r.get(k) for k in RECORD_KEYS + ("auto",)} for r in job.doc["records"]]
         run |= run_figures(run["records"], a.columns)
         log(f"  {job.wall_s:.0f} s: {run['tok_per_s']:.2f} tok/s, TTFT {run['ttft_s']:.2f} s")
     else:
@@ -193,15 +203,24 @@ def make_row(c_cpus: float, n_hosts: int, rate: str, mem: str | None, cfg: dict,
            "command": f"scripts/emulate-cluster.sh up {n_hosts} --rate {rate} --cpus {c_cpus:g}"
                       f"{' --mem ' + mem if mem else ''}; scripts/emulate-cluster.sh "
                       f"{'on 0' if n_hosts == 1 and cfg['placement'] != 'shared' else 'exec'} -- "
-                      f"{shown(bench_cmd(a, n_hosts, cfg, Path('OUT.json')))}",
+                      f"{shown(auto_cmd(a, n_hosts, cfg, None) if cfg['mode'] == 'auto' else bench_cmd(a, n_hosts, cfg, Path('OUT.json')))}",
            "runs": runs, "failed_runs": [r["error"] for r in runs if "records" not in r]}
     for key in ("tok_per_s", "decode_tok_per_s", "ttft_s", "acceptance"):
         row[f"{key}_spread"] = spread(r[key] for r in ran)
         row[key] = (row[f"{key}_spread"] or {}).get("median")
     row["host_cpu_s_max"] = spread(max(r["host_cpu_s"].values(), default=0) for r in ran) if ran else None
     row["host_throttled_s_sum"] = spread(sum(r["host_throttled_s"].values()) for r in ran) if ran else None
+    row["head_host_cpu_ratio"] = spread(x for x in (head_cpu_ratio(r["host_cpu_s"]) for r in ran) if x) if ran else None
     row["columns"] = {col.label: spread(r["columns"].get(col.label) for r in ran) for col in a.columns}
     return row
+
+
+def head_cpu_ratio(host_cpu_s: dict) -> float | None:
+    """The head's host's CPU time over the busiest other host's (the first host is the head's)."""
+    if len(host_cpu_s) < 2:
+        return None
+    head, *others = host_cpu_s.values()
+    return round(head / max(others), 3) if max(others) > 0 else None
 
 
 def check_texts(rows: list[dict]) -> list[str]:
@@ -277,6 +296,7 @@ def columns(extra: list[RecordColumn]) -> list[Column]:
             Column("plan err", _plan_error),
             Column("CPU s (max host)", lambda r: fmt_spread(r.get("host_cpu_s_max"), ".1f")),
             Column("throttled s (sum)", lambda r: fmt_spread(r.get("host_throttled_s_sum"), ".1f")),
+            Column("head CPU / other", lambda r: fmt_spread(r.get("head_host_cpu_ratio"), ".2f")),
             *(Column(col.label, lambda r, k=col.label: fmt_spread((r.get("columns") or {}).get(k))) for col in extra),
             Column("texts", _texts, "l")]
 

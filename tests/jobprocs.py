@@ -44,12 +44,12 @@ def marked_pids(marker: str) -> list[int]:
 
 
 def rank_process(marker: str, rank: int) -> int:
-    """The pid of an MPI rank's own process in a marked job: not its guard (`serve --ranks N`,
-    transport/rank_guard.py) nor its start watchdog, which carry the rank's variables too."""
+    """The pid of an MPI rank's own process in a marked job: not its start watchdog, which carries
+    the rank's variables too."""
     want = f"PMI_RANK={rank}\0".encode()
     found = [p for p in marked_pids(marker)
              if want in _read(f"/proc/{p}/environ") and _read(f"/proc/{p}/comm").strip() not in
-             (b"pipeinfer-guard", b"pipeinfer-start")]
+             (b"pipeinfer-start",)]
     assert len(found) == 1, f"rank {rank}: {found}"
     return found[0]
 

@@ -78,6 +78,15 @@ import json, sys
 a = sys.argv[1:]
 arg = lambda k, d=None: a[a.index(k) + 1] if k in a else d
 draft = arg("--draft", "")
+if a[0] == "generate":  # an auto row: one prompt, its JSON on stdout, the job's choice in "auto"
+    given = json.load(open(arg("--messages")))[0]["content"] if "--messages" in a else arg("-p")
+    if given not in ("raw text", "a chat message") or arg("-M") != "auto" or arg("--layer-split") != "auto":
+        print(f"Error: unexpected prompt or options: {{a}}", file=sys.stderr)
+        sys.exit(1)
+    json.dump({{"prompt_id": "", "mode": "pipeinfer", "tokens": [1, 2, 3], "n_gen": 3, "tok_per_s": 4.0,
+               "decode_tok_per_s": 5.0, "ttft_s": 0.4, "acceptance": {{"drafted": 4, "accepted": 4}},
+               "ranks": [{{"rank": 0, "cpu_s": 1.0}}], "auto": {{"mode": "pipeinfer", "layer_split": "1,27"}}}}, sys.stdout)
+    sys.exit(0)
 if draft == "broken":
     print("Error: the draft model could not be loaded", file=sys.stderr)
     sys.exit(1)
@@ -147,7 +156,8 @@ def test_a_text_that_differs_from_iterative_fails_the_campaign(campaign):
     assert "DIFFER" in next(x for x in md.splitlines() if "pipeinfer:differ" in x)
 
 
-def test_rows_are_repeated_and_reported_as_median_with_spread_on_a_named_cpu(campaign):
+def test_rows_are_repeated_and_reported_as_median_with_spread_on_a_named_cpu(campaign, monkeypatch):
+    monkeypatch.setattr(bc, "JOB_COLUMNS", [])  # only the --column ones below
     status, doc, md, err = campaign("--configs", "iterative,pipeinfer:lookup", "--repeat", "3",
                                     "--column", "CPU s all ranks=ranks.*.cpu_s", "--column", "head CPU s=ranks.0.cpu_s")
     assert status == 0, err
@@ -194,3 +204,22 @@ def test_a_column_declared_in_the_code_is_in_every_table(campaign, monkeypatch):
     assert status == 0, err
     assert "| rank 1 CPU s | texts |" in md.splitlines()[2]
     assert doc["rows"][0]["columns"]["rank 1 CPU s"]["median"] == 0.5
+
+
+def test_an_auto_row_runs_generate_for_each_prompt_and_keeps_its_choice(campaign, tmp_path):
+    """`auto:DRAFT`: what `generate -M auto --layer-split auto` chooses with no profile, one job per
+    prompt (raw or chat), its records checked against iterative's like any row's."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "p0", "prompt": "raw text"}\n'
+                       '{"id": "p1", "messages": [{"role": "user", "content": "a chat message"}]}\n')
+    status, doc, md, err = campaign("--configs", "iterative,auto:d", "--repeat", "2", "--prompts", str(prompts))
+    assert status == 0, err
+    auto = next(r for r in doc["rows"] if r["label"] == "auto:d")
+    assert auto["placement"] == "auto" and auto["texts_identical"] is True and auto["x_iterative"] == 4.0 / 2.5
+    assert [rec["prompt_id"] for rec in auto["runs"][0]["records"]] == ["p0", "p1"]
+    assert auto["runs"][1]["records"][1]["auto"] == {"mode": "pipeinfer", "layer_split": "1,27"}
+    assert "generate" in auto["command"] and "-M auto --layer-split auto" in auto["command"]
+    line = next(x for x in md.splitlines() if "`auto:d`" in x)
+    assert "| auto |" in line and "same" in line
+    with pytest.raises(bc.Failure, match="chooses the placement itself"):
+        bc.parse_config("auto:d@own")

@@ -25,12 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import PipeinferError
-from ..transport.launch import ORDERLY_STOP_S, pipeinfer_command, start_own_session
+from ..transport.launch import pipeinfer_command, start_own_session
 from ..transport.process_tree import JobProcesses
 
 HOST = "127.0.0.1"
 READY_TIMEOUT_S = 900.0  # loading a large model on a shared machine takes minutes
 POLL_S = 0.1
+# serve ends every request, then its job (which gets 5 s before it is stopped by force: server/front.py);
+# past this, the server is stopped by force.
+ORDERLY_STOP_S = 5.0
 STOP_WAIT_S = 10.0  # beyond serve's own orderly stop (ORDERLY_STOP_S), before the force
 
 

@@ -9,16 +9,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UsageError, debug_enabled, error_line, illegal_instruction
 from .job_output import BannerFilter, LauncherFilter, OutputPump  # noqa: F401 - the filters are part of this module's API
-from .deadlines import DEFAULT_RANK_TIMEOUT_S
 from .process_tree import JobProcesses
-from .rank_guard import ENDS_ENV
 
 # Variables that MPICH/Hydra, Open MPI, Slurm and PMIx set in every rank of a job.
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "PMI_FD")
@@ -27,14 +23,6 @@ RELAUNCHED = "PIPEINFER_RELAUNCHED"
 # only this process; it then stops every process of the job itself (see relaunch()).
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
-# A server stops in order: the head ends every request with an error event, tells the other ranks to
-# end and exits. Past this, the job is stopped by force (SIGTERM to every process, then SIGKILL).
-ORDERLY_STOP_S = 5.0
-# A server's job runs without the launcher's cleanup (rank_guard.py): once a rank has ended, the
-# others get this long to end by themselves (the head tells its clients, then every rank leaves)
-# before they are stopped by force. Counted from the head's end, or from another rank's end plus
-# the head's deadline for noticing it (--rank-timeout).
-GONE_RANK_GRACE_S = 15.0
 
 
 def under_mpi_launcher() -> bool:
@@ -134,8 +122,7 @@ def run_stoppable(cmd: list[str], **popen_kw) -> tuple[int, int | None]:
 PUMP_DRAIN_S = 10
 
 
-def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | None = None,
-             rank_timeout_s: float = 0.0, program: list[str] | None = None) -> int:
+def relaunch(n_ranks: int, argv: list[str], program: list[str] | None = None) -> int:
     """Run this same command as an MPI job of n_ranks processes and return its exit code.
 
     The job runs in a session of its own, so a Ctrl-C at the terminal reaches only this process,
@@ -144,46 +131,34 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
     process stops the job itself: SIGTERM to every process of it, SIGKILL STOP_GRACE_S later,
     and it returns only once they are gone. What the launcher prints about its teardown is
     dropped, and the one line reported is `Error: interrupted` (`Error: stopped by SIGTERM`).
-    clean_stop: for a command that a stop signal is meant to end (a server), the line to print
-    instead, given the signal's name; the exit status is then 0. Such a job also outlives a rank
-    killed by a signal, so that its head can tell its clients (rank_guard.py): without the
-    launcher's cleanup, whatever is left GONE_RANK_GRACE_S after the head ended (or after another
-    rank ended, plus rank_timeout_s for the head to notice) is stopped by force. Such a job is stopped in order:
-    the signal goes to the head alone (a stage killed first would take the head down before it
-    could answer the requests in flight), and by force only after ORDERLY_STOP_S.
 
     The head prints its own errors; an abnormal end it could not report (a rank killed or
     crashed) is reported here, in one line. program: what each rank runs before argv, when it is
     not `pipeinfer` (a benchmark script that drives the runtime itself, as scripts/soak.py).
+    (`pipeinfer serve` does not use this: its front starts, watches and restarts its job itself,
+    transport/supervised_job.py.)
     """
-    cmd, env, ends = _job_command(n_ranks, argv, guarded=clean_stop is not None, program=program)
+    cmd, env = _job_command(n_ranks, argv, program=program)
     debug = debug_enabled()
-    stop = _StopRequest(clean_stop is not None)
+    stop = _StopRequest()
     # The handlers come first: a stop that arrives while mpiexec starts stops it right after.
     previous = {s: signal.signal(s, stop.on_signal) for s in _STOP_SIGNALS}
     try:
         proc = start_own_session(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except BaseException:
         _restore_handlers(previous)
-        if ends is not None:
-            shutil.rmtree(ends, ignore_errors=True)
         raise
     job = stop.job = JobProcesses(proc)
     pumps = (OutputPump(proc.stdout, sys.stdout.buffer, debug, stop.by_force, stop.stopping),
              OutputPump(proc.stderr, sys.stderr.buffer, debug, stop.by_force, stop.stopping, drop_when_stopping=True))
     exited = threading.Event()
     threading.Thread(target=job.watch_ranks, args=(n_ranks, exited), daemon=True, name="find-ranks").start()
-    if ends is not None:  # without the launcher's cleanup, no rank may outlive the job's end
-        head_deadline = rank_timeout_s if rank_timeout_s > 0 else DEFAULT_RANK_TIMEOUT_S
-        threading.Thread(target=job.end_stragglers, args=(exited, stop.stopping, GONE_RANK_GRACE_S, head_deadline),
-                         daemon=True, name="stragglers").start()
     try:
         if stop.stopping.is_set():
             job.stop()
         job.wait_exited()
     finally:
         exited.set()
-        stop.force_later.cancel()
         rc = job.finish()
         _restore_handlers(previous)
         # The job's processes are gone, so the pipes reach EOF: wait for what they still hold (the
@@ -191,39 +166,24 @@ def relaunch(n_ranks: int, argv: list[str], clean_stop: Callable[[str], str] | N
         # to copy it, but not for ever (a stray grandchild could keep a pipe open).
         for pump in pumps:
             pump.join(timeout=PUMP_DRAIN_S)
-        if ends is not None:
-            shutil.rmtree(ends, ignore_errors=True)
-    return _job_status(rc, pumps, job, stop.signum, clean_stop)
+    return _job_status(rc, pumps, job, stop.signum)
 
 
-def _job_command(n_ranks: int, argv: list[str], guarded: bool,
-                 program: list[str] | None = None) -> tuple[list[str], dict[str, str], str | None]:
-    """(mpiexec command, environment, directory of the guards' reports or None). guarded: each rank
-    runs under transport/rank_guard.py, without the launcher's cleanup, so that a server outlives a
-    rank killed by a signal and can tell its clients."""
+def _job_command(n_ranks: int, argv: list[str], program: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """(mpiexec command, environment) of a job of n_ranks running `pipeinfer ARGV` (or program + argv)."""
     mpiexec = find_mpiexec()
     rank_cmd = [*program, *argv] if program else pipeinfer_command(argv)
-    env = {**os.environ, RELAUNCHED: "1"}
-    if not guarded:
-        return [mpiexec, "-n", str(n_ranks), *rank_cmd], env, None
-    ends = tempfile.mkdtemp(prefix="pipeinfer-rank-ends-")
-    env[ENDS_ENV] = ends
-    return ([mpiexec, "-disable-auto-cleanup", "-n", str(n_ranks),
-             sys.executable, "-m", "pipeinfer_cli.transport.rank_guard", *rank_cmd], env, ends)
+    return [mpiexec, "-n", str(n_ranks), *rank_cmd], {**os.environ, RELAUNCHED: "1"}
 
 
 class _StopRequest:
-    """A stop signal received by the launching process, and how it stops the job: by force (SIGTERM
-    to every process, SIGKILL soon after), or for a server in order (the signal to the head alone,
-    by force only after ORDERLY_STOP_S)."""
+    """A stop signal received by the launching process, and how it stops the job: SIGTERM to every
+    process, SIGKILL soon after."""
 
-    def __init__(self, orderly: bool):
-        self.orderly = orderly
+    def __init__(self):
         self.stopping = threading.Event()
         self.signum: int | None = None
         self.job: JobProcesses | None = None
-        self.force_later = threading.Timer(ORDERLY_STOP_S, self.by_force)
-        self.force_later.daemon = True
 
     def by_force(self) -> None:
         self.stopping.set()  # first, so that the launcher's reaction to the stop is filtered
@@ -234,10 +194,6 @@ class _StopRequest:
         if self.signum is not None:  # a second Ctrl-C changes nothing: the job is being stopped already
             return
         self.signum = signum
-        if self.orderly and self.job is not None and self.job.signal_rank(0, signum):
-            self.stopping.set()
-            self.force_later.start()
-            return
         self.by_force()
 
 
@@ -246,16 +202,12 @@ def _restore_handlers(previous: dict) -> None:
         signal.signal(s, handler)
 
 
-def _job_status(rc: int, pumps, job: JobProcesses, stopped_by: int | None,
-                clean_stop: Callable[[str], str] | None) -> int:
+def _job_status(rc: int, pumps, job: JobProcesses, stopped_by: int | None) -> int:
     """The relaunching command's exit status once the job is gone (mpiexec's rc), and the one line
     to add when the job could not say what happened itself."""
     if any(pump.broken for pump in pumps):
         return 128 + signal.SIGPIPE  # the reader went away: the job was stopped, nothing to report
     if stopped_by is not None:
-        if clean_stop is not None:
-            _say(clean_stop(signal.Signals(stopped_by).name))
-            return 0
         _report("interrupted" if stopped_by == signal.SIGINT else f"stopped by {signal.Signals(stopped_by).name}")
         return 128 + stopped_by
     if rc != 0 and pumps[1].reported:

@@ -25,7 +25,6 @@ the ranks' wait loops at most every CHECK_EVERY_S, and the heartbeat thread slee
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,23 +37,10 @@ from ..errors import PipeinferError
 from .deadlines import BEAT_MAX_INTERVAL_S, DEFAULT_RANK_TIMEOUT_S  # noqa: F401 - DEFAULT is part of this API
 from .messages import Tag
 from .mpi_link import BUSY, BUSY_IDLE, BUSY_OPAQUE, Link, RankFailedError
-from .rank_guard import ENDS_ENV
 
 CHECK_EVERY_S = 0.05
 FAREWELL = -1  # a last heartbeat: this rank stopped sending them (it is shutting down)
 _FIX = "raise --rank-timeout (0 disables the check)"
-
-
-def ended_why(how: str) -> str:
-    """What a rank's end (rank_guard.how_it_ended) says about its cause."""
-    if how == "killed by SIGKILL":
-        return "something killed it, for example the out-of-memory killer (check the host's memory: dmesg)"
-    if how in ("killed by SIGTERM", "killed by SIGINT", "killed by SIGHUP"):
-        return ("someone or something stopped it: a scheduler, a `kill`, a shutdown of its host; stop a server "
-                "by signalling the `pipeinfer serve` command, which ends every request first")
-    if how.startswith("killed by"):
-        return "it crashed; run again with PIPEINFER_DEBUG=1 and report it with the command"
-    return "it ended without reporting an error"
 
 
 class RankUnresponsiveError(RankFailedError):
@@ -93,8 +79,6 @@ class Liveness:
         self._stop = threading.Event()
         self._pending: list[tuple[MPI.Request, np.ndarray]] = []  # the heartbeat thread's own sends
         self._thread = threading.Thread(target=self._beat_loop, daemon=True, name="heartbeat")
-        # A `serve --ranks N` job: where each rank's guard says how its rank ended (rank_guard.py).
-        self.ends_dir = os.environ.get(ENDS_ENV)
 
     def start(self) -> "Liveness":
         self.link.liveness = self
@@ -179,8 +163,6 @@ class Liveness:
             return
         self._checked = now
         self._drain(now)
-        if self.ends_dir:
-            self._check_ended()
         T = self.timeout_s
         for r, peer in self.peers.items():
             if now - peer.last_heard > T:
@@ -195,27 +177,6 @@ class Liveness:
                 f"nothing moved in the job for {T:g} s while the head waited for {what} from "
                 f"{self.link.names[rank]}, which is alive and idle: a message was lost ({_FIX} if the "
                 f"network is only slow)")
-
-    def _check_ended(self) -> None:
-        """Raise if the guard of a rank this rank watches (the head: every rank; the others: the
-        head) said that its rank has ended."""
-        try:
-            names = os.listdir(self.ends_dir)
-        except OSError:
-            return
-        for name in sorted(names):
-            rank = name.removeprefix("rank-")
-            if not rank.isdigit() or int(rank) not in self.peers:
-                continue
-            try:
-                with open(os.path.join(self.ends_dir, name)) as f:
-                    how = f.read().strip()
-            except OSError:
-                continue
-            if self.link.rank != 0 and not how.startswith("killed by"):
-                continue  # a head that exited by itself told the ranks first (ABORT or SHUTDOWN)
-            msg = f"{self.link.names[int(rank)]} ended: {how}; {ended_why(how)}"
-            raise RankUnresponsiveError(msg) if self.link.rank == 0 else HeadUnresponsiveError(msg)
 
     def _while(self, rank: int, awaiting: tuple[int, Tag] | None) -> str:
         """What the head was waiting for, as the end of an error message."""

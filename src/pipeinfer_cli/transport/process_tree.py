@@ -11,7 +11,6 @@ import subprocess
 import threading
 import time
 
-from .rank_guard import GUARD_NAME
 from .start_waits import WATCHDOG_NAME
 
 STOP_GRACE_S = 0.5  # after SIGTERM to the job's processes, SIGKILL whatever is left
@@ -49,13 +48,12 @@ def _process_table() -> dict[int, _Proc]:
 
 def _mpi_rank(pid: int) -> int | None:
     """The MPI rank a process of the job is, from the launcher's variables in its environment
-    (None for a rank's start watchdog and a rank's guard, which have them too: see start_waits.py,
-    rank_guard.py)."""
+    (None for a rank's start watchdog, which has them too: see start_waits.py)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read().split(b"\0")
         with open(f"/proc/{pid}/comm", "rb") as f:
-            if f.read().strip() in (WATCHDOG_NAME, GUARD_NAME):
+            if f.read().strip() == WATCHDOG_NAME:
                 return None
     except OSError:
         return None
@@ -132,42 +130,12 @@ class JobProcesses:
             for fd in fds:
                 os.close(fd)
 
-    def end_stragglers(self, done: threading.Event, stopping: threading.Event, grace_s: float,
-                       head_deadline_s: float, every_s: float = 0.2) -> None:
-        """For a job without the launcher's cleanup: once a rank has ended (watch_ranks notes the
-        first), stop by force whatever is left of the job grace_s after the head (rank 0) ended, or
-        head_deadline_s + grace_s after another rank ended first (the head had that long to notice
-        and leave). Until a rank ends this only reads what watch_ranks noted."""
-        first_gone: float | None = None
-        head_gone: float | None = None
-        while not done.wait(every_s):
-            if stopping.is_set() or self._stop_at is not None:
-                return
-            if not self.first_ended:
-                continue
-            now = time.monotonic()
-            if first_gone is None:
-                with self._lock:  # the shared memory the ranks still map, removed once all are gone
-                    if not self._reaped:
-                        self._refresh()
-            first_gone = first_gone or now
-            if head_gone is None and (0 in self.first_ended or not self._head_alive()):
-                head_gone = now
-            deadline = head_gone + grace_s if head_gone is not None else first_gone + head_deadline_s + grace_s
-            if now > deadline:
-                self.stop()
-                return
-
     def note_shared_memory(self) -> None:
         """Read which MPICH shared-memory files the job's processes map now (once they have started
         MPI), so that they are removed when the job ends, even if a rank was killed and could not."""
         with self._lock:
             if not self._reaped:
                 self._refresh()
-
-    def _head_alive(self) -> bool:
-        table = _process_table()
-        return any(rank == 0 and pid in table and table[pid].state != b"Z" for pid, rank in self.ranks.items())
 
     def _refresh(self) -> dict[int, _Proc]:
         """Add the processes now under mpiexec (or under a known process) to the known ones."""
@@ -207,16 +175,6 @@ class JobProcesses:
                 if pid != self.proc.pid:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signum)
-
-    def signal_rank(self, rank: int, signum: int) -> bool:
-        """Send signum to one rank of the job; False if that rank is not known to be running."""
-        with self._lock:
-            table = self._refresh()
-            pids = [pid for pid in self._alive(table) if self.ranks.get(pid) == rank]
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signum)
-            return bool(pids)
 
     def stop(self) -> None:
         """SIGTERM to every process of the job, SIGKILL STOP_GRACE_S later to what is left."""

@@ -23,7 +23,7 @@ class SupervisedJob:
     """One start of the job: `mpiexec -n N pipeinfer ARGV` with `env` added to its environment."""
 
     def __init__(self, n_ranks: int, argv: list[str], env: dict[str, str]):
-        cmd, job_env, _ = _job_command(n_ranks, argv, guarded=False)
+        cmd, job_env = _job_command(n_ranks, argv)
         job_env.update(env)
         self.n_ranks = n_ranks
         self._stopping = threading.Event()
