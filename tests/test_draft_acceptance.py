@@ -77,3 +77,27 @@ def test_auto_says_on_stderr_that_it_assumes_the_acceptance(smollm2_path, tmp_pa
     assert r.returncode == 0, r.stderr
     warn = [x for x in r.stderr.splitlines() if x.startswith("pipeinfer: -M auto: warning: planning on an assumed")]
     assert len(warn) == 1 and "60%" in warn[0] and "the target and the draft do not fit" in warn[0], r.stderr
+
+
+def test_acceptance_is_measured_after_a_chat_request_where_the_target_has_a_template(smollm2_path):
+    from pipeinfer_cli.cli.draft_acceptance import CALIBRATION_REQUEST, CALIBRATION_TEXT, calibration_prompt
+    from pipeinfer_cli.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_path)
+    try:
+        prompt, what = calibration_prompt(tok)
+        assert prompt == tok.chat_messages([{"role": "user", "content": CALIBRATION_REQUEST}]) and "chat" in what
+        assert prompt != tok.encode(CALIBRATION_TEXT)
+    finally:
+        tok.close()
+    # A target without a template: the raw text.
+    from pipeinfer_cli.runtime.tokenizer import NoChatTemplateError
+
+    class NoTemplate:
+        def chat_messages(self, messages):
+            raise NoChatTemplateError()
+
+        def encode(self, text):
+            return [len(text)]
+
+    assert calibration_prompt(NoTemplate()) == ([len(CALIBRATION_TEXT)], "a calibration prompt (the target has no chat template)")

@@ -47,7 +47,8 @@ just before the last one (about 512 MB of weights, 128 MB with --quick); the cos
 (LM head and sampler) on the last layer; the rank's fixed cost per run (the head's
 loop); with --draft, the draft's seconds per proposed token and per prompt token, on the rank that
 would run it, and a draft model's acceptance (its greedy next token against the whole target's on
-96 tokens of a calibration prompt, 32 with --quick, on the head, where both fit in its memory: what
+96 tokens of the answer to a calibration chat request, the raw text where the target has no chat
+template, 32 with --quick, on the head, where both fit in its memory: what
 -M auto plans with); then latency and bandwidth of every link the job uses (each stage to the next, the
 last back to the head, a draft rank), with the job's real waits; and each host's CPU, cores and
 memory.
