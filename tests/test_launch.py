@@ -53,7 +53,21 @@ def test_banner_is_removed_and_text_kept(data, want, step):
     out, f = filtered(data, step)
     assert out == want
     if BANNER in data:
-        assert f.exit_string == "Killed (signal 9)"
+        assert f.exit_string == "Killed (signal 9)" and f.failed_pid == 30425
+    else:
+        assert f.failed_pid is None
+
+
+def test_ranks_that_ended_together_are_told_apart_by_the_pid_the_launcher_saw_fail():
+    from pipeinfer_cli.transport.process_tree import JobProcesses
+
+    job = JobProcesses(None)
+    job.ranks = {101: 0, 102: 1, 103: 2}
+    job.first_ended = [1, 2]  # both gone between two looks of the watcher
+    assert job.first_to_end(103) == [2]
+    assert job.first_to_end(None) == [1, 2] and job.first_to_end(101) == [1, 2]  # not one of them
+    job.first_ended = [1]
+    assert job.first_to_end(103) == [1]  # one rank ended first: the launcher's later view does not change it
 
 
 @pytest.mark.parametrize("step", [1, 3, 7, 1 << 16])

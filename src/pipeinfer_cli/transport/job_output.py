@@ -4,6 +4,7 @@ TERMINATION" banner removed, generated text passed through as soon as it arrives
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Callable
 
@@ -96,6 +97,7 @@ class BannerFilter:
     _TITLE = b"=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"
     _LAST = b"Please see the FAQ page for debugging suggestions"
     _EXIT_STRING = b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING: "
+    _PID = re.compile(rb"^=\s+PID (\d+) RUNNING AT ")
 
     def __init__(self):
         self.partial = b""  # bytes of the current line not yet passed through
@@ -103,6 +105,7 @@ class BannerFilter:
         self.in_banner = False
         self.line_start = True  # nothing of the current line was passed through yet
         self.exit_string: str | None = None  # Hydra's reason, e.g. "Killed (signal 9)"
+        self.failed_pid: int | None = None  # the process Hydra saw fail ("PID 30425 RUNNING AT vm")
         self.lines: list[bytes] = []  # complete lines passed through (for error detection)
         # The start of a line passed through before its end arrived (a line can come in several
         # reads, under load): it joins `lines` when the line ends.
@@ -133,6 +136,9 @@ class BannerFilter:
         if self.in_banner:
             if line.startswith(self._EXIT_STRING):
                 self.exit_string = line[len(self._EXIT_STRING):].decode(errors="replace")
+            pid = self._PID.match(line)
+            if pid is not None and self.failed_pid is None:
+                self.failed_pid = int(pid[1])
             self.in_banner = line != self._LAST
             return
         if self._holding_rule() and line == self._TITLE:
@@ -207,6 +213,10 @@ class OutputPump(threading.Thread):
     @property
     def exit_string(self) -> str | None:
         return self.filter.exit_string if self.filter else None
+
+    @property
+    def failed_pid(self) -> int | None:
+        return self.filter.failed_pid if self.filter else None
 
     def _stopping(self) -> bool:
         return self.stopping.is_set() and not self.debug

@@ -217,7 +217,8 @@ def _job_status(rc: int, pumps, job: JobProcesses, stopped_by: int | None) -> in
     if rc != 0:
         # A job that printed nothing of its own never ran: then the launcher's message says why.
         said = [] if any(p.passed for p in pumps) else pumps[1].launcher_messages + pumps[0].launcher_messages
-        who = f"rank {job.first_ended[0]}" if len(job.first_ended) == 1 else None
+        first = job.first_to_end(pumps[0].failed_pid or pumps[1].failed_pid)
+        who = f"rank {first[0]}" if len(first) == 1 else None
         _report(abnormal_end(pumps[0].exit_string or pumps[1].exit_string, rc, said, who))
     return rc
 

@@ -95,6 +95,12 @@ class JobProcesses:
         self.ranks: dict[int, int] = {}  # pid -> MPI rank, of the ranks seen so far
         self.first_ended: list[int] = []  # the rank(s) that ended first, unless the job was stopped
 
+    def first_to_end(self, failed_pid: int | None) -> list[int]:
+        """The rank(s) that ended first; where several ended between two looks (a loaded machine),
+        the one the launcher saw fail (its banner's PID), if it is one of them."""
+        rank = self.ranks.get(failed_pid) if failed_pid is not None else None
+        return [rank] if len(self.first_ended) > 1 and rank in self.first_ended else list(self.first_ended)
+
     def watch_ranks(self, n_ranks: int, done: threading.Event, every_s: float = 0.2) -> None:
         """Note the pid of every rank as they start, then wait for the first to end (pidfds), so that
         a rank that dies can be named: the launcher's banner names whichever process it saw first."""

@@ -49,7 +49,7 @@ class SupervisedJob:
     @property
     def first_ended(self) -> list[int]:
         """The rank(s) that ended first, once one has (not when the job was stopped)."""
-        return list(self.processes.first_ended)
+        return self.processes.first_to_end(self._pumps[0].failed_pid or self._pumps[1].failed_pid)
 
     def reported_error(self) -> bool:
         """The job printed an `Error:` line of its own (a failure it explained itself)."""
