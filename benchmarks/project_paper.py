@@ -28,7 +28,7 @@ from pipeinfer_cli.planner.plan import Replay, run_mode, speedup, summarize
 from pipeinfer_cli.planner.predict import Topology
 from pipeinfer_cli.planner.project import ClusterSpec, ModelSpec, NodeSpec, cluster_profile
 from pipeinfer_cli.planner.replay import PromptTrace
-from pipeinfer_cli.runtime.topology import ranges_from_fractions
+from pipeinfer_cli.planner.layout import ranges_from_fractions
 
 # -- the stated figures ----------------------------------------------------------------------------
 # Llama-2-70B Q3_K_M: 33.2 GB; 80 layers of 8192 (about 855 M weights each, about 410 MB at Q3_K_M),

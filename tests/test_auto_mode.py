@@ -134,7 +134,7 @@ def test_calibrate_with_a_draft_model_measures_its_acceptance(tiny_pair, tmp_pat
 def test_the_acceptance_auto_plans_with_is_measured_where_it_can_be():
     from types import SimpleNamespace
 
-    from pipeinfer_cli.cli.auto_mode import draft_acceptance
+    from pipeinfer_cli.planner.auto_choice import draft_acceptance
     from pipeinfer_cli.decode.draft_spec import DraftSpec
     from pipeinfer_cli.planner.acceptance import DEFAULT_ACCEPTANCE, lookup_on_prompt
     from pipeinfer_cli.planner.profile import DraftCosts

@@ -52,7 +52,7 @@ def test_a_target_that_does_not_fit_whole_is_measured_in_slices(tiny_pair, monke
 
 
 def test_where_nothing_fits_calibrate_says_why_and_auto_repeats_it(tiny_pair, monkeypatch):
-    from pipeinfer_cli.cli.auto_mode import draft_acceptance
+    from pipeinfer_cli.planner.auto_choice import draft_acceptance
     from pipeinfer_cli.cli.draft_acceptance import measure_draft_acceptance
 
     target, draft = tiny_pair

@@ -93,7 +93,7 @@ def test_balanced_split_looks_balanced_token_embd_apart(smollm2_path):
 
 
 def plan_layers(model, world_size, layer_split=None, draft=None):
-    from pipeinfer_cli.runtime.topology import plan_job
+    from pipeinfer_cli.planner.layout import plan_job
 
     topo = plan_job(model, str(model), world_size, world_size, layer_split, None, draft, needs_draft=draft is not None)
     return [[p.rank, p.role, list(p.layers)] for p in topo.ranks]

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeinfer_cli.runtime.topology import parse_layer_split, ranges_from_fractions
+from pipeinfer_cli.planner.layout import parse_layer_split, ranges_from_fractions
 from pipeinfer_cli.errors import UsageError
 
 

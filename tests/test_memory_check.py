@@ -12,7 +12,7 @@ from pipeinfer_cli.errors import UsageError
 from pipeinfer_cli.models.gguf_info import read_model_info
 from pipeinfer_cli.runtime import cpu_share
 from pipeinfer_cli.runtime.loading import check_memory_limit, host_memory_needs
-from pipeinfer_cli.runtime.topology import RankPlan, Topology
+from pipeinfer_cli.planner.layout import RankPlan, Topology
 
 
 def job(model, n_ctx: int = 4096, draft=None):

@@ -113,7 +113,7 @@ def test_other_threads_are_extrapolated_or_taken_from_a_measured_profile():
 def test_auto_considers_the_threads_the_job_would_run_with():
     """A 1-thread profile of 2 ranks on one 2-CPU box: iterative runs with both CPUs per rank by
     default, which -M auto must weigh against the drafting modes at 1 thread (they compute at once)."""
-    from pipeinfer_cli.cli.auto_placement import thread_options
+    from pipeinfer_cli.planner.job_placement import thread_options
 
     prof = hosts(2, threads=1, host="vm", draft_token_s=3e-3)
     cfg = SimpleNamespace(threads=None)
@@ -138,7 +138,7 @@ def test_auto_considers_the_threads_the_job_would_run_with():
 def test_several_requests_at_once_keep_their_own_split():
     """serve --parallel N balances the stages for the aggregate (planner/split.py): auto does not
     place the job for one request's speed there."""
-    from pipeinfer_cli.cli.auto_placement import split_is_chosen
+    from pipeinfer_cli.planner.job_placement import split_is_chosen
 
     job = SimpleNamespace(layer_split="auto", parallel=1)
     assert split_is_chosen(job, 2) and not split_is_chosen(job, 1)

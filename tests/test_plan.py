@@ -136,7 +136,7 @@ def test_auto_split_respects_memory_and_says_when_nothing_fits():
 
 def test_layer_split_auto_in_the_job_planner(tmp_path):
     from pipeinfer_cli.errors import UsageError
-    from pipeinfer_cli.runtime.topology import plan_topology, split_rank_count
+    from pipeinfer_cli.planner.layout import plan_topology, split_rank_count
 
     assert split_rank_count("auto") is None and split_rank_count("auto/1") is None and split_rank_count("1,1/1") == 3
     slow = make_profile(2, n_layer=24, ranks=[rank_costs(0), rank_costs(1, speed=0.5)])

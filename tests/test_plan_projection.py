@@ -13,7 +13,7 @@ from pipeinfer_cli.planner.profile import DraftCosts, LinkCosts
 from pipeinfer_cli.planner.project import ClusterSpec, ModelSpec, NodeSpec, cluster_profile
 from pipeinfer_cli.planner.replay import ChainIndex, PromptTrace, SyntheticChains
 from pipeinfer_cli.planner.sim_drafters import ReplayDrafter, ReplayDraftRank
-from pipeinfer_cli.runtime.topology import ranges_from_fractions
+from pipeinfer_cli.planner.layout import ranges_from_fractions
 
 # The paper's setup, as benchmarks/project_paper.py states it: a 70B Q3_K_M target, a 1.1B Q4_K_M
 # draft on its own node, 16-core nodes at 25 GB/s, Gigabit Ethernet.

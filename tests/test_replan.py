@@ -47,11 +47,12 @@ def test_no_drafted_tokens_no_rate():
 
 def test_the_replanner_plans_the_mode_again_at_the_measured_rate_and_says_so(smollm2_path, tmp_path):
     from planning import smollm2_profile
-    from pipeinfer_cli.cli.auto_mode import AutoChoice, Replanner
+    from pipeinfer_cli.planner.auto_choice import AutoChoice
+    from pipeinfer_cli.planner.replan import Replanner
     from pipeinfer_cli.decode.draft_spec import DraftSpec
     from pipeinfer_cli.decode.session import DecodeOptions
     from pipeinfer_cli.planner.acceptance import assumed
-    from pipeinfer_cli.runtime.job_config import JobConfig
+    from pipeinfer_cli.planner.job_config import JobConfig
 
     cfg = JobConfig(model_path=smollm2_path, model_label="smollm2", draft_path=None, draft=DraftSpec.parse("lookup"),
                     profile=smollm2_profile(smollm2_path, tmp_path), decode=DecodeOptions(n_predict=24))

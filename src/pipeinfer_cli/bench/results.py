@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..wording import plural
-from ..runtime.topology import format_layer_ranges
+from ..planner.layout import format_layer_ranges
 from . import environment
 from .runner import check_tokens
 from .stats import summarize

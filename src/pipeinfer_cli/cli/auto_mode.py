@@ -1,165 +1,29 @@
-"""`-M auto`: the mode, settings, placement and threads the plan predicts fastest for this job's
-ranks and draft; and `--layer-split auto`'s placement of a drafting mode.
+"""What a job command gives the planner (planner/job_plan.py) for `-M auto` and `--layer-split
+auto`, and what it hands down to the job it starts.
 
-The search is the planner's (planner/search.py: the one `plan --search` runs), over the placements
-of planner/placement.py (where the draft runs, how many layers the head holds, each rank's threads),
-on the profile of these ranks (--profile, else one calibrated quickly and cached: cli/auto_profile.py), for the
-request the job will run, with the draft's acceptance measured where it can be
-(planner/acceptance.py: on the prompt itself for lookup; by `calibrate --draft` for a model) and
-assumed (DEFAULT_ACCEPTANCE) where not. The job says what it chose, and on what acceptance, on
-stderr when it starts, and `generate`'s summary line sets the predicted speed beside the measured
-one. Every process of the job makes the same choice (the simulation is deterministic), so no
-message is needed. Between requests (chat turns), Replanner plans the settings again, for the
-same mode, when the acceptance measured so far leaves the one planned on by a margin
-(planner/replan.py); never inside a request.
+The planner chooses (planner/auto_choice.py); the command gives it the profile of its ranks
+(--profile, else one calibrated quickly and cached: cli/auto_profile.py), the prompt's tokens (prompt
+lookup's acceptance is measured on them, for `generate`, whose command has the prompt), the profiles
+cached at other thread counts, and whether this process plans the job (the launching command, or
+rank 0 of a job its user launched). The launching command's choice is inherited by the ranks of the
+job it starts (CHOICE_ENV, PLACEMENT_ENV), which take it instead of deciding again: a rank does not
+have the prompt, and every rank must run the same settings. Between requests (chat turns, serve),
+planner/replan.Replanner plans the settings again, for the same mode, when the acceptance measured
+so far leaves the one planned on by a margin; never inside a request.
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, replace
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import UsageError
-from ..planner.acceptance import DEFAULT_ACCEPTANCE, Acceptance
-from .auto_placement import (draft_kind, job_placements, job_topology, placement_note,  # noqa: F401 - job_topology: plan's
-                             split_is_chosen, threads_note)
+from ..planner.job_plan import AUTO, ClusterFacts, JobPlan, PlanRequest
 
 if TYPE_CHECKING:
-    from ..decode.session import DecodeOptions
-    from ..runtime.job_config import JobConfig
-
-AUTO = "auto"
-
-
-@dataclass
-class AutoChoice:
-    mode: str
-    decode: DecodeOptions
-    predicted_tok_per_s: float | None
-    acceptance: Acceptance  # what the draft was planned to get right, and how that was obtained
-    threads: str = ""  # the threads per rank the job runs with (--threads)
-    layer_split: str | None = None  # the placement chosen (--layer-split in layer counts); None: the job's own
-    placement: str = ""  # how: "draft on rank 3 of its own", ...; and what the other candidates predicted
-    threads_how: str = ""  # where the threads' costs came from (the profile's, measured, extrapolated)
-    threads_default: bool = False  # they are what the job starts with by default for the mode (no --threads)
-
-    @property
-    def job_threads(self) -> str | None:
-        """The job's --threads: None where the chosen threads are the mode's default (so the job
-        starts as `generate -M MODE` would, e.g. an iterative job's ranks spinning on the whole host)."""
-        return None if self.threads_default else self.threads
-
-    def describe(self) -> str:
-        d = self.decode
-        knobs = "" if self.mode == "iterative" else f" n_draft {d.n_draft}"
-        if self.mode == "pipeinfer":
-            knobs += f", p_accept {d.p_accept}, max_inflight {d.max_inflight}"
-        pred = "" if self.predicted_tok_per_s is None else f", predicted {self.predicted_tok_per_s:.2f} tok/s"
-        return f"auto chose {self.mode}{' (' + knobs.strip() + ')' if knobs else ''}{pred}"
-
-    def announce(self) -> str:
-        """The job's start-up line: what auto chose, where, and on what acceptance."""
-        on = "" if self.acceptance.rate is None else f", on {self.acceptance.describe()}"
-        where = "" if self.layer_split is None else f", --layer-split {self.layer_split} ({self.placement})"
-        threads = self.threads_how or f"the profile's --threads {self.threads}"
-        return f"pipeinfer: -M {self.describe()}{where}{on}, run with {threads}"
-
-    def to_json(self) -> dict:
-        """The choice (generate --json's "auto"; CHOICE_ENV carries it to the job's ranks)."""
-        a, d = self.acceptance, self.decode
-        return {"mode": self.mode, "n_draft": d.n_draft, "p_accept": d.p_accept, "max_inflight": d.max_inflight,
-                "predicted_tok_per_s": self.predicted_tok_per_s, "threads": self.threads,
-                "layer_split": self.layer_split, "placement": self.placement, "threads_how": self.threads_how,
-                "threads_default": self.threads_default,
-                "acceptance": {"rate": a.rate, "measured": a.measured, "source": a.source}}
-
-    def summary(self, measured_tok_per_s: float | None) -> str:
-        """For generate's summary line: the choice, its acceptance, and predicted against measured speed."""
-        how = "measured" if self.acceptance.measured else "assumed"
-        speed = "" if measured_tok_per_s is None else f" against {measured_tok_per_s:.2f} measured"
-        if self.acceptance.rate is None:
-            return f"{self.describe()}{speed}"
-        return f"{self.describe()}{speed} (planned on acceptance {how} {self.acceptance.rate:.0%})"
-
-
-def choose(cfg: JobConfig, n_ranks: int, has_draft: bool, prompt_tokens: list[int] | None = None,
-           measured: dict | None = None, say=None) -> AutoChoice:
-    """The fastest predicted mode, settings and placement for this job (cfg: a JobConfig with a
-    profile). prompt_tokens: the request's prompt, when the job knows it before it starts
-    (generate). measured: {threads: Profile} of these ranks at other thread counts (cached
-    calibrations), which the search takes instead of extrapolating. say(line): stderr."""
-    from ..decode.modes import MODE_NAMES, needs_draft
-    from ..planner import search
-
-    prof = _checked_profile(cfg, n_ranks, "-M auto")
-    lookup = cfg.draft.is_free  # suffix drafting is planned as prompt lookup (DraftSpec.planned)
-    modes = [m for m in MODE_NAMES if not needs_draft(m) or (has_draft and (lookup or _has_model_costs(prof)))]
-    acceptance = draft_acceptance(cfg, prof, prompt_tokens)
-    if acceptance.rate is not None and not acceptance.measured and say is not None:
-        say(f"pipeinfer: -M auto: warning: planning on an assumed draft acceptance of {acceptance.rate:.0%}: "
-            f"{acceptance.source.removeprefix('assumed: ')}; `pipeinfer calibrate --draft` measures it")
-    replay = _replay(cfg, acceptance, prompt_tokens)
-
-    def topo_of(mode: str):
-        return job_topology(cfg.model_path, cfg.model_label, n_ranks, cfg.layer_split, cfg.draft_path, cfg.draft,
-                            needs_draft(mode), mode, cfg.profile, cfg.n_ctx)
-
-    places = lambda m: job_placements(cfg, prof, n_ranks, m, replay, measured)  # noqa: E731
-    c = search.choose(prof, topo_of, modes, replay, cfg.decode, cfg.n_ctx, placements_of=places)
-    p = c.placement
-    chosen_split = p.layer_split() if split_is_chosen(cfg, n_ranks) else None
-    from .plan_checks import job_threads
-
-    default = cfg.threads is None and p.threads == job_threads(prof, c.mode, None, n_ranks)
-    return AutoChoice(c.mode, c.opts, c.tok_per_s, acceptance, p.threads_option(), chosen_split,
-                      placement_note(c.per_mode[c.mode]), threads_note(prof, p, measured), default)
-
-
-def _checked_profile(cfg: JobConfig, n_ranks: int, why: str):
-    from ..planner.identity import model_sha256
-    from ..planner.profile import Profile
-
-    if cfg.profile is None:
-        raise UsageError(f"{why} needs a profile of the ranks: run `pipeinfer calibrate MODEL --ranks N --out "
-                         "profile.json` (with the draft), then pass --profile profile.json")
-    prof = Profile.load(cfg.profile)
-    prof.check_model(cfg.model_label, cfg.model_path.stat().st_size, f"the profile {cfg.profile}",
-                     model_sha256(cfg.model_path, cfg.model_sha256, cfg.model_size))
-    if len(prof.ranks) < n_ranks:
-        raise UsageError(f"{why}: the profile measured {len(prof.ranks)} rank(s) but the job has {n_ranks}; "
-                         "calibrate with as many ranks as the job runs")
-    return prof
-
-
-def _replay(cfg: JobConfig, acceptance: Acceptance, prompt_tokens: list[int] | None):
-    from ..planner import search
-    from ..planner.plan import Replay
-
-    n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
-    rate = DEFAULT_ACCEPTANCE if acceptance.rate is None else acceptance.rate  # no draft: no mode drafts
-    return Replay([search.auto_request(prompt_tokens, n_gen)], rate, confidences=acceptance.confidences)
-
-
-def _has_model_costs(prof) -> bool:
-    return prof.draft is not None and prof.draft.kind == "model"
-
-
-def draft_acceptance(cfg: JobConfig, prof, prompt_tokens: list[int] | None) -> Acceptance:
-    """The acceptance -M auto plans with: measured where it can be (the module doc), else assumed."""
-    from ..planner.acceptance import assumed, from_profile, lookup_on_prompt
-
-    if not cfg.draft:
-        return Acceptance(None, False, "no draft")
-    if cfg.draft.is_free:  # suffix drafting too: prompt lookup's acceptance is its floor
-        if prompt_tokens:
-            return lookup_on_prompt(prompt_tokens)
-        return assumed("prompt lookup, before any prompt is known")
-    note = prof.draft.acceptance_note if prof.draft is not None else None
-    why = f"calibrate did not measure the draft's acceptance: {note}" if note else \
-        "the profile's calibration did not measure the draft's acceptance"
-    return from_profile(prof.draft) or assumed(why)
-
+    from ..planner.job_config import JobConfig
 
 # The launching command's decisions, inherited by the ranks of the job it starts, which take them
 # instead of deciding again (a rank does not have the prompt; every rank must run the same settings).
@@ -170,19 +34,15 @@ CHOICE_ENV = "PIPEINFER_AUTO_CHOICE"
 PLACEMENT_ENV = "PIPEINFER_AUTO_PLACEMENT"
 
 
-def resolve(cfg: JobConfig, model: str, job, n_ranks: int, auto: bool, inside: bool, on_head: bool, given,
-            say, mode: str | None = None) -> tuple[JobConfig, AutoChoice | None]:
-    """Before a job starts: the profile that -M auto and --layer-split auto need (given, cached, or
-    calibrated now), then -M auto's choice (None without -M auto), or --layer-split auto's
-    placement for `mode` (the job's). Returns the job's configuration with that profile (and the
-    placement chosen, as its --layer-split), and the choice. given: the prompt (PromptInput), known
-    to the launching command of `generate`; say(line): stderr, once per job."""
-    import os
+def split_auto(cfg: JobConfig) -> bool:
+    return bool(cfg.layer_split) and cfg.layer_split.startswith("auto")
 
-    import json
 
-    split_auto = bool(cfg.layer_split) and cfg.layer_split.startswith("auto")
-    if cfg.profile is None and (auto or split_auto) and (cfg.model_path is not None or inside):
+def with_profile(cfg: JobConfig, model: str, job, n_ranks: int, auto: bool, inside: bool, say) -> JobConfig:
+    """The configuration with the profile that -M auto and --layer-split auto need: given, cached, or
+    calibrated now (cli/auto_profile.py); the ranks of the job started next are given it as their
+    --profile. say(line): stderr, once per job."""
+    if cfg.profile is None and (auto or split_auto(cfg)) and (cfg.model_path is not None or inside):
         from .auto_profile import ensure_profile
         from .options import PROFILE_ENV
 
@@ -190,59 +50,42 @@ def resolve(cfg: JobConfig, model: str, job, n_ranks: int, auto: bool, inside: b
         cfg = replace(cfg, profile=ensure_profile(cfg, model, job, n_ranks, why, inside, say))
         if not inside and cfg.profile is not None:
             os.environ[PROFILE_ENV] = str(cfg.profile)  # the ranks of the job started next: their --profile
-    from pathlib import Path
+    return cfg
 
-    usable = (cfg.model_path is not None and cfg.profile is not None and (on_head or Path(cfg.profile).is_file()))
-    if not auto:
-        if split_auto and os.environ.get(PLACEMENT_ENV) and inside:
-            return replace(cfg, layer_split=os.environ[PLACEMENT_ENV]), None
-        if (split_auto and usable and on_head and mode is not None and draft_kind(cfg, mode) is not None
-                and split_is_chosen(cfg, n_ranks)):
-            tokens = prompt_tokens(cfg, given) if cfg.draft.is_free else None
-            cfg = place(cfg, mode, n_ranks, tokens, say)
-            if not inside:
-                os.environ[PLACEMENT_ENV] = cfg.layer_split
-        return cfg, None
-    if os.environ.get(CHOICE_ENV) and inside:
-        choice = from_env(os.environ[CHOICE_ENV], cfg.decode)
-        return (cfg if choice.layer_split is None else replace(cfg, layer_split=choice.layer_split)), choice
-    if not usable or not on_head:
-        # A rank other than the head of a job started by the user's own launcher takes the head's
-        # plan and configuration (runtime/weight_stream.py) and runs with the default mode meanwhile.
-        return cfg, None
-    tokens = prompt_tokens(cfg, given) if cfg.draft.is_free else None
+
+def inherited(request: PlanRequest, inside: bool) -> PlanRequest:
+    """The request with the choice the launching command made (a rank of the job it started)."""
+    if not inside:
+        return request
+    if request.mode == AUTO and os.environ.get(CHOICE_ENV):
+        from ..planner.auto_choice import from_env
+
+        return replace(request, inherited=from_env(os.environ[CHOICE_ENV], request.cfg.decode))
+    if request.mode != AUTO and split_auto(request.cfg) and os.environ.get(PLACEMENT_ENV):
+        return replace(request, inherited_split=os.environ[PLACEMENT_ENV])
+    return request
+
+
+def cluster_facts(cfg: JobConfig, job, n_ranks: int, on_head: bool, given) -> ClusterFacts:
+    """What this process knows for the plan: its threads' default, whether it plans and can read the
+    profile, and (asked for only where the planner needs them) the prompt's tokens and the profiles
+    of these ranks at other thread counts."""
+    from ..runtime.topology import default_threads
     from .auto_profile import measured_profiles
 
-    choice = choose(cfg, n_ranks, bool(cfg.draft), tokens, measured_profiles(cfg, job, n_ranks), say)
-    if not inside:
-        os.environ[CHOICE_ENV] = json.dumps(choice.to_json())
-    if choice.layer_split is not None:
-        cfg = replace(cfg, layer_split=choice.layer_split)
-    return cfg, choice
+    usable = cfg.model_path is not None and cfg.profile is not None and (on_head or Path(cfg.profile).is_file())
+    return ClusterFacts(default_threads(n_ranks), on_head, usable, lambda: prompt_tokens(cfg, given),
+                        lambda: measured_profiles(cfg, job, n_ranks))
 
 
-def place(cfg: JobConfig, mode: str, n_ranks: int, prompt_tokens_: list[int] | None, say) -> JobConfig:
-    """--layer-split auto without -M auto, for a mode that drafts: the placement the search
-    predicts fastest for the job's mode and settings at its threads (planner/placement.py), said on
-    stderr; the configuration with it as the job's --layer-split."""
-    from ..planner.search import search_placed
-    from .plan_checks import job_threads
-
-    prof = _checked_profile(cfg, n_ranks, "--layer-split auto")
-    acceptance = draft_acceptance(cfg, prof, prompt_tokens_)
-    if acceptance.rate is not None and not acceptance.measured:
-        say(f"pipeinfer: --layer-split auto: warning: placing the draft on an assumed acceptance of "
-            f"{acceptance.rate:.0%}: {acceptance.source.removeprefix('assumed: ')}")
-    replay = _replay(cfg, acceptance, prompt_tokens_)
-    threads = [job_threads(prof, mode, cfg.threads, n_ranks)]
-    cands = job_placements(cfg, prof, n_ranks, mode, replay, threads=threads)
-    best = search_placed(cands, mode, replay, cfg.decode, cfg.n_ctx) if len(cands) > 1 else None
-    if best is None:
-        return cfg
-    split = best.placement.layer_split()
-    pred = "" if best.tok_per_s is None else f", predicted {best.tok_per_s:.2f} tok/s"
-    say(f"pipeinfer: --layer-split auto placed the job: --layer-split {split} ({placement_note(best)}){pred}")
-    return replace(cfg, layer_split=split)
+def hand_down(request: PlanRequest, plan: JobPlan, inside: bool) -> None:
+    """The launching command's choices, for the ranks of the job it starts next."""
+    if inside:
+        return
+    if plan.auto is not None:
+        os.environ[CHOICE_ENV] = json.dumps(plan.auto.to_json())
+    elif request.mode != AUTO and plan.cfg.layer_split != request.cfg.layer_split:
+        os.environ[PLACEMENT_ENV] = plan.cfg.layer_split
 
 
 def prompt_tokens(cfg: JobConfig, given) -> list[int] | None:
@@ -257,98 +100,3 @@ def prompt_tokens(cfg: JobConfig, given) -> list[int] | None:
     finally:
         tok.close()
 
-
-def from_env(text: str, decode: DecodeOptions) -> AutoChoice:
-    """The launching command's choice (CHOICE_ENV) for a job with the same options (decode: the job's)."""
-    import json
-    from dataclasses import replace
-
-    d = json.loads(text)
-    a = d["acceptance"]
-    opts = replace(decode, n_draft=d["n_draft"], p_accept=d["p_accept"], max_inflight=d["max_inflight"])
-    return AutoChoice(d["mode"], opts, d["predicted_tok_per_s"], Acceptance(a["rate"], a["measured"], a["source"]),
-                      d["threads"], d.get("layer_split"), d.get("placement", ""), d.get("threads_how", ""),
-                      d.get("threads_default", False))
-
-
-def replan_settings(cfg: JobConfig, mode: str, n_ranks: int, rate: float,
-                    max_inflight_cap: int | None = None) -> tuple[DecodeOptions, float | None]:
-    """The planner's best settings for `mode` (the job's: its ranks were started for it) at `rate`;
-    max_inflight_cap: the runs in flight the started job's KV sequences hold (search.candidate_options)."""
-    from ..planner import search
-    from ..planner.plan import Replay
-    from ..planner.profile import Profile
-    from ..runtime.topology import parse_threads
-
-    prof = Profile.load(cfg.profile)
-    n_gen = cfg.decode.n_predict if 0 < cfg.decode.n_predict < search.AUTO_GEN else search.AUTO_GEN
-    replay = Replay([search.auto_request(None, n_gen)], rate)
-    # The job's own placement (the one chosen at its start is its --layer-split now) at its threads.
-    from .plan_checks import job_threads
-
-    threads = [parse_threads(cfg.threads, n_ranks, 1) if cfg.threads else job_threads(prof, mode, None, n_ranks)]
-    p = job_placements(cfg, prof, n_ranks, mode, replay, threads=threads)[0]
-    best = search.search_settings(p.profile, p.topo, mode, replay, cfg.decode, cfg.n_ctx,
-                                  max_inflight_cap=max_inflight_cap)
-    return best.opts, best.tok_per_s
-
-
-class Replanner:
-    """-M auto between the requests of a job: the settings the next request runs with (decode),
-    planned again when the measured acceptance leaves the planned one (planner/replan.py)."""
-
-    def __init__(self, cfg: JobConfig, choice: AutoChoice, n_ranks: int, say) -> None:
-        from ..planner.replan import MeasuredAcceptance
-
-        self.cfg, self.choice, self.n_ranks, self.say = cfg, choice, n_ranks, say
-        self.decode = choice.decode
-        self._lock = threading.Lock()  # serve: one re-count at a time (after_in_background)
-        rate = choice.acceptance.rate
-        self.measured = MeasuredAcceptance(DEFAULT_ACCEPTANCE if rate is None else rate)
-
-    def after_in_background(self, drafted: int, accepted: int) -> None:
-        """serve: count a finished request; plan again on a thread of its own, so that the pipeline
-        goes on with the current settings meanwhile (requests are counted in the order they end)."""
-        def count() -> None:
-            with self._lock:
-                self.after(drafted, accepted)
-
-        threading.Thread(target=count, daemon=True, name="pipeinfer-replan").start()
-
-    def after(self, drafted: int, accepted: int) -> None:
-        """Count a finished request's acceptance; plan again (and say so) when it left the plan's."""
-        from ..decode.modes import needs_draft
-
-        self.measured.add(drafted, accepted)
-        if not needs_draft(self.choice.mode) or not self.measured.should_replan():
-            return
-        m = self.measured
-        before = m.planned
-        # The job's KV sequences were opened for the first choice's runs in flight: no more fit.
-        self.decode, speed = replan_settings(self.cfg, self.choice.mode, self.n_ranks, m.rate,
-                                             max_inflight_cap=self.choice.decode.max_inflight)
-        m.replanned()
-        d = self.decode
-        knobs = f"--n-draft {d.n_draft}" + (f" -pa {d.p_accept} --max-inflight {d.max_inflight}"
-                                            if self.choice.mode == "pipeinfer" else "")
-        pred = "" if speed is None else f" (predicted {speed:.2f} tok/s)"
-        self.say(f"pipeinfer: -M auto: measured acceptance {m.rate:.2f} over {m.drafted} drafted tokens "
-                 f"(assumed {before:.2f}): re-planned {knobs}{pred}")
-
-
-def hindsight(cfg: JobConfig, choice: AutoChoice, n_ranks: int, drafted: int, accepted: int) -> str | None:
-    """After generate's one request: when its acceptance left the one planned on by the margin
-    (planner/replan.py), what the plan at the measured rate would have chosen; else None."""
-    from ..decode.modes import needs_draft
-    from ..planner.replan import MeasuredAcceptance
-
-    planned = DEFAULT_ACCEPTANCE if choice.acceptance.rate is None else choice.acceptance.rate
-    m = MeasuredAcceptance(planned)
-    m.add(drafted, accepted)
-    if not needs_draft(choice.mode) or not m.should_replan() or cfg.profile is None:
-        return None
-    d, speed = replan_settings(cfg, choice.mode, n_ranks, m.rate)
-    pred = "" if speed is None else f", predicted {speed:.2f} tok/s"
-    return (f"pipeinfer: -M auto: measured acceptance {m.rate:.2f} over {drafted} drafted tokens (planned on "
-            f"{planned:.2f}): at that rate the plan picks n_draft {d.n_draft}, p_accept {d.p_accept}, max_inflight "
-            f"{d.max_inflight}{pred}; `pipeinfer calibrate --draft` measures a draft's acceptance ahead")

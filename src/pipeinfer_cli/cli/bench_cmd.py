@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from ..decode.draft_spec import DraftSpec
+from ..decode.modes import needs_draft as mode_needs_draft
 from ..errors import PipeinferError, UsageError
 from .job_setup import PreparedJob, check_chat_template, check_n_predict, prepare_job, run_here_or_relaunch
 from .job_options import JobOptions, job_options
@@ -82,8 +83,6 @@ def _check_plot_support(plot_out: Path | None) -> None:
 def _check_models(prep: PreparedJob, mode_list: list[str], prompt_set) -> bool:
     """Whether a mode needs the draft, once the models are resolved (prepare_job): the prompts checked
     against the target (chat ones need a template) and the modes against the draft."""
-    from ..decode.modes import needs_draft as mode_needs_draft
-
     needs_draft = any(mode_needs_draft(m) for m in mode_list)
     chats = [p.id for p in prompt_set if p.messages is not None]
     if chats:
@@ -146,14 +145,14 @@ def bench(
     _check_save_trace(save_trace, job, levels, [json_out, csv_out, trace_out, plot_out])
     # Every job command's set-up (models, ranks, JobConfig), then its one launcher (run_here_or_relaunch).
     inside = under_mpi_launcher()
-    prep = prepare_job(model, None, job, inside, place=False)
+    prep = prepare_job(model, None, job, inside, place=False, drafts=any(mode_needs_draft(m) for m in mode_list))
     cfg, target, draft_ref, spec, want = prep.cfg, prep.target, prep.draft_ref, prep.cfg.draft, prep.ranks
     needs_draft = _check_models(prep, mode_list, prompt_set)
     if levels is not None:  # under load: one `pipeinfer serve` job (cli/bench_serve.py)
         return _bench_under_load(model, job, cfg, target, draft_ref, needs_draft, mode_list, levels,
                                  (parallel or min(max(levels), 32), load_policy), prompt_set, prompts_file, repeat, warmup, want,
                                  json_out, allow_mismatch)
-    run_here_or_relaunch(prep, inside, needs_draft, lambda: _relaunch_job(want))
+    run_here_or_relaunch(prep, inside, lambda: _relaunch_job(want))
     if not needs_draft and not (save_trace and spec.uses_model):
         cfg = replace(cfg, draft_path=None, draft=DraftSpec.none())  # iterative only: do not load a draft model
     traced: list | None = [] if save_trace else None
@@ -242,11 +241,11 @@ def _bench_under_load(model, job, cfg: JobConfig, target, draft_ref, needs_draft
     server: the server's (--parallel, --load-policy or None)."""
     from ..models.registry import load_registry
     from .bench_serve import run_concurrency
-    from .job_setup import check_plan
+    from ..planner.job_plan import layout_of
 
     if not needs_draft:
         cfg = replace(cfg, draft_path=None, draft=DraftSpec.none())  # the server loads no draft model either
-    check_plan(cfg, ranks, needs_draft)
+    layout_of(cfg, ranks, 1, needs_draft)  # the server's plan, from the GGUF header: a split that cannot work
     pairs = load_registry().pairs
     # A pair name would make the server load the pair's draft; a mode that needs none gets the target alone.
     serve_model = pairs[model].target if model in pairs and not needs_draft else model

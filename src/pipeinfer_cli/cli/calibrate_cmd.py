@@ -6,7 +6,6 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -112,15 +111,11 @@ def calibrate(
         layer_split = calibration_split(layer_split, ranks or launcher_size() or 1)
     job = JobOptions(draft=draft, ranks=ranks, layer_split=layer_split, threads=threads, ctx=ctx, n_draft=n_draft,
                      rank_timeout=rank_timeout, no_pull=no_pull)
-    start = begin_job(model, None, None, job)
+    start = begin_job(model, None, None, job, drafts=True)  # its plan checks the split of the ranks it starts
     prep = start.prep
     if _on_head(start.inside):  # the other ranks may lack the models: the head sends them what they time
         _check_on_this_node(prep.cfg)
         _check_layers(prep.cfg)
-    if not start.inside:  # the launching command checks the plan of the ranks it starts
-        from ..runtime.calibrate import calibration_split
-
-        prep.cfg = replace(prep.cfg, layer_split=calibration_split(prep.cfg.layer_split, prep.ranks))
 
     def relaunch_job() -> int:
         from ..transport.launch import relaunch
@@ -134,7 +129,7 @@ def calibrate(
             os.environ.setdefault("GOMP_SPINCOUNT", ITERATIVE_SPIN_COUNT)
         return relaunch(prep.ranks, sys.argv[1:])
 
-    run_here_or_relaunch(prep, start.inside, prep.has_draft, relaunch_job)
+    run_here_or_relaunch(prep, start.inside, relaunch_job)
     from ..runtime.calibrate import run_calibration
 
     profile = run_calibration(prep.cfg, probe_spec(prep.cfg, quick, prep.ranks), "pipeinfer " + shlex.join(sys.argv[1:]),
@@ -176,12 +171,12 @@ def waits_as_iterative(threads: str | None, n_ranks: int, environ=os.environ) ->
     otherwise do, a rank of 2 threads is ~1.4x slower than in that job (BENCHMARKS.md, "Threads per
     rank"), and `plan` predicted the job below its own 1-thread prediction. An OMP_WAIT_POLICY of the
     user's wins."""
+    from ..planner.layout import parse_threads
     from ..runtime.cpu_share import cpu_share
-    from ..runtime.topology import parse_threads
 
     if n_ranks < 2 or not threads or "OMP_WAIT_POLICY" in environ:
         return False
-    return set(parse_threads(threads, n_ranks, 1)) == {cpu_share().threads}
+    return set(parse_threads(threads, n_ranks)) == {cpu_share().threads}
 
 
 def _on_head(inside: bool) -> bool:

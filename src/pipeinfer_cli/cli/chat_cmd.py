@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -20,7 +19,7 @@ from .prompt_input import check_stop_strings
 from .wording import epilog, plural
 
 if TYPE_CHECKING:
-    from ..runtime.job_config import JobConfig
+    from ..planner.job_plan import JobPlan
 
 # Set by the launching process, which sees the user's terminal (under mpiexec the head's standard
 # streams are pipes from the launcher): "in" if standard input is a terminal (print "> " prompts),
@@ -71,22 +70,24 @@ def chat(
 
     if model is None and model_opt is None:
         raise UsageError("no model given; pass one, e.g. `pipeinfer chat smollm2-135m-instruct` (see `pipeinfer models list`)")
-    start = begin_job(model, model_opt, mode, job)
+    start = begin_job(model, model_opt, mode, job, settings={"reuse_prefix": True})
     prep = start.prep
     stops = check_stop_strings(stop)
-    prep.cfg = replace(prep.cfg, reuse_prefix=True)
 
     def relaunch_job() -> int:
         os.environ[TERMINAL_ENV] = _terminal()  # the relaunched head cannot see this terminal
         return relaunch(prep.ranks, sys.argv[1:])
 
-    run_here_or_relaunch(prep, start.inside, needs_draft(prep.mode), relaunch_job)
-    _run(prep.cfg, prep.mode, system, stops, prep)
+    run_here_or_relaunch(prep, start.inside, relaunch_job)
+    _run(prep.plan, system, stops)
 
 
-def _run(cfg: JobConfig, mode: str, system: str | None, stops: list[str], prep=None) -> None:
+def _run(plan: JobPlan, system: str | None, stops: list[str]) -> None:
+    """The chat on this rank of the job that carries out plan (the head reads the conversation)."""
     from ..runtime.job import run_head_loop
     from .chat_session import ChatSession, ChatSettings
+
+    cfg, mode = plan.cfg, plan.mode
 
     terminal = os.environ.get(TERMINAL_ENV, _terminal()).split(",")
     interactive = "in" in terminal
@@ -99,15 +100,15 @@ def _run(cfg: JobConfig, mode: str, system: str | None, stops: list[str], prep=N
             notes.write(f"pipeinfer chat: {cfg.model_label}{draft}, mode {mode}, {plural(head.topo.world_size, 'rank')}. "
                         "/reset starts over, /exit or Ctrl-D ends.\n")
             notes.flush()
-        if prep is not None and prep.auto is not None:  # -M auto: each turn's settings, planned again between turns
-            from .auto_mode import Replanner
+        if plan.auto is not None:  # -M auto: each turn's settings, planned again between turns
+            from ..planner.replan import Replanner
 
-            settings.replanner = Replanner(cfg, prep.auto, prep.ranks, lambda line: _say(notes, line))
+            settings.replanner = Replanner(cfg, plan.auto, plan.ranks, lambda line: _say(notes, line))
         ChatSession(head, settings, chat_summary, stderr=notes).run()
 
     if world_rank() != 0:
         sys.stdin.close()  # only the head reads the conversation
-    run_head_loop(cfg, head_main, needs_draft=needs_draft(mode))
+    run_head_loop(plan, head_main)
 
 
 def _say(stream, line: str) -> None:

@@ -26,7 +26,7 @@ class ChatSettings:
     system: str | None = None  # system prompt, kept across /reset
     stop: list[str] = field(default_factory=list)  # stop strings
     show_prompt: bool = True  # print "> " (stderr) before reading a line (standard input is a terminal)
-    replanner: object | None = None  # -M auto's Replanner (cli/auto_mode.py): each turn's settings, planned again
+    replanner: object | None = None  # -M auto's Replanner (planner/replan.py): each turn's settings, planned again
 
 
 class ChatSession:

@@ -1,5 +1,5 @@
-"""`--draft` as job commands read it: parsed once into a `DraftSpec` (`decode/draft_spec.py`), its
-model resolved (a model, `lookup`, or `lookup+MODEL`: hybrid drafting)."""
+"""`--draft` as job commands read it: parsed once into a `DraftSpec` (`decode/draft_spec.py`): a
+model, `lookup`, or `lookup+MODEL` (hybrid drafting); cli/job_setup.resolve_models resolves its model."""
 
 from __future__ import annotations
 
@@ -14,8 +14,3 @@ def parse_draft(text: str | None) -> DraftSpec:
     except DraftSpecError as e:
         raise OptionValueError(str(e)) from None
 
-
-def resolve_draft_models(resolve, model: str, draft: str | None, **kw):
-    """(target ModelRef, draft ModelRef or None, DraftSpec) through resolve (job_setup.resolve_models)
-    and its keywords, with --draft parsed first."""
-    return resolve(model, parse_draft(draft), **kw)

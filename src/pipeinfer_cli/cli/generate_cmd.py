@@ -13,7 +13,7 @@ import typer
 
 from ..decode.modes import needs_draft
 from ..decode.result import GenerationResult
-from ..runtime.topology import format_layer_ranges
+from ..planner.layout import format_layer_ranges
 from .console import err, out
 from .job_options import JobOptions, job_options
 from .job_setup import begin_job, check_chat_template, run_here_or_relaunch
@@ -22,9 +22,8 @@ from .prompt_input import check_stop_strings, read_prompt_input
 from .wording import epilog, plural
 
 if TYPE_CHECKING:
-    from ..runtime.job_config import JobConfig
+    from ..planner.job_plan import JobPlan
     from ..runtime.job_config import Request
-    from .auto_mode import AutoChoice
 
 EPILOG = epilog("""Examples:
 
@@ -96,21 +95,21 @@ def generate(
         return read_prompt_input(prompt, file, chat, messages, system) if not inside or world_rank() == 0 else None
 
     _check_save_trace(save_trace, job)
-    start = begin_job(model, model_opt, mode, job, read_input)
-    prep, given = start.prep, start.given
-    cfg = prep.cfg
+    start = begin_job(model, model_opt, mode, job, read_input, trace_draft=save_trace is not None)
+    plan, given = start.prep.plan, start.given
+    cfg = plan.cfg
     if given is not None and given.messages is not None:
         check_chat_template(cfg.model_path, cfg.model_label, "--chat/--messages/--system")
-    run_here_or_relaunch(prep, start.inside, needs_draft(prep.mode),
-                         lambda: _relaunch(prep.ranks, given, whole_host_threads(prep.mode, cfg.threads)))
+    run_here_or_relaunch(start.prep, start.inside,
+                         lambda: _relaunch(plan.ranks, given, whole_host_threads(plan.mode, cfg.threads)))
 
     from ..runtime.job import Request
 
     from ..planner.record import CHAIN_DEPTH
 
-    request = Request(mode=prep.mode, prompt=given.text if given else None, chat=given.messages if given else None,
+    request = Request(mode=plan.mode, prompt=given.text if given else None, chat=given.messages if given else None,
                       stop=check_stop_strings(stop), trace_depth=CHAIN_DEPTH if save_trace else None)
-    _run_and_print(cfg, request, as_json, prep.auto, save_trace, prep.ranks)
+    _run_and_print(plan, request, as_json, save_trace)
 
 
 def _check_save_trace(path: Path | None, job) -> None:
@@ -161,18 +160,19 @@ def _relaunch(n_ranks: int, given, whole_host: bool = False) -> int:
         return relaunch(n_ranks, _stdin_as_file(argv, f.name))
 
 
-def _run_and_print(cfg: JobConfig, request: Request, as_json: bool, auto: AutoChoice | None = None, save_trace: Path | None = None,
-                   n_ranks: int = 1) -> None:
-    """Run the job on this rank; the head streams the text (or prints the JSON) and the summary,
-    then saves the trace (--save-trace)."""
+def _run_and_print(plan: JobPlan, request: Request, as_json: bool, save_trace: Path | None = None) -> None:
+    """Run the job's plan on this rank; the head streams the text (or prints the JSON) and the
+    summary, then saves the trace (--save-trace)."""
     from ..runtime.job import run_job
+
+    cfg, auto = plan.cfg, plan.auto
 
     def on_text(text: str) -> None:
         if not as_json:
             sys.stdout.write(text)
             sys.stdout.flush()
 
-    results = run_job(cfg, [request], on_text=on_text)
+    results = run_job(plan, [request], on_text=on_text)
     if results is None:  # a worker rank: the head reports
         return
     result = results[0]
@@ -183,9 +183,9 @@ def _run_and_print(cfg: JobConfig, request: Request, as_json: bool, auto: AutoCh
         sys.stdout.flush()
         err.print(summary_line(result, auto), markup=False, highlight=False)
     if auto is not None:  # -M auto: what the plan would have chosen at the acceptance the request measured
-        from .auto_mode import hindsight
+        from ..planner.replan import hindsight
 
-        line = hindsight(cfg, auto, n_ranks, result.acceptance.drafted, result.acceptance.accepted)
+        line = hindsight(cfg, auto, plan.ranks, result.acceptance.drafted, result.acceptance.accepted)
         if line:
             err.print(line, markup=False, highlight=False)
     if save_trace is not None:

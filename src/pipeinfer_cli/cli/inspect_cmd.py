@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..runtime.topology import parse_layer_split, plan_split
+from ..planner.layout import parse_layer_split, plan_split
 from ..errors import UsageError
 from ..models.gguf_info import read_model_info
 from ..models.model_files import resolve_model

@@ -1,5 +1,6 @@
 """What every job command (generate, chat, serve, calibrate, bench) does before its job starts: models,
-rank count, MPI world, JobConfig, and the relaunch under mpiexec (transport/launch.py)."""
+rank count, MPI world, JobConfig, the job's plan (planner/job_plan.py, asked for once), and the
+relaunch under mpiexec (transport/launch.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from ..models.registry import load_registry
 from ..transport.start_waits import launcher_rank
 
 if TYPE_CHECKING:
-    from ..runtime.job_config import JobConfig
     from ..models.model_files import ModelRef
-    from .auto_mode import AutoChoice
+    from ..planner.auto_choice import AutoChoice
+    from ..planner.job_config import JobConfig
+    from ..planner.job_plan import JobPlan
     from .job_options import JobOptions
 
 
@@ -95,7 +97,7 @@ def check_chat_template(model_path, model_label: str, what: str) -> None:
 def ranks_wanted(ranks: int | None, layer_split: str | None) -> tuple[int, int | None]:
     """(ranks to run, ranks described by --layer-split or None); checks the two agree. Without
     either: the ranks a launcher started this process among (`mpiexec -n 2 pipeinfer …`), else 1."""
-    from ..runtime.topology import split_rank_count
+    from ..planner.layout import split_rank_count
     from ..transport.start_waits import launcher_size
 
     split_ranks = split_rank_count(layer_split)
@@ -137,18 +139,10 @@ def check_spec_policy(policy: str) -> str:
     return policy
 
 
-def check_plan(cfg: JobConfig, world_size: int, needs_draft: bool) -> None:
-    """Plan the job from the GGUF header before any process starts, so that a split that cannot
-    work (e.g. --ranks 100 for 30 layers) fails in well under a second, not after a launch."""
-    from ..runtime.topology import plan_config
-
-    plan_config(cfg, world_size, world_size, needs_draft)
-
-
 def make_job_config(target: ModelRef, draft_ref: ModelRef | None, spec: DraftSpec, job: JobOptions) -> JobConfig:
     """The engine's JobConfig from resolved models and the shared job options (a JobOptions)."""
-    from ..runtime.job import JobConfig
     from ..decode.sampling import SamplingParams
+    from ..planner.job_config import JobConfig
     from ..decode.session import DecodeOptions
     from .console import debug_enabled
 
@@ -181,18 +175,40 @@ def _entry_field(ref: ModelRef | None, name: str) -> str | int | None:
     return getattr(entry, name) if entry is not None else None
 
 
-@dataclass
+@dataclass(frozen=True)
 class PreparedJob:
-    """What a job command knows once its options are checked and its models resolved."""
+    """What a job command knows once its options are checked, its models resolved and its job planned."""
 
-    cfg: JobConfig
-    mode: str  # the mode asked for, or the default one
-    ranks: int  # ranks to run
-    explicit_ranks: bool  # --ranks or --layer-split said how many
-    has_draft: bool
-    auto: AutoChoice | None = None  # when -M auto chose the mode and its settings
+    plan: JobPlan  # the job's plan: mode, ranks, layout, settings, -M auto's choice
     target: ModelRef | None = None  # the target's ModelRef (its registry facts: what bench records)
     draft_ref: ModelRef | None = None  # the draft model's ModelRef, None for lookup or no draft
+
+    @property
+    def cfg(self) -> JobConfig:
+        return self.plan.cfg
+
+    @property
+    def mode(self) -> str:
+        """The mode asked for, the default one, or -M auto's."""
+        return self.plan.mode
+
+    @property
+    def ranks(self) -> int:
+        return self.plan.ranks
+
+    @property
+    def explicit_ranks(self) -> bool:
+        """--ranks or --layer-split said how many."""
+        return self.plan.explicit_ranks
+
+    @property
+    def has_draft(self) -> bool:
+        return self.plan.has_draft
+
+    @property
+    def auto(self) -> AutoChoice | None:
+        """-M auto's choice, when it chose the mode and its settings."""
+        return self.plan.auto
 
 
 @dataclass
@@ -205,26 +221,25 @@ class JobStart:
 
 
 def begin_job(model: str | None, model_opt: str | None, mode: str | None, job,
-              read_input: Callable[[bool], object] | None = None, parallel: int = 1) -> JobStart:
+              read_input: Callable[[bool], object] | None = None, **how) -> JobStart:
     """The steps every job command starts with, in this order: one model, -n checked,
     read_input(inside) (the prompt, say: what a user typed is checked before any model is
-    resolved), then the ranks, models and mode (prepare_job)."""
+    resolved), then the ranks, models, configuration and plan (prepare_job, which takes `how`)."""
     from ..transport.launch import under_mpi_launcher
 
     model = one_model(model, model_opt)
     check_n_predict(job.n_predict)
     inside = under_mpi_launcher()
     given = read_input(inside) if read_input is not None else None
-    return JobStart(prepare_job(model, mode, job, inside, given, parallel), inside, given)
+    return JobStart(prepare_job(model, mode, job, inside, given, **how), inside, given)
 
 
-def run_here_or_relaunch(prep: PreparedJob, inside: bool, needs_draft: bool, relaunch_job: Callable[[], int]) -> None:
-    """The step every job command ends its set-up with. Outside an MPI launcher with several ranks:
-    check the plan from the GGUF header, then run the command again under mpiexec
-    (relaunch_job(); this raises typer.Exit with its status). Otherwise this process is a rank of
-    the job (or the whole of a 1-rank job): check the world size, and return."""
+def run_here_or_relaunch(prep: PreparedJob, inside: bool, relaunch_job: Callable[[], int]) -> None:
+    """The step every job command ends its set-up with. Outside an MPI launcher with several ranks
+    (the plan, made from the GGUF header, said a split that cannot work already): run the command
+    again under mpiexec (relaunch_job(); this raises typer.Exit with its status). Otherwise this
+    process is a rank of the job (or the whole of a 1-rank job): check the world size, and return."""
     if not inside and prep.ranks > 1:
-        check_plan(prep.cfg, prep.ranks, needs_draft)
         raise typer.Exit(relaunch_job())
     check_world(prep.ranks, explicit=prep.explicit_ranks)
 
@@ -250,34 +265,36 @@ def _announce(line: str, inside: bool) -> None:
 
 
 def prepare_job(model: str, mode: str | None, job, inside: bool, given=None, parallel: int = 1,
-                place: bool = True) -> PreparedJob:
-    """Ranks, models (pulled unless inside the MPI job or --no-pull), mode and JobConfig of a job command.
-    given: the prompt the command read (for -M auto to measure prompt lookup's acceptance on);
-    parallel: requests at once (serve --parallel N: -M auto and --layer-split auto then keep the
-    split balanced for them, cli/auto_placement.py); place: --layer-split auto may place the draft
-    for the job's mode (bench, which runs every mode on one job, does not)."""
-    from .draft_spec import resolve_draft_models
+                place: bool = True, settings: dict | None = None, drafts: bool | None = None,
+                trace_draft: bool = False) -> PreparedJob:
+    """Ranks, models (pulled unless inside the MPI job or --no-pull), JobConfig and the job's plan
+    (planner/job_plan.make_plan, in one pass). given: the prompt the command read (for -M auto to
+    measure prompt lookup's acceptance on); parallel: requests at once (serve --parallel N: -M auto
+    and --layer-split auto then keep the split balanced for them); place: --layer-split auto may
+    place the draft for the job's mode (bench, which runs every mode on one job, does not);
+    settings: the command's own JobConfig fields (serve's load policy, say), set before it plans;
+    drafts, trace_draft: whether the job runs its draft (None: where its mode drafts) and whether a
+    request records the draft model's chains (planner/job_plan.PlanRequest)."""
+    from ..planner.job_plan import PlanRequest, make_plan
+    from .auto_mode import AUTO, cluster_facts, hand_down, inherited, with_profile
+    from .draft_spec import parse_draft
 
     want, split_ranks = ranks_wanted(job.ranks, job.layer_split)
     if not inside:
         from ..transport.hostfile import warn_shared_hosts
 
         warn_shared_hosts(want)
-    target, draft_ref, spec = resolve_draft_models(resolve_models, model, job.draft,
-                                                     allow_pull=not inside and not job.no_pull,
-                                                     on_head=not inside or launcher_rank() == 0)
-    from ..decode.modes import check_mode
-    from .auto_mode import AUTO, resolve
-
-    auto = mode == AUTO
-    mode = check_mode(None if auto else mode, bool(spec))
-    cfg = make_job_config(target, draft_ref, spec, job)
-    if parallel > 1:
-        cfg = replace(cfg, parallel=parallel)
     on_head = not inside or launcher_rank() == 0
+    target, draft_ref, spec = resolve_models(model, parse_draft(job.draft), allow_pull=not inside and not job.no_pull,
+                                             on_head=on_head)
+    from ..decode.modes import check_mode
+
+    check_mode(None if mode == AUTO else mode, bool(spec))
+    cfg = replace(make_job_config(target, draft_ref, spec, job),
+                  **{**({"parallel": parallel} if parallel > 1 else {}), **(settings or {})})
     say = lambda line: _announce(line, inside)  # noqa: E731
-    cfg, choice = resolve(cfg, model, job, want, auto, inside, on_head, given, say, mode if place else None)
-    if choice is not None:
-        mode, cfg = choice.mode, replace(cfg, decode=choice.decode, threads=choice.job_threads)
-        say(choice.announce())
-    return PreparedJob(cfg, mode, want, bool(job.ranks or split_ranks), bool(spec), choice, target, draft_ref)
+    cfg = with_profile(cfg, model, job, want, mode == AUTO, inside, say)
+    request = inherited(PlanRequest(cfg, mode, want, bool(job.ranks or split_ranks), drafts, trace_draft, place), inside)
+    plan = make_plan(request, cluster_facts(cfg, job, want, on_head, given), say)
+    hand_down(request, plan, inside)
+    return PreparedJob(plan, target, draft_ref)

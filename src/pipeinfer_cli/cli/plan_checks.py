@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..decode.modes import needs_draft
-from ..planner.identity import RankShape, check, default_threads, differences, job_wait
+from ..planner.identity import RankShape, check, differences, job_wait
+from ..planner.job_placement import job_threads
 from ..planner.shared_cores import unmodelled, usable_cpus
 
 
@@ -23,24 +24,6 @@ def job_waits(prof, mode: str, threads: str | None, n_ranks: int) -> list[str]:
         affinity = rc.affinity_cpus if rc.affinity_cpus is not None else rc.cores
         whole = not needs_draft(mode) and not threads and len(set(hosts)) == 1 and n_ranks > 1
         out.append(job_wait(whole, hosts.count(hosts[r]), affinity, rc.quota_cpus))
-    return out
-
-
-def job_threads(prof, mode: str, threads: str | None, n_ranks: int) -> list[int]:
-    """The threads of each rank of the job `generate -M MODE` would start on the profile's hosts
-    (--threads as given, else generate's default for that mode and shape)."""
-    from ..runtime.topology import parse_threads
-
-    hosts = [prof.ranks[r].host for r in range(n_ranks)]
-    if threads:
-        return parse_threads(threads, n_ranks, 1)  # explicit: the same on every host
-    one_host = len(set(hosts)) == 1
-    out = []
-    for r in range(n_ranks):
-        rc = prof.ranks[r]
-        affinity = rc.affinity_cpus if rc.affinity_cpus is not None else rc.cores
-        out.append(default_threads(not needs_draft(mode), n_ranks, hosts.count(hosts[r]), rc.cores, affinity,
-                                   rc.quota_cpus, one_host))
     return out
 
 

@@ -181,7 +181,7 @@ def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx:
     fastest mode with its settings, each mode on the split `generate -M MODE` would use; with
     --layer-split auto, also where the draft runs and the threads (-M auto's placements)."""
     from ..planner.search import choose
-    from .auto_placement import placement_search
+    from ..planner.job_placement import placement_search
 
     c = choose(prof, lambda m: setup.topology(m, needs_draft(m)), mode_list, replay, opts, ctx,
                on_step=lambda m, i, n: _progress(f"search {m}", i, n),
@@ -195,7 +195,7 @@ def _search(prof, setup, mode_list: list[str], replay, opts: DecodeOptions, ctx:
 
 
 def _placed(best) -> dict[str, str]:
-    from .auto_placement import placement_note
+    from ..planner.job_placement import placement_note
 
     p = best.placement
     return {} if p is None else {"layer_split": p.layer_split(), "threads": p.threads_option(),
@@ -236,7 +236,7 @@ class _Setup:
         """The split of the job that runs the planned modes, as `bench` plans one job for them all:
         a draft model on the head takes layers from it if any planned mode drafts (with one mode,
         the split `generate -M MODE` uses). job_drafts: whether it does, instead."""
-        from .auto_mode import job_topology
+        from ..planner.job_placement import job_topology
 
         return job_topology(self.path, self.label, self.n_ranks, self.layer_split, self.draft_path, self.draft,
                             self.job_drafts if job_drafts is None else job_drafts, mode, self.profile_path,

@@ -48,7 +48,7 @@ def split_line(setup, mode: str, parallel: int) -> str | None:
     """With --layer-split auto: the split chosen and the byte-balanced default beside it."""
     if not (setup.layer_split or "").startswith("auto"):
         return None
-    from .auto_mode import job_topology
+    from ..planner.job_placement import job_topology
 
     chosen = setup.topology(mode).describe()
     load = "one request at a time" if parallel == 1 else f"{parallel} requests at once"

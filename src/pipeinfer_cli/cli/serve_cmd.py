@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -108,12 +107,12 @@ def serve(
                                            api_key, prefix_reuse, max_restarts))
     # A rank of a job: started by the front, or under a launcher of the user's own.
     split_rule = default_split(job, parallel)
-    prep = begin_job(model, model_opt, mode, job, parallel=parallel).prep
-    prep.cfg = replace(prep.cfg, reuse_prefix=prefix_reuse, parallel=parallel, load_policy=load_policy)
+    prep = begin_job(model, model_opt, mode, job, parallel=parallel, drafts=True,
+                     settings={"reuse_prefix": prefix_reuse, "parallel": parallel, "load_policy": load_policy}).prep
     check_parallel(prep.cfg)
-    announce_split(split_rule, prep)
+    announce_split(split_rule, prep.plan)
     check_world(prep.ranks, explicit=prep.explicit_ranks)
-    serve_on_this_rank(prep.cfg, prep.mode, host, port, queue, api_key, prep.auto, prep.ranks)
+    serve_on_this_rank(prep.plan, host, port, queue, api_key)
 
 
 def _check_options(api_key: str | None, load_policy: str, parallel: int) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from dataclasses import replace
 from collections.abc import Callable
 
 from ..runtime.service import Service
@@ -103,15 +102,11 @@ def serve_from_front(model, model_opt, mode, job, host: str, port: int, queue: i
     http.start()
     try:
         split_rule = default_split(job, parallel)
-        start = begin_job(model, model_opt, mode, job, parallel=parallel)
-        prep = start.prep
-        prep.cfg = replace(prep.cfg, reuse_prefix=prefix_reuse, parallel=parallel, load_policy=load_policy)
+        start = begin_job(model, model_opt, mode, job, parallel=parallel, drafts=True,
+                          settings={"reuse_prefix": prefix_reuse, "parallel": parallel, "load_policy": load_policy})
+        prep = start.prep  # its plan was made from the GGUF header: a split that cannot work failed here
         check_parallel(prep.cfg)
-        announce_split(split_rule, prep)
-        if prep.ranks > 1:
-            from .job_setup import check_plan
-
-            check_plan(prep.cfg, prep.ranks, prep.has_draft)
+        announce_split(split_rule, prep.plan)
         service.mode, settings.model, settings.draft = prep.mode, prep.cfg.model_label, prep.cfg.draft_label
         every = " (every interface)" if host in ("0.0.0.0", "::", "") else ""
         say(f"listening on {_reachable(host, port)}{every}; loading {prep.cfg.model_label}"

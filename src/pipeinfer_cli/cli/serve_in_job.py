@@ -16,27 +16,28 @@ from .console import err
 from .serve_options import _log_request, print_banner, stopped_line
 
 if TYPE_CHECKING:
-    from ..runtime.job_config import JobConfig
+    from ..planner.job_config import JobConfig
+    from ..planner.job_plan import JobPlan
 
 FAIL_GRACE_S = 1.0  # after a rank failed, keep answering 503 this long before the server exits
 
 
-def serve_on_this_rank(cfg: JobConfig, mode: str, host: str, port: int, queue: int, api_key: str | None, auto=None,
-                        n_ranks: int = 1) -> None:
+def serve_on_this_rank(plan: JobPlan, host: str, port: int, queue: int, api_key: str | None) -> None:
     """Rank 0: the HTTP server (its own thread) and the pipeline (this thread). Other ranks: the pipeline."""
     from mpi4py import MPI
 
     from ..runtime.job import run_service
     from ..runtime.service import Service
 
+    cfg, mode, auto, n_ranks = plan.cfg, plan.mode, plan.auto, plan.ranks
     if MPI.COMM_WORLD.Get_rank() != 0:
-        run_service(cfg, None)
+        run_service(plan, None)
         return
     from ..transport.front_channel import connect_to_front
 
     channel = connect_to_front()
     if channel is not None:  # started by the front of `pipeinfer serve`: it answers HTTP
-        _serve_engine(cfg, mode, channel, auto, n_ranks)
+        _serve_engine(plan, channel)
         return
     service = Service(max_queue=queue, mode=mode, on_ready=lambda s: _banner(s, host, port, auto), parallel=cfg.parallel)
     if auto is not None:
@@ -44,7 +45,7 @@ def serve_on_this_rank(cfg: JobConfig, mode: str, host: str, port: int, queue: i
     http = _HttpStarter(service, cfg, host, port, api_key)
     stopped_by = _stop_on_signals(service)
     try:
-        run_service(cfg, service, before_load=http.start)
+        run_service(plan, service, before_load=http.start)
     except BaseException:
         if service.status == "failed":
             time.sleep(FAIL_GRACE_S)  # clients in flight get their 503 before the server goes
@@ -54,18 +55,18 @@ def serve_on_this_rank(cfg: JobConfig, mode: str, host: str, port: int, queue: i
     err.print(stopped_line(stopped_by[0] if stopped_by else None), markup=False, highlight=False)
 
 
-def _serve_engine(cfg: JobConfig, mode: str, channel, auto, n_ranks: int) -> None:
+def _serve_engine(plan: JobPlan, channel) -> None:
     """The head of a job a front started (runtime/engine.py). A failure was sent to the front, which
     says what happened and starts the job again: this rank leaves without a line of its own."""
     from ..runtime.engine import serve_engine
     from ..runtime.service import Service
 
-    service = Service(max_queue=100_000, mode=mode, parallel=cfg.parallel)
-    if auto is not None:
-        _replan_as_it_serves(service, cfg, auto, n_ranks)
+    service = Service(max_queue=100_000, mode=plan.mode, parallel=plan.cfg.parallel)
+    if plan.auto is not None:
+        _replan_as_it_serves(service, plan.cfg, plan.auto, plan.ranks)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the front decides what a hang-up means
     try:
-        serve_engine(cfg, service, channel)
+        serve_engine(plan, service, channel)
     except Exception:  # noqa: BLE001 - reported by the front
         raise typer.Exit(1) from None
 
@@ -73,8 +74,8 @@ def _serve_engine(cfg: JobConfig, mode: str, channel, auto, n_ranks: int) -> Non
 def _replan_as_it_serves(service, cfg: JobConfig, auto, n_ranks: int) -> None:
     """-M auto: requests that bring no settings of their own run on auto's, planned again when the
     acceptance measured over the requests served so far leaves the one planned on (as chat does
-    between turns: cli/auto_mode.Replanner); the line that says so goes to stderr."""
-    from .auto_mode import Replanner
+    between turns: planner/replan.Replanner); the line that says so goes to stderr."""
+    from ..planner.replan import Replanner
 
     plan = Replanner(cfg, auto, n_ranks, lambda line: err.print(line, markup=False, highlight=False))
     service.default_decode = lambda: plan.decode

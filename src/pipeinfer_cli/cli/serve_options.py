@@ -40,23 +40,26 @@ def default_split(job, parallel: int, environ=os.environ) -> str | None:
     return "auto"
 
 
-def announce_split(rule: str | None, prep) -> None:
-    """Which split default_split's rule gave, beside the byte-balanced one (stderr, once per job)."""
+def announce_split(rule: str | None, plan) -> None:
+    """Which split default_split's rule gave (the plan's: planner/job_plan.py), beside the
+    byte-balanced one (stderr, once per job)."""
     from dataclasses import replace
 
-    from ..runtime.topology import format_layer_ranges, plan_config
+    from ..planner.job_plan import layout_of
+    from ..planner.layout import format_layer_ranges
 
     if rule is None or not _speaks():
         return
-    cfg = prep.cfg
+    cfg = plan.cfg
     if rule == "bytes":
         _say(f"--parallel {cfg.parallel} under your MPI launcher without --profile: the layers are split by bytes "
              "(no quick calibration inside a job); pass --profile FILE (`pipeinfer calibrate`) to balance them by "
              "measured time for parallel requests")
         return
-    layers = lambda c: format_layer_ranges([r.layers for r in plan_config(c, prep.ranks, prep.ranks, prep.has_draft).ranks])  # noqa: E731
-    _say(f"split for {cfg.parallel} requests at once: layers {layers(cfg)} (profile {cfg.profile}); by bytes they "
-         f"would be {layers(replace(cfg, layer_split=None))}")
+    layers = lambda topo: format_layer_ranges([r.layers for r in topo.ranks])  # noqa: E731
+    by_bytes = layout_of(replace(cfg, layer_split=None), plan.ranks, 1, plan.drafts)
+    _say(f"split for {cfg.parallel} requests at once: layers {layers(plan.layout)} (profile {cfg.profile}); by bytes "
+         f"they would be {layers(by_bytes)}")
 
 
 def _speaks() -> bool:

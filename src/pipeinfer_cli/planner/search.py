@@ -1,5 +1,5 @@
 """The search for the fastest mode and settings: one grid and one answer, for `plan --search` and
-for `-M auto` (cli/auto_mode.py), so that the same profile, draft and acceptance give the same
+for `-M auto` (planner/auto_choice.py), so that the same profile, draft and acceptance give the same
 choice in both.
 
 Every candidate runs the real policies in virtual time (planner/predict.py) over the prompts of a

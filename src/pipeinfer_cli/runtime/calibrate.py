@@ -44,7 +44,7 @@ from .calibrate_weights import share_probe_weights
 from .job import rank_names
 from .job_config import JobConfig
 from .rank_report import JobAborted
-from .topology import Topology, parse_layer_split
+from ..planner.layout import Topology, parse_layer_split
 from .weight_stream import local_files
 from .worker import abort_job, end_without_head, fail_after_error
 

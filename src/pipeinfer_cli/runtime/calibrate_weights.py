@@ -30,7 +30,9 @@ from ..models.weight_copies import ModelFiles, Need, digests_needed, pick_copy, 
 from ..transport.mpi_link import Link
 from .calibrate_probes import PROBE_BYTES, ProbeSpec, probe_layers
 from .job_config import JobConfig
-from .topology import Topology, plan_config
+from ..planner.job_plan import layout_of
+from ..planner.layout import Topology
+from .topology import default_threads
 from .weight_stream import receive_needs, stream_what_ranks_need, whoami
 
 if TYPE_CHECKING:
@@ -66,7 +68,7 @@ def share_probe_weights(link: Link, startup: Startup, cfg: JobConfig, spec: Prob
     if link.rank == 0:
         info = read_model_info(cfg.model_path)
         counts = {hosts.count(h) for h in hosts}
-        topos = {c: plan_config(cfg, link.size, c, not cfg.draft.is_none) for c in counts}
+        topos = {c: layout_of(cfg, link.size, default_threads(c), not cfg.draft.is_none) for c in counts}
         digests = digests_needed(files, _wants(cfg, spec, topos[hosts.count(hosts[0])], runs_draft, len(files)))
         startup.check_in("plan", (topos, info, digests, spec))
         stream_what_ranks_need(link, startup, cfg, digests, say)

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from ..transport.front_channel import Channel, ChannelClosed
+from ..planner.job_plan import JobPlan
 from .job_config import JobConfig
 from .parallel import SlotRow, slot_rows
 from .service import Service
@@ -34,12 +35,12 @@ class EngineInfo:
 def describe_ranks(topo) -> list[str]:
     """Each rank as a server's banner lists it: '0 head (0-14, 1 thread)'."""
     from ..wording import plural
-    from .topology import format_layer_ranges
+    from ..planner.layout import format_layer_ranges
 
     return [f"{r.rank} {r.role} ({format_layer_ranges([r.layers])}, {plural(r.threads, 'thread')})" for r in topo.ranks]
 
 
-def serve_engine(cfg: JobConfig, service: Service, channel: Channel) -> None:
+def serve_engine(plan: JobPlan, service: Service, channel: Channel) -> None:
     """Run on every rank of the job (the head passes its service and channel; the other ranks serve
     the pipeline): the front's requests until it says stop or goes away. A rank's failure is sent to
     the front ("failed") and raised."""
@@ -49,7 +50,7 @@ def serve_engine(cfg: JobConfig, service: Service, channel: Channel) -> None:
     bridge = _Bridge(service, channel)
     service.on_ready = bridge.ready
     try:
-        run_service(cfg, service, before_load=bridge.start)
+        run_service(plan, service, before_load=bridge.start)
     except BaseException as exc:
         bridge.failed(describe(exc))
         raise

@@ -1,9 +1,12 @@
-"""A generation job on every rank: plan, load once, run each request on the head, serve elsewhere.
+"""A generation job on every rank: carry out its plan, load once, run each request on the head,
+serve elsewhere.
 
 A job runs one or more requests (prompt + mode) on models loaded once, so `bench` can interleave
 modes on the same ranks. Where each part lives:
 
-- `topology.py` plans who computes what; `loading.py` loads it (`Loaded`);
+- the plan (who computes what, planner/job_plan.py) is made before the job starts, by the command
+  (cli/job_setup.py); the head hands it to every rank (`weight_stream.py`), with the threads of
+  its host (`topology.py`); `loading.py` loads it (`Loaded`);
 - `head.py` runs the requests on rank 0 (`pipeline.py` talks to the stages, `decode_*.py` are
   the modes, `session.py` the committed tokens);
 - `stage.py` and `remote_draft.py` serve the other ranks; `worker.py` is the fault protocol and
@@ -31,23 +34,29 @@ from .loaded import Loaded
 from .cpu_share import cpu_share
 from .loading import load_rank
 from ..decode.modes import MODE_NAMES as MODES, needs_draft as needs_draft_for  # noqa: F401 - MODES is part of this module's API
-from .topology import Topology, alone_on_cores, plan_config
+from ..planner.job_plan import JobPlan, layout_of
+from ..planner.layout import Topology
+from .topology import alone_on_cores, default_threads
 from .weight_stream import LoadedWeights, WeightsSource, local_files, share_plan_and_weights
 from ..decode.trace import TraceRecorder
 from .worker import abort_job, serve_worker
 
 
-def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,
+def run_job(plan: JobPlan | JobConfig, requests: list[Request], on_start: Callable[[object], None] | None = None,
             on_token: Callable[[int], None] | None = None,
             on_result: Callable[[GenerationResult], None] | None = None,
             on_text: Callable[[str], None] | None = None) -> list[GenerationResult] | None:
     """Run on every rank of COMM_WORLD. Returns one result per request on the head, None elsewhere.
+    plan: the job's plan (a bare JobConfig: the head lays it out as its requests need, _as_plan).
 
     on_start(tokenizer) is called on the head once the models are loaded; on_token(token) as each
     token is committed; on_text(text) with the text to show as tokens are committed (UTF-8
     completed, stop strings held back and cut); on_result(result) after each request.
     """
-    job = _load_job(cfg, requests)
+    if isinstance(plan, JobConfig):
+        draft_model = plan.draft.uses_model
+        plan = _as_plan(plan, any(needs_draft_for(r.mode) or (r.trace_depth and draft_model) for r in requests))
+    job = _load_job(plan, requests)
     if not job.is_head:
         job.serve_as_worker()
         return None
@@ -55,7 +64,7 @@ def run_job(cfg: JobConfig, requests: list[Request], on_start: Callable[[object]
                           Callbacks(on_start, on_token, on_text, on_result))
 
 
-def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None = None) -> None:
+def run_service(plan: JobPlan | JobConfig, service, before_load: Callable[[], None] | None = None) -> None:
     """Run on every rank of COMM_WORLD: the head answers a `service.Service`'s requests, one at a
     time, until service.stop(); the other ranks serve the pipeline. The draft (if any) is loaded,
     so that each request may choose its mode.
@@ -64,7 +73,9 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
     an error it raises ends the job like a failed load. Returns once the job is over; a rank's
     failure is raised on the head after service.fail() told every waiting client.
     """
-    job = _load_job(cfg, [], not cfg.draft.is_none, before_load)
+    if isinstance(plan, JobConfig):
+        plan = _as_plan(plan, not plan.draft.is_none)
+    job = _load_job(plan, [], before_load)
     if not job.is_head:
         job.serve_as_worker()
         return
@@ -83,14 +94,16 @@ def run_service(cfg: JobConfig, service, before_load: Callable[[], None] | None 
         raise
 
 
-def run_head_loop(cfg: JobConfig, head_main: Callable[[Head], None], needs_draft: bool) -> bool:
+def run_head_loop(plan: JobPlan | JobConfig, head_main: Callable[[Head], None], needs_draft: bool | None = None) -> bool:
     """Run on every rank of COMM_WORLD: load once, then on the head call head_main(head), which
     runs requests one at a time (`Head.run`, `Head.reset`, `Head.kv_used_cells`) for as long as it
     likes, on the calling thread (a terminal chat, a benchmark); the other ranks serve the pipeline
     meanwhile. When head_main returns the other ranks are shut down; if it raises, they are
-    aborted. True on the head.
+    aborted. True on the head. needs_draft: for a bare JobConfig, whether the job runs its draft.
     """
-    job = _load_job(cfg, [], needs_draft)
+    if isinstance(plan, JobConfig):
+        plan = _as_plan(plan, bool(needs_draft))
+    job = _load_job(plan, [])
     if not job.is_head:
         job.serve_as_worker()
         return False
@@ -122,13 +135,18 @@ class LoadedJob:
         serve_worker(link, self.loaded, self.cfg.debug, self.trace, before=lambda: clock_offsets(link))
 
 
-def _load_job(cfg: JobConfig, requests: list[Request], needs_draft: bool | None = None,
-              before_load: Callable[[], None] | None = None) -> LoadedJob:
-    """Start up, plan and load on this rank; before_load runs on the head only (see run_service)."""
+def _as_plan(cfg: JobConfig, drafts: bool) -> JobPlan:
+    """A caller's bare configuration (tests, bench's runner: the configuration already decided) as a
+    plan whose layout the head makes once its ranks have checked in (_plan_and_load)."""
+    return JobPlan(cfg, "", 0, False, drafts, None)
+
+
+def _load_job(plan: JobPlan, requests: list[Request], before_load: Callable[[], None] | None = None) -> LoadedJob:
+    """Start up, take the plan and load on this rank; before_load runs on the head only (see run_service)."""
     startup = job_startup()
     link = startup.link
     trace = TraceRecorder(link.rank)
-    cfg, loaded, threads = _plan_and_load(link, cfg, requests, needs_draft, before_load if link.rank == 0 else None)
+    cfg, loaded, threads = _plan_and_load(link, plan, requests, before_load if link.rank == 0 else None)
     start_liveness(link, cfg.rank_timeout_s, loaded, startup.hosts, threads)
     return LoadedJob(link, cfg, trace, loaded, head_clock_offsets(link) if link.rank == 0 else [])
 
@@ -182,14 +200,12 @@ def rank_names(topo: Topology, hosts: list[str]) -> list[str]:
     return names
 
 
-def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_draft: bool | None = None,
+def _plan_and_load(link: Link, plan: JobPlan, requests: list[Request],
                    before_load: Callable[[], None] | None = None) -> tuple[JobConfig, Loaded, list[int]]:
-    """Plan and load on every rank: (the configuration this rank runs with, its models, every rank's
-    busy threads). A failure on
-    any rank is reported once, by the head, naming the rank and its host (transport/startup.py)."""
-    if needs_draft is None:
-        draft_model = cfg.draft.uses_model
-        needs_draft = any(needs_draft_for(r.mode) or (r.trace_depth and draft_model) for r in requests)
+    """Carry out the plan and load on every rank: (the configuration this rank runs with, its models,
+    every rank's busy threads). A failure on any rank is reported once, by the head, naming the rank
+    and its host (transport/startup.py)."""
+    cfg, needs_draft = plan.cfg, plan.drafts
     startup = job_startup()
     # Every rank checks in before planning, whatever fails later, so that the head learns the
     # hosts (ranks per host for the thread counts), the model files each rank has, and a rank
@@ -202,7 +218,7 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
             before_load()
         t0 = time.monotonic()
         hosts = startup.hosts
-        head_plan = plan_config(cfg, link.size, hosts.count(hosts[0]), needs_draft) if link.rank == 0 else None
+        head_plan = _layout(plan, link.size, hosts.count(hosts[0])) if link.rank == 0 else None
         topo, cfg, source = share_plan_and_weights(link, startup, cfg, head_plan, needs_draft, _say)
         loaded = load_rank(cfg, topo, link.rank, requests, needs_draft, hosts)
         loaded.weights = _weights_report(source, time.monotonic() - t0, loaded)
@@ -210,6 +226,15 @@ def _plan_and_load(link: Link, cfg: JobConfig, requests: list[Request], needs_dr
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
     threads = startup.check_in("loaded", busy_threads(loaded) if loaded is not None else 0, err, code)
     return cfg, loaded, threads
+
+
+def _layout(plan: JobPlan, world_size: int, ranks_per_host: int) -> Topology:
+    """The head's layout of the job: the plan's, with the threads of its host (ranks_per_host: the
+    ranks start-up counted on it); a bare configuration's laid out here (_as_plan)."""
+    threads = default_threads(ranks_per_host)
+    if plan.layout is None:
+        return layout_of(plan.cfg, world_size, threads, plan.drafts)
+    return plan.on_hosts(threads)
 
 
 def _say(text: str) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .topology import RankPlan, Topology
+from ..planner.layout import RankPlan, Topology
 from .weight_stream import LoadedWeights
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from ..decode.session import DecodeOptions
 from ..errors import UsageError
 from .job_config import JobConfig, Request
 from .loaded import Loaded
-from .topology import RankPlan, Topology
+from ..planner.layout import RankPlan, Topology
 
 if TYPE_CHECKING:
     from ..decode.drafters import Drafter

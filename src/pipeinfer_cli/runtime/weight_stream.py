@@ -30,7 +30,7 @@ from ..models.weight_copies import (ModelFiles, Need, WeightsSource, digests_nee
 from ..transport.mpi_link import Link
 from ..transport.weight_transfer import receive_weights, send_weights
 from .job_config import JobConfig
-from .topology import RankPlan, Topology
+from ..planner.layout import RankPlan, Topology
 
 if TYPE_CHECKING:
     from ..transport.startup import Startup

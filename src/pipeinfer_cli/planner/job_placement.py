@@ -7,10 +7,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..decode.draft_spec import LOOKUP
+from ..decode.modes import needs_draft
+from .identity import default_threads
+from .job_config import JobConfig
+from .layout import parse_threads, plan_job
 
 if TYPE_CHECKING:
     from ..decode.session import DecodeOptions
-    from ..runtime.job_config import JobConfig
 
 
 def split_is_chosen(cfg: JobConfig, n_ranks: int) -> bool:
@@ -22,8 +25,6 @@ def split_is_chosen(cfg: JobConfig, n_ranks: int) -> bool:
 
 def draft_kind(cfg: JobConfig, mode: str) -> str | None:
     """What the mode drafts with: "model" (a draft model, hybrid included), "lookup", or None."""
-    from ..decode.modes import needs_draft
-
     if not needs_draft(mode) or not cfg.draft:
         return None
     return "model" if cfg.draft.uses_model else "lookup"
@@ -35,11 +36,10 @@ def job_placements(cfg: JobConfig, prof, n_ranks: int, mode: str, replay, measur
     job could run with (thread_options) times, where the planner places the job, every placement;
     else the job's own split. The head's own work is measured by simulating the mode at the job's
     settings on the first candidate, then the candidates are split again with it."""
-    from ..decode.modes import needs_draft
-    from ..planner.placement import Placement, at_threads, draft_on, placements
-    from ..planner.plan import run_mode
-    from ..planner.search import head_load
-    from ..planner.split import HeadLoad
+    from .placement import Placement, at_threads, draft_on, placements
+    from .plan import run_mode
+    from .search import head_load
+    from .split import HeadLoad
 
     kind = draft_kind(cfg, mode)
     out: list[Placement] = []
@@ -66,7 +66,7 @@ def job_placements(cfg: JobConfig, prof, n_ranks: int, mode: str, replay, measur
 
 def _job_memory(cfg: JobConfig, n_ranks: int, with_draft: bool):
     from ..models.gguf_info import read_model_info
-    from ..planner.split import profile_for_split
+    from .split import profile_for_split
 
     _, mem = profile_for_split(cfg.profile, cfg.model_path, cfg.model_label, read_model_info(cfg.model_path),
                                cfg.n_ctx, cfg.draft_path if with_draft else None, n_ranks, False, True)
@@ -75,14 +75,11 @@ def _job_memory(cfg: JobConfig, n_ranks: int, with_draft: bool):
 
 def thread_options(prof, cfg: JobConfig, n_ranks: int, mode: str) -> list[list[int]]:
     """The threads per rank the job could run with: --threads as given; else the profile's and
-    `generate`'s default for the mode on the profile's hosts (cli/plan_checks.job_threads: all of a
+    `generate`'s default for the mode on the profile's hosts (job_threads: all of a
     host's CPUs for iterative on one machine, a share of them for the drafting modes), without those
     the planner cannot model for a mode whose ranks compute at once (several threads per rank on
     too few CPUs: planner/shared_cores.unmodelled)."""
-    from ..decode.modes import needs_draft
-    from ..planner.shared_cores import unmodelled, usable_cpus
-    from ..runtime.topology import parse_threads
-    from .plan_checks import job_threads
+    from .shared_cores import unmodelled, usable_cpus
 
     if cfg.threads is not None:
         return [parse_threads(cfg.threads, n_ranks, 1)]
@@ -101,8 +98,6 @@ def placement_search(setup, prof, opts: DecodeOptions, threads: str | None, repl
     """For `plan --search --layer-split auto` (setup: plan's _Setup): the placements -M auto
     searches for each mode, as job_placements gives them for the job `plan` describes; None
     where plan has the user's own split (each mode is then planned on it, at the profile's threads)."""
-    from ..runtime.job_config import JobConfig
-
     if not (setup.layer_split or "").startswith("auto") or setup.n_ranks < 2:
         return None
     cfg = JobConfig(model_path=setup.path, model_label=setup.label, draft_path=setup.draft_path, draft=setup.draft,
@@ -122,7 +117,7 @@ def placement_note(best) -> str:
 
 def threads_note(prof, p, measured: dict | None) -> str:
     """Where the chosen threads' costs came from: the profile's, a profile at those threads, or extrapolated."""
-    from ..planner.placement import THREAD_SCALING
+    from .placement import THREAD_SCALING
 
     base = [rc.threads for rc in prof.ranks[:len(p.threads)]]
     if p.threads == base:
@@ -138,11 +133,9 @@ def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_
     """The planner's Topology of the job that runs `mode` (job_drafts: a draft model on the head takes
     layers from it), as `plan` and `-M auto` both plan it; load: requests at once and the load
     policy (serve --parallel N --load-policy P), which --layer-split auto balances the stages for."""
-    from ..decode.modes import needs_draft
-    from ..planner.predict import Topology
-    from ..runtime.topology import plan_job
+    from .predict import Topology
 
-    t = plan_job(model_path, model_label, n_ranks, n_ranks, layer_split, None, draft_path, job_drafts,
+    t = plan_job(model_path, model_label, n_ranks, 1, layer_split, None, draft_path, job_drafts,
                  has_draft=bool(draft), profile_path=profile_path, n_ctx=n_ctx, identity_checked=True,
                  load=load)
     stages = [r for r in t.ranks if r.role != "draft"]
@@ -150,3 +143,19 @@ def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_
         where = LOOKUP if draft.is_free else (t.draft_rank if t.draft_rank is not None else "head")
         return Topology([r.rank for r in stages], [r.layers for r in stages], where)
     return Topology([r.rank for r in stages], [r.layers for r in stages], None)
+
+
+def job_threads(prof, mode: str, threads: str | None, n_ranks: int) -> list[int]:
+    """The threads of each rank of the job `generate -M MODE` would start on the profile's hosts
+    (--threads as given, else generate's default for that mode and shape)."""
+    hosts = [prof.ranks[r].host for r in range(n_ranks)]
+    if threads:
+        return parse_threads(threads, n_ranks)  # explicit: the same on every host
+    one_host = len(set(hosts)) == 1
+    out = []
+    for r in range(n_ranks):
+        rc = prof.ranks[r]
+        affinity = rc.affinity_cpus if rc.affinity_cpus is not None else rc.cores
+        out.append(default_threads(not needs_draft(mode), n_ranks, hosts.count(hosts[r]), rc.cores, affinity,
+                                   rc.quota_cpus, one_host))
+    return out
