@@ -79,8 +79,9 @@ AMX_OPTIONS = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 # llama.cpp's release builds: a CPU backend library per x86 variant, the best loaded at run time.
 # GGML_BACKEND_DIR is where ggml installs them (relative to the wheel's root: beside libggml.so in
 # llama_cpp/lib, not in bin/); pipeinfer loads them from libggml.so's directory, wherever that is.
+# Typed STRING: ggml declares it a PATH, which CMake would make absolute in the unpacked sdist.
 ALL_VARIANTS_ARGS = ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON",
-                     "-DGGML_BACKEND_DIR=llama_cpp/lib"]
+                     "-DGGML_BACKEND_DIR:STRING=llama_cpp/lib"]
 VARIANT_PREFIX = "libggml-cpu-"
 X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
 

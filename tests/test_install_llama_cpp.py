@@ -178,7 +178,7 @@ ALL = {"PIPEINFER_GGML_VARIANTS": "all"}
 def test_every_variant_is_one_build_for_every_cpu():
     b = h.decide(ZEN4, ALL, "x86_64")
     assert (b.kind, b.cmake_args) == ("all", ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON",
-                                              "-DGGML_BACKEND_DIR=llama_cpp/lib"])
+                                              "-DGGML_BACKEND_DIR:STRING=llama_cpp/lib"])
     assert "every x86 variant" in b.reason
     # one wheel whatever the CPU that builds it (AMX or not): the key ignores the CPU's flags
     assert h.decide(HASWELL, ALL, "x86_64").key == b.key == h.decide(SAPPHIRE, ALL, "x86_64").key
