@@ -12,7 +12,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 .PHONY: bench-serve-recovery install deps native demo test test-slow test-properties fuzz asan bench bench-modes bench-grounded bench-native bench-native-gemma3 bench-network bench-cluster bench-prefix-reuse bench-parallel bench-topologies fault-matrix soak llama-rpc bench-rpc clean help
 
 help:
-	@echo "make install      create $(VENV), install pinned deps, build the native extension"
+	@echo "make install      create $(VENV), install pinned deps, build the native extension (GGML_CPU=all: every CPU variant, for mixed clusters)"
 	@echo "make demo         install, pull the default model, run the main job"
 	@echo "make test         run the test suite (pulls smollm2-135m-instruct and gemma3-270m once, 351 MB)"
 	@echo "make test-slow    run the slow tests on the Qwen pair (pulls qwen-coder once, 1.6 GB)"
@@ -41,6 +41,12 @@ $(PY):
 # ggml's build for this CPU (scripts/install_llama_cpp.py): native, or portable (GGML_NATIVE=OFF, the
 # CPU's features named, no AMX) on a CPU that reports AMX or with PIPEINFER_GGML_PORTABLE=1. The file
 # is rewritten only when that choice changes, so the stamp below reruns only then.
+# GGML_CPU=all: ggml's CPU backend for every x86 variant (GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS, as
+# llama.cpp's release builds), the best for the CPU loaded at run time: one install for nodes of
+# different CPUs (docs/cluster.md). The venv remembers it; GGML_CPU=one goes back to one build.
+ifneq ($(GGML_CPU),)
+export PIPEINFER_GGML_VARIANTS := $(GGML_CPU)
+endif
 $(VENV)/.ggml-flags: FORCE | $(PY)
 	@$(PY) scripts/install_llama_cpp.py flags
 

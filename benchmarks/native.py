@@ -41,6 +41,9 @@ N_PROMPT = 64
 def prompt_tokens(path: Path) -> list[int]:
     import llama_cpp
 
+    from pipeinfer_cli.native import ggml_cpu
+
+    ggml_cpu()  # llama.cpp computes with the CPU backend registered; a per-variant ggml has none yet
     toks = llama_cpp.Llama(str(path), vocab_only=True, verbose=False).tokenize(PROMPT_TEXT, add_bos=False)
     return (toks * (N_PROMPT // len(toks) + 1))[:N_PROMPT]
 
@@ -82,6 +85,9 @@ class LlamaCppRunner:
     def __init__(self, path: Path, n_threads: int, n_ctx: int):
         import llama_cpp
 
+        from pipeinfer_cli.native import ggml_cpu
+
+        ggml_cpu()
         self.lib = llama_cpp
         self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
                                    logits_all=True, verbose=False)

@@ -15,6 +15,16 @@ AVX2, FMA, F16C, BMI2, AVX-512 and its VBMI/VNNI/BF16, AVX-VNNI), AMX off. ggml'
 kernels, compiled in by `-march=native`, die of SIGILL (`tilezero`) on machines whose kernel grants
 AMX but whose hypervisor does not enable it, on every prompt long enough to use them.
 
+Every variant: `PIPEINFER_GGML_VARIANTS=all` (`make install GGML_CPU=all`) builds ggml's CPU backend
+once for each x86 variant llama.cpp's release builds ship (GGML_BACKEND_DL=ON, GGML_CPU_ALL_VARIANTS=ON,
+GGML_NATIVE=OFF: libggml-cpu-<variant>.so beside libggml.so), and each process loads the one whose
+score is best on its CPU (pipeinfer's native extension does it, through ggml's backend registry;
+PIPEINFER_GGML_CPU=<variant> forces one). The wheel depends on no CPU, so one install serves
+every node of a cluster whatever its CPU. The choice is remembered in the venv (<venv>/.ggml-variants);
+`PIPEINFER_GGML_VARIANTS=one` (`GGML_CPU=one`) goes back to one build. A variant that dies of SIGILL
+in the probe (AMX where a hypervisor does not enable it) is moved out of the install into
+<venv>/.ggml-excluded/ and the probe runs again with the next best.
+
 Wheels are kept in <cache>/wheels/<key>/ (<cache>: PIPEINFER_CACHE, else $XDG_CACHE_HOME/pipeinfer,
 else ~/.cache/pipeinfer); the key covers the pinned version, the Python tag, the CMake flags and,
 for a native build, the CPU's flags. pip's own wheel cache is not used: its key ignores CMAKE_ARGS,
@@ -66,6 +76,13 @@ X86_FEATURES: list[tuple[str, tuple[str, ...]]] = [
     ("GGML_AVX512_BF16", ("avx512_bf16",)),
 ]
 AMX_OPTIONS = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+# llama.cpp's release builds: a CPU backend library per x86 variant, the best loaded at run time.
+# GGML_BACKEND_DIR is where ggml installs them (relative to the wheel's root: beside libggml.so in
+# llama_cpp/lib, not in bin/); pipeinfer loads them from libggml.so's directory, wherever that is.
+# Typed STRING: ggml declares it a PATH, which CMake would make absolute in the unpacked sdist.
+ALL_VARIANTS_ARGS = ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON",
+                     "-DGGML_BACKEND_DIR:STRING=llama_cpp/lib"]
+VARIANT_PREFIX = "libggml-cpu-"
 X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
 
 
@@ -109,7 +126,8 @@ class Build:
 
     def describe(self) -> str:
         flags = " ".join(self.cmake_args + self.extra)
-        return f"llama-cpp-python: {self.kind} ggml build ({self.reason}): CMAKE_ARGS=\"{flags}\""
+        name = "per-variant" if self.kind == "all" else self.kind
+        return f"llama-cpp-python: {name} ggml build ({self.reason}): CMAKE_ARGS=\"{flags}\""
 
     def flags_file_text(self) -> str:
         return f"{self.kind} {self.key} {' '.join(self.cmake_args + self.extra)}\n"
@@ -122,14 +140,41 @@ def truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def all_variants(env: dict, machine: str, sticky_all: str | None, extra: list[str], flags: set[str],
+                 requirement: str, py_tag: str) -> Build | None:
+    """The build with every CPU variant when PIPEINFER_GGML_VARIANTS=all asks for it (or asked once
+    for this venv), else None."""
+    variants = (env.get("PIPEINFER_GGML_VARIANTS") or "").strip().lower()
+    if variants not in ("", "all", "one"):
+        raise SystemExit(f"Error: PIPEINFER_GGML_VARIANTS={variants} (make's GGML_CPU): use all (every CPU variant, "
+                         "chosen at run time) or one (one build for this CPU)")
+    if variants == "one" or not (variants == "all" or sticky_all):
+        return None
+    if truthy(env.get("PIPEINFER_GGML_PORTABLE")):
+        raise SystemExit("Error: PIPEINFER_GGML_PORTABLE=1 and PIPEINFER_GGML_VARIANTS=all (GGML_CPU=all) ask for "
+                         "two different builds; give one of them")
+    if machine.lower() not in X86_MACHINES:
+        raise SystemExit(f"Error: GGML_CPU=all builds ggml's x86 CPU variants; this machine is {machine}: "
+                         "use GGML_CPU=one")
+    why = "PIPEINFER_GGML_VARIANTS=all" if variants else f"{sticky_all}; GGML_CPU=one goes back to one build"
+    build = Build("all", list(ALL_VARIANTS_ARGS), f"{why}: every x86 variant, the best for the CPU loaded at run time",
+                  extra=extra)
+    build.key = build_key(build, flags, requirement, py_tag)
+    return build
+
+
 def decide(cpuinfo: str, env: dict, machine: str, sticky: str | None = None,
-           requirement: str = "llama-cpp-python==0.3.36", py_tag: str = "") -> Build:
+           requirement: str = "llama-cpp-python==0.3.36", py_tag: str = "", sticky_all: str | None = None) -> Build:
     """The build this CPU gets, and why. sticky: why this venv was made portable before
     (PIPEINFER_GGML_PORTABLE=1 once, or a native build that died in the probe), kept until
-    PIPEINFER_GGML_PORTABLE=0 asks for the native build again."""
+    PIPEINFER_GGML_PORTABLE=0 asks for the native build again. sticky_all: why this venv has
+    every CPU variant (PIPEINFER_GGML_VARIANTS=all once), kept until PIPEINFER_GGML_VARIANTS=one."""
     flags = cpu_flags(cpuinfo)
-    amx = sorted(f for f in flags if f.startswith("amx"))
     extra = (env.get("CMAKE_ARGS") or "").split()
+    every = all_variants(env, machine, sticky_all, extra, flags, requirement, py_tag)
+    if every is not None:
+        return every
+    amx = sorted(f for f in flags if f.startswith("amx"))
     switch = (env.get("PIPEINFER_GGML_PORTABLE") or "").strip().lower()
     native = Build("native", ["-DGGML_NATIVE=ON"], "the default: ggml tuned to this CPU", extra=extra)
     if switch in FALSY:
@@ -190,14 +235,25 @@ class Helper:
     def sticky_path(self) -> Path:
         return self.state / ".ggml-portable"
 
+    @property
+    def variants_path(self) -> Path:
+        return self.state / ".ggml-variants"
+
     def sticky(self) -> str | None:
         try:
             return self.sticky_path.read_text().strip() or None
         except OSError:
             return None
 
+    def sticky_all(self) -> str | None:
+        try:
+            return self.variants_path.read_text().strip() or None
+        except OSError:
+            return None
+
     def decide(self, sticky: str | None = None) -> Build:
-        return decide(self.cpuinfo, self.env, self.machine, sticky or self.sticky(), self.requirement, python_tag())
+        return decide(self.cpuinfo, self.env, self.machine, sticky or self.sticky(), self.requirement, python_tag(),
+                      sticky_all=self.sticky_all())
 
     def installed(self) -> dict:
         try:
@@ -257,8 +313,32 @@ class Helper:
         if r.returncode != 0:
             raise SystemExit(f"Error: installing {wheel} failed (pip exit status {r.returncode}, its output above); "
                              f"delete {wheel.parent} and run make install again to rebuild it")
+        if build.kind == "all" and not self.variant_files():
+            raise SystemExit(f"Error: {wheel} holds no {VARIANT_PREFIX}*.so: this llama-cpp-python's build did not "
+                             "install ggml's CPU variants; use GGML_CPU=one")
         self.record(build)
         return 0
+
+    def variant_files(self, variant: str = "*") -> list[Path]:
+        """The installed files of one CPU variant (or of all), in every directory the package has them."""
+        from importlib import metadata
+
+        try:
+            dist = metadata.distribution("llama-cpp-python")
+        except metadata.PackageNotFoundError:
+            return []
+        import fnmatch
+
+        pattern = f"{VARIANT_PREFIX}{variant}.so"
+        return [Path(dist.locate_file(f)) for f in dist.files or [] if fnmatch.fnmatch(Path(f).name, pattern)
+                and Path(dist.locate_file(f)).exists()]
+
+    def exclude_variant(self, variant: str) -> None:
+        """Moves a variant's libraries out of the install (into <venv>/.ggml-excluded/), so ggml never loads it."""
+        dest = self.state / ".ggml-excluded"
+        dest.mkdir(exist_ok=True)
+        for f in self.variant_files(variant):
+            shutil.move(str(f), str(dest / f"{f.parent.name}-{f.name}"))
 
     def remember_choice(self, build: Build) -> None:
         """PIPEINFER_GGML_PORTABLE=1 stays chosen for this venv (a later plain `make install` must not
@@ -268,6 +348,11 @@ class Helper:
             self.sticky_path.write_text("PIPEINFER_GGML_PORTABLE=1 was given for this venv before\n")
         elif switch in FALSY:
             self.sticky_path.unlink(missing_ok=True)
+        variants = (self.env.get("PIPEINFER_GGML_VARIANTS") or "").strip().lower()
+        if build.kind == "all" and variants == "all":
+            self.variants_path.write_text("PIPEINFER_GGML_VARIANTS=all (GGML_CPU=all) was given for this venv before\n")
+        elif variants == "one":
+            self.variants_path.unlink(missing_ok=True)
 
     def llama_cpp_present(self) -> bool:
         from importlib import metadata
@@ -277,10 +362,10 @@ class Helper:
         except metadata.PackageNotFoundError:
             return False
 
-    def record(self, build: Build, adopted: bool = False) -> None:
+    def record(self, build: Build, adopted: bool = False, excluded: list[str] | None = None) -> None:
         self.record_path.write_text(json.dumps({"key": build.key, "kind": build.kind, "reason": build.reason,
                                                 "cmake_args": build.cmake_args + build.extra,
-                                                "adopted": adopted}, indent=1) + "\n")
+                                                "adopted": adopted, "excluded": excluded or []}, indent=1) + "\n")
         (self.state / ".ggml-flags").write_text(build.flags_file_text())
 
     def build_wheel(self, build: Build) -> Path:
@@ -307,13 +392,18 @@ class Helper:
 
     # -- probe
     def run_probe(self, build_kind: str) -> tuple[int, str]:
-        """(exit status, its line) of the probe child; a negative status: killed by that signal."""
+        """(exit status, its line) of the probe child; a negative status: killed by that signal.
+        self.variant: the CPU variant the child computed with (a per-variant build), else None."""
         env = dict(self.env, PIPEINFER_PROBE_BUILD=build_kind)
+        self.variant = None
         try:
             r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "probe-child"], env=env,
                                capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return 1, f"no answer in {PROBE_TIMEOUT_S} s"
+        for said in r.stderr.splitlines():
+            if said.startswith(VARIANT_LINE):
+                self.variant = said[len(VARIANT_LINE):].strip() or None
         if r.returncode == 0:
             return 0, r.stdout.strip() or "ggml probe: ok"
         return r.returncode, (r.stderr.strip().splitlines() or ["no output"])[-1]
@@ -325,13 +415,40 @@ class Helper:
                     f"{Path(__file__).resolve()} probe-child` to see it whole")
         fix = ("report it with /proc/cpuinfo's flags line (CMAKE_ARGS=... make install adds flags of your own)"
                if kind != "native" else "try `PIPEINFER_GGML_PORTABLE=1 make install`, else report it")
-        also = "also " if kind != "native" else ""
-        return (f"Error: the {kind} ggml build {also}dies of {died_of(rc)} on a {PROBE_TOKENS}-token prompt "
+        also = "also " if kind == "portable" else ""
+        name = "per-variant" if kind == "all" else kind
+        return (f"Error: the {name} ggml build {also}dies of {died_of(rc)} on a {PROBE_TOKENS}-token prompt "
                 f"on this CPU; {fix}")
+
+    def probe_variants(self, rec: dict) -> int:
+        """A per-variant build: the probe runs with the variant ggml picks for this CPU; one that dies
+        of SIGILL (AMX a hypervisor does not enable) is left out and the next best probed."""
+        excluded = list(rec.get("excluded") or [])
+        for _ in range(64):  # more than ggml has variants
+            rc, line = self.run_probe("all")
+            if rc == 0:
+                self.say(line)
+                return 0
+            if rc != -signal.SIGILL or not self.variant:
+                self.say(self.probe_error(rc, line, "all"))
+                return 1
+            self.say(f"llama-cpp-python: ggml's CPU variant {self.variant} died of {died_of(rc)} on a {PROBE_TOKENS}-token "
+                     f"prompt on this machine; leaving it out (moved to {self.state / '.ggml-excluded'}) and probing "
+                     "the next best")
+            if self.args.dry_run:
+                return 0
+            self.exclude_variant(self.variant)
+            excluded.append(self.variant)
+            rec["excluded"] = excluded
+            self.record_path.write_text(json.dumps(rec, indent=1) + "\n")
+        self.say(f"Error: every ggml CPU variant dies in the install probe ({', '.join(excluded)})")
+        return 1
 
     def probe(self) -> int:
         rec = self.installed()
         kind = rec.get("kind") or self.decide().kind
+        if kind == "all":
+            return self.probe_variants(rec)
         rc, line = self.run_probe(kind)
         if rc == 0:
             self.say(line)
@@ -367,6 +484,34 @@ def died_of(rc: int) -> str:
     return f"exit status {rc}"
 
 
+VARIANT_LINE = "ggml probe: CPU variant "
+
+
+def load_cpu_variant(llama_cpp) -> str | None:
+    """Registers ggml's CPU backend as the native extension does (src/cpu_backend.cpp), through
+    llama_cpp's libggml: a per-variant build has none until then. The variant loaded, else None."""
+    import ctypes
+
+    from llama_cpp._ggml import libggml
+
+    libggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    libggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    lib_dir = Path(llama_cpp.__file__).resolve().parent / "lib"
+    if not libggml.ggml_backend_dev_by_type(0):  # GGML_BACKEND_DEVICE_TYPE_CPU
+        forced = os.environ.get("PIPEINFER_GGML_CPU", "").strip()
+        if forced:
+            libggml.ggml_backend_load.restype = ctypes.c_void_p
+            libggml.ggml_backend_load.argtypes = [ctypes.c_char_p]
+            libggml.ggml_backend_load(str(lib_dir / f"{VARIANT_PREFIX}{forced}.so").encode())
+        else:
+            libggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+            libggml.ggml_backend_load_all_from_path(str(lib_dir).encode())
+    with open("/proc/self/maps") as maps:  # ggml keeps the variant it chose mapped, and no other
+        names = {Path(line.split()[-1]).name for line in maps if VARIANT_PREFIX in line}
+    variants = sorted(n[len(VARIANT_PREFIX):-len(".so")] for n in names if n.endswith(".so"))
+    return variants[0] if len(variants) == 1 else None
+
+
 def probe_child() -> int:
     """In a child process: a PROBE_TOKENS-token prompt in one batch through llama.cpp on tiny random
     Q4_0 and Q8_0 models (the types and batch sizes ggml's AMX kernels take), logits checked finite."""
@@ -380,6 +525,11 @@ def probe_child() -> int:
 
     import llama_cpp
 
+    variant = load_cpu_variant(llama_cpp)
+    if variant:
+        print(VARIANT_LINE + variant, file=sys.stderr, flush=True)
+        if mode == variant:  # PIPEINFER_DEBUG_PROBE_SIGILL=<variant>: that variant "dies" here
+            os.kill(os.getpid(), signal.SIGILL)
     t0 = time.monotonic()
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, 256, PROBE_TOKENS)]
@@ -398,7 +548,8 @@ def probe_child() -> int:
             finally:
                 llm.close()
     print(f"ggml probe: a {PROBE_TOKENS}-token prompt on Q4_0 and Q8_0 weights ran "
-          f"({(time.monotonic() - t0) * 1000:.0f} ms, build: {os.environ.get('PIPEINFER_PROBE_BUILD', '?')})")
+          f"({(time.monotonic() - t0) * 1000:.0f} ms, build: {os.environ.get('PIPEINFER_PROBE_BUILD', '?')}"
+          f"{f', CPU variant {variant}' if variant else ''})")
     return 0
 
 

@@ -14,6 +14,13 @@ from tinygguf import write_tiny_model  # noqa: E402
 from pipeinfer_cli.models.fetch import pull_model  # noqa: E402
 from pipeinfer_cli.models.registry import load_registry  # noqa: E402
 
+try:  # a ggml built with a library per CPU variant has no CPU backend until one is loaded: load it
+    from pipeinfer_cli.native import ggml_cpu  # before tests hand models to llama_cpp directly
+
+    ggml_cpu()
+except ImportError:  # the extension is not built: the tests that need it say so
+    pass
+
 
 def _registry_model(name: str) -> Path:
     entry = load_registry().model(name)

@@ -168,3 +168,62 @@ def test_a_portable_build_that_dies_too_is_one_error(tmp_path):
 def test_the_native_only_switch_leaves_a_portable_build_alone(tmp_path):
     r = _run(tmp_path, ZEN4, "probe", "--dry-run", PIPEINFER_DEBUG_PROBE_SIGILL="native", PIPEINFER_GGML_PORTABLE="1")
     assert r.returncode == 0 and r.stderr.startswith("ggml probe: a 320-token prompt"), r.stderr
+
+
+# -- every CPU variant (GGML_CPU=all) -----------------------------------------------------------------
+
+ALL = {"PIPEINFER_GGML_VARIANTS": "all"}
+
+
+def test_every_variant_is_one_build_for_every_cpu():
+    b = h.decide(ZEN4, ALL, "x86_64")
+    assert (b.kind, b.cmake_args) == ("all", ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON",
+                                              "-DGGML_BACKEND_DIR:STRING=llama_cpp/lib"])
+    assert "every x86 variant" in b.reason
+    # one wheel whatever the CPU that builds it (AMX or not): the key ignores the CPU's flags
+    assert h.decide(HASWELL, ALL, "x86_64").key == b.key == h.decide(SAPPHIRE, ALL, "x86_64").key
+    assert b.key not in {h.decide(ZEN4, {}, "x86_64").key, h.decide(ZEN4, {"PIPEINFER_GGML_PORTABLE": "1"}, "x86_64").key}
+
+
+def test_every_variant_is_remembered_until_one_is_asked_for():
+    why = "PIPEINFER_GGML_VARIANTS=all (GGML_CPU=all) was given for this venv before"
+    b = h.decide(ZEN4, {}, "x86_64", sticky_all=why)
+    assert b.kind == "all" and "GGML_CPU=one goes back" in b.reason
+    assert h.decide(ZEN4, {"PIPEINFER_GGML_VARIANTS": "one"}, "x86_64", sticky_all=why).kind == "native"
+    # a venv made portable before takes every variant when asked (they are portable too)
+    assert h.decide(ZEN4, ALL, "x86_64", sticky="PIPEINFER_GGML_PORTABLE=1 was given for this venv before").kind == "all"
+
+
+def test_every_variant_refuses_what_cannot_work():
+    with pytest.raises(SystemExit, match=r"PIPEINFER_GGML_VARIANTS=some .*use all .* or one"):
+        h.decide(ZEN4, {"PIPEINFER_GGML_VARIANTS": "some"}, "x86_64")
+    with pytest.raises(SystemExit, match="two different builds"):
+        h.decide(ZEN4, {**ALL, "PIPEINFER_GGML_PORTABLE": "1"}, "x86_64")
+    with pytest.raises(SystemExit, match="x86 CPU variants; this machine is aarch64"):
+        h.decide("Features\t: fp asimd\n", ALL, "aarch64")
+
+
+def test_flags_file_remembers_every_variant(tmp_path):
+    _run(tmp_path, ZEN4, "flags", **ALL)
+    assert (tmp_path / ".ggml-flags").read_text().startswith("all ")
+    assert (tmp_path / ".ggml-variants").is_file()
+    _run(tmp_path, ZEN4, "flags")  # a plain `make install` keeps it
+    assert (tmp_path / ".ggml-flags").read_text().startswith("all ")
+    _run(tmp_path, ZEN4, "flags", PIPEINFER_GGML_VARIANTS="one")
+    assert (tmp_path / ".ggml-flags").read_text().startswith("native ")
+    assert not (tmp_path / ".ggml-variants").exists()
+
+
+def test_a_variant_that_dies_in_the_probe_is_left_out(tmp_path):
+    from pipeinfer_cli.native import ggml_cpu
+
+    cpu = ggml_cpu()
+    if not cpu["dynamic"]:
+        pytest.skip("ggml has one CPU backend built in: `make install GGML_CPU=all` installs every variant")
+    r = _run(tmp_path, ZEN4, "probe", "--dry-run", PIPEINFER_DEBUG_PROBE_SIGILL=cpu["variant"], **ALL)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"llama-cpp-python: ggml's CPU variant {cpu['variant']} died of SIGILL (Illegal instruction) on a 320-token "
+        f"prompt on this machine; leaving it out (moved to {tmp_path / '.ggml-excluded'}) and probing the next best"]
+    r = _run(tmp_path, ZEN4, "probe", "--dry-run", **ALL)
+    assert r.returncode == 0 and f"build: all, CPU variant {cpu['variant']})" in r.stderr, r.stderr

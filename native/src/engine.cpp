@@ -1,7 +1,7 @@
 #include "engine.h"
 
+#include "cpu_backend.h"
 #include "errors.h"
-#include "ggml-cpu.h"
 #include "gguf_file.h"
 
 #include <algorithm>
@@ -109,10 +109,7 @@ layer_engine::layer_engine(const engine_params & params) : params_(params) {
     }
     open_caches();
 
-    backend_ = ggml_backend_cpu_init();
-    if (!backend_) throw engine_failure("ggml_backend_cpu_init failed");
-    ggml_backend_cpu_set_n_threads(backend_, params.n_threads);
-    ggml_backend_cpu_set_abort_callback(backend_, &layer_engine::abort_cb, this);
+    backend_ = cpu_backend_new(params.n_threads, &layer_engine::abort_cb, this);
 
     galloc_ = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
     if (!galloc_) throw engine_failure("ggml_gallocr_new failed");

@@ -4,7 +4,6 @@
 
 #include "errors.h"
 #include "huge_pages.h"
-#include "ggml-cpu.h"
 
 #include <algorithm>
 #include <cmath>

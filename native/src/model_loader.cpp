@@ -1,8 +1,8 @@
 #include "model_loader.h"
 
 #include "arch_gemma3.h"
+#include "cpu_backend.h"
 #include "errors.h"
-#include "ggml-cpu.h"
 #include "gguf_file.h"
 #include "gguf_slice.h"
 #include "huge_pages.h"
@@ -256,7 +256,7 @@ std::vector<tensor_request> stage_tensors(const gguf_file & f, stage_weights & s
 // aborts the process at compute (MUL with an f16 norm) or calls a null vec_dot (MUL_MAT on i32).
 const char * weight_type_problem(const tensor_request & r, ggml_type t) {
     if (r.is_matmul_weight) {  // MUL_MAT / MUL_MAT_ID src0 (also the tied token_embd copy)
-        return ggml_get_type_traits_cpu(t)->vec_dot ? nullptr : "a type with no matrix-multiply kernel";
+        return cpu_has_vec_dot(t) ? nullptr : "a type with no matrix-multiply kernel";
     }
     if (r.file_name == "token_embd.weight") {  // GET_ROWS: converts rows to f32
         const bool rows_ok = t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16 ||
@@ -347,8 +347,7 @@ void pread_all(int fd, void * dst, size_t n, uint64_t offset, const std::string 
 // can run MUL_MAT with it, else the plain CPU buffer type. Returns the plain CPU buffer type.
 ggml_backend_buffer_type_t choose_buffer_types(std::vector<tensor_request> & req, bool use_repack,
                                                int64_t n_expert_used) {
-    ggml_backend_dev_t cpu_dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-    if (!cpu_dev) throw engine_failure("ggml has no CPU device");
+    ggml_backend_dev_t cpu_dev = cpu_device();
     ggml_backend_buffer_type_t cpu_buft = ggml_backend_dev_buffer_type(cpu_dev);
     std::vector<ggml_backend_buffer_type_t> extra;
     if (use_repack) {

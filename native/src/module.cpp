@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "cpu_backend.h"
 #include "engine.h"
 #include "errors.h"
 #include "gguf_file.h"
@@ -13,7 +14,6 @@
 #include "vocab_check.h"
 
 #include "ggml.h"
-#include "ggml-cpu.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -194,16 +194,37 @@ void bind_functions(py::module_ & m) {
           "key/value, pipeinfer.slice.* keys, and only the named tensors (gguf_slice.h).");
 
     m.def("cpu_features", []() {
+        cpu_backend_info info;
+        {
+            py::gil_scoped_release release;
+            info = cpu_backend_describe();
+        }
         std::map<std::string, bool> f;
-        f["avx"]         = ggml_cpu_has_avx();
-        f["avx2"]        = ggml_cpu_has_avx2();
-        f["avx512"]      = ggml_cpu_has_avx512();
-        f["avx512_vnni"] = ggml_cpu_has_avx512_vnni();
-        f["avx512_bf16"] = ggml_cpu_has_avx512_bf16();
-        f["fma"]         = ggml_cpu_has_fma();
-        f["f16c"]        = ggml_cpu_has_f16c();
+        for (const char * name : {"avx", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "fma", "f16c"}) {
+            std::string key = name;
+            for (char & c : key) c = (char) std::toupper((unsigned char) c);
+            f[name] = info.features.count(key) && info.features.at(key) == "1";
+        }
         return f;
-    }, "CPU features that ggml's CPU backend detects on this machine.");
+    }, "x86 features that ggml's CPU backend (the variant this process computes with) is built for.");
+
+    m.def("cpu_backend", []() {
+        cpu_backend_info info;
+        {
+            py::gil_scoped_release release;
+            info = cpu_backend_describe();
+        }
+        py::dict d;
+        d["variant"] = info.variant;
+        d["library"] = info.library;
+        d["dynamic"] = info.dynamic;
+        d["forced"] = info.forced.empty() ? py::object(py::none()) : py::object(py::str(info.forced));
+        d["available"] = info.available;
+        d["features"] = info.features;
+        return d;
+    }, "The CPU backend this process computes with, loaded first when none is (ggml's backend registry): "
+       "{'variant' ('zen4', ..., or 'builtin'), 'library', 'dynamic', 'forced' (PIPEINFER_GGML_CPU or None), "
+       "'available' (variants installed), 'features' (ggml_backend_get_features)}.");
 }
 
 void bind_exceptions(py::module_ & m) {

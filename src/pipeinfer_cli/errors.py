@@ -67,6 +67,11 @@ class CacheError(PipeinferError):
     """The model cache directory cannot be used."""
 
 
+class GgmlCpuError(PipeinferError):
+    """ggml's CPU backend cannot be loaded: PIPEINFER_GGML_CPU names a variant that is not installed
+    or that this CPU does not run, or no installed variant runs here."""
+
+
 class UsageError(PipeinferError):
     """A combination of options that cannot work (exit status 2, like any command-line usage error)."""
 

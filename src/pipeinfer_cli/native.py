@@ -32,9 +32,9 @@ from typing import Any, TypedDict
 import numpy as np
 
 from . import _native
-from .errors import ModelFileError
+from .errors import GgmlCpuError, ModelFileError
 
-__all__ = ["LayerEngine", "EvalCancelled", "KVCacheFullError", "SUPPORTED_ARCHS"]
+__all__ = ["LayerEngine", "EvalCancelled", "KVCacheFullError", "SUPPORTED_ARCHS", "ggml_cpu"]
 
 SUPPORTED_ARCHS: tuple[str, ...] = _native.supported_archs()
 """Architectures (`general.architecture`) the engine computes; the list lives in model_loader.cpp."""
@@ -44,6 +44,21 @@ EvalCancelled = _native.EvalCancelled
 
 KVCacheFullError = _native.KVCacheFullError
 """Raised when a batch needs more free KV cells than the cache has (a `ValueError`)."""
+
+
+def ggml_cpu() -> dict[str, Any]:
+    """ggml's CPU backend in this process: `variant` ("zen4", "haswell", ...; "builtin" for a ggml
+    built with one CPU backend inside), `library`, `dynamic`, `forced` (PIPEINFER_GGML_CPU or None),
+    `available` (the variants installed) and `features` (ggml_backend_get_features).
+
+    The first call loads it when ggml has none yet: a ggml built with a library per CPU variant
+    (`make install GGML_CPU=all`) registers none until asked, and llama.cpp loads none itself, so
+    this runs before llama_cpp loads a model. The variant is the one whose score is best on this
+    CPU, or the one PIPEINFER_GGML_CPU names. Raises GgmlCpuError when that cannot be loaded."""
+    try:
+        return _native.cpu_backend()
+    except (ValueError, RuntimeError) as e:
+        raise GgmlCpuError(str(e)) from None
 
 
 class HParams(TypedDict):
@@ -108,6 +123,7 @@ class LayerEngine:
                  flash_attn: bool = False, swa_full: bool = False, n_slots: int = 1, slowdown: float = 1.0) -> None:
         path = os.fspath(path)
         index = operator.index  # integers (numpy ones too), never a truncated float
+        ggml_cpu()
         try:
             self._eng = _native.LayerEngine(path, index(layer_begin), index(layer_end), n_ctx=index(n_ctx),
                                             n_threads=index(n_threads), n_seq_max=index(n_seq_max),

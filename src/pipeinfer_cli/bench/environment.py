@@ -23,8 +23,9 @@ def versions() -> dict:
         from .. import _native
 
         out["ggml"] = _native.ggml_version()
+        out["ggml_cpu"] = _ggml_cpu_variant()
     except ImportError:
-        out["ggml"] = None
+        out["ggml"] = out["ggml_cpu"] = None
     import mpi4py
     from mpi4py import MPI
 
@@ -34,6 +35,18 @@ def versions() -> dict:
 
     out["numpy"] = numpy.__version__
     return out
+
+
+def _ggml_cpu_variant() -> str | None:
+    """The CPU backend the figures were computed with: a variant of a per-variant ggml ("zen4",
+    "haswell", ...) or "builtin" (a ggml with one CPU backend inside, native or portable)."""
+    from ..errors import GgmlCpuError
+    from ..native import ggml_cpu
+
+    try:
+        return ggml_cpu()["variant"]
+    except GgmlCpuError:
+        return None
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:

@@ -77,11 +77,27 @@ def _version(value: bool) -> None:
         try:
             from .. import _native
 
-            ggml = _native.ggml_version()
+            ggml = f"{_native.ggml_version()}, {_cpu_backend_words()}"
         except ImportError:
             ggml = "not built (run `make install`)"
         typer.echo(f"pipeinfer {__version__} (ggml {ggml})")
         raise typer.Exit()
+
+
+def _cpu_backend_words() -> str:
+    """Which CPU backend ggml computes with here: `CPU variant zen4 (of 13 installed)`, or the one
+    built into ggml."""
+    from ..errors import GgmlCpuError
+    from ..native import ggml_cpu
+
+    try:
+        cpu = ggml_cpu()
+    except GgmlCpuError as e:
+        return f"CPU backend: {e}"
+    if not cpu["dynamic"]:
+        return "CPU backend built in"
+    chosen = "PIPEINFER_GGML_CPU" if cpu["forced"] else "the best for this CPU"
+    return f"CPU variant {cpu['variant']} ({chosen}, of {len(cpu['available'])} installed)"
 
 
 @app.callback()

@@ -93,6 +93,9 @@ class LlamaDrafter:
         import llama_cpp
         from llama_cpp._utils import suppress_stdout_stderr
 
+        from ..native import ggml_cpu
+
+        ggml_cpu()  # llama.cpp computes with the CPU backend registered; a per-variant ggml has none yet
         self.lib = llama_cpp
         with suppress_stdout_stderr(disable=False):
             self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=n_threads,

@@ -26,8 +26,11 @@ class Tokenizer:
         import llama_cpp
         from llama_cpp._utils import suppress_stdout_stderr
 
+        from ..native import ggml_cpu
+
         self._llama_cpp = llama_cpp
         _check_vocabulary(model_path)
+        ggml_cpu()  # llama.cpp computes with the CPU backend registered; a per-variant ggml has none yet
         # A vocab-only context warns about n_ctx_train = 0 straight to fd 2; it means nothing here.
         with suppress_stdout_stderr(disable=False), _llama_errors() as errors:
             try:
