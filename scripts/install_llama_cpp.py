@@ -492,11 +492,13 @@ def load_cpu_variant(llama_cpp) -> str | None:
     llama_cpp's libggml: a per-variant build has none until then. The variant loaded, else None."""
     import ctypes
 
-    from llama_cpp._ggml import libggml
-
+    lib_dir = Path(llama_cpp.__file__).resolve().parent / "lib"
+    # The file libllama maps by its soname (libggml.so.0): the wheel's libggml.so is a copy, another
+    # object with a registry of its own (llama_cpp._ggml loads that one).
+    sonames = sorted(p for p in lib_dir.glob("libggml.so.*") if re.fullmatch(r"libggml\.so\.\d+", p.name))
+    libggml = ctypes.CDLL(str(sonames[0] if sonames else lib_dir / "libggml.so"))
     libggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
     libggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    lib_dir = Path(llama_cpp.__file__).resolve().parent / "lib"
     if not libggml.ggml_backend_dev_by_type(0):  # GGML_BACKEND_DEVICE_TYPE_CPU
         forced = os.environ.get("PIPEINFER_GGML_CPU", "").strip()
         if forced:

@@ -4,9 +4,11 @@
   PIPEINFER_GGML_CPU is refused, naming `GGML_CPU=all`;
 - every x86 variant as its own library (`make install GGML_CPU=all`: GGML_BACKEND_DL +
   GGML_CPU_ALL_VARIANTS), the best for this CPU loaded at run time: two different variants, forced
-  with PIPEINFER_GGML_CPU, each in its own process, run SmolLM2 split in two layer ranges and
-  greedy-decode the same tokens, which llama.cpp (llama-cpp-python, same variant, same process)
-  decodes too; a variant this CPU cannot run, or one not installed, is one Error: line.
+  with PIPEINFER_GGML_CPU, each in its own process, run SmolLM2 split in two layer ranges: in each,
+  the native engine decodes exactly llama.cpp's greedy tokens (llama-cpp-python, same variant, same
+  process); across the two, the prompt's choices and the first tokens agree (kernels of different
+  widths round differently, so a near tie later may not); a variant this CPU cannot run, or one
+  not installed, is one Error: line.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pipeinfer_cli.native import ggml_cpu
 
 TESTS = Path(__file__).resolve().parent
 N_NEW = 16
+N_SAME = 6  # greedy tokens two variants agree on here (7 measured; see the test)
 
 # Greedy tokens of SmolLM2 from the native engine (two stages) and from llama.cpp, in one process.
 SNIPPET = """
@@ -38,9 +41,9 @@ cpu = ggml_cpu()
 prompt = Tokenizer(path).encode("The three primary colours are")
 kv = _native.gguf_metadata(path)["kv"]
 stages = open_stages(path, kv[kv["general.architecture"] + ".block_count"], 2, n_threads=2)
-_, native = native_greedy(stages, prompt, {n})
+logits, native = native_greedy(stages, prompt, {n})
 _, llama = llama_cpp_greedy(path, prompt, {n}, n_threads=2, all_rows=False)
-print(json.dumps({{"cpu": cpu, "native": native, "llama": llama}}))
+print(json.dumps({{"cpu": cpu, "native": native, "llama": llama, "prompt_argmax": logits.argmax(1).tolist()}}))
 """
 
 
@@ -95,7 +98,12 @@ def test_two_variants_decode_the_same_tokens(smollm2_path):
     assert a["cpu"]["features"] != b["cpu"]["features"]  # really two builds of the kernels
     assert a["native"] == a["llama"], "native engine vs llama.cpp under " + best
     assert b["native"] == b["llama"], "native engine vs llama.cpp under " + other
-    assert a["native"] == b["native"] and len(a["native"]) == N_NEW
+    # Across variants the kernels differ in width (AVX-512 against AVX2) and round differently: on
+    # SmolLM2 Q4_1 the prompt's logits differ by up to 0.8 between zen4 and haswell, every row's
+    # choice is the same, and greedy decoding agrees for 7 tokens, then a near tie goes the other
+    # way. So the same tokens hold within a variant (above), and across them only this far.
+    assert a["prompt_argmax"] == b["prompt_argmax"]
+    assert a["native"][:N_SAME] == b["native"][:N_SAME] and len(a["native"]) == N_NEW
 
 
 @per_variant
