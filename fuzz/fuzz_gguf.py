@@ -28,7 +28,9 @@ with atheris.instrument_imports(include=["pipeinfer_cli", "llama_cpp", "jinja2",
     import targets
     from pipeinfer_cli.cli import inspect_cmd  # noqa: F401  (instrumented before the targets import it)
     from pipeinfer_cli.runtime import tokenizer, vocab  # noqa: F401
-    from pipeinfer_cli.models import gguf_info, native  # noqa: F401
+    from pipeinfer_cli import native  # noqa: F401
+    from pipeinfer_cli.models import gguf_info  # noqa: F401
+    from pipeinfer_cli.planner import layout  # noqa: F401
     import llama_cpp.llama_chat_format  # noqa: F401
 
 import mutator  # noqa: E402  (not instrumented: its own branches are not the target's coverage)

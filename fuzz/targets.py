@@ -45,7 +45,7 @@ def run_metadata(path: Path) -> None:
 
     from pipeinfer_cli.cli.inspect_cmd import _layer_bytes_table, _summary_table
     from pipeinfer_cli.models.gguf_info import read_model_info
-    from pipeinfer_cli.runtime.topology import plan_split
+    from pipeinfer_cli.planner.layout import plan_split
 
     info = read_model_info(path)
     json.dumps({**info.to_dict(), "split": plan_split(info, 2).ranks})
