@@ -189,6 +189,10 @@ def test_json_has_every_metric_field(models):
     for x in r["ranks"]:
         assert {"role", "layers", "threads", "peak_rss_mib", "busy_s", "cpu_s"} <= set(x)
     assert r["n_gen"] == len(r["tokens"]) and r["mode"] == "speculative"
+    # Every rank names ggml's CPU variant it ran, the one this machine's processes load.
+    from pipeinfer_cli.native import ggml_cpu
+
+    assert [x["ggml_cpu"] for x in r["ranks"]] == [ggml_cpu()["variant"]] * 2
 
 
 # -- idle ranks -------------------------------------------------------------------------------------

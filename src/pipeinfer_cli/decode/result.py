@@ -22,7 +22,8 @@ class RankReport:
 
     Optional parts are left out of the JSON when None: `weights` (the first request's), the engine's
     counters and KV cells (a rank with an engine), `wire` (a rank with a link), the head's
-    `rows_requested` and a stage's `skipped_before_start`, and `cpu_split` (a rank that counted it)."""
+    `rows_requested` and a stage's `skipped_before_start`, `ggml_cpu` (the CPU variant) and `cpu_split`
+    (a rank that counted it)."""
 
     rank: int
     role: str  # "head", "stage" or "draft"
@@ -45,6 +46,7 @@ class RankReport:
     trace: list | None = field(default_factory=list)  # trace events (None: dropped); never in generate's JSON
     clock_offset_s: float | None = None  # this rank's clock against the head's (set by the head)
     cpu_split: CpuSplit | None = None  # cpu_s by kind of work: target layers, draft model, the rest (decode/cpu_account.py)
+    ggml_cpu: str | None = None  # ggml's CPU variant in this rank's process ("zen4", "haswell"; "builtin": one build)
 
     def as_dict(self, trace: bool = False) -> dict:
         """The JSON object, keys in their historical order."""
@@ -63,6 +65,8 @@ class RankReport:
             d["trace"] = self.trace
         if self.clock_offset_s is not None:
             d["clock_offset_s"] = self.clock_offset_s
+        if self.ggml_cpu is not None:
+            d["ggml_cpu"] = self.ggml_cpu
         if self.cpu_split is not None:
             d["cpu_split"] = self.cpu_split.as_dict()
         return d

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..transport.mpi_link import Link, WaitPolicy
 from ..decode.cpu_account import PROCESS, CpuAccount
 from ..decode.metrics import process_stats
+from ..native import ggml_cpu
 from ..process_memory import peak_rss_mib
 from ..decode.result import RankReport
 
@@ -54,6 +55,9 @@ class RankReporter:
         self.busy_s = 0.0  # seconds computing (stage evals, draft proposals)
         self.runs = 0  # runs computed or draft requests answered
         self.kv_at_start: int | None = None  # KV cells in use when this request began (after the last clear)
+        # ggml's CPU variant in this process: ranks on different CPUs may run different ones
+        # (`make install GGML_CPU=all`), whose arithmetic differs in its last bits.
+        self.ggml_cpu = ggml_cpu()["variant"]
         self._reset()
 
     def _reset(self) -> None:
@@ -72,7 +76,7 @@ class RankReporter:
                          round(self.busy_s, 4), round(split.total_s, 3), self.runs,
                          self._wait_style(), process_stats(), weights=self.weights,
                          rows_requested=rows_requested, skipped_before_start=skipped_before_start, trace=events,
-                         cpu_split=split)
+                         cpu_split=split, ggml_cpu=self.ggml_cpu)
         if self.engine is not None:
             stats = dict(self.engine.stats())
             out.engine = {k: v - self._engine0.get(k, 0) for k, v in stats.items()}
