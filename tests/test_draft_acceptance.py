@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from planning import smollm2_profile
 from pipeinfer_cli.decode.draft_spec import DraftSpec
 from pipeinfer_cli.planner.profile import DraftCosts, Profile
-from pipeinfer_cli.runtime.job_config import JobConfig
+from pipeinfer_cli.planner.job_config import JobConfig
 
 
 def _cfg(target, draft) -> JobConfig:

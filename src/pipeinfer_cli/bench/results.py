@@ -14,7 +14,7 @@ from .runner import check_tokens
 from .stats import summarize
 
 if TYPE_CHECKING:
-    from ..runtime.job_config import JobConfig
+    from ..planner.job_config import JobConfig
 
 
 @dataclass

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 from ..errors import PipeinferError
 
 if TYPE_CHECKING:
-    from ..runtime.job_config import JobConfig
+    from ..planner.job_config import JobConfig
     from ..planner.profile import Profile
 
 PROFILES_DIR = "profiles"

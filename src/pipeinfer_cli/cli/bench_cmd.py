@@ -24,7 +24,7 @@ from .options import ModelArg, SaveTraceOption
 from .wording import epilog, plural
 
 if TYPE_CHECKING:
-    from ..runtime.job_config import JobConfig
+    from ..planner.job_config import JobConfig
 
 DEFAULT_MODES = "iterative,speculative,pipeinfer"
 NON_TTY_WIDTH = 200

@@ -19,7 +19,7 @@ from .job_options import JobOptions
 from .wording import plural
 
 if TYPE_CHECKING:
-    from ..runtime.job_config import JobConfig
+    from ..planner.job_config import JobConfig
 
 
 class RequestsFailedError(PipeinferError):

@@ -23,7 +23,7 @@ from .options import (CtxOption, DraftOption, JobRanksOption, LayerSplitOption, 
 from .wording import epilog, human_bytes, plural
 
 if TYPE_CHECKING:
-    from ..runtime.job_config import JobConfig
+    from ..planner.job_config import JobConfig
     from ..planner.profile import Profile
 
 # The epoch time the command started at, passed to the relaunched job (its head prints the duration).

@@ -16,7 +16,7 @@ from .console import err
 if TYPE_CHECKING:
     from ..planner.profile import Profile
     from ..runtime.calibrate_probes import ProbeSpec
-    from ..runtime.job_config import JobConfig
+    from ..planner.job_config import JobConfig
 
 DRAFT_ACCEPTANCE_TOKENS = {False: 96, True: 32}  # tokens a draft model's acceptance is measured on (by --quick)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..decode.drafters import Drafter
     from ..planner.profile import DraftCosts
-    from ..runtime.job_config import JobConfig
+    from ..planner.job_config import JobConfig
 
 # What a draft model's acceptance is measured after: a chat request where the target has a chat
 # template (what `--chat`, `chat` and `serve` send: an answer accepts more of a draft than a raw

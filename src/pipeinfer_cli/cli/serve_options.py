@@ -13,7 +13,7 @@ from .console import err
 from .generate_cmd import summary_line
 
 if TYPE_CHECKING:
-    from ..runtime.job_config import JobConfig
+    from ..planner.job_config import JobConfig
 
 
 def default_split(job, parallel: int, environ=os.environ) -> str | None:

@@ -42,7 +42,7 @@ from .calibrate_noise import twin_disagreements, unreliable_line
 from .calibrate_probes import LINK_ROWS, ProbeSpec, fit_link, measure_rank
 from .calibrate_weights import share_probe_weights
 from .job import rank_names
-from .job_config import JobConfig
+from ..planner.job_config import JobConfig
 from .rank_report import JobAborted
 from ..planner.layout import Topology, parse_layer_split
 from .weight_stream import local_files

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from ..models.weight_copies import ModelFiles, Need, digests_needed, pick_copy, remove_cut_streams, target_need
 from ..transport.mpi_link import Link
 from .calibrate_probes import PROBE_BYTES, ProbeSpec, probe_layers
-from .job_config import JobConfig
+from ..planner.job_config import JobConfig
 from ..planner.job_plan import layout_of
 from ..planner.layout import Topology
 from .topology import default_threads

@@ -27,7 +27,7 @@ from ..decode.suffix import SuffixDrafter
 from ..decode.suffix_corpus import SuffixCorpus
 from ..decode.translated import TranslatedAsyncDrafter, TranslatedDrafter
 from ..transport.mpi_link import Link
-from .job_config import JobConfig
+from ..planner.job_config import JobConfig
 from .remote_draft import RemoteDrafter
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..transport.front_channel import Channel, ChannelClosed
 from ..planner.job_plan import JobPlan
-from .job_config import JobConfig
+from ..planner.job_config import JobConfig
 from .parallel import SlotRow, slot_rows
 from .service import Service
 from .service_request import Event, InvalidRequest, ServiceUnavailable

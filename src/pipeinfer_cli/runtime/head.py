@@ -35,7 +35,7 @@ from .worker import abort_job
 
 if TYPE_CHECKING:
     from ..decode.drafters import Drafter, AsyncDrafter
-    from .job_config import JobConfig
+    from ..planner.job_config import JobConfig
     from .job_config import Request
 
 # PIPEINFER_DEBUG_DIVERGE=MODE changes the last generated token of every MODE result (the result

@@ -29,7 +29,8 @@ from ..transport.start_waits import start_timeout_s
 from ..transport.startup import job_startup
 from ..decode.result import GenerationResult
 from .head import Callbacks, Head, serve_requests
-from .job_config import JobConfig, Request  # noqa: F401 - part of this module's API
+from ..planner.job_config import JobConfig  # noqa: F401 - part of this module's API
+from .job_config import Request  # noqa: F401 - part of this module's API
 from .loaded import Loaded
 from .cpu_share import cpu_share
 from .loading import load_rank

@@ -1,6 +1,6 @@
-"""One request a job runs (`Request`): plain data, low in the runtime layer, beside the job's
-configuration (`JobConfig`, planner/job_config.py, re-exported here), so that every module a job goes
-through names the shape of what it is given without importing the job that runs them."""
+"""One request a job runs (`Request`): plain data, low in the runtime layer (the job's configuration,
+`JobConfig`, is the planner's: planner/job_config.py), so that every module a job goes through names
+the shape of what it is given without importing the job that runs them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from ..decode.sampling import SamplingParams
 from ..decode.session import DecodeOptions
-from ..planner.job_config import JobConfig  # noqa: F401 - the job's configuration, named beside its requests
 
 
 @dataclass

@@ -16,7 +16,7 @@ from ..errors import UsageError
 from ..planner.identity import model_sha256
 from ..planner.record import CHAIN_DEPTH
 from ..planner.replay import Trace
-from .job_config import JobConfig
+from ..planner.job_config import JobConfig
 
 
 def check_greedy(temperature: float, option: str = "--save-trace") -> None:

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from ..decode.session import DecodeOptions
 from ..errors import UsageError
-from .job_config import JobConfig, Request
+from ..planner.job_config import JobConfig
+from .job_config import Request
 from .loaded import Loaded
 from ..planner.layout import RankPlan, Topology
 

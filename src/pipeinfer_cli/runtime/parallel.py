@@ -32,7 +32,7 @@ from .slot_pipeline import MuxFailed, PipelineMux
 if TYPE_CHECKING:
     from ..decode.drafters import Drafter
     from ..transport.mpi_link import Link
-    from .job_config import JobConfig
+    from ..planner.job_config import JobConfig
     from .job_config import Request
     from .loaded import Loaded
 

@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterator
 
 from ..decode.result import GenerationResult
 from .head import Callbacks
-from .job_config import JobConfig, Request
+from ..planner.job_config import JobConfig
+from .job_config import Request
 from .loaded import Loaded
 from .loading import spec_margin
 from .service_request import (  # noqa: F401 - part of this module's API

@@ -29,7 +29,7 @@ from ..models.weight_copies import (ModelFiles, Need, WeightsSource, digests_nee
                                     target_need)
 from ..transport.mpi_link import Link
 from ..transport.weight_transfer import receive_weights, send_weights
-from .job_config import JobConfig
+from ..planner.job_config import JobConfig
 from ..planner.layout import RankPlan, Topology
 
 if TYPE_CHECKING:
