@@ -98,4 +98,7 @@ class AsyncDraft:
         Returns how many tokens that reply proposed (0 without one)."""
         prop = self.drafter.wait()
         self.reply = None
+        end = getattr(self.drafter, "end_stream", None)  # a draft rank that streams ahead stops
+        if end is not None:
+            end()
         return len(prop.tokens) if prop is not None else 0

@@ -122,6 +122,9 @@ class HybridAsyncDrafter(HybridDrafter):
             return self.poll()
         return self._model_reply(self.model.wait())
 
-    def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
-        self.request(path, n_max, p_min)
-        return self.wait()
+    def end_stream(self) -> None:
+        """The end of a request: the draft rank stops drafting ahead (RemoteDrafter.end_stream)."""
+        self.local = None
+        end = getattr(self.model, "end_stream", None)
+        if end is not None:
+            end()

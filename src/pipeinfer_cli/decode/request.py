@@ -83,7 +83,8 @@ def run_request(pipe: PipelineLike, mode: str, prompt: list[int], opts: DecodeOp
     deferred = (draft_prefill is not None and mode == PIPEINFER.name and site.on_head and pipe.n_stages == 1
                 and opts.spec_policy == "auto" and drafter.has_prompt_pass)
     prefill(pipe, s, None if deferred else draft_prefill, draft_in_thread=site.threaded, start=reuse,
-            replay=resume or (), ubatch=opts.ubatch)
+            replay=resume or (), ubatch=opts.ubatch,
+            draft_elsewhere=isinstance(drafter, AsyncDrafter) and not drafter.has_prompt_pass)
     if mode == SPECULATIVE.name and traced is not None:
         drafter = _TracedDrafter(drafter, traced)
     decode(mode, pipe, s, opts, drafter, prompt_pass=draft_prefill if deferred else None, memory=memory)

@@ -14,7 +14,7 @@ from .session import CANONICAL_SEQ, DecodeOptions, Session, prefill_chunks
 
 def prefill(pipe: PipelineLike, s: Session, draft_prefill: Callable[[], None] | None = None,
             draft_in_thread: bool = True, start: int = 0, replay: Sequence[int] = (),
-            ubatch: int | None = None) -> None:
+            ubatch: int | None = None, draft_elsewhere: bool = False) -> None:
     """Process the prompt into the canonical sequence and commit the first token.
 
     replay: tokens this request committed before, on a job that was lost (a server's request
@@ -33,11 +33,16 @@ def prefill(pipe: PipelineLike, s: Session, draft_prefill: Callable[[], None] | 
     with several stages it runs while they compute, in a thread when it computes on the head
     (draft_in_thread; llama.cpp releases the GIL), so that the first token is committed the moment
     the target's logits arrive, even if the draft is still busy; with a single stage there is
-    nothing to overlap, and it runs after the first token.
+    nothing to overlap, and it runs after the first token. A draft that reads the prompt on other
+    cores (draft_elsewhere: a draft rank) is sent the prompt before the chunks are launched, since
+    the head computes its own layers of each chunk inside the launch: it drafts from the first token on.
     """
     prompt = s.tokens
     pipe.set_sampling(s.sampling)  # every request starts here: the last stage samples its rows
     n_chunks = 0
+    if draft_prefill is not None and draft_elsewhere:
+        draft_prefill()
+        draft_prefill = None
     for b, e in prefill_chunks(start, len(prompt), ubatch):
         chunk = prompt[b:e]
         last = e == len(prompt)

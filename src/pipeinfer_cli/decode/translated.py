@@ -103,12 +103,21 @@ class TranslatedAsyncDrafter(TranslatedDrafter):
     def poll(self) -> Proposal | None:
         if self.requested is None:
             return None
-        return self._answer(self.inner.poll() if self.requested[1] is not None else None)
+        # The whole reply: a draft rank streams token by token, and a part of a draft token's text
+        # may translate to no target token at all (which would read as "nothing to propose here").
+        return self._answer(self.inner.poll(whole=True) if self.requested[1] is not None else None)
 
     def wait(self) -> Proposal | None:
         if self.requested is None:
             return None
-        return self._answer(self.inner.wait() if self.requested[1] is not None else None)
+        return self._answer(self.inner.wait(whole=True) if self.requested[1] is not None else None)
+
+    def end_stream(self) -> None:
+        """The end of a request: the draft rank stops drafting ahead (RemoteDrafter.end_stream)."""
+        self.requested = None
+        end = getattr(self.inner, "end_stream", None)
+        if end is not None:
+            end()
 
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
         self.request(path, n_max, p_min)

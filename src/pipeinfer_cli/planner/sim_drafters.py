@@ -111,14 +111,14 @@ class ReplayDraftRank:
     def ready(self) -> bool:
         return self.requested is not None and self.pipe.t >= self.reply_at
 
-    def poll(self) -> Proposal | None:
+    def poll(self, whole: bool = False) -> Proposal | None:
         if not self.ready():
             return None
         prop = self.reply
         prop.base, self.requested, self.reply = self.requested, None, None
         return prop
 
-    def wait(self) -> Proposal | None:
+    def wait(self, whole: bool = False) -> Proposal | None:
         if self.requested is None:
             return None
         self.pipe.t = max(self.pipe.t, self.reply_at)

@@ -190,35 +190,46 @@ class SamplingSpec:
 
 @dataclass
 class DraftRequest:
-    """Head -> draft rank (tag DRAFT_REQ): start a prompt, propose a continuation, report, or stop."""
+    """Head -> draft rank (tag DRAFT_REQ): start a prompt, stream a continuation, report, or stop.
+
+    A RUN opens a stream: the draft rank sends one DraftReply per drafted token, all with this
+    request's `stream` id, until n_max tokens, a token under p_min (the last, flagged final), or a
+    newer request arrives (then it stops without a final piece: the head ignores the old id)."""
 
     kind: Msg  # DRAFT_START, RUN (propose), REPORT, KV_USAGE or SHUTDOWN
     path: list[int] = field(default_factory=list)  # DRAFT_START: the prompt; RUN: the path to continue
     n_max: int = 0  # RUN: draft at most this many tokens; DRAFT_START: prompt tokens the target reused
-    p_min: float = 0.0  # RUN: stop when the draft's top probability falls below this
+    p_min: float = 0.0  # RUN: stop after the first token whose top probability falls below this
+    stream: int = 0  # RUN: the id its replies carry
 
     def encode(self) -> np.ndarray:
         return np.concatenate([np.asarray([self.kind, self.n_max], np.int64), _f64_bits([self.p_min]),
-                               np.asarray(self.path, np.int64)])
+                               np.asarray([self.stream, *self.path], np.int64)])
 
     @staticmethod
     def decode(buf: np.ndarray) -> "DraftRequest":
         p_min = float(buf[2:3].view(np.float64)[0]) if len(buf) > 2 else 0.0
         n_max = int(buf[1]) if len(buf) > 1 else 0
-        return DraftRequest(Msg(int(buf[0])), [int(x) for x in buf[3:]], n_max, p_min)
+        stream = int(buf[3]) if len(buf) > 3 else 0
+        return DraftRequest(Msg(int(buf[0])), [int(x) for x in buf[4:]], n_max, p_min, stream)
 
 
 @dataclass
 class DraftReply:
-    """Draft rank -> head (tag DRAFT_REP): the proposed tokens and the draft's probability of each."""
+    """Draft rank -> head (tag DRAFT_REP): a piece of a stream (DraftRequest): the tokens drafted
+    since the last piece and the draft's probability of each; final: the stream ends here."""
 
     tokens: list[int]
     probs: list[float]
+    stream: int = 0
+    final: bool = True
 
     def encode(self) -> np.ndarray:
-        return np.concatenate([np.asarray([len(self.tokens), *self.tokens], np.int64), _f64_bits(self.probs)])
+        return np.concatenate([np.asarray([len(self.tokens), self.stream, int(self.final), *self.tokens], np.int64),
+                               _f64_bits(self.probs)])
 
     @staticmethod
     def decode(buf: np.ndarray) -> "DraftReply":
         n = int(buf[0])
-        return DraftReply([int(x) for x in buf[1:1 + n]], [float(x) for x in buf[1 + n:1 + 2 * n].view(np.float64)])
+        return DraftReply([int(x) for x in buf[3:3 + n]], [float(x) for x in buf[3 + n:3 + 2 * n].view(np.float64)],
+                          int(buf[1]), bool(buf[2]))
