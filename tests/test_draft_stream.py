@@ -10,8 +10,8 @@ from collections import deque
 
 import numpy as np
 
-from pipeinfer_cli.runtime.remote_draft import STREAM_AHEAD, RemoteDrafter
-from pipeinfer_cli.transport.messages import DraftReply, DraftRequest, Msg, Tag
+from pipeinfer_cli.runtime.remote_draft import RemoteDrafter
+from pipeinfer_cli.transport.messages import STREAM_AHEAD, DraftReply, DraftRequest, Msg, Tag
 
 
 class ScriptedLink:

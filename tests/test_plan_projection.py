@@ -47,20 +47,31 @@ def test_a_draft_rank_answers_from_the_chains_over_its_links_without_charging_th
     path = pt.full[:pt.chains_from]
     rank.request(path, 3, 0.0)
     assert pipe.t == 0.0 and rank.outstanding and not rank.ready()  # the head goes on meanwhile
-    # The rank is still reading the prompt when the request arrives: it drafts after that, one eval
-    # for the token after the prompt and two going on from the first two drafted.
+    # The rank is still reading the prompt when the request arrives; it streams after that, and the
+    # reply leaves with the first token: one eval later (the token after the prompt).
     assert to_rank.seconds(8 * len(path)) < prompt_read
-    assert rank.reply_at == pytest.approx(prompt_read + 3 * 1e-3 + to_head.seconds(12 * 3))
+    assert rank.reply_at == pytest.approx(prompt_read + 1e-3 + to_head.seconds(12))
     pipe.t = rank.reply_at / 2
     assert rank.poll() is None
     prop = rank.wait()
     assert pipe.t == pytest.approx(rank.reply_at) and not rank.outstanding
-    assert prop.tokens == pt.chains[0][:3] and prop.probs == [0.9, 0.8, 0.7] and prop.base == path
+    assert prop.tokens == pt.chains[0][:1] and prop.probs == [0.9] and prop.base == path
     assert rank.wait() is None  # nothing outstanding: nothing to wait for
-    # The next request continues the rank's own cache: only the token it did not hold costs an eval.
-    before = rank.model.evals
-    rank.request(path + prop.tokens, 1, 0.0)
-    assert rank.model.evals - before == 1 and rank.wait().tokens == [pt.chains[0][3]]
+    # The rank drafted on: a request that continues the path with the token just launched is answered
+    # from the stream (no new eval), once its next token is drafted, one eval later.
+    evals = rank.model.evals
+    rank.request(path + prop.tokens, 3, 0.0)
+    assert rank.model.evals == evals
+    assert rank.reply_at == pytest.approx(prompt_read + 2e-3 + to_head.seconds(12))
+    assert rank.wait().tokens == [pt.chains[0][1]]
+    # A head that comes back later gets every token drafted by then in one reply.
+    pipe.t = prompt_read + 10e-3
+    rank.request(path + pt.chains[0][:2], 3, 0.0)
+    assert rank.wait().tokens == pt.chains[0][2:4] and rank.model.evals == evals
+    # The draft was wrong at its third token: the path the target took opens a new stream.
+    truth = pt.full[:pt.chains_from + 3]
+    rank.request(truth, 2, 0.0)
+    assert rank.model.evals > evals and rank.wait().tokens == pt.chains[3][:1]
 
 
 def test_the_projection_puts_the_draft_on_its_own_node_and_replays_it_there():

@@ -119,6 +119,3 @@ class TranslatedAsyncDrafter(TranslatedDrafter):
         if end is not None:
             end()
 
-    def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
-        self.request(path, n_max, p_min)
-        return self.wait()

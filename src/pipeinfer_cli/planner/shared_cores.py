@@ -21,6 +21,7 @@ present, where the head's next launch, cancel or draft request changes the futur
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -137,6 +138,7 @@ class CoreSim:
         self.runs: dict[int, SimRun] = {}
         self.tasks: dict[tuple[str, int], Task] = {}
         self.cancels: list[tuple[float, int, int]] = []  # (arrives, run id, stage)
+        self.leaves: list[tuple[float, int, float]] = []  # (arrives, draft job id, quantum): see leave
         self.now = 0.0
         self.head_draft_threads: int | None = None  # a draft model on the head computes with these
 
@@ -167,6 +169,7 @@ class CoreSim:
         new.runs = {k: SimRun(r.rows, r.n_out, r.kv, r.invariant, r.t_cancel, r.arrival, list(r.starts),
                               list(r.ends), list(r.computed)) for k, r in self.runs.items()}
         new.cancels = list(self.cancels)
+        new.leaves = list(self.leaves)
         return new
 
     # -- inputs, at the head's present ----------------------------------------------------------
@@ -185,6 +188,11 @@ class CoreSim:
         r.t_cancel = t
         self.cancels += [(t + self.pipe.cancel_links[s].seconds(8), run_id, s) for s in range(1, self.pipe.n_stages)]
 
+    def leave(self, job: int, t: float, quantum: float) -> None:
+        """At t, the draft rank leaves its job `job` (a stream of tokens, quantum seconds each): not
+        started, it is dropped; under way, it ends with the token in progress."""
+        self.leaves.append((t, job, quantum))
+
     # -- time ---------------------------------------------------------------------------------
     def run(self, before: float | None = None, until: Callable[[CoreSim], bool] | None = None) -> None:
         """Process events in time order: those before `before`, or until `until(self)` holds, or all."""
@@ -195,12 +203,13 @@ class CoreSim:
             self.now = t
             self._ends(t)
             self._cancels(t)
+            self._leaves(t)
             self._starts(t)
 
     def _next_time(self) -> float | None:
         times = [c.end for cpu in self.cpus.values() for c in cpu.running]
         times += [w.queue[0].ready for w in self.workers if w.busy is None and w.queue]
-        times += [c[0] for c in self.cancels]
+        times += [c[0] for c in self.cancels] + [x[0] for x in self.leaves]
         return min(times) if times else None
 
     def _ends(self, t: float) -> None:
@@ -226,6 +235,23 @@ class CoreSim:
             if stopped < c.end:  # it stops at the next layer
                 c.remaining = self.pipe.stages[s].layer_seconds(r.rows, r.kv, r.invariant)
                 c.base_t = t
+
+    def _leaves(self, t: float) -> None:
+        due = [x for x in self.leaves if x[0] <= t]
+        self.leaves = [x for x in self.leaves if x[0] > t]
+        for _, job, quantum in due:
+            task = self.tasks.get(("draft", job))
+            if task is None or task.end is not None:
+                continue
+            c = self.workers[-1].busy
+            if c is None or c.task is not task:
+                task.work = 0.0  # not started: dropped
+                continue
+            done_at_base = task.work - c.remaining
+            done = done_at_base + (t - c.base_t) * c.rate
+            total = quantum * math.ceil(done / quantum - 1e-12) if quantum > 0 else done
+            if total < task.work:
+                c.remaining = total - done_at_base
 
     def _starts(self, t: float) -> None:
         for i, w in enumerate(self.workers):

@@ -27,6 +27,8 @@ are the `VirtualPipeline`'s, so a policy's KV mistake shows here as in the tests
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -81,6 +83,7 @@ class SimulatedPipeline(VirtualPipeline):
         self.busy_s = [0.0] * len(stages)  # per stage: seconds computing (skips included)
         self.event_sources: list[Callable[[], float | None]] = []  # e.g. a draft rank's reply time
         self.draft_free = 0.0  # a draft rank is busy until then (when no host is shared)
+        self.draft_span: dict[int, tuple[float, float]] = {}  # its jobs' start and end (idem)
         self.draft_threads = draft_threads
         # Ranks whose threads together exceed their host's usable CPUs compute slower when they
         # compute at once: then every computation goes through the hosts' CPU model (shared_cores.py);
@@ -156,18 +159,37 @@ class SimulatedPipeline(VirtualPipeline):
         self.sim.add(0, Task("compute", self.jobs, self.t, seconds, threads=threads))
         self.t = self._foresee(("compute", self.jobs))
 
-    def draft_job(self, arrive: float, seconds: float) -> Callable[[], float]:
-        """A draft rank's job that reaches it at `arrive`: the function gives when it is done, as
-        now foreseen (another rank of its host computing meanwhile delays it)."""
-        if self.sim is None:
-            end = self.draft_free = max(arrive, self.draft_free) + seconds
-            return lambda: end
+    def draft_job(self, arrive: float, seconds: float) -> tuple[int, Callable[[], float]]:
+        """A draft rank's job that reaches it at `arrive`: its id, and a function that gives when it
+        is done, as now foreseen (another rank of its host computing meanwhile delays it)."""
         self.jobs += 1
+        if self.sim is None:
+            start = max(arrive, self.draft_free)
+            end = self.draft_free = start + seconds
+            self.draft_span[self.jobs] = (start, end)
+            return self.jobs, lambda: end
         key = ("draft", self.jobs)
         self.sim.run(before=self.t)
         self.sim.add(self.n_stages, Task("draft", self.jobs, arrive, seconds))
         self._schedule()
-        return lambda: self.predicted[key]
+        return self.jobs, lambda: self.predicted[key]
+
+    def draft_leave(self, job: int, arrive: float, quantum: float) -> None:
+        """The draft rank leaves job `job` (a stream of tokens of `quantum` seconds) when a newer
+        request reaches it at `arrive`: not started, it never runs; under way, it ends with the token
+        in progress (shared_cores.CoreSim.leave, the same arithmetic)."""
+        if self.sim is not None:
+            self.sim.run(before=self.t)
+            self.sim.leave(job, arrive, quantum)
+            self._schedule()
+            return
+        start, end = self.draft_span.get(job, (arrive, arrive))
+        if arrive >= end or job != self.jobs:
+            return  # over, or another job came after it (its successor's start is fixed already)
+        if arrive <= start:
+            self.draft_free = start
+        elif quantum > 0:
+            self.draft_free = min(end, start + quantum * math.ceil((arrive - start) / quantum - 1e-12))
 
     def _foresee(self, key: tuple[str, int]) -> float:
         """When a task of the head's ends, with nothing new from the head meanwhile (it is busy)."""

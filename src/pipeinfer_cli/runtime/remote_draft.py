@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..transport.messages import DraftReply, DraftRequest, Msg, Tag
+from ..transport.messages import STREAM_AHEAD, DraftReply, DraftRequest, Msg, Tag
 from ..transport.mpi_link import Link
 from ..decode.cpu_account import PROCESS, WAIT
 from ..decode.drafters import Drafter, Proposal
@@ -20,11 +20,6 @@ from .rank_report import JobAborted, KvUsage, RankReporter, fault_injection
 
 if TYPE_CHECKING:
     from .weight_stream import LoadedWeights
-
-
-# How many tokens a stream drafts beyond what a request asked for: the next request, which continues
-# the path with the tokens just launched, usually finds them drafted or being drafted already.
-STREAM_AHEAD = 32
 
 
 @dataclass
@@ -69,7 +64,8 @@ class RemoteDrafter:
 
     def __init__(self, link: Link, rank: int):
         self.link, self.rank = link, rank
-        self.requested: tuple[list[int], int] | None = None  # path and n_max of the outstanding request
+        # path, n_max and the tokens to draft beyond them, of the outstanding request
+        self.requested: tuple[list[int], int, int] | None = None
         self.stream: _Stream | None = None
         self.next_id = 1
 
@@ -82,11 +78,14 @@ class RemoteDrafter:
         return self.requested is not None
 
     def request(self, path: list[int], n_max: int, p_min: float) -> None:
+        self._ask(path, n_max, p_min, STREAM_AHEAD)
+
+    def _ask(self, path: list[int], n_max: int, p_min: float, ahead: int) -> None:
         assert self.requested is None, "one draft request at a time"
-        self.requested = (list(path), n_max)
+        self.requested = (list(path), n_max, ahead)
         st = self.stream
         if st is None or st.p_min != p_min or not st.offers(path):
-            self._open(path, n_max + (STREAM_AHEAD if p_min <= 0 else 0), p_min)
+            self._open(path, n_max + ahead, p_min)
 
     def _open(self, path: list[int], n_max: int, p_min: float) -> None:
         sid, self.next_id = self.next_id, self.next_id + 1
@@ -114,13 +113,13 @@ class RemoteDrafter:
         path that have arrived (whole: only once all n_max have, or the stream ended)."""
         if self.requested is None or self.stream is None:
             return None
-        path, n_max = self.requested
+        path, n_max, ahead = self.requested
         st = self.stream
         if not st.offers(path):
             if st.final and st.p_min > 0:
                 prop = Proposal([], [], [])  # the draft stopped under p_min before this path
             else:
-                self._open(path, n_max + STREAM_AHEAD, st.p_min)  # another path: ask afresh
+                self._open(path, n_max + ahead, st.p_min)  # another path: ask afresh
                 return None
         else:
             i = len(path) - len(st.base)
@@ -137,7 +136,7 @@ class RemoteDrafter:
             return False
         if self.link.probe(self.rank, Tag.DRAFT_REP) is not None:
             return True
-        st, (path, _) = self.stream, self.requested
+        st, path = self.stream, self.requested[0]
         return st is not None and len(st.base) + len(st.tokens) > len(path)
 
     def poll(self, whole: bool = False) -> Proposal | None:
@@ -170,7 +169,8 @@ class RemoteDrafter:
         self.stream = None
 
     def propose(self, path: list[int], n_max: int, p_min: float) -> Proposal:
-        self.request(path, n_max, p_min)
+        """Synchronous (speculative mode): n_max tokens, drafted after the request and no further."""
+        self._ask(path, n_max, p_min, 0)
         return self.wait(whole=True)
 
     def close(self) -> None:

@@ -188,6 +188,12 @@ class SamplingSpec:
         return SamplingSpec(temperature, int(buf[1]), top_p, min_p, int(buf[2]))
 
 
+# How many tokens a draft rank's stream drafts beyond what a request asked for (without a confidence
+# cutoff): the next request, which continues the path with the tokens just launched, usually finds
+# them drafted or being drafted already.
+STREAM_AHEAD = 32
+
+
 @dataclass
 class DraftRequest:
     """Head -> draft rank (tag DRAFT_REQ): start a prompt, stream a continuation, report, or stop.
