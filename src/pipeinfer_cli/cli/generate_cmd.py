@@ -100,8 +100,7 @@ def generate(
     cfg = plan.cfg
     if given is not None and given.messages is not None:
         check_chat_template(cfg.model_path, cfg.model_label, "--chat/--messages/--system")
-    run_here_or_relaunch(start.prep, start.inside,
-                         lambda: _relaunch(plan.ranks, given, whole_host_threads(plan.mode, cfg.threads)))
+    run_here_or_relaunch(start.prep, start.inside, lambda: _relaunch(plan, given))
 
     from ..runtime.job import Request
 
@@ -141,13 +140,14 @@ def whole_host_threads(mode: str, threads: str | None) -> bool:
     return not (needs_draft(mode) or threads is not None or "OMP_WAIT_POLICY" in os.environ)
 
 
-def _relaunch(n_ranks: int, given, whole_host: bool = False) -> int:
-    """This command again as an MPI job of n_ranks; standard input, already read here, reaches
-    the job as a private temporary file. whole_host: every rank takes its host's CPUs, with a
-    brief spin where no quota holds it."""
+def _relaunch(plan: JobPlan, given) -> int:
+    """This command again as an MPI job of the plan's ranks; standard input, already read here,
+    reaches the job as a private temporary file. In iterative mode (whole_host_threads) every rank
+    takes its host's CPUs, with a brief spin where no quota holds it."""
     from ..runtime.topology import WHOLE_HOST_ENV
     from ..transport.launch import relaunch
 
+    whole_host, n_ranks = whole_host_threads(plan.mode, plan.cfg.threads), plan.ranks
     argv = sys.argv[1:]
     if whole_host:
         os.environ[WHOLE_HOST_ENV] = "1"  # inherited by the ranks, which read their own CPU share

@@ -67,6 +67,14 @@ class WeightsSource:
                 "path": self.path, "peak_rss_mib_streamed": self.peak_rss_mib_streamed}
 
 
+def model_for(role: str, loads_draft: bool) -> str | None:
+    """The model a rank other than the head loads, by its role: a stage the target ("target"), a
+    draft rank the draft ("draft") when the job drafts with a draft model (loads_draft); None: none."""
+    if role == "stage":
+        return "target"
+    return "draft" if loads_draft else None
+
+
 def digests_needed(files: list[ModelFiles], wants: Iterable[tuple[int, str]]) -> dict[str, str]:
     """The sha256 of each model ("target", "draft") that some rank wants and cannot use the head's
     very file for. files: every rank's, the head's first; wants: (rank, what) pairs. Hashing a

@@ -111,6 +111,17 @@ def iter_chunks(src: SliceSource, chunk_bytes: int) -> Iterator[bytes]:
         os.close(fd)
 
 
+def wire_chunks(src: SliceSource, chunk_bytes: int, skipped: list[tuple[int, int, str]]
+                ) -> Iterator[tuple[bytes, list[memoryview]]]:
+    """The slice's bytes as the head streams them: each chunk (`iter_chunks`), which its sha256
+    covers, with the parts of it that cross the wire when the receiver holds the `skipped` pieces
+    (`outside`)."""
+    at = 0
+    for chunk in iter_chunks(src, chunk_bytes):
+        yield chunk, list(outside(chunk, at, skipped))
+        at += len(chunk)
+
+
 def outside(chunk: bytes, at: int, skipped: list[tuple[int, int, str]]) -> Iterator[memoryview]:
     """The parts of a chunk of the slice (starting at byte `at`) that lie outside the skipped
     pieces, in order: what crosses the wire when the receiver holds those pieces. A part never

@@ -92,9 +92,11 @@ class JobPlan:
         not fit); None: a split by bytes or fractions (the runtime checks a rank's memory as it loads)."""
         return None if self.layout is None else self.layout.memory
 
-    def on_hosts(self, default_threads: int) -> Topology:
+    def on_hosts(self, default_threads: int, world_size: int | None = None) -> Topology:
         """The layout as a running job carries it out: each rank's threads --threads as planned, else
-        default_threads (the share of its host the head finds, with the ranks per host start-up counted)."""
+        default_threads (the share of its host the head finds, with the ranks per host start-up counted).
+        world_size: the job's ranks, for a plan that has no layout yet (runtime/job.py's bare
+        configurations lay themselves out here); this plan's layout holds them."""
         layout = self.layout
         threads = parse_threads(self.cfg.threads, layout.world_size, default_threads)
         ranks = [replace(r, threads=t) for r, t in zip(layout.ranks, threads)]

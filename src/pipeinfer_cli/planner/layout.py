@@ -158,19 +158,18 @@ def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[in
     auto balances the stages for (planner/split.py).
     """
     n_layer = len(layer_bytes)
-    if layer_split and parse_layer_split(layer_split)[0] is None:
-        n_draft = parse_layer_split(layer_split)[1]
-        ranges = _auto_ranges(profile, world_size - n_draft, head_extra > 0, memory, load)
-    elif layer_split:
-        fractions, n_draft = parse_layer_split(layer_split)
+    fractions, n_draft = parse_layer_split(layer_split) if layer_split else (None, 0)
+    auto = bool(layer_split) and fractions is None
+    if fractions is not None:
         if len(fractions) + n_draft != world_size:
             raise UsageError(
                 f"--layer-split {layer_split!r} describes {len(fractions) + n_draft} ranks but the job has {world_size}; "
                 f"use --ranks {len(fractions) + n_draft} or change the split"
             )
         ranges = ranges_from_fractions(fractions, n_layer)
+    elif auto:
+        ranges = _auto_ranges(profile, world_size - n_draft, head_extra > 0, memory, load)
     else:
-        n_draft = 0
         if world_size > n_layer:
             raise UsageError(f"cannot split {n_layer} layers over {world_size} ranks; use at most {n_layer} ranks")
         ranges = balanced_split(layer_bytes, world_size, last_extra=output_bytes, first_extra=head_extra)
@@ -179,7 +178,7 @@ def plan_topology(world_size: int, layer_split: str | None, layer_bytes: list[in
     plans = [RankPlan(r, "head" if r == 0 else "stage", ranges[r], thr[r]) for r in range(n_stages)]
     if n_draft:
         plans.append(RankPlan(n_stages, "draft", (0, 0), thr[n_stages]))
-    checked = memory if layer_split and parse_layer_split(layer_split)[0] is None else None
+    checked = memory if auto else None
     return Topology(plans, n_stages, n_stages if n_draft else None, fractions_of(ranges, n_layer), checked)
 
 

@@ -68,12 +68,13 @@ def build_pipeline(profile: Profile, topo: Topology, pt: PromptTrace, opts: Deco
     ranks = topo.stage_ranks
     links = [profile.link(ranks[i], ranks[i + 1]) for i in range(len(ranks) - 1)] + [profile.link(ranks[-1], ranks[0])]
     cancel_links = [profile.link(ranks[0], r) for r in ranks]
-    n_seq = sequences_per_request(opts.max_inflight, opts.max_branches)
     d = profile.draft  # a draft model computes on the head's host, or on its own rank's
     draft_threads = d.threads if d is not None and d.is_model and topo.draft not in (None, LOOKUP) else None
     draft_rank = profile.ranks[topo.draft] if isinstance(topo.draft, int) else None
     return SimulatedPipeline(_stages(profile, topo), links, cancel_links, profile.model.n_embd,
-                             lambda _context, pos: pt.token_after(pos), n_seq, n_ctx, draft_rank, draft_threads)
+                             lambda _context, pos: pt.token_after(pos),
+                             sequences_per_request(opts.max_inflight, opts.max_branches), n_ctx, draft_rank,
+                             draft_threads)
 
 
 def make_drafter(profile: Profile, topo: Topology, pipe: SimulatedPipeline, index: ChainIndex | None):

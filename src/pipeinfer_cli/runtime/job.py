@@ -57,11 +57,12 @@ def run_job(plan: JobPlan | JobConfig, requests: list[Request], on_start: Callab
     if isinstance(plan, JobConfig):
         draft_model = plan.draft.uses_model
         plan = _as_plan(plan, any(needs_draft_for(r.mode) or (r.trace_depth and draft_model) for r in requests))
-    job = _load_job(plan, requests)
-    if not job.is_head:
-        job.serve_as_worker()
+    link = job_startup().link
+    job = _load_job(link, plan, requests)
+    if link.rank != 0:
+        _serve_as_worker(link, job)
         return None
-    return serve_requests(job.link, job.cfg, job.loaded, job.trace, zip(requests, job.loaded.prompts), job.offsets,
+    return serve_requests(link, job.cfg, job.loaded, job.trace, zip(requests, job.loaded.prompts), job.offsets,
                           Callbacks(on_start, on_token, on_text, on_result))
 
 
@@ -76,11 +77,12 @@ def run_service(plan: JobPlan | JobConfig, service, before_load: Callable[[], No
     """
     if isinstance(plan, JobConfig):
         plan = _as_plan(plan, not plan.draft.is_none)
-    job = _load_job(plan, [], before_load)
-    if not job.is_head:
-        job.serve_as_worker()
+    link = job_startup().link
+    job = _load_job(link, plan, [], before_load)
+    if link.rank != 0:
+        _serve_as_worker(link, job)
         return
-    link, cfg = job.link, job.cfg
+    cfg = job.cfg
     service.attach(cfg, job.loaded)
     try:
         if cfg.parallel > 1:
@@ -104,52 +106,55 @@ def run_head_loop(plan: JobPlan | JobConfig, head_main: Callable[[Head], None], 
     """
     if isinstance(plan, JobConfig):
         plan = _as_plan(plan, bool(needs_draft))
-    job = _load_job(plan, [])
-    if not job.is_head:
-        job.serve_as_worker()
+    link = job_startup().link
+    job = _load_job(link, plan, [])
+    if link.rank != 0:
+        _serve_as_worker(link, job)
         return False
-    with Head(job.link, job.cfg, job.loaded, job.trace, job.offsets) as head:
+    with Head(link, job.cfg, job.loaded, job.trace, job.offsets) as head:
         head_main(head)
     return True
 
 
 @dataclass(frozen=True)
 class LoadedJob:
-    """A job on this rank once every rank has loaded: its link, the configuration it runs with
-    (the head's, with this rank's own paths to its weights), its trace recorder and loaded
-    models, and every rank's clock offset (on the head; empty elsewhere)."""
+    """A job on this rank once every rank has loaded: the configuration it runs with (the head's,
+    with this rank's own paths to its weights), its trace recorder and loaded models, and every
+    rank's clock offset (on the head; empty elsewhere). The link it runs over is the process's
+    (transport/startup.job_startup), not the job's."""
 
-    link: Link
     cfg: JobConfig
     trace: TraceRecorder
     loaded: Loaded
     offsets: list[float]
 
-    @property
-    def is_head(self) -> bool:
-        return self.link.rank == 0
 
-    def serve_as_worker(self) -> None:
-        """A rank other than the head: serve its stage or draft until the head ends the job.
-        Workers probe the clocks inside their fault protocol (serve_worker's `before`)."""
-        link = self.link
-        serve_worker(link, self.loaded, self.cfg.debug, self.trace, before=lambda: clock_offsets(link))
+def _serve_as_worker(link: Link, job: LoadedJob) -> None:
+    """A rank other than the head: serve its stage or draft until the head ends the job.
+    Workers probe the clocks inside their fault protocol (serve_worker's `before`)."""
+    serve_worker(link, job.loaded, job.cfg.debug, job.trace, before=lambda: clock_offsets(link))
+
+
+@dataclass(frozen=True)
+class _BarePlan(JobPlan):
+    """A caller's bare configuration (tests, bench's runner: the configuration already decided) as a
+    plan without a layout: the head lays it out once its ranks have checked in (_plan_and_load)."""
+
+    def on_hosts(self, default_threads: int, world_size: int | None = None) -> Topology:
+        return layout_of(self.cfg, world_size, default_threads, self.drafts)
 
 
 def _as_plan(cfg: JobConfig, drafts: bool) -> JobPlan:
-    """A caller's bare configuration (tests, bench's runner: the configuration already decided) as a
-    plan whose layout the head makes once its ranks have checked in (_plan_and_load)."""
-    return JobPlan(cfg, "", 0, False, drafts, None)
+    return _BarePlan(cfg, "", 0, False, drafts, None)
 
 
-def _load_job(plan: JobPlan, requests: list[Request], before_load: Callable[[], None] | None = None) -> LoadedJob:
+def _load_job(link: Link, plan: JobPlan, requests: list[Request],
+              before_load: Callable[[], None] | None = None) -> LoadedJob:
     """Start up, take the plan and load on this rank; before_load runs on the head only (see run_service)."""
-    startup = job_startup()
-    link = startup.link
     trace = TraceRecorder(link.rank)
     cfg, loaded, threads = _plan_and_load(link, plan, requests, before_load if link.rank == 0 else None)
-    start_liveness(link, cfg.rank_timeout_s, loaded, startup.hosts, threads)
-    return LoadedJob(link, cfg, trace, loaded, head_clock_offsets(link) if link.rank == 0 else [])
+    start_liveness(link, cfg.rank_timeout_s, loaded, job_startup().hosts, threads)
+    return LoadedJob(cfg, trace, loaded, head_clock_offsets(link) if link.rank == 0 else [])
 
 
 def head_clock_offsets(link: Link) -> list[float]:
@@ -212,30 +217,24 @@ def _plan_and_load(link: Link, plan: JobPlan, requests: list[Request],
     # hosts (ranks per host for the thread counts), the model files each rank has, and a rank
     # that failed earlier is reported.
     if not startup.started:
-        startup.check_in("start", local_files(cfg), deadline_s=start_timeout_s())
-    loaded, err, code = None, None, 1
+        files = local_files(cfg)
+        startup.check_in("start", files, deadline_s=start_timeout_s())
+    loaded, busy, err, code = None, 0, None, 1
     try:
         if before_load is not None:
             before_load()
         t0 = time.monotonic()
         hosts = startup.hosts
-        head_plan = _layout(plan, link.size, hosts.count(hosts[0])) if link.rank == 0 else None
+        # The head's layout: the plan's, with the threads of its host (the ranks start-up counted on it).
+        head_plan = plan.on_hosts(default_threads(hosts.count(hosts[0])), link.size) if link.rank == 0 else None
         topo, cfg, source = share_plan_and_weights(link, startup, cfg, head_plan, needs_draft, _say)
         loaded = load_rank(cfg, topo, link.rank, requests, needs_draft, hosts)
         loaded.weights = _weights_report(source, time.monotonic() - t0, loaded)
+        busy = busy_threads(loaded)
     except Exception as exc:  # noqa: BLE001 - forwarded to the head and reported there
         err, code = describe(exc, traceback_too=cfg.debug), getattr(exc, "exit_code", 1)
-    threads = startup.check_in("loaded", busy_threads(loaded) if loaded is not None else 0, err, code)
+    threads = startup.check_in("loaded", busy, err, code)
     return cfg, loaded, threads
-
-
-def _layout(plan: JobPlan, world_size: int, ranks_per_host: int) -> Topology:
-    """The head's layout of the job: the plan's, with the threads of its host (ranks_per_host: the
-    ranks start-up counted on it); a bare configuration's laid out here (_as_plan)."""
-    threads = default_threads(ranks_per_host)
-    if plan.layout is None:
-        return layout_of(plan.cfg, world_size, threads, plan.drafts)
-    return plan.on_hosts(threads)
 
 
 def _say(text: str) -> None:

@@ -106,7 +106,6 @@ def rank_memory_needs(cfg: JobConfig, topo: Topology, rank: int, needs_draft: bo
     cells; the head also a draft model it runs itself, a draft rank its draft model (each with its
     weights and its own KV cache at --ctx)."""
     from ..models.gguf_info import read_model_info
-    from ..planner.split import draft_model_bytes
 
     me, out = topo.ranks[rank], []
     if me.role != "draft":
@@ -117,8 +116,11 @@ def rank_memory_needs(cfg: JobConfig, topo: Topology, rank: int, needs_draft: bo
         out.append(MemoryNeed(rank, f"layers {b}-{e - 1} and their KV cache at --ctx {cfg.n_ctx}", weights + kv))
     draft_here = me.role == "draft" or (me.role == "head" and topo.draft_rank is None)
     if needs_draft and draft_here and cfg.draft_path is not None:
+        # Its weights and its own KV cache at --ctx, counted from its header as the plan counts them
+        # (planner/split.draft_model_bytes): this module reads the model's facts, it does not plan.
+        d = read_model_info(Path(cfg.draft_path))
         out.append(MemoryNeed(rank, f"the draft model {cfg.draft_label} and its KV cache",
-                              draft_model_bytes(Path(cfg.draft_path), cfg.n_ctx)))
+                              d.file_size + d.n_layer * cfg.n_ctx * d.kv_bytes_per_cell))
     return out
 
 

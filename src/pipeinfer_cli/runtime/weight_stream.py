@@ -25,12 +25,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..models.weight_copies import (ModelFiles, Need, WeightsSource, digests_needed, pick_copy, remove_cut_streams,
-                                    target_need)
+from ..models.weight_copies import (ModelFiles, Need, WeightsSource, digests_needed, model_for, pick_copy,
+                                    remove_cut_streams, target_need)
 from ..transport.mpi_link import Link
-from ..transport.weight_transfer import receive_weights, send_weights
+from ..transport.weight_transfer import STREAM_CHUNK_BYTES, receive_streams, send_weights
 from ..planner.job_config import JobConfig
-from ..planner.layout import RankPlan, Topology
+from ..planner.layout import Topology
 
 if TYPE_CHECKING:
     from ..transport.startup import Startup
@@ -66,7 +66,8 @@ def share_plan_and_weights(link: Link, startup: Startup, cfg: JobConfig, topo: T
     files: list[ModelFiles] = startup.start_values
     remove_cut_streams(whoami(link, startup))
     if link.rank == 0:
-        wants = _wants(cfg, topo, needs_draft)
+        loads_draft = needs_draft and cfg.draft_path is not None
+        wants = [(p.rank, want) for p in topo.ranks[1:] if (want := model_for(p.role, loads_draft)) is not None]
         digests = digests_needed(files, wants)
         startup.check_in("plan", (topo, cfg, digests))
         stream_what_ranks_need(link, startup, cfg, digests, say)
@@ -76,66 +77,47 @@ def share_plan_and_weights(link: Link, startup: Startup, cfg: JobConfig, topo: T
     # The head's options win (one plan, one mode); the paths are this rank's own, as found below.
     paths = {"target": cfg.model_path, "draft": cfg.draft_path}
     plan = topo.ranks[link.rank]
-    want = _model_for(plan, head_cfg, needs_draft)
+    want = model_for(plan.role, needs_draft and head_cfg.draft_path is not None)
     source, needs = None, []
     if want is not None:
         layers = tuple(plan.layers) if want == "target" else None
         paths[want], source = pick_copy(mine.of(want), head.of(want), digests.get(want), layers, whoami(link, startup))
         if paths[want] is None:
             needs.append(target_need(digests.get(want), layers) if want == "target" else Need(want, layers))
-    for need, path, streamed in receive_needs(link, startup, head_cfg, needs, digests):
+    for need, path, streamed in receive_streams(link, startup, model_labels(head_cfg), needs, digests):
         paths[need.what], source = path, streamed
     return topo, replace(head_cfg, model_path=paths["target"], draft_path=paths["draft"]), source
 
 
-def _wants(cfg: JobConfig, topo: Topology, needs_draft: bool) -> list[tuple[int, str]]:
-    """(rank, "target" or "draft") for every rank but the head that loads a model."""
-    return [(p.rank, want) for p in topo.ranks[1:] if (want := _model_for(p, cfg, needs_draft)) is not None]
-
-
-def _model_for(plan: RankPlan, cfg: JobConfig, needs_draft: bool) -> str | None:
-    """The model a rank other than the head loads: a stage the target, a draft rank the draft
-    model when the job drafts with one; None: none."""
-    if plan.role == "stage":
-        return "target"
-    return "draft" if needs_draft and cfg.draft_path is not None else None
-
-
 def stream_what_ranks_need(link: Link, startup: Startup, cfg: JobConfig, digests: dict[str, str],
                            say: Callable[[str], None]) -> None:
-    """Head: the "weights" check-in, then stream each rank what it asked for, one after the other."""
-    from ..models.weight_slices import stage_slice, whole_file
+    """Head: the "weights" check-in, then stream each rank what it asked for, one after the other:
+    the bytes are read here (models/weight_slices.py) and handed to the wire (transport/weight_transfer.py)."""
+    from ..models.weight_slices import stage_slice, whole_file, wire_chunks
 
-    hosts = startup.hosts
+    hosts, labels = startup.hosts, model_labels(cfg)
     for rank, wanted in enumerate(startup.check_in("weights", [])):
         for need in wanted:
             if need.what == "target" and need.layers is not None:
                 src = stage_slice(cfg.model_path, digests["target"], *need.layers)
             else:
                 src = whole_file(cfg.model_path if need.what == "target" else cfg.draft_path)
-            send_weights(link, src, model_label(cfg, need), need, rank, hosts[rank], say)
+            skipped = src.skipped(need.cached)
+            chunks = wire_chunks(src, STREAM_CHUNK_BYTES, skipped)
+            send_weights(link, chunks, src.total, skipped, labels[need.what], need, rank, hosts[rank], say)
 
 
 def receive_needs(link: Link, startup: Startup, head_cfg: JobConfig, needs: list[Need], digests: dict[str, str]
                   ) -> list[tuple[Need, Path, WeightsSource]]:
     """A rank: the "weights" check-in with what it needs, then each stream from the head into the
-    node cache: (need, its path, where it came from). A node cache that cannot take them fails
-    here, before the head starts a stream."""
-    from ..models.slice_cache import check_writable
-
-    if needs:
-        check_writable()
-    startup.check_in("weights", needs)
-    out = []
-    for need in needs:
-        path, source = receive_weights(link, model_label(head_cfg, need), need, digests[need.what])
-        out.append((need, path, source))
-    return out
+    node cache (transport/weight_transfer.receive_streams): (need, its path, where it came from)."""
+    return receive_streams(link, startup, model_labels(head_cfg), needs, digests)
 
 
-def model_label(cfg: JobConfig, need: Need) -> str:
-    """The name of the model a Need is part of, as the lines on stderr and the node cache say it."""
-    return cfg.model_label if need.what == "target" else cfg.draft_label
+def model_labels(cfg: JobConfig) -> dict[str, str]:
+    """The name of each model a Need is part of ("target", "draft"), as the lines on stderr and the
+    node cache say it."""
+    return {"target": cfg.model_label, "draft": cfg.draft_label}
 
 
 def whoami(link: Link, startup: Startup) -> str:

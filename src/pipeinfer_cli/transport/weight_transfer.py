@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,7 +29,7 @@ from .mpi_link import Link
 from .start_waits import start_timeout_s
 
 if TYPE_CHECKING:
-    from ..models.weight_slices import SliceSource
+    from .startup import Startup
 
 STREAM_CHUNK_BYTES = 4 << 20
 STREAM_WINDOW = 4  # chunks in flight to one rank: bounds the memory a stream takes on both sides
@@ -40,37 +40,36 @@ class WeightsError(PipeinferError):
     """A rank could not get its weights (a stream cut, a damaged copy, a model the head lacks)."""
 
 
-def send_weights(link: Link, src: SliceSource, label: str, need: Need, rank: int, host: str,
+def send_weights(link: Link, chunks: Iterable[tuple[bytes, list[memoryview]]], total: int,
+                 skipped: list[tuple[int, int, str]], label: str, need: Need, rank: int, host: str,
                  say: Callable[[str], None]) -> None:
-    """Head: send one rank the bytes of src, the part of the model `label` that `need` asks for,
-    less the tensors the rank's node cache holds (need.cached: it copies those itself, at their
-    place). The sha256 sent at the end is the whole file's, so the rank checks both alike.
+    """Head: send one rank `total` bytes, the part of the model `label` that `need` asks for, as
+    `chunks`: each chunk of the bytes with its parts that cross the wire, those outside the
+    `skipped` (dst_offset, size, tensor) pieces, which the rank's node cache holds (need.cached: it
+    copies those itself, at their place; models/weight_slices.wire_chunks). The sha256 sent at the
+    end is the whole file's, so the rank checks both alike.
     Stops early (quietly) when the rank checked in with an error instead (it reports it at the next
     check-in); raises WeightsError when it stops taking the chunks for PIPEINFER_START_TIMEOUT seconds."""
     import hashlib
 
-    from ..models.weight_slices import iter_chunks, outside
-
-    skipped = src.skipped(need.cached)
-    wire = src.total - sum(size for _, size, _ in skipped)
-    held = f"; {human_bytes(src.total - wire)} of it from its node cache" if skipped else ""
+    wire = total - sum(size for _, size, _ in skipped)
+    held = f"; {human_bytes(total - wire)} of it from its node cache" if skipped else ""
     say(f"rank {rank} (host {host}) has no copy of {label}: sending it {need.describe()} "
         f"({human_bytes(wire)}{held})")
-    link.send_pickled(("begin", src.total, skipped), rank, Tag.WEIGHTS_CTL)
-    digest, sent, at, t0 = hashlib.sha256(), 0, 0, time.monotonic()
+    link.send_pickled(("begin", total, skipped), rank, Tag.WEIGHTS_CTL)
+    digest, sent, t0 = hashlib.sha256(), 0, time.monotonic()
     last_note = t0
     stall_s = start_timeout_s()
     rate = stream_rate_limit()
-    for chunk in iter_chunks(src, STREAM_CHUNK_BYTES):
+    for chunk, parts in chunks:
         digest.update(chunk)
-        for part in outside(chunk, at, skipped):
+        for part in parts:
             if rate is not None:
                 time.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
             if not _wait_for_window(link, rank, stall_s, host):
                 return
             link.send_array(np.frombuffer(part, np.uint8), rank, Tag.WEIGHTS)
             sent += len(part)
-        at += len(chunk)
         now = time.monotonic()
         if now - last_note >= PROGRESS_EVERY_S and wire:
             last_note = now
@@ -104,6 +103,24 @@ def _wait_for_window(link: Link, rank: int, stall_s: float, host: str, limit: in
 
 
 _TIMEOUT_HINT = "PIPEINFER_START_TIMEOUT sets how long to wait"
+
+
+def receive_streams(link: Link, startup: Startup, labels: dict[str, str], needs: list[Need],
+                    digests: dict[str, str]) -> list[tuple[Need, Path, WeightsSource]]:
+    """A rank: the "weights" check-in with what it needs, then each stream from the head into the
+    node cache: (need, its path, where it came from). labels: the name of each model ("target",
+    "draft") as the lines on stderr and the node cache say it. A node cache that cannot take them
+    fails here, before the head starts a stream."""
+    from ..models.slice_cache import check_writable
+
+    if needs:
+        check_writable()
+    startup.check_in("weights", needs)
+    out = []
+    for need in needs:
+        path, source = receive_weights(link, labels[need.what], need, digests[need.what])
+        out.append((need, path, source))
+    return out
 
 
 def receive_weights(link: Link, label: str, need: Need, model_sha256: str) -> tuple[Path, WeightsSource]:
