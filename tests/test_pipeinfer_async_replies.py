@@ -32,7 +32,7 @@ class ScriptedDraftRank:
         self.countdown -= 1
         return self.countdown <= 0
 
-    def poll(self):
+    def poll(self, whole=False):
         from pipeinfer_cli.decode.drafters import Proposal
 
         if self.requested is None or not self.ready():
@@ -44,9 +44,12 @@ class ScriptedDraftRank:
             toks[-1] = (toks[-1] + 1) % 300
         return Proposal(toks, [0.9] * len(toks), [[] for _ in toks], base=path)
 
-    def wait(self):
+    def wait(self, whole=False):
         self.countdown = 0
         return self.poll()
+
+    def end_stream(self):
+        self.requested = None
 
 
 @pytest.mark.parametrize("delay", [1, 3, 8])

@@ -116,7 +116,7 @@ class AsyncOracle:
         self.countdown -= 1
         return self.countdown <= 0
 
-    def poll(self):
+    def poll(self, whole=False):
         if self.requested is None or not self.ready():
             return None
         (path, n, p_min), self.requested = self.requested, None
@@ -124,9 +124,12 @@ class AsyncOracle:
         prop.base = path
         return prop
 
-    def wait(self):
+    def wait(self, whole=False):
         self.countdown = 0
         return self.poll()
+
+    def end_stream(self):
+        self.requested = None
 
 
 def run_policy(pipe: FakePipeline, drafter, n: int = 40, params: SamplingParams = GREEDY, **opts) -> tuple[Session, PipeInfer]:

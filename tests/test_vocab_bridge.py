@@ -144,11 +144,14 @@ def test_an_async_translated_draft_answers_with_its_base(smol, gemma):
         def ready(self):
             return self.reply is not None
 
-        def poll(self):
+        def poll(self, whole=False):
             r, self.reply = self.reply, None
             return r
 
         wait = poll
+
+        def end_stream(self):
+            self.reply = None
 
     d = TranslatedAsyncDrafter(Remote(), smol, gemma, n_ctx=512)
     d.request(path, 3, 0.0)
@@ -168,9 +171,12 @@ def test_an_empty_reply_is_not_asked_again_for_the_same_path():
         def ready(self):
             return True
 
-        def poll(self):
+        def poll(self, whole=False):
             self.outstanding = False
             return Proposal([], [], [], base=[1, 2])
+
+        def end_stream(self):
+            self.outstanding = False
 
     drafter = Empty()
     ad = AsyncDraft(drafter, 4)
@@ -217,11 +223,14 @@ def test_hybrid_in_front_of_a_draft_rank():
         def ready(self):
             return self.outstanding
 
-        def poll(self):
+        def poll(self, whole=False):
             self.outstanding = False
             return Proposal([7] * self.n, [0.9] * self.n, [[]] * self.n)
 
         wait = poll
+
+        def end_stream(self):
+            self.outstanding = False
 
     remote = Remote()
     h = HybridAsyncDrafter(remote)

@@ -98,7 +98,5 @@ class AsyncDraft:
         Returns how many tokens that reply proposed (0 without one)."""
         prop = self.drafter.wait()
         self.reply = None
-        end = getattr(self.drafter, "end_stream", None)  # a draft rank that streams ahead stops
-        if end is not None:
-            end()
+        self.drafter.end_stream()  # a draft rank that streams ahead stops
         return len(prop.tokens) if prop is not None else 0

@@ -72,12 +72,18 @@ class AsyncDrafter(Protocol):
         """The outstanding request's reply has arrived (not received yet)."""
         ...
 
-    def poll(self) -> Proposal | None:
-        """The reply, if it has arrived (without waiting)."""
+    def poll(self, whole: bool = False) -> Proposal | None:
+        """The reply, if it has arrived (without waiting). A draft rank streams its tokens: the
+        reply may come with the first token past the path; whole: only with all n_max of them (or
+        the end of the draft)."""
         ...
 
-    def wait(self) -> Proposal | None:
-        """Wait (without spinning) for the outstanding request's reply, if any."""
+    def wait(self, whole: bool = False) -> Proposal | None:
+        """Wait (without spinning) for the outstanding request's reply, if any (whole: see poll)."""
+        ...
+
+    def end_stream(self) -> None:
+        """The end of a request: the drafter stops drafting ahead for it."""
         ...
 
 

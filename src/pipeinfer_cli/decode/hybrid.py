@@ -111,20 +111,18 @@ class HybridAsyncDrafter(HybridDrafter):
             prop.source = "model"
         return prop
 
-    def poll(self) -> Proposal | None:
+    def poll(self, whole: bool = False) -> Proposal | None:
         if self.local is not None:
             prop, self.local = self.local, None
             return prop
-        return self._model_reply(self.model.poll())
+        return self._model_reply(self.model.poll(whole))
 
-    def wait(self) -> Proposal | None:
+    def wait(self, whole: bool = False) -> Proposal | None:
         if self.local is not None:
             return self.poll()
-        return self._model_reply(self.model.wait())
+        return self._model_reply(self.model.wait(whole))
 
     def end_stream(self) -> None:
         """The end of a request: the draft rank stops drafting ahead (RemoteDrafter.end_stream)."""
         self.local = None
-        end = getattr(self.model, "end_stream", None)
-        if end is not None:
-            end()
+        self.model.end_stream()

@@ -100,14 +100,14 @@ class TranslatedAsyncDrafter(TranslatedDrafter):
         out.base = path
         return out
 
-    def poll(self) -> Proposal | None:
+    def poll(self, whole: bool = False) -> Proposal | None:
         if self.requested is None:
             return None
         # The whole reply: a draft rank streams token by token, and a part of a draft token's text
         # may translate to no target token at all (which would read as "nothing to propose here").
         return self._answer(self.inner.poll(whole=True) if self.requested[1] is not None else None)
 
-    def wait(self) -> Proposal | None:
+    def wait(self, whole: bool = False) -> Proposal | None:
         if self.requested is None:
             return None
         return self._answer(self.inner.wait(whole=True) if self.requested[1] is not None else None)
@@ -115,7 +115,5 @@ class TranslatedAsyncDrafter(TranslatedDrafter):
     def end_stream(self) -> None:
         """The end of a request: the draft rank stops drafting ahead (RemoteDrafter.end_stream)."""
         self.requested = None
-        end = getattr(self.inner, "end_stream", None)
-        if end is not None:
-            end()
+        self.inner.end_stream()
 

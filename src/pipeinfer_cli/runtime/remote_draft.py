@@ -238,3 +238,5 @@ def stream_draft(link: Link, drafter: Drafter, req: DraftRequest) -> int:
         path += prop.tokens
         if final or link.probe(0, Tag.DRAFT_REQ) is not None:
             return sent
+        if link.abort_requested():  # the job is ending: no need to finish the stream
+            raise JobAborted()
