@@ -63,7 +63,11 @@ def test_a_stop_during_the_implicit_calibration_ends_every_process(smollm2_path,
         while len(ranks := _calibrating_ranks(marker)) < 3:
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()
             time.sleep(0.05)
-        time.sleep(1.0)  # every rank has started MPI and mapped its shared memory
+        # Wait until the ranks have started MPI and mapped its shared memory (seconds on a loaded box).
+        while not (shm := _shm_of(marked_pids(marker))):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.1)
+        time.sleep(0.5)  # the other ranks map theirs too
         shm = _shm_of(marked_pids(marker))
         assert ranks and shm
         if how == "group":
