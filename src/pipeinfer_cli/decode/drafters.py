@@ -87,6 +87,16 @@ class AsyncDrafter(Protocol):
         ...
 
 
+def continues(base: list[int], drafted: list[int], path: list[int], may_grow: bool = False) -> bool:
+    """Whether a draft stream (tokens `drafted` after `base`) continues `path`: path agrees with
+    what it drafted and it has a token beyond path, or may_grow (it may still draft one)."""
+    have = base + drafted
+    n = min(len(path), len(have))
+    if len(path) < len(base) or have[:n] != path[:n]:
+        return False
+    return len(have) > len(path) or may_grow
+
+
 class LlamaDrafter:
     """A GGUF draft model run by llama.cpp (llama-cpp-python's low-level API) on this rank.
 

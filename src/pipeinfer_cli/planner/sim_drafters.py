@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..decode.drafters import Proposal
+from ..decode.drafters import Proposal, continues
 from ..decode.lookup import LookupDrafter
 from ..transport.messages import STREAM_AHEAD
 from .profile import DraftCosts, LinkCosts
@@ -87,9 +87,7 @@ class _SimStream:
     ready: Callable[[int], float]  # token i of the stream is drafted then (as now foreseen)
 
     def offers(self, path: list[int]) -> bool:
-        have = self.base + self.prop.tokens
-        n = min(len(path), len(have))
-        return len(path) >= len(self.base) and have[:n] == path[:n] and len(have) > len(path)
+        return continues(self.base, self.prop.tokens, path)
 
 
 class ReplayDraftRank:

@@ -13,7 +13,7 @@ import numpy as np
 from ..transport.messages import STREAM_AHEAD, DraftReply, DraftRequest, Msg, Tag
 from ..transport.mpi_link import Link
 from ..decode.cpu_account import PROCESS, WAIT
-from ..decode.drafters import Drafter, Proposal
+from ..decode.drafters import Drafter, Proposal, continues
 from ..decode.trace import TraceRecorder
 from ..decode.metrics import now
 from .rank_report import JobAborted, KvUsage, RankReporter, fault_injection
@@ -37,11 +37,8 @@ class _Stream:
     def offers(self, path: list[int]) -> bool:
         """Whether this stream continues `path` or will: path is consistent with what it drafted,
         and it has (or may still draft) a token beyond it."""
-        have = self.base + self.tokens
-        n = min(len(path), len(have))
-        if len(path) < len(self.base) or have[:n] != path[:n]:
-            return False
-        return len(have) > len(path) or (not self.final and len(self.base) + self.n_max > len(path))
+        return continues(self.base, self.tokens, path,
+                         may_grow=not self.final and len(self.base) + self.n_max > len(path))
 
 
 class RemoteDrafter:
