@@ -13,6 +13,8 @@ Everything is timed on probe engines, independent of the job's layer split:
 - the draft: a GGUF draft's prompt pass and proposals (`LlamaDrafter`), or prompt lookup;
 - the host: name, CPU model, logical CPUs, memory.
 
+With one thread a compute probe is timed in the process's CPU time over the rank's CPU share
+(`ProbeSpec.now`), so that other hosts' work on the same cores (an emulated cluster) is not counted.
 Each point is the median of at least `reps` timed repetitions after `warmup` untimed ones, the
 points of a grid interleaved repetition by repetition, so that a slow spell of the machine spreads
 over them; rounds are added, up to `max_reps`, while a point's repeats disagree
@@ -30,7 +32,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -82,6 +84,15 @@ class ProbeSpec:
     spread_limit: float = SPREAD_LIMIT  # (median - best) / best above which a point is repeated
     last_path: str | None = None  # a file holding the last layer; None: model_path
     probe_bytes: int = PROBE_BYTES  # weights of the layer probe (probe_layers)
+    # The rank's CPU share when its compute probes are timed in CPU time (`probe_clock_share`);
+    # None: in wall time. Set by measure_rank on each rank.
+    cpu_share: float | None = None
+
+    def now(self) -> float:
+        """The clock of the compute probes: with one thread, the process's CPU time over the rank's
+        CPU share, so that what other processes do on the same cores (another emulated host, a
+        neighbour's job) does not count; with more, wall time (threads also spin)."""
+        return time.perf_counter() if self.cpu_share is None else time.process_time() / self.cpu_share
 
     @property
     def decode_rows(self) -> list[int]:
@@ -102,6 +113,13 @@ class ProbeSpec:
         """KV cells of a probe: the largest point, rounded up as the engine pads, within --ctx."""
         need = max(max(self.kv_lengths) + max(self.decode_rows), max(self.prefill_rows))
         return min(self.n_ctx, -(-need // KV_PAD) * KV_PAD)
+
+
+def probe_clock_share(threads: int, usable_cpus: float) -> float | None:
+    """ProbeSpec.cpu_share for a rank computing with `threads` threads and `usable_cpus` CPUs to use
+    (the smaller of its affinity and a CFS quota): a single-threaded probe computes on its thread
+    alone, so its wall time on a quiet host is its CPU time, or that over the quota below one CPU."""
+    return min(1.0, usable_cpus) if threads == 1 and usable_cpus > 0 else None
 
 
 def probe_layers(layer_bytes: list[int], budget: int = PROBE_BYTES) -> tuple[int, int]:
@@ -142,7 +160,7 @@ def _fill(eng, kv: int, tokens: Callable[[int], np.ndarray], start: int = 0) -> 
 
 
 def _timed_eval(eng, rows: int, at: int, tokens: Callable[[int], np.ndarray], invariant: bool,
-                gap_s: float = 0.0) -> float:
+                gap_s: float = 0.0, clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds of one eval of `rows` tokens at positions at.. of sequence 0, rolled back afterwards.
 
     gap_s: sleep first. On several ranks every stage computes after waiting for its input, and on
@@ -152,9 +170,9 @@ def _timed_eval(eng, rows: int, at: int, tokens: Callable[[int], np.ndarray], in
     toks, pos = tokens(rows), np.arange(at, at + rows, dtype=np.int32)
     if gap_s > 0:
         time.sleep(gap_s)
-    t0 = time.perf_counter()
+    t0 = clock()
     eng.eval(tokens=toks, pos=pos, seq_ids=[[CANONICAL_SEQ]] * rows, batch_invariant=invariant)
-    dt = time.perf_counter() - t0
+    dt = clock() - t0
     eng.seq_rm(CANONICAL_SEQ, at, -1)
     return dt
 
@@ -184,11 +202,11 @@ def layer_costs(spec: ProbeSpec, eng, n_vocab: int, noise: NoiseLog | None = Non
     for kv in kvs:  # ascending: each KV length extends the last one's cells (timed runs roll back)
         _fill(eng, kv, tokens, filled)
         filled = kv
-        secs = _timed(spec, rows, lambda r, kv=kv: _timed_eval(eng, r, kv, tokens, True, spec.idle_gap_s), noise,
+        secs = _timed(spec, rows, lambda r, kv=kv: _timed_eval(eng, r, kv, tokens, True, spec.idle_gap_s, spec.now), noise,
                       "decode")
         decode.append(non_decreasing([s / n for s in secs]))
     eng.kv_clear()
-    secs = _timed(spec, pre, lambda r: _timed_eval(eng, r, 0, tokens, False, spec.idle_gap_s), noise, "prefill",
+    secs = _timed(spec, pre, lambda r: _timed_eval(eng, r, 0, tokens, False, spec.idle_gap_s, spec.now), noise, "prefill",
                   prompt=True)
     eng.kv_clear()
     return CostGrid(rows, kvs, decode), CostGrid(pre, [0], [[s / n for s in secs]])
@@ -199,16 +217,16 @@ class _EmbeddingFront:
     ids in, rows of a small random table as its hidden states (so that the head's loop can run over
     it). Keeps the seconds of every eval."""
 
-    def __init__(self, eng, n_embd: int):
-        self.eng = eng
+    def __init__(self, eng, n_embd: int, clock: Callable[[], float] = time.perf_counter):
+        self.eng, self.clock = eng, clock
         self.table = np.random.default_rng(1).standard_normal((256, n_embd)).astype(np.float32)
         self.evals: list[float] = []
 
     def eval(self, tokens, pos, seq_ids, output=None, batch_invariant=False):
         embd = self.table[np.asarray(tokens, np.int64) % len(self.table)]
-        t0 = time.perf_counter()
+        t0 = self.clock()
         out = self.eng.eval(embd=embd, pos=pos, seq_ids=seq_ids, output=output, batch_invariant=batch_invariant)
-        self.evals.append(time.perf_counter() - t0)
+        self.evals.append(self.clock() - t0)
         return out
 
     def __getattr__(self, name):  # kv_used_cells, seq_rm, kv_clear, ...
@@ -227,13 +245,13 @@ def head_seconds(spec: ProbeSpec, last, probe, n_vocab: int, rows: int, kv: int,
 
     def once(which: str) -> float:
         if which == "layer":
-            return _timed_eval(probe, rows, kv, tokens, True, spec.idle_gap_s) / n
+            return _timed_eval(probe, rows, kv, tokens, True, spec.idle_gap_s, spec.now) / n
         if spec.idle_gap_s > 0:
             time.sleep(spec.idle_gap_s)
-        t0 = time.perf_counter()
+        t0 = spec.now()
         last.eval(tokens(rows), np.arange(kv, kv + rows, dtype=np.int32), [[CANONICAL_SEQ]] * rows,
                   output=np.ones(rows, bool), batch_invariant=True)
-        dt = time.perf_counter() - t0
+        dt = spec.now() - t0
         last.seq_rm(CANONICAL_SEQ, kv, -1)
         return dt
 
@@ -249,9 +267,9 @@ def sampler_seconds(spec: ProbeSpec, last, rows: int, kv: int, sampling: Samplin
     positions = np.arange(kv + 1, kv + 1 + rows)
 
     def once(_):
-        t0 = time.perf_counter()
+        t0 = spec.now()
         sample_rows(logits, sampling, positions)
-        return time.perf_counter() - t0
+        return spec.now() - t0
 
     return repeat_until_settled([0], once, spec.reps * 3, spec.warmup).medians[0] / rows
 
@@ -268,7 +286,7 @@ def run_overhead(front: _EmbeddingFront, n_vocab: int, n_tokens: int, sampling: 
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, n_vocab, 16)]
     commits: list[float] = []
     run_request(pipe, ITERATIVE.name, prompt, DecodeOptions(), None, sampling=sampling, n_predict=n_tokens + 1,
-                is_eog=lambda _t: False, streaming=Streaming(on_token=lambda _t: commits.append(time.perf_counter())))
+                is_eog=lambda _t: False, streaming=Streaming(on_token=lambda _t: commits.append(front.clock())))
     front.kv_clear()
     gaps = np.diff(commits)  # one decode run each, whose eval is among the last ones
     per_run = gaps - np.asarray(front.evals[len(front.evals) - len(gaps):])
@@ -291,14 +309,14 @@ def draft_costs(spec: ProbeSpec, rank: int, threads: int) -> DraftCosts:
 
         drafter.start(prompt(min(16, n_prompt)))  # warm-up: the first eval allocates
         path = prompt(n_prompt)
-        t0 = time.perf_counter()
+        t0 = spec.now()
         drafter.start(path)
-        prompt_s = (time.perf_counter() - t0) / n_prompt
+        prompt_s = (spec.now() - t0) / n_prompt
         per_token = []
         for i in range(spec.draft_proposals + 1):
-            t0 = time.perf_counter()
+            t0 = spec.now()
             prop = drafter.propose(path, spec.n_draft, 0.0)
-            dt = time.perf_counter() - t0
+            dt = spec.now() - t0
             if i > 0:  # the first one warms up
                 per_token.append(dt / max(1, len(prop.tokens)))
             path = path + prop.tokens  # as if every token was accepted: n_draft evals per proposal
@@ -316,9 +334,9 @@ def _lookup_costs(spec: ProbeSpec, rank: int) -> DraftCosts:
     path = base + base
 
     def once(_):
-        t0 = time.perf_counter()
+        t0 = spec.now()
         prop = drafter.propose(path, spec.n_draft, 0.0)
-        return (time.perf_counter() - t0) / max(1, len(prop.tokens))
+        return (spec.now() - t0) / max(1, len(prop.tokens))
 
     token_s = repeat_until_settled([0], once, spec.reps * 5, spec.warmup).medians[0]
     return DraftCosts("lookup", "lookup", rank, 1, token_s, 0.0)
@@ -330,6 +348,7 @@ def measure_rank(spec: ProbeSpec, info, rank: int, threads: int, runs_draft: boo
     from ..native import LayerEngine
 
     facts = host_facts()
+    spec = replace(spec, cpu_share=probe_clock_share(threads, facts.usable_cpus))
     begin, end = probe_layers(info.layer_bytes, spec.probe_bytes)
     say(f"layers {begin}-{end - 1} ({sum(info.layer_bytes[begin:end]) / 1e6:.0f} MB), {plural(threads, 'thread')}: "
         f"{len(spec.decode_rows)} batch sizes x KV {'/'.join(map(str, spec.kv_lengths))}, prompt chunks "
@@ -338,12 +357,12 @@ def measure_rank(spec: ProbeSpec, info, rank: int, threads: int, runs_draft: boo
     probe = LayerEngine(spec.model_path, begin, end, n_ctx=spec.probe_ctx(), n_threads=threads, n_seq_max=2,
                         slowdown=slow)
     if begin > 0:  # a middle range: hidden states in, as a middle stage gets them
-        probe = _EmbeddingFront(probe, info.n_embd)
+        probe = _EmbeddingFront(probe, info.n_embd, spec.now)
     noise = NoiseLog(spec.spread_limit)
     decode, prefill_grid = layer_costs(spec, probe, info.n_vocab, noise)
     say(f"output rows and per-run overhead on layer {info.n_layer - 1}")
     last = _EmbeddingFront(LayerEngine(spec.last_path or spec.model_path, info.n_layer - 1, info.n_layer, n_ctx=spec.probe_ctx(),
-                                       n_threads=threads, n_seq_max=2, slowdown=slow), info.n_embd)
+                                       n_threads=threads, n_seq_max=2, slowdown=slow), info.n_embd, spec.now)
     rows, kv = max(r for r in decode.rows if r <= spec.n_draft + 1), decode.kv[0]
     head_s = head_seconds(spec, last, probe, info.n_vocab, rows, kv, noise)
     del probe
