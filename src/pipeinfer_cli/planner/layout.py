@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from ..models.layer_split import balanced_split, fractions_of
+from .layer_split import balanced_split, fractions_of
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UsageError
-from ..models.layer_split import min_max_split
+from .layer_split import min_max_split
 from .costs import grid_seconds
 from ..wording import human_bytes, plural
 from .profile import Profile
