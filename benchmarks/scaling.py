@@ -124,7 +124,7 @@ def parse_column(text: str) -> RecordColumn:
 def balanced_fractions(model: str, n_stages: int) -> str:
     """--layer-split fractions of the default (byte-balanced) split of n_stages stages."""
     from pipeinfer_cli.models.gguf_info import read_model_info
-    from pipeinfer_cli.models.layer_split import balanced_split, fractions_of
+    from pipeinfer_cli.planner.layer_split import balanced_split, fractions_of
     from pipeinfer_cli.models.model_files import resolve_model
     from pipeinfer_cli.models.registry import load_registry
 

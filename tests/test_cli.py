@@ -106,14 +106,15 @@ def test_iterative_ranks_on_one_machine_get_every_core(monkeypatch):
     """`--ranks N` in iterative mode: one stage computes at a time, so each rank gets all the cores
     (with a bounded spin); the speculative modes, an explicit --threads or OMP_WAIT_POLICY keep theirs."""
     from pipeinfer_cli.cli.generate_cmd import whole_host_threads
+    from pipeinfer_cli.decode.modes import needs_draft
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert whole_host_threads("iterative", None) is True
-    assert whole_host_threads("pipeinfer", None) is False
-    assert whole_host_threads("speculative", None) is False
-    assert whole_host_threads("iterative", "1") is False
+    assert whole_host_threads(needs_draft("iterative"), None) is True
+    assert whole_host_threads(needs_draft("pipeinfer"), None) is False
+    assert whole_host_threads(needs_draft("speculative"), None) is False
+    assert whole_host_threads(needs_draft("iterative"), "1") is False
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
-    assert whole_host_threads("iterative", None) is False
+    assert whole_host_threads(needs_draft("iterative"), None) is False
 
 
 @pytest.mark.mpi

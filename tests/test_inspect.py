@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from pipeinfer_cli.cli.app import app
 from pipeinfer_cli.errors import ModelFileError, UsageError
 from pipeinfer_cli.models.gguf_info import read_model_info
-from pipeinfer_cli.models.layer_split import balanced_split
+from pipeinfer_cli.planner.layer_split import balanced_split
 
 runner = CliRunner()
 

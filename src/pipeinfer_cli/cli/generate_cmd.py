@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..decode.modes import needs_draft
 from ..decode.result import GenerationResult
 from ..planner.layout import format_layer_ranges
 from .console import err, out
@@ -134,10 +133,11 @@ def _check_save_trace(path: Path | None, job) -> None:
 ITERATIVE_SPIN_COUNT = "10000"
 
 
-def whole_host_threads(mode: str, threads: str | None) -> bool:
+def whole_host_threads(mode_drafts: bool, threads: str | None) -> bool:
     """Whether the ranks of a job this command starts should each take every CPU their host grants
-    (iterative mode, no --threads, no OMP_WAIT_POLICY of the user's)."""
-    return not (needs_draft(mode) or threads is not None or "OMP_WAIT_POLICY" in os.environ)
+    (iterative mode, no --threads, no OMP_WAIT_POLICY of the user's). mode_drafts: the job's mode
+    drafts (the plan's `mode_drafts`, decode/modes.needs_draft)."""
+    return not (mode_drafts or threads is not None or "OMP_WAIT_POLICY" in os.environ)
 
 
 def _relaunch(plan: JobPlan, given) -> int:
@@ -147,7 +147,7 @@ def _relaunch(plan: JobPlan, given) -> int:
     from ..runtime.topology import WHOLE_HOST_ENV
     from ..transport.launch import relaunch
 
-    whole_host, n_ranks = whole_host_threads(plan.mode, plan.cfg.threads), plan.ranks
+    whole_host, n_ranks = whole_host_threads(plan.mode_drafts, plan.cfg.threads), plan.ranks
     argv = sys.argv[1:]
     if whole_host:
         os.environ[WHOLE_HOST_ENV] = "1"  # inherited by the ranks, which read their own CPU share

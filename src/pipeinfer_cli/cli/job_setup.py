@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from ..decode.draft_spec import DraftSpec
+from ..decode.draft_spec import MODEL, DraftSpec
 from ..errors import ModelFileError, OptionValueError, UsageError
 from ..models.registry import load_registry
 from ..transport.start_waits import launcher_rank
@@ -42,7 +42,8 @@ def resolve_models(model: str, draft: DraftSpec, allow_pull: bool, on_head: bool
     reg = load_registry()
     if model in reg.pairs:
         pair = reg.pairs[model]
-        model, draft = pair.target, draft or DraftSpec.parse(pair.draft)
+        # A pair's draft is a model of the registry (load_registry checks it): a model spec as it stands.
+        model, draft = pair.target, draft or DraftSpec(MODEL, pair.draft)
 
     def ref(name: str):
         if allow_pull and name in reg.models and not cached_model_path(reg.models[name]).exists():

@@ -69,7 +69,7 @@ def _job_memory(cfg: JobConfig, n_ranks: int, with_draft: bool):
     from .split import profile_for_split
 
     _, mem = profile_for_split(cfg.profile, cfg.model_path, cfg.model_label, read_model_info(cfg.model_path),
-                               cfg.n_ctx, cfg.draft_path if with_draft else None, n_ranks, False, True)
+                               cfg.n_ctx, cfg.draft_path if with_draft else None, n_ranks, False)
     return mem
 
 
@@ -136,7 +136,7 @@ def job_topology(model_path, model_label: str, n_ranks: int, layer_split, draft_
     from .predict import Topology
 
     t = plan_job(model_path, model_label, n_ranks, 1, layer_split, None, draft_path, job_drafts,
-                 has_draft=bool(draft), profile_path=profile_path, n_ctx=n_ctx, identity_checked=True,
+                 has_draft=bool(draft), profile_path=profile_path, n_ctx=n_ctx,
                  load=load)
     stages = [r for r in t.ranks if r.role != "draft"]
     if needs_draft(mode):

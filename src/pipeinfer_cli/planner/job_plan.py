@@ -32,7 +32,7 @@ from ..decode.modes import check_mode, needs_draft
 from .auto_choice import AutoChoice, choose, place
 from .job_config import JobConfig
 from .job_placement import draft_kind, split_is_chosen
-from .layout import Topology, parse_threads, plan_job
+from .layout import Topology, is_auto_split, parse_threads, plan_job
 
 AUTO = "auto"
 
@@ -75,6 +75,7 @@ class JobPlan:
     drafts: bool  # the job runs its draft (loads a draft model, drafts by lookup)
     layout: Topology | None  # roles, layers and threads of every rank; None: a rank that takes the head's plan
     auto: AutoChoice | None = None  # -M auto's choice, when it chose
+    mode_drafts: bool = False  # the mode drafts (decode/modes.needs_draft): its stages compute at once
 
     @property
     def has_draft(self) -> bool:
@@ -119,19 +120,27 @@ def make_plan(request: PlanRequest, facts: ClusterFacts, say: Callable[[str], No
             say(choice.announce())
     elif _split_auto(cfg):
         cfg = _placed(cfg, request, mode, facts, say)
+    mode_drafts = needs_draft(mode)
     if request.drafts is None:
-        drafts = needs_draft(mode) or (request.trace_draft and cfg.draft.uses_model)
+        drafts = mode_drafts or (request.trace_draft and cfg.draft.uses_model)
     else:
         drafts = request.drafts and not cfg.draft.is_none
     layout = layout_of(cfg, n, facts.default_threads, drafts) if facts.on_head and cfg.model_path is not None else None
-    return JobPlan(cfg, mode, n, request.explicit_ranks, drafts, layout, choice)
+    return JobPlan(cfg, mode, n, request.explicit_ranks, drafts, layout, choice, mode_drafts)
 
 
 def layout_of(cfg: JobConfig, world_size: int, default_threads: int, drafts: bool) -> Topology:
-    """The roles, layers and threads of a job's ranks from its configuration (planner/layout.plan_job)."""
+    """The roles, layers and threads of a job's ranks from its configuration (planner/layout.plan_job);
+    a profile that --layer-split auto splits by is checked against the model file's sha256, taken
+    here once (planner/identity.model_sha256)."""
+    from .identity import model_sha256
+
+    by_profile = cfg.profile is not None and is_auto_split(cfg.layer_split)
     return plan_job(cfg.model_path, cfg.model_label, world_size, default_threads, cfg.layer_split, cfg.threads,
                     cfg.draft_path, drafts, has_draft=not cfg.draft.is_none,
-                    profile_path=cfg.profile, n_ctx=cfg.engine_ctx, load=(cfg.parallel, cfg.load_policy))
+                    profile_path=cfg.profile, n_ctx=cfg.engine_ctx,
+                    model_sha256=model_sha256(cfg.model_path) if by_profile else None,
+                    load=(cfg.parallel, cfg.load_policy))
 
 
 def _split_auto(cfg: JobConfig) -> bool:

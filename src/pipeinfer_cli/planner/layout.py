@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from ..models.layer_split import balanced_split, fractions_of
+from .layer_split import balanced_split, fractions_of
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def parse_layer_split(text: str) -> tuple[list[float] | None, int]:
     """'0.5,0.5/1' -> ([0.5, 0.5], 1 draft rank). Fractions are normalised to sum to 1.
     'auto' (or 'auto/1') -> (None, draft ranks): the split comes from a profile (planner/split.py)."""
     main, _, draft = text.partition("/")
-    if main.strip() == AUTO:
+    if is_auto_split(text):
         return None, _draft_ranks(text, draft)
     try:
         fractions = [float(x) for x in main.split(",")]
@@ -91,6 +91,11 @@ def parse_layer_split(text: str) -> tuple[list[float] | None, int]:
         raise UsageError(f"--layer-split {text!r}: every fraction must be positive")
     total = sum(fractions)
     return [f / total for f in fractions], _draft_ranks(text, draft)
+
+
+def is_auto_split(text: str | None) -> bool:
+    """--layer-split auto (or auto/1): the split comes from a profile."""
+    return bool(text) and text.partition("/")[0].strip() == AUTO
 
 
 def _draft_ranks(text: str, draft: str) -> int:
@@ -226,13 +231,15 @@ def plan_split(info, n_ranks: int, layer_split: str | None = None, draft_bytes: 
 def plan_job(model_path: Path, model_label: str, world_size: int, default_threads: int, layer_split: str | None,
              threads: str | None, draft_path: Path | None = None, needs_draft: bool = False,
              has_draft: bool = True, profile_path: Path | None = None, n_ctx: int = 0,
-             identity_checked: bool = False, load: tuple[int, str] = (1, "yield")) -> Topology:
+             model_sha256: str | None = None, load: tuple[int, str] = (1, "yield")) -> Topology:
     """The topology of a job on this model, from its GGUF header alone (well under a second, no MPI):
     the relaunching command checks it before it starts any process.
 
     has_draft: a draft was given (a model or lookup); a draft rank ('/1') needs one. n_ctx: the
     job's KV cells, which --layer-split auto fits in each rank's memory with the weights.
-    identity_checked: the caller matched the profile to the model (plan, which --force may override).
+    model_sha256: the model file's (planner/identity.model_sha256), which a profile for --layer-split
+    auto must match; None: the caller matched the profile to the model (plan, which --force may
+    override; -M auto's search).
     load: requests generated at once and the load policy (serve --parallel N --load-policy P), for
     --layer-split auto."""
     if layer_split and "/" in layer_split and not has_draft:
@@ -254,7 +261,7 @@ def plan_job(model_path: Path, model_label: str, world_size: int, default_thread
 
         profile, memory = profile_for_split(profile_path, Path(model_path), model_label, info, n_ctx,
                                             draft_path if needs_draft else None, world_size, "/" in layer_split,
-                                            identity_checked)
+                                            model_sha256)
     return plan_topology(world_size, layer_split, info.layer_bytes, info.output_bytes, threads, default_threads,
                          head_extra=head_extra, profile=profile, memory=memory, load=load)
 

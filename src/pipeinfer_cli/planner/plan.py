@@ -89,7 +89,9 @@ def speedup(a: list[Prediction], b: list[Prediction]) -> float | None:
 
 def run_mode(profile: Profile, topo: Topology, mode: str, replay: Replay, opts: DecodeOptions,
              n_ctx: int) -> list[Prediction]:
-    return [predict(profile, topo, mode, pt, opts, replay.index(pt), n_ctx) for pt in replay.prompts]
+    """Each prompt's prediction, each with a fresh chain index (Replay.index) made before it runs."""
+    indexed = [(pt, replay.index(pt)) for pt in replay.prompts]
+    return [predict(profile, topo, mode, pt, opts, index, n_ctx) for pt, index in indexed]
 
 
 def plan_modes(profile: Profile, topo_of: Callable[[str], Topology], modes: list[str], replay: Replay,

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UsageError
-from ..models.layer_split import min_max_split
+from .layer_split import min_max_split
 from .costs import grid_seconds
 from ..wording import human_bytes, plural
 from .profile import Profile
@@ -76,17 +76,15 @@ class HeadLoad:
 
 def profile_for_split(profile_path: Path, model_path: Path, model_label: str, info: ModelInfo, n_ctx: int,
                       draft_path: Path | None, world_size: int, draft_rank: bool,
-                      identity_checked: bool = False) -> tuple[Profile, JobMemory]:
-    """What `--layer-split auto` splits by: the profile (checked to be of this model, unless the
-    caller did: identity_checked), and the job's memory besides the target's weights: the KV cache
-    at n_ctx cells (info: the target's gguf_info.ModelInfo), and a draft model's weights and its
-    own KV cache on the rank that runs it (draft_path: None when the job runs no draft model)."""
-    from .identity import model_sha256
-
+                      model_sha256: str | None = None) -> tuple[Profile, JobMemory]:
+    """What `--layer-split auto` splits by: the profile (checked to be of this model when the
+    caller gives the model file's sha256, planner/identity.model_sha256; None: the caller checked
+    it), and the job's memory besides the target's weights: the KV cache at n_ctx cells (info: the
+    target's gguf_info.ModelInfo), and a draft model's weights and its own KV cache on the rank
+    that runs it (draft_path: None when the job runs no draft model)."""
     profile = Profile.load(profile_path)
-    if not identity_checked:
-        profile.check_model(model_label, model_path.stat().st_size, f"the profile {profile_path}",
-                            model_sha256(model_path))
+    if model_sha256 is not None:
+        profile.check_model(model_label, model_path.stat().st_size, f"the profile {profile_path}", model_sha256)
     draft_bytes = 0 if draft_path is None else draft_model_bytes(draft_path, n_ctx)
     return profile, JobMemory(n_ctx, info.kv_bytes_per_cell, draft_bytes, world_size - 1 if draft_rank else None)
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from ..models.weight_copies import (ModelFiles, Need, WeightsSource, digests_needed, model_for, pick_copy,
                                     remove_cut_streams, target_need)
 from ..transport.mpi_link import Link
-from ..transport.weight_transfer import STREAM_CHUNK_BYTES, receive_streams, send_weights
+from ..transport.weight_transfer import receive_streams, send_streams
 from ..planner.job_config import JobConfig
 from ..planner.layout import Topology
 
@@ -66,11 +66,12 @@ def share_plan_and_weights(link: Link, startup: Startup, cfg: JobConfig, topo: T
     files: list[ModelFiles] = startup.start_values
     remove_cut_streams(whoami(link, startup))
     if link.rank == 0:
+        paths, labels = model_paths(cfg), model_labels(cfg)
         loads_draft = needs_draft and cfg.draft_path is not None
         wants = [(p.rank, want) for p in topo.ranks[1:] if (want := model_for(p.role, loads_draft)) is not None]
         digests = digests_needed(files, wants)
         startup.check_in("plan", (topo, cfg, digests))
-        stream_what_ranks_need(link, startup, cfg, digests, say)
+        send_streams(link, startup, paths, labels, digests, say)
         return topo, cfg, WeightsSource("local", path=str(cfg.model_path))
     topo, head_cfg, digests = startup.check_in("plan")[0]
     mine, head = files[link.rank], files[0]
@@ -91,20 +92,9 @@ def share_plan_and_weights(link: Link, startup: Startup, cfg: JobConfig, topo: T
 
 def stream_what_ranks_need(link: Link, startup: Startup, cfg: JobConfig, digests: dict[str, str],
                            say: Callable[[str], None]) -> None:
-    """Head: the "weights" check-in, then stream each rank what it asked for, one after the other:
-    the bytes are read here (models/weight_slices.py) and handed to the wire (transport/weight_transfer.py)."""
-    from ..models.weight_slices import stage_slice, whole_file, wire_chunks
-
-    hosts, labels = startup.hosts, model_labels(cfg)
-    for rank, wanted in enumerate(startup.check_in("weights", [])):
-        for need in wanted:
-            if need.what == "target" and need.layers is not None:
-                src = stage_slice(cfg.model_path, digests["target"], *need.layers)
-            else:
-                src = whole_file(cfg.model_path if need.what == "target" else cfg.draft_path)
-            skipped = src.skipped(need.cached)
-            chunks = wire_chunks(src, STREAM_CHUNK_BYTES, skipped)
-            send_weights(link, chunks, src.total, skipped, labels[need.what], need, rank, hosts[rank], say)
+    """Head: the "weights" check-in, then stream each rank what it asked for, one after the other
+    (transport/weight_transfer.send_streams: the bytes read by models/weight_slices.py)."""
+    send_streams(link, startup, model_paths(cfg), model_labels(cfg), digests, say)
 
 
 def receive_needs(link: Link, startup: Startup, head_cfg: JobConfig, needs: list[Need], digests: dict[str, str]
@@ -112,6 +102,11 @@ def receive_needs(link: Link, startup: Startup, head_cfg: JobConfig, needs: list
     """A rank: the "weights" check-in with what it needs, then each stream from the head into the
     node cache (transport/weight_transfer.receive_streams): (need, its path, where it came from)."""
     return receive_streams(link, startup, model_labels(head_cfg), needs, digests)
+
+
+def model_paths(cfg: JobConfig) -> dict[str, Path | None]:
+    """The head's file of each model a Need is part of ("target", "draft")."""
+    return {"target": cfg.model_path, "draft": cfg.draft_path}
 
 
 def model_labels(cfg: JobConfig) -> dict[str, str]:

@@ -40,6 +40,27 @@ class WeightsError(PipeinferError):
     """A rank could not get its weights (a stream cut, a damaged copy, a model the head lacks)."""
 
 
+def send_streams(link: Link, startup: Startup, paths: dict[str, Path | None], labels: dict[str, str],
+                 digests: dict[str, str], say: Callable[[str], None]) -> None:
+    """Head: the "weights" check-in (the head's counterpart of receive_streams), then stream each
+    rank what it asked for, one after the other: the bytes are read from the head's model files
+    (paths: "target", "draft"; models/weight_slices.py: a stage its rank slice, a draft rank the
+    whole draft file), less the tensors the rank's node cache holds, and sent (send_weights).
+    labels: the name of each model, as the lines on stderr say it."""
+    from ..models.weight_slices import stage_slice, whole_file, wire_chunks
+
+    hosts = startup.hosts
+    for rank, wanted in enumerate(startup.check_in("weights", [])):
+        for need in wanted:
+            if need.what == "target" and need.layers is not None:
+                src = stage_slice(paths["target"], digests["target"], *need.layers)
+            else:
+                src = whole_file(paths[need.what])
+            skipped = src.skipped(need.cached)
+            chunks = wire_chunks(src, STREAM_CHUNK_BYTES, skipped)
+            send_weights(link, chunks, src.total, skipped, labels[need.what], need, rank, hosts[rank], say)
+
+
 def send_weights(link: Link, chunks: Iterable[tuple[bytes, list[memoryview]]], total: int,
                  skipped: list[tuple[int, int, str]], label: str, need: Need, rank: int, host: str,
                  say: Callable[[str], None]) -> None:
