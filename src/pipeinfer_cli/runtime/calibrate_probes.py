@@ -160,7 +160,7 @@ def _fill(eng, kv: int, tokens: Callable[[int], np.ndarray], start: int = 0) -> 
 
 
 def _timed_eval(eng, rows: int, at: int, tokens: Callable[[int], np.ndarray], invariant: bool,
-                gap_s: float = 0.0, clock: Callable[[], float] = time.perf_counter) -> float:
+                gap_s: float, clock: Callable[[], float]) -> float:
     """Seconds of one eval of `rows` tokens at positions at.. of sequence 0, rolled back afterwards.
 
     gap_s: sleep first. On several ranks every stage computes after waiting for its input, and on
@@ -217,7 +217,7 @@ class _EmbeddingFront:
     ids in, rows of a small random table as its hidden states (so that the head's loop can run over
     it). Keeps the seconds of every eval."""
 
-    def __init__(self, eng, n_embd: int, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, eng, n_embd: int, clock: Callable[[], float]):
         self.eng, self.clock = eng, clock
         self.table = np.random.default_rng(1).standard_normal((256, n_embd)).astype(np.float32)
         self.evals: list[float] = []
