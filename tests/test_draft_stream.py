@@ -137,3 +137,98 @@ def test_a_synchronous_proposal_waits_for_all_its_tokens_or_the_end_of_the_strea
     assert prop.tokens == [7, 8, 9] and link.sent[-1].n_max == 3  # no drafting ahead under a cutoff
     link.piece(2, [1], final=True)  # the draft fell under p_min after one token
     assert d.propose([5, 6, 7, 8, 9, 4], 3, 0.5).tokens == [1]
+
+
+def test_the_prompt_opens_a_stream_that_the_first_request_continues():
+    """start() sends the prompt with a stream id: the draft rank drafts on from the prompt while the
+    stages compute it, and the request after the target's first token is answered from that stream
+    when the draft guessed the token."""
+    link = ScriptedLink()
+    d = RemoteDrafter(link, 1)
+    d.start([1, 2, 3], 0)
+    start = link.sent[-1]
+    assert start.kind == Msg.DRAFT_START and start.path == [1, 2, 3] and start.stream > 0
+    link.piece(start.stream, [4, 5])
+    link.piece(start.stream, [6])
+    d.request([1, 2, 3, 4], 2, 0.0)  # the target's first token was 4, as the draft guessed
+    assert len(link.sent) == 1
+    assert d.poll().tokens == [5, 6]
+
+
+def test_a_wrong_guess_of_the_first_token_asks_afresh():
+    link = ScriptedLink()
+    d = RemoteDrafter(link, 1)
+    d.start([1, 2, 3], 0)
+    sid = link.sent[-1].stream
+    link.piece(sid, [7, 8])
+    d.request([1, 2, 3, 4], 2, 0.0)
+    assert d.poll() is None
+    new = link.sent[-1]
+    assert new.kind == Msg.RUN and new.path == [1, 2, 3, 4] and new.stream != sid
+
+
+def test_a_draft_rank_on_shared_cores_closes_the_prompts_stream_and_is_asked_afresh():
+    link = ScriptedLink()
+    d = RemoteDrafter(link, 1)
+    d.start([1, 2, 3], 0)
+    link.piece(link.sent[-1].stream, [], final=True)  # it drafted nothing ahead
+    d.request([1, 2, 3, 4], 2, 0.0)
+    assert d.poll() is None and link.sent[-1].kind == Msg.RUN and link.sent[-1].path == [1, 2, 3, 4]
+
+
+class _DraftRankLink:
+    """The draft rank's side: what it sends the head, and a newer request after `newer_after` pieces."""
+
+    def __init__(self, alone: bool, newer_after: int | None = None):
+        self.alone_on_cores, self.newer_after, self.pieces = alone, newer_after, []
+
+    def send_array(self, arr, dest, tag):
+        assert dest == 0 and tag == Tag.DRAFT_REP
+        self.pieces.append(DraftReply.decode(np.asarray(arr, np.int64)))
+
+    def probe(self, source, tag):
+        return 1 if self.newer_after is not None and len(self.pieces) >= self.newer_after else None
+
+    def abort_requested(self):
+        return False
+
+    def computing(self, observable=True):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+class _CountingDrafter:
+    """Drafts token len(path) after any path."""
+
+    def propose(self, path, n_max, p_min):
+        from pipeinfer_cli.decode.drafters import Proposal
+        return Proposal([len(path)], [0.5], [[]])
+
+
+def _draft_ahead(link):
+    from pipeinfer_cli.decode.trace import TraceRecorder
+    from pipeinfer_cli.runtime.rank_report import RankReporter
+    from pipeinfer_cli.runtime.remote_draft import draft_ahead
+
+    report = RankReporter(1, "draft", None, 1, TraceRecorder(1), link=None)
+    draft_ahead(link, _CountingDrafter(), DraftRequest(Msg.DRAFT_START, [10, 11], 0, stream=5), report, TraceRecorder(1))
+    return report
+
+
+def test_the_draft_rank_drafts_on_from_the_prompt_until_a_newer_request():
+    link = _DraftRankLink(alone=True, newer_after=3)
+    report = _draft_ahead(link)
+    assert [p.tokens for p in link.pieces] == [[2], [3], [4]] and {p.stream for p in link.pieces} == {5}
+    assert not link.pieces[-1].final and report.runs == 1
+
+
+def test_the_draft_rank_drafts_at_most_stream_ahead_tokens_from_the_prompt():
+    link = _DraftRankLink(alone=True)
+    _draft_ahead(link)
+    assert len(link.pieces) == STREAM_AHEAD and link.pieces[-1].final
+
+
+def test_a_draft_rank_sharing_its_cores_leaves_them_to_the_prompt():
+    link = _DraftRankLink(alone=False)
+    report = _draft_ahead(link)
+    assert [(p.tokens, p.stream, p.final) for p in link.pieces] == [([], 5, True)] and report.runs == 0

@@ -88,10 +88,10 @@ def test_the_projection_puts_the_draft_on_its_own_node_and_replays_it_there():
     assert isinstance(head, ReplayDrafter)
 
 
-def projected(mode: str, draft, acceptance: float = 0.8):
+def projected(mode: str, draft, acceptance: float = 0.8, seed: int = 0):
     pt = prompt_trace(n_gen=48, n_prompt=64)
     return predict(cluster_profile(PAPER), Topology(list(range(7)), LAYERS, draft), mode, pt,
-                   DecodeOptions(n_draft=4, p_accept=0.5, max_inflight=4), SyntheticChains(pt, acceptance, 24))
+                   DecodeOptions(n_draft=4, p_accept=0.5, max_inflight=4), SyntheticChains(pt, acceptance, 24, seed))
 
 
 def test_a_draft_rank_drafts_what_the_head_would_and_pipeinfer_gains_from_it():
@@ -104,7 +104,11 @@ def test_a_draft_rank_drafts_what_the_head_would_and_pipeinfer_gains_from_it():
     assert sp_rank.acceptance == sp_head.acceptance and sp_rank.acceptance["drafted"] > 0
     assert sp_rank.tok_per_s < sp_head.tok_per_s
     assert pi_rank.acceptance["drafted"] > 0 and pi_rank.draft_misses == 0
-    assert pi_rank.tok_per_s > pi_head.tok_per_s
+    # Over several draws of which drafted tokens are right (one draw may favour either placement
+    # by a few per cent): the draft rank is faster.
+    seeds = range(8)
+    assert sum(projected("pipeinfer", 7, seed=s).tok_per_s for s in seeds) > \
+        sum(projected("pipeinfer", "head", seed=s).tok_per_s for s in seeds)
     assert pi_rank.tok_per_s > sp_rank.tok_per_s > it.tok_per_s
     assert all(p.n_gen == 48 for p in (it, sp_rank, pi_rank))
     assert projected("pipeinfer", 7).to_json() == pi_rank.to_json()  # deterministic

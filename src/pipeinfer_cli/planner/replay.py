@@ -147,20 +147,25 @@ class SyntheticChains(ChainIndex):
 
     def __init__(self, pt: PromptTrace, rate: float, depth: int, seed: int = 0, confidences: Confidences | None = None):
         super().__init__(pt)
-        self.rate, self.depth, self.rng, self.confidences = rate, depth, random.Random(seed), confidences
+        self.rate, self.depth, self.seed, self.confidences = rate, depth, seed, confidences
         self.right: dict[int, bool] = {}
         self.conf: dict[int, float] = {}
 
+    def _rng(self, pos: int, what: int) -> random.Random:
+        """The draws for one position, whatever order positions are asked in (a draft rank drafting
+        ahead asks for later positions first than the head would)."""
+        return random.Random((self.seed * 1_000_003 + pos) * 2 + what)
+
     def _is_right(self, pos: int) -> bool:
         if pos not in self.right:
-            self.right[pos] = self.rng.random() < self.rate
+            self.right[pos] = self._rng(pos, 0).random() < self.rate
         return self.right[pos]
 
     def _conf(self, pos: int) -> float:
         if self.confidences is None:
             return self.rate
         if pos not in self.conf:
-            self.conf[pos] = self.confidences.draw(self.rng, self._is_right(pos), self.rate)
+            self.conf[pos] = self.confidences.draw(self._rng(pos, 1), self._is_right(pos), self.rate)
         return self.conf[pos]
 
     def continuation(self, path: list[int]) -> tuple[list[int], list[float]]:
