@@ -93,9 +93,7 @@ def make_drafter(profile: Profile, topo: Topology, pipe: SimulatedPipeline, inde
     if topo.draft == "head":
         return ReplayDrafter(pipe, index, d)
     r = int(topo.draft)
-    alone = profile.ranks[r].host not in {profile.ranks[s].host for s in topo.stage_ranks}
-    return ReplayDraftRank(pipe, index, d, profile.link(topo.stage_ranks[0], r), profile.link(r, topo.stage_ranks[0]),
-                           alone)
+    return ReplayDraftRank(pipe, index, d, profile.link(topo.stage_ranks[0], r), profile.link(r, topo.stage_ranks[0]))
 
 
 def predict(profile: Profile, topo: Topology, mode: str, pt: PromptTrace, opts: DecodeOptions,

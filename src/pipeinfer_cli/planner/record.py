@@ -86,10 +86,10 @@ def target_tokens(engine, prompt: list[int], n_predict: int, is_eog: Callable[[i
 
 
 def draft_chains(drafter: Drafter, pt: PromptTrace, depth: int, on_step: Callable[[int, int], None] | None = None) -> None:
-    """Fill pt.chains: the draft's greedy chain (depth tokens) from every committed prefix, the
-    prompt itself included (a draft rank drafts on from it while the stages compute the prompt)."""
+    """Fill pt.chains: the draft's greedy chain (depth tokens) from every committed prefix after the
+    first generated token."""
     full = pt.full
-    pt.chains_from = len(pt.prompt)
+    pt.chains_from = len(pt.prompt) + 1
     pt.chains, pt.chain_probs = [], []
     drafter.start(pt.prompt)
     prev: tuple[list[int], list[float]] | None = None

@@ -103,10 +103,9 @@ class ReplayDraftRank:
     has_prompt_pass = False  # as RemoteDrafter: the draft rank reads the prompt on its own cores
 
     def __init__(self, pipe: SimulatedPipeline, index: ChainIndex, costs: DraftCosts, to_rank: LinkCosts,
-                 to_head: LinkCosts, alone: bool = True):
+                 to_head: LinkCosts):
         self.pipe, self.model = pipe, _DraftModel(index, costs)
         self.to_rank, self.to_head = to_rank, to_head
-        self.alone = alone  # no stage computes on the draft rank's cores: it drafts on from the prompt
         self.requested: list[int] | None = None
         self.reply: Proposal | None = None
         self.stream: _SimStream | None = None
@@ -126,14 +125,10 @@ class ReplayDraftRank:
         return self.requested is not None
 
     def start(self, prompt: list[int], reuse: int = 0) -> None:
-        """The prompt, read; then, as the real rank does alone on its cores, its continuation
-        drafted while the stages compute the prompt (RemoteDrafter.start)."""
         self.stream = None
         arrive = self.pipe.t + self.to_rank.seconds(8 * len(prompt))
         self.pipe.draft_job(arrive, self.model.read(prompt, reuse))
         self.job = None
-        if self.alone:
-            self._open(list(prompt), STREAM_AHEAD, 0.0)
 
     def _open(self, path: list[int], n_max: int, p_min: float) -> _SimStream:
         arrive = self.pipe.t + self.to_rank.seconds(8 * len(path))

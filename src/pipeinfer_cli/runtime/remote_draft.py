@@ -90,14 +90,9 @@ class RemoteDrafter:
         self.stream = _Stream(sid, list(path), n_max, p_min)
 
     def start(self, prompt: list[int], reuse: int = 0) -> None:
-        """Have the draft rank process the prompt, then draft on from it while the stages compute the
-        prompt (DraftRequest): a stream whose first token guesses the target's first, so that the
-        request after that token often finds a draft waiting. reuse: see `Drafter.start`."""
+        """Have the draft rank process the prompt (no reply); reuse: see `Drafter.start`."""
         self.end_stream()
-        sid, self.next_id = self.next_id, self.next_id + 1
-        self.link.send_array(DraftRequest(Msg.DRAFT_START, list(prompt), n_max=reuse, stream=sid).encode(), self.rank,
-                             Tag.DRAFT_REQ)
-        self.stream = _Stream(sid, list(prompt), STREAM_AHEAD, 0.0)
+        self.link.send_array(DraftRequest(Msg.DRAFT_START, list(prompt), n_max=reuse).encode(), self.rank, Tag.DRAFT_REQ)
 
     def _receive(self) -> None:
         """Take every piece that has arrived; drop those of streams the head no longer follows."""
@@ -209,8 +204,6 @@ def serve_draft(link: Link, drafter: Drafter, threads: int, trace: TraceRecorder
             with link.computing(observable=False):  # llama.cpp shows no progress inside an eval
                 drafter.start(req.path, req.n_max)
             trace.slice("draft", t0, now(), n_tokens=0, prefill=True)
-            if req.stream:
-                draft_ahead(link, drafter, req, report, trace)
             continue
         if fail_at is not None and n_req + 1 >= fail_at:
             raise RuntimeError(f"injected fault (PIPEINFER_DEBUG_FAULT) on draft request {n_req + 1}")
@@ -220,18 +213,6 @@ def serve_draft(link: Link, drafter: Drafter, threads: int, trace: TraceRecorder
         report.runs += 1
         trace.slice("draft", t0, now(), n_tokens=n_tokens)
     link.flush()
-
-
-def draft_ahead(link: Link, drafter: Drafter, start: DraftRequest, report: RankReporter, trace: TraceRecorder) -> None:
-    """After the prompt: stream its continuation under the DRAFT_START's id (DraftRequest), or, on
-    cores shared with another rank (which computes the prompt now), close that stream at once."""
-    ahead = DraftRequest(Msg.RUN, start.path, STREAM_AHEAD if link.alone_on_cores else 0, 0.0, start.stream)
-    t0 = now()
-    n_tokens = stream_draft(link, drafter, ahead)
-    if n_tokens:
-        report.busy_s += now() - t0
-        report.runs += 1
-        trace.slice("draft", t0, now(), n_tokens=n_tokens)
 
 
 def stream_draft(link: Link, drafter: Drafter, req: DraftRequest) -> int:

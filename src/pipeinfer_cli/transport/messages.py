@@ -200,17 +200,13 @@ class DraftRequest:
 
     A RUN opens a stream: the draft rank sends one DraftReply per drafted token, all with this
     request's `stream` id, until n_max tokens, a token under p_min (the last, flagged final), or a
-    newer request arrives (then it stops without a final piece: the head ignores the old id).
-    A DRAFT_START with a `stream` id opens one too, once the prompt is read: the continuation of
-    the prompt itself (the target's first token guessed too), drafted while the stages compute the
-    prompt, STREAM_AHEAD tokens at most, without a cutoff; a draft rank that shares its cores with
-    another rank drafts nothing then (one final, empty piece), leaving the cores to the prompt."""
+    newer request arrives (then it stops without a final piece: the head ignores the old id)."""
 
     kind: Msg  # DRAFT_START, RUN (propose), REPORT, KV_USAGE or SHUTDOWN
     path: list[int] = field(default_factory=list)  # DRAFT_START: the prompt; RUN: the path to continue
     n_max: int = 0  # RUN: draft at most this many tokens; DRAFT_START: prompt tokens the target reused
     p_min: float = 0.0  # RUN: stop after the first token whose top probability falls below this
-    stream: int = 0  # RUN, DRAFT_START: the id the stream's replies carry (DRAFT_START: 0 opens none)
+    stream: int = 0  # RUN: the id its replies carry
 
     def encode(self) -> np.ndarray:
         return np.concatenate([np.asarray([self.kind, self.n_max], np.int64), _f64_bits([self.p_min]),

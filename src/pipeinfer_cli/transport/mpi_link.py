@@ -123,7 +123,6 @@ class Link:
         self.n_messages = 0  # sent and received: progress, as heartbeats report it
         self.liveness = None  # a liveness.Liveness once the job runs with a --rank-timeout
         self.names = [f"rank {r}" for r in range(self.size)]  # how errors name each rank (name_ranks)
-        self.alone_on_cores = False  # whether no other rank computes on this one's cores (set_alone_on_cores)
 
     def name_ranks(self, names: list[str]) -> None:
         """How errors name each rank from now on (e.g. 'rank 1 (stage 2 of 3, host node02)')."""
@@ -137,7 +136,6 @@ class Link:
     def set_alone_on_cores(self, alone: bool) -> bool:
         """Whether this rank has its cores to itself: its waits made from now on stay awake after
         their predicted sleep if PIPEINFER_WAIT_SPIN=tail asked and it is alone. Returns the choice."""
-        self.alone_on_cores = alone
         self.wait_policy = self.wait_policy.for_cores(alone)
         return self.wait_policy.spin_tail
 
