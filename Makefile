@@ -162,7 +162,7 @@ CLUSTER        := $(PY) -m benchmarks.scaling --repeat $(CLUSTER_REPEAT)
 bench-cluster: install
 	@mkdir -p build
 	$(VENV)/bin/pipeinfer models pull qwen2.5-coder-1.5b-instruct
-	$(VENV)/bin/pipeinfer models pull qwen2.5-coder-0.5b-instruct
+	$(VENV)/bin/pipeinfer models pull qwen2.5-coder-0.5b-instruct qwen2.5-coder-0.5b-instruct-q4_0
 	$(VENV)/bin/pipeinfer models pull smollm2-135m-instruct
 	$(CLUSTER) --hosts $(CLUSTER_HOSTS) --rates 1gbit --prompts default $(CLUSTER_ARGS) --json build/cluster_default.json --markdown build/cluster_default.md
 	$(CLUSTER) --hosts $(CLUSTER_HOSTS) --rates 1gbit --prompts grounded $(CLUSTER_ARGS) --json build/cluster_grounded.json --markdown build/cluster_grounded.md

@@ -52,7 +52,8 @@ from benchmarks.scaling_auto import auto_cmd, run_auto
 
 DEFAULT_CONFIGS = ("iterative,speculative:qwen2.5-coder-0.5b-instruct,pipeinfer:qwen2.5-coder-0.5b-instruct,"
                    "pipeinfer:smollm2-135m-instruct,pipeinfer:lookup,pipeinfer:lookup+qwen2.5-coder-0.5b-instruct,"
-                   "pipeinfer:smollm2-135m-instruct@own")
+                   "pipeinfer:smollm2-135m-instruct@own,pipeinfer:qwen2.5-coder-0.5b-instruct-q4_0@own,"
+                   "auto:qwen2.5-coder-0.5b-instruct-q4_0")
 # What a run keeps of each record of the job's JSON (`pipeinfer bench --json`): the figures below
 # and the ranks' own reports, which extra columns read.
 RECORD_KEYS = ("prompt_id", "mode", "tokens", "n_prompt", "n_gen", "tok_per_s", "decode_tok_per_s", "ttft_s",
