@@ -101,7 +101,8 @@ def test_models_list_piped_is_one_plain_line_per_model():
     pair = reg.pairs["qwen-coder"]
     assert rows["qwen-coder"][1] == "pair" and rows["qwen-coder"][4:] == [pair.target, pair.draft]
     assert [line.split("\t")[0] for line in lines if "qwen" in line] == [
-        "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct-q4_0", "qwen-coder"]
+        "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct-q4_0", "qwen-coder",
+        "qwen-coder-q4_0"]
     assert not any(c in r.stdout for c in "…│┃")
 
 
@@ -173,4 +174,4 @@ def test_unknown_model_on_the_command_line(tmp_path, monkeypatch):
         lines = r.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("Error: unknown model 'smollm2'; did you mean 'smollm2-135m-instruct'?"), r.stderr
     r = runner.invoke(app, ["inspect", "qwen"])
-    assert "did you mean 'qwen-coder', 'qwen2.5-coder-1.5b-instruct' or 'qwen2.5-coder-0.5b-instruct'? Known models:" in r.stderr
+    assert "did you mean 'qwen-coder', 'qwen-coder-q4_0' or 'qwen2.5-coder-1.5b-instruct'? Known models:" in r.stderr

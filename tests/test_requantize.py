@@ -49,6 +49,8 @@ def test_the_shipped_q4_0_draft_is_made_from_the_qwen_draft():
     assert entry.source.requantized and entry.source.model == "qwen2.5-coder-0.5b-instruct"
     assert entry.source.type == "q4_0" and entry.sha256 is None and entry.source.packages() == []
     assert entry.arch == reg.models[entry.source.model].arch
+    pair = reg.pairs["qwen-coder-q4_0"]
+    assert (pair.target, pair.draft) == ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct-q4_0")
 
 
 def test_parse_a_requantized_entry():
