@@ -3,13 +3,16 @@ wait until /health says ok, talk to it over plain HTTP, and stop it with nothing
 
 from __future__ import annotations
 
+import atexit
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -87,8 +90,24 @@ class Server:
         return rc
 
 
+_PROFILE_CACHE: list[Path] = []
+
+
+def profile_cache() -> Path:
+    """One cache directory for the servers of this test session: a server that calibrates (serve
+    --parallel N on several ranks without a split does, once per job shape) keeps its profile there,
+    for the session's next server, and never in the user's cache. The models are given by path."""
+    if not _PROFILE_CACHE:
+        path = Path(tempfile.mkdtemp(prefix="pipeinfer-test-serve-cache-"))
+        atexit.register(shutil.rmtree, path, True)
+        _PROFILE_CACHE.append(path)
+    return _PROFILE_CACHE[0]
+
+
 def start_server(model: Path | str, *args, log_dir: Path, api_key: str | None = None, wait: bool = True,
                  **env: str) -> Server:
+    if isinstance(model, Path) or str(model).endswith(".gguf"):
+        env.setdefault("PIPEINFER_CACHE", str(profile_cache()))
     port = free_port()
     marker = uuid.uuid4().hex
     log = log_dir / f"serve-{port}.err"
