@@ -249,13 +249,22 @@ def _expectations(args: list[str]) -> list[tuple[str, str]]:
     raise AssertionError(f"no expectation for `pipeinfer {' '.join(args)}`: add one")
 
 
+@pytest.fixture(scope="module")
+def examples_cache(smollm2_path, tmp_path_factory) -> Path:
+    """A model cache holding SmolLM2 only, shared by the examples of this module: an example that
+    calibrates (`-M auto` on several ranks) keeps its profile here, never in the user's cache."""
+    cache = tmp_path_factory.mktemp("examples-cache")
+    (cache / smollm2_path.name).symlink_to(smollm2_path)
+    return cache
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("example", RUN, ids=[f"{e.page}:{e.line}" for e in RUN])
-def test_marked_example_runs(example, smollm2_path, tmp_path):
+def test_marked_example_runs(example, examples_cache, tmp_path):
     marker = uuid.uuid4().hex
     # passive OpenMP waits: a rank alone on its host spins by default, which crawls beside other jobs
     env = job_env(marker, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PIPEINFER_NO_PULL="1",
-                  PIPEINFER_CACHE=str(smollm2_path.parent), OMP_WAIT_POLICY="passive")
+                  PIPEINFER_CACHE=str(examples_cache), OMP_WAIT_POLICY="passive")
     proc = subprocess.Popen(["bash", "-o", "pipefail", "-c", example.text], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
