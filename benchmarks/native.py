@@ -45,7 +45,7 @@ def prompt_tokens(path: Path) -> list[int]:
 
     ggml_cpu()  # llama.cpp computes with the CPU backend registered; a per-variant ggml has none yet
     toks = llama_cpp.Llama(str(path), vocab_only=True, verbose=False).tokenize(PROMPT_TEXT, add_bos=False)
-    return (toks * (N_PROMPT // len(toks) + 1))[:N_PROMPT]
+    return batch_tokens(toks, N_PROMPT)
 
 
 # Rows of the tables: the engines, then the optional flash-attention and batch-invariant variants.
@@ -127,6 +127,12 @@ def decode_interleaved(runners, prompt: list[int], n_decode: int) -> tuple[dict,
     return times, cpu, toks
 
 
+def batch_tokens(prompt: list[int], b: int) -> list[int]:
+    """b tokens for a timed batch: the prompt's, repeated when b is longer than the prompt (a batch
+    of b rows must compute b rows, whatever the prompt's length)."""
+    return (prompt * (b // len(prompt) + 1))[:b]
+
+
 def batches_interleaved(runners, prompt: list[int], batch_sizes: list[int], n_rep: int) -> dict:
     """Time one eval of a batch of b tokens (all rows' logits) after the prompt, rolled back
     after each try; engines alternate try by try."""
@@ -136,10 +142,11 @@ def batches_interleaved(runners, prompt: list[int], batch_sizes: list[int], n_re
         r.reset()
         r.eval(prompt, 0, all_rows=False)
     for b in batch_sizes:
+        batch = batch_tokens(prompt, b)
         for _ in range(n_rep):
             for r in runners:
                 c0, t0 = time.process_time(), time.perf_counter()
-                r.eval(prompt[:b], len(prompt), all_rows=True)
+                r.eval(batch, len(prompt), all_rows=True)
                 times[r.name][b].append((time.perf_counter() - t0) * 1e3)
                 cpu[r.name][b].append((time.process_time() - c0) * 1e3)
                 r.rollback(len(prompt))
@@ -306,6 +313,9 @@ def main() -> None:
     models = args.model or ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
     threads = [int(t) for t in args.threads.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if max(batch_sizes) + N_PROMPT > args.n_ctx:
+        sys.exit(f"Error: a batch of {max(batch_sizes)} after the prompt needs --n-ctx of at least "
+                 f"{max(batch_sizes) + N_PROMPT}; raise --n-ctx or use smaller --batch-sizes")
     results = []
     for m in models:
         path = target_model(m)[1]
