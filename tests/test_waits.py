@@ -126,3 +126,24 @@ def test_a_rank_under_a_quota_below_one_cpu_wakes_up_less_often(clock):
     assert max(free) == pytest.approx(1e-4) and max(capped) == pytest.approx(1e-3)
     assert len(capped) * 5 < len(free)
     assert WaitPolicy().for_quota(None) == WaitPolicy().for_quota(2.0) == WaitPolicy()
+
+
+def test_a_long_wait_probes_less_often_after_deep_idle(clock):
+    from pipeinfer_cli.transport.waits import BACKOFF_MAX_S, DEEP_IDLE_MAX_S, DEEP_IDLE_S
+
+    b = Backoff(WaitPolicy(predict=False))
+    end = clock.now + DEEP_IDLE_S + 0.2
+    while clock.now < end:
+        b.idle()
+    t, sleeps = 1000.0, []
+    for s in clock.sleeps:  # each sleep with the wait's age when it began
+        sleeps.append((t - 1000.0, s))
+        t += s
+    young = [s for age, s in sleeps if age < DEEP_IDLE_S - 0.01]
+    old = [s for age, s in sleeps if age > DEEP_IDLE_S + 0.05]
+    assert max(young) == pytest.approx(BACKOFF_MAX_S)
+    assert old and min(old) == pytest.approx(DEEP_IDLE_MAX_S)
+    b.reset()
+    b.idle()
+    assert clock.sleeps[-1] < BACKOFF_MAX_S  # after progress the next wait starts fine again
+

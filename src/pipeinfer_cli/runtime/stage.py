@@ -3,7 +3,10 @@ layers, pass hidden states on (or, from the last stage, the sampled token of eac
 back to the head).
 
 A listener thread takes CANCEL and ABORT messages from the head while the main thread computes,
-so a cancelled run is dropped before it starts or aborted between layers mid-compute.
+so a cancelled run is aborted between layers mid-compute. While the main thread waits for its
+stream it polls them itself, between its own probes, and the listener sleeps: two pollers would
+double an idle rank's wake-ups, and every wake-up is paid out of the host's CPU (a capped host's
+quota above all). A cancelled run is dropped before it starts either way.
 """
 
 from __future__ import annotations
@@ -29,15 +32,22 @@ if TYPE_CHECKING:
     from .weight_stream import LoadedWeights
 
 
+LISTENER_HI_S = 2e-3  # the longest sleep between the listener's probes while its stage computes
+LISTENER_IDLE_S = 0.5  # while the stage waits, the listener only wakes this often to see if it must stop
+
+
 class CancelListener(threading.Thread):
-    """Receives the head's CANCEL(run ids) and ABORT, directly, while the stage computes."""
+    """Receives the head's CANCEL(run ids) and ABORT, directly, while the stage computes; while the
+    stage waits for its stream, its main thread receives them (`poll`) and this thread sleeps."""
 
     def __init__(self, link: Link, engine):
         super().__init__(daemon=True, name="cancel-listener")
         self.link, self.engine = link, engine
         self.lock = threading.Lock()
+        self.poll_lock = threading.Lock()  # one thread at a time probes and receives CANCEL
         self.cancelled: set[int] = set()
         self.current: int | None = None  # run id being computed right now
+        self.computing = threading.Event()  # set from begin() to end(): the listener polls
         self.aborted = threading.Event()
         self.stopped = threading.Event()
         self.failure: Exception | None = None  # what ended the listener, if not an ABORT
@@ -50,37 +60,55 @@ class CancelListener(threading.Thread):
             self.aborted.set()
             self.engine.cancel()
 
+    def stop(self) -> None:
+        self.stopped.set()
+        self.computing.set()  # wake it, so that it sees stopped at once
+
     def _listen(self) -> None:
-        backoff = self.link.backoff(hi=2e-3)
-        while not self.stopped.is_set():
+        # a steady probe every LISTENER_HI_S while computing: no burst of short sleeps at the start
+        # of each run, which would take the compute's CPU on a capped host
+        backoff = self.link.backoff(lo=LISTENER_HI_S, hi=LISTENER_HI_S, hot_hi=LISTENER_HI_S)
+        while not self.stopped.is_set() and not self.aborted.is_set():
+            if not self.computing.is_set():
+                self.computing.wait(LISTENER_IDLE_S)
+                backoff.reset()
+            elif self.poll():
+                backoff.reset()
+            else:
+                backoff.idle()
+
+    def poll(self) -> bool:
+        """Receive the CANCELs that arrived (cancelling the run being computed if it is among them)
+        and notice an ABORT; True if a CANCEL arrived. Called by the listener while the stage
+        computes, and by the stage's main thread while it waits for its stream and before a run."""
+        with self.poll_lock:
             progressed = False
-            st = self.link.probe(0, Tag.CANCEL)
-            if st is not None:
+            while (st := self.link.probe(0, Tag.CANCEL)) is not None:
                 ids = self.link.recv_array(0, Tag.CANCEL, np.int64, st)
                 with self.lock:
                     self.cancelled.update(int(i) for i in ids)
                     if self.current is not None and self.current in self.cancelled:
                         self.engine.cancel()
                 progressed = True
-            if self.link.abort_requested():
+            if not self.aborted.is_set() and self.link.abort_requested():
                 self.aborted.set()
                 self.engine.cancel()
-                return
-            if progressed:
-                backoff.reset()
-            else:
-                backoff.idle()
+            return progressed
 
     def begin(self, run_id: int) -> bool:
-        """Mark run_id as computing; False if it was already cancelled (then skip it)."""
+        """Mark run_id as computing, the listener polling from now on; False if it was already
+        cancelled (then skip it)."""
+        self.poll()  # a CANCEL sent just after the run's header is not missed
         with self.lock:
             self.engine.clear_cancel()
             if run_id in self.cancelled:
                 return False
             self.current = run_id
-            return True
+        self.computing.set()
+        return True
 
     def end(self, run_id: int) -> None:
+        self.computing.clear()
         with self.lock:
             self.current = None
             # Run ids increase along the stream: older ids can never arrive again.
@@ -96,7 +124,7 @@ def serve_stage(link: Link, engine: LayerEngine, threads: int, trace: TraceRecor
         _StageLoop(link, engine, threads, trace, listener, weights).run()
         link.flush()
     finally:
-        listener.stopped.set()
+        listener.stop()
         # The listener probes MPI: it must be gone before the interpreter finalizes MPI at exit (a
         # probe during MPI_Finalize can crash the rank after a job that succeeded).
         listener.join(timeout=5)
@@ -142,6 +170,7 @@ class _StageLoop:
             with PROCESS.charge(WAIT):
                 while (st := self._probe()) is None:
                     self.link.progress_sends()
+                    self.listener.poll()
                     self.link.idle(backoff)
         backoff.reset()
         return self.link.recv_array(self.prev, Tag.STREAM, np.int64, st)

@@ -29,6 +29,12 @@ BACKOFF_HOT_S = 0.05
 # below one CPU) already delays it by that much whenever it is throttled, so its hot phase sleeps
 # up to BACKOFF_MAX_S as an idle wait does (`WaitPolicy.for_quota`).
 QUOTA_HOT_MAX_S = BACKOFF_MAX_S
+# A wait that has lasted DEEP_IDLE_S (a server between requests, a late stage before the prompt's
+# first chunk reaches it) sleeps up to DEEP_IDLE_MAX_S between probes: probing every millisecond
+# costs an idle rank about 4 % of a core on the test VM (BENCHMARKS.md, "An idle rank's wake-ups"),
+# and a few milliseconds more before the first message of a new request is nothing beside it.
+DEEP_IDLE_S = 1.0
+DEEP_IDLE_MAX_S = 5e-3
 
 
 # A wait that has lasted about the same for a while (the next stage's compute, in a steady
@@ -155,5 +161,6 @@ class Backoff:
         if self.spin_tail and self.wake_at > self.idle_since and now < self.wake_at + SPIN_TAIL_S:
             return  # awake for the message that the last waits say is due
         time.sleep(self.delay)
-        cap = self.hot_hi if now - self.idle_since < self.hot_s else self.hi
+        age = now - self.idle_since
+        cap = self.hot_hi if age < self.hot_s else self.hi if age < DEEP_IDLE_S else max(self.hi, DEEP_IDLE_MAX_S)
         self.delay = min(self.delay * 2, cap)
