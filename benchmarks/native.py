@@ -4,8 +4,9 @@
 For each model and thread count it measures, alternating the engines eval by eval so that
 background load hits all alike, and reporting medians:
 - decode tokens/s: greedy single-token evals after a 64-token prompt, all layers in one process;
-- the time of one eval of a batch of 1, 2, 4 and 8 tokens (all rows' logits, as a speculative
-  verification needs), rolled back after each try;
+- the time of one eval of a batch of 1, 2, 4 and 8 tokens (--batch-sizes; all rows' logits, as a
+  speculative verification needs, or with --batch-logits last the last row's, as a prompt chunk
+  needs), rolled back after each try;
 and, in a child process, the peak RSS of a half-model layer range (first and second half).
 
 Wall times are what a user sees; with one thread, the process CPU time of an eval ("cpu"
@@ -82,7 +83,7 @@ class LlamaCppRunner:
 
     name = "llama.cpp"
 
-    def __init__(self, path: Path, n_threads: int, n_ctx: int):
+    def __init__(self, path: Path, n_threads: int, n_ctx: int, logits_all: bool = True):
         import llama_cpp
 
         from pipeinfer_cli.native import ggml_cpu
@@ -90,7 +91,7 @@ class LlamaCppRunner:
         ggml_cpu()
         self.lib = llama_cpp
         self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                                   logits_all=True, verbose=False)
+                                   logits_all=logits_all, verbose=False)
 
     def reset(self) -> None:
         self.llm.reset()
@@ -133,8 +134,8 @@ def batch_tokens(prompt: list[int], b: int) -> list[int]:
     return (prompt * (b // len(prompt) + 1))[:b]
 
 
-def batches_interleaved(runners, prompt: list[int], batch_sizes: list[int], n_rep: int) -> dict:
-    """Time one eval of a batch of b tokens (all rows' logits) after the prompt, rolled back
+def batches_interleaved(runners, prompt: list[int], batch_sizes: list[int], n_rep: int, all_rows: bool = True) -> dict:
+    """Time one eval of a batch of b tokens (every row's logits, or the last row's) after the prompt, rolled back
     after each try; engines alternate try by try."""
     times = {r.name: {b: [] for b in batch_sizes} for r in runners}
     cpu = {r.name: {b: [] for b in batch_sizes} for r in runners}
@@ -146,7 +147,7 @@ def batches_interleaved(runners, prompt: list[int], batch_sizes: list[int], n_re
         for _ in range(n_rep):
             for r in runners:
                 c0, t0 = time.process_time(), time.perf_counter()
-                r.eval(batch, len(prompt), all_rows=True)
+                r.eval(batch, len(prompt), all_rows=all_rows)
                 times[r.name][b].append((time.perf_counter() - t0) * 1e3)
                 cpu[r.name][b].append((time.process_time() - c0) * 1e3)
                 r.rollback(len(prompt))
@@ -154,18 +155,18 @@ def batches_interleaved(runners, prompt: list[int], batch_sizes: list[int], n_re
 
 
 def bench_model(path: Path, threads: list[int], n_decode: int, batch_sizes: list[int],
-                n_rep: int, n_ctx: int, flash_attn: bool, invariant: bool = False) -> dict:
+                n_rep: int, n_ctx: int, flash_attn: bool, invariant: bool = False, all_rows: bool = True) -> dict:
     prompt = prompt_tokens(path)
     res: dict = {"model": path.name, "threads": {}}
     for nt in threads:
-        runners = [NativeRunner(path, nt, n_ctx), LlamaCppRunner(path, nt, n_ctx)]
+        runners = [NativeRunner(path, nt, n_ctx), LlamaCppRunner(path, nt, n_ctx, logits_all=all_rows)]
         if flash_attn:
             runners.append(NativeRunner(path, nt, n_ctx, flash_attn=True))
         if invariant:
             runners.append(NativeRunner(path, nt, n_ctx, invariant=True))
         decode_interleaved(runners, prompt, 4)  # warm-up: page in weights, size the graph buffers
         step_ms, step_cpu_ms, tokens = decode_interleaved(runners, prompt, n_decode)
-        batch_ms, batch_cpu_ms = batches_interleaved(runners, prompt, batch_sizes, n_rep)
+        batch_ms, batch_cpu_ms = batches_interleaved(runners, prompt, batch_sizes, n_rep, all_rows)
         # Medians of interleaved single evals: robust to the spikes of a shared machine.
         summary: dict = {}
         for r in runners:
@@ -290,6 +291,9 @@ def main() -> None:
     ap.add_argument("--invariant", action="store_true",
                     help="also time the native engine with batch_invariant=True, as pipeline decode and "
                          "verification runs use it (row native-inv)")
+    ap.add_argument("--batch-logits", choices=("all", "last"), default="all",
+                    help="logits of every row of a timed batch (as a verification needs; the default) or of "
+                         "its last row only (as a prompt chunk needs)")
     ap.add_argument("--json", type=Path, help="write all results and samples here")
     ap.add_argument("--markdown", type=Path, nargs="?", metavar="FILE", help="the table is always printed; FILE: write the Markdown table (for BENCHMARKS.md) here too")
     ap.add_argument("--from-json", type=Path, help="do not measure: print the tables of an earlier --json run")
@@ -321,7 +325,7 @@ def main() -> None:
         path = target_model(m)[1]
         print(f"benchmarking {path.name} ...", file=sys.stderr, flush=True)
         res = bench_model(path, threads, args.n_decode, batch_sizes, args.batch_reps, args.n_ctx, args.flash_attn,
-                          args.invariant)
+                          args.invariant, all_rows=args.batch_logits == "all")
         if not args.no_rss:
             res["rss"] = measure_rss(path, args.rss_n_ctx)
         results.append(res)
