@@ -151,13 +151,19 @@ def test_identity_check_and_summary():
 
 
 # -- real runs: a served SmolLM2, 2 prompts, 8 tokens -----------------------------------------------
-def _run_bench(out, *extra) -> subprocess.CompletedProcess:
+def _run_bench(out, model_path, *extra) -> subprocess.CompletedProcess:
+    """`bench --concurrency` on a cache of its own holding the model: its server (--parallel 2 on
+    several ranks, no split) calibrates, and keeps the profile there, not in the user's cache."""
     marker = uuid.uuid4().hex
+    cache = out / "cache"
+    cache.mkdir()
+    (cache / model_path.name).symlink_to(model_path)
     cmd = [sys.executable, "-m", "pipeinfer_cli", "bench", MODEL, "--modes", "iterative", "--concurrency", "1,2",
            "--limit", "2", "-n", "8", "--json", str(out / "load.json"), *extra]
     try:
         return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=out,
-                              env=job_env(marker, PIPEINFER_NO_PULL="1"), start_new_session=True)
+                              env=job_env(marker, PIPEINFER_NO_PULL="1", PIPEINFER_CACHE=str(cache)),
+                              start_new_session=True)
     finally:
         assert_no_survivors(marker)  # the server and its ranks are gone
 
@@ -165,7 +171,7 @@ def _run_bench(out, *extra) -> subprocess.CompletedProcess:
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_real_load_writes_the_json(smollm2_path, tmp_path, ranks):
-    r = _run_bench(tmp_path, "--ranks", str(ranks), "--threads", "1")
+    r = _run_bench(tmp_path, smollm2_path, "--ranks", str(ranks), "--threads", "1")
     assert r.returncode == 0, r.stderr
     assert "Error" not in r.stderr and "server ready" in r.stderr
     assert "concurrency" in r.stdout and "reference" in r.stdout and "same" in r.stdout
