@@ -15,35 +15,18 @@ Not a test: nothing asserts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
-import subprocess
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 from benchmarks.report import Column, fmt, fmt_spread, publish, render
-from benchmarks.runner import end_group, log, pipeinfer
+from benchmarks.runner import log, pipeinfer
+from benchmarks.served import Server, free_port
 
 SETTLE_S = 3.0  # after /health says ready: the start-up's last messages and frees are over
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-            return r.status == 200 and json.loads(r.read()).get("status") == "ok"
-    except OSError:
-        return False
 
 
 def rank_pids(marker: str) -> dict[int, int]:
@@ -80,18 +63,14 @@ def process_cpu(pid: int) -> tuple[float, int]:
 
 def one_server(args, work: Path, i: int) -> dict[int, dict]:
     port, marker = free_port(), uuid.uuid4().hex
-    env = {**os.environ, "PIPEINFER_IDLE_MARKER": marker}
     cmd = pipeinfer("serve", args.model, "--ranks", str(args.ranks), "--port", str(port), "--threads", "1",
                     program=args.pipeinfer)
-    err = work / f"serve-{i}.err"
-    with open(err, "wb") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=f, start_new_session=True)
+    server = Server(cmd, {**os.environ, "PIPEINFER_IDLE_MARKER": marker}, port, work / f"serve-{i}.err")
     try:
-        deadline = time.monotonic() + args.start_timeout
-        while not ready(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"Error: the server did not start: {err.read_text()[-1500:]}")
-            time.sleep(0.2)
+        try:
+            server.wait_health(ok=("ok",), within_s=args.start_timeout)
+        except RuntimeError as e:
+            raise SystemExit(f"Error: the server did not start: {e}") from None
         time.sleep(SETTLE_S)
         pids = rank_pids(marker)
         if len(pids) != args.ranks:
@@ -100,7 +79,7 @@ def one_server(args, work: Path, i: int) -> dict[int, dict]:
         time.sleep(args.seconds)
         after = {r: process_cpu(p) for r, p in pids.items()}
     finally:
-        end_group(proc)
+        server.stop()
     return {r: {"cpu_share": (after[r][0] - before[r][0]) / args.seconds,
                 "wakeups_per_s": (after[r][1] - before[r][1]) / args.seconds} for r in pids}
 

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -28,46 +27,11 @@ from pathlib import Path
 from benchmarks.emulated import emulated_cluster, main_guard
 from benchmarks.report import Column, fmt, publish, render
 from benchmarks.runner import log, pipeinfer
+from benchmarks.served import Server, free_port
 
 ASKS = [{"messages": [{"role": "user", "content": "Write a Python function that parses a CSV line with quotes."}]},
         {"messages": [{"role": "user", "content": "Explain what a B-tree is, step by step."}]},
         {"prompt": "def quicksort(xs):", "temperature": 0.7, "seed": 3}]
-
-
-class Server:
-    def __init__(self, cmd: list[str], env: dict[str, str], port: int, log_path: Path):
-        self.port, self.log_path = port, log_path
-        with open(log_path, "wb") as err:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-
-    def get(self, path: str, timeout: float = 5) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=timeout) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
-        except OSError:
-            return 0, ""
-
-    def wait_health(self, ok=("ok", "degraded"), within_s: float = 1800) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < within_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.log_path.read_text()[-2000:]}")
-            status, body = self.get("/health")
-            if status == 200 and json.loads(body).get("status") in ok:
-                return time.monotonic()
-            time.sleep(0.1)
-        raise RuntimeError("the server was not ready in time")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 def stream(server: Server, ask: dict, n_tokens: int, on_event=None) -> tuple[str, list[float]]:
@@ -117,7 +81,7 @@ def all_at_once(server: Server, n_tokens: int, fault=None) -> tuple[list[str], l
 
 
 def one_row(c, args, fault: str, parallel: int, out: Path) -> dict:
-    port = _free_port()
+    port = free_port()
     cmd = pipeinfer("serve", args.model, "--ranks", str(args.hosts), "--parallel", str(parallel), "--port", str(port),
                     "--rank-timeout", str(args.rank_timeout), *(["--draft", args.draft] if args.draft else []))
     log(" ".join(cmd))
@@ -186,12 +150,6 @@ def _rank_pid(c, rank: int) -> int:
         if f"PMI_RANK={rank}\0".encode() in env and comm == "python":
             return pid
     raise RuntimeError(f"rank {rank} not found")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 COLUMNS = [Column("fault", lambda r: {"kill": "SIGKILL rank on the last host", "link": "link of a host down"}[r["fault"]], "l"),

@@ -30,9 +30,9 @@ BACKOFF_HOT_S = 0.05
 # up to BACKOFF_MAX_S as an idle wait does (`WaitPolicy.for_quota`).
 QUOTA_HOT_MAX_S = BACKOFF_MAX_S
 # A wait that has lasted DEEP_IDLE_S (a server between requests, a late stage before the prompt's
-# first chunk reaches it) sleeps up to DEEP_IDLE_MAX_S between probes: probing every millisecond
-# costs an idle rank about 4 % of a core on the test VM (BENCHMARKS.md, "An idle rank's wake-ups"),
-# and a few milliseconds more before the first message of a new request is nothing beside it.
+# first chunk reaches it) sleeps up to DEEP_IDLE_MAX_S between probes: every wake-up costs CPU
+# (BENCHMARKS.md, "One poller per waiting stage"), and a few milliseconds more before the first
+# message of a new request are nothing beside it.
 DEEP_IDLE_S = 1.0
 DEEP_IDLE_MAX_S = 5e-3
 
